@@ -1,0 +1,23 @@
+# Two entry points: `make train` (the main job on its embedded default) and `make test` (the test suite).
+# Each creates the virtual environment it needs on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+$(VENV)/.installed: pyproject.toml .ci/constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c .ci/constraints.txt -e '.[dev]'
+	touch $@
+
+.PHONY: install train test benchmark
+install: $(VENV)/.installed
+
+train: $(VENV)/.installed
+	$(PY) recipes/train.py $(ARGS)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q $(ARGS)
+
+benchmark: $(VENV)/.installed
+	$(PY) recipes/benchmark.py $(ARGS)
