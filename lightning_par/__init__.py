@@ -1,0 +1,12 @@
+"""lightning_par: PyTorch Lightning strategies for data, tensor, pipeline and 3-D parallel training.
+
+Importing the package registers its strategies with Lightning, so ``Trainer(strategy="ddp_overlap")`` works.
+"""
+
+from lightning_par.parallel_dims import MESH_AXES, ParallelDims
+from lightning_par.strategies import DDPOverlapStrategy, MeshStrategy, register_all
+
+__all__ = ["MESH_AXES", "DDPOverlapStrategy", "MeshStrategy", "ParallelDims"]
+__version__ = "0.1.0.dev0"
+
+register_all()

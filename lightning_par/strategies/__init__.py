@@ -1,0 +1,22 @@
+"""lightning_par's Lightning strategies; :func:`register_all` adds them to Lightning's ``StrategyRegistry``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_par.strategies.base import MeshStrategy
+from lightning_par.strategies.ddp_overlap import DDPOverlapStrategy
+
+__all__ = ["DDPOverlapStrategy", "MeshStrategy", "STRATEGIES", "register_all"]
+
+#: Every concrete strategy class, registered under the names its ``register_strategies`` gives.
+STRATEGIES: tuple[type[MeshStrategy], ...] = (DDPOverlapStrategy,)
+
+
+def register_all(registry: Any | None = None) -> None:
+    """Register every lightning_par strategy (idempotent)."""
+    if registry is None:
+        from lightning.pytorch.strategies import StrategyRegistry as registry
+    for cls in STRATEGIES:
+        if cls.strategy_name not in registry:
+            cls.register_strategies(registry)

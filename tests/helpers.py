@@ -1,0 +1,159 @@
+"""Shared test machinery: run Lightning fits on several gloo ranks and a one-process reference on the same data.
+
+Parity is judged on the *global* batch: with ``dp`` replicas each taking ``micro_batch`` samples, step ``k`` of the
+reference sees samples ``[k * micro_batch * dp, (k + 1) * micro_batch * dp)``, exactly the union of what the
+replicas see with a non-shuffling ``DistributedSampler``. The global loss of a step is the mean of the replicas'
+losses (equal shard sizes).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from lightning_par.launcher import run_distributed
+from lightning_par.parallel_dims import ParallelDims
+
+TIMEOUT_S = float(os.environ.get("LP_TEST_TIMEOUT_S", "240"))
+
+
+class LossRecorder(L.Callback):
+    """Keeps the loss returned by every training step (before accumulation scaling), on this rank."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        # Lightning returns the loss divided by the accumulation factor; undo it.
+        self.losses.append(float(loss.detach()) * trainer.accumulate_grad_batches)
+
+
+class TokenDataset(Dataset):
+    """``n`` fixed random windows ``(x, y)`` of ``seq`` byte tokens, ``y`` shifted by one. Deterministic."""
+
+    def __init__(self, n: int = 64, seq: int = 16, vocab: int = 256, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, vocab, (n, seq + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i, :-1], self.data[i, 1:]
+
+
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full, unsharded parameters of ``module`` on CPU (DTensors gathered), keyed by their original names."""
+    out = {}
+    for name, p in module.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().cpu().clone()
+    return out
+
+
+def fit_worker(
+    make_strategy: Callable[[], Any],
+    make_module: Callable[[], L.LightningModule],
+    dataset: Dataset,
+    micro_batch: int,
+    steps: int,
+    trainer_kwargs: dict | None = None,
+    state_fn: Callable[[L.LightningModule, Any], dict] | None = None,
+) -> dict:
+    """Body of one rank: fit ``make_module()`` under ``make_strategy()`` for ``steps`` optimizer steps."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    strategy = make_strategy()
+    dims: ParallelDims = strategy.resolve_parallel_dims(world)
+    sampler = DistributedSampler(dataset, num_replicas=dims.dp_size, rank=dims.coordinates(rank)["dp"], shuffle=False)
+    loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True)
+    recorder = LossRecorder()
+    module = make_module()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[recorder],
+        **(trainer_kwargs or {}),
+    )
+    trainer.fit(module, loader)
+    state = (state_fn or (lambda m, s: full_state_dict(m)))(module, strategy)
+    extras = strategy.summary_extras() if hasattr(strategy, "summary_extras") else {}
+    return {"rank": rank, "dp_rank": dims.coordinates(rank)["dp"], "losses": recorder.losses, "state": state, "extras": extras}
+
+
+def run_fit(world_size: int, *args: Any, timeout_s: float = TIMEOUT_S) -> list[dict]:
+    """Run :func:`fit_worker` on ``world_size`` ranks (see its arguments)."""
+    return run_distributed(fit_worker, world_size, args, timeout_s=timeout_s)
+
+
+def reference_fit(
+    make_module: Callable[[], L.LightningModule],
+    dataset: Dataset,
+    global_batch: int,
+    steps: int,
+    accumulate: int = 1,
+    clip_norm: float | None = None,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, plain torch: ``steps`` optimizer steps on global batches of ``global_batch`` samples.
+
+    With ``accumulate > 1`` each optimizer step takes ``accumulate`` consecutive global batches, each loss scaled by
+    ``1/accumulate`` (what Lightning does). Returns the per-micro-step losses (unscaled) and the final parameters.
+    """
+    torch.manual_seed(0)
+    module = make_module()
+    opt_cfg = module.configure_optimizers()
+    opt = opt_cfg["optimizer"] if isinstance(opt_cfg, dict) else (opt_cfg[0] if isinstance(opt_cfg, (list, tuple)) else opt_cfg)
+    sched = opt_cfg.get("lr_scheduler") if isinstance(opt_cfg, dict) else None
+    if isinstance(sched, dict):
+        sched = sched["scheduler"]
+    loader = iter(DataLoader(dataset, batch_size=global_batch, shuffle=False, drop_last=True))
+    losses = []
+    for _ in range(steps):
+        for _ in range(accumulate):
+            x, y = next(loader)
+            loss = module.training_step((x, y), 0)
+            losses.append(float(loss.detach()))
+            (loss / accumulate).backward()
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), clip_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if sched is not None:
+            sched.step()
+    return losses, {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def global_losses(results: list[dict]) -> list[float]:
+    """Per-step loss of the global batch: the mean over dp replicas (one representative rank per replica)."""
+    by_dp: dict[int, list[float]] = {}
+    for r in results:
+        by_dp.setdefault(r["dp_rank"], r["losses"])
+    per_replica = list(by_dp.values())
+    return [sum(v[i] for v in per_replica) / len(per_replica) for i in range(len(per_replica[0]))]
+
+
+def assert_params_close(actual: dict, expected: dict, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    """Parameters agree within ``rtol`` plus ``atol`` absolute.
+
+    Why an ``atol``: AdamW divides by ``sqrt(v) + eps``, so an entry whose gradient cancels to rounding noise gets an
+    update whose size depends on the summation order (one global batch vs the mean of replica means): a few such
+    entries differ by ~1e-6. ``atol=1e-5`` is 1/300 of one step at lr 3e-3, so a missing or unaveraged all-reduce,
+    which moves every parameter by about one step, still fails.
+    """
+    assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
