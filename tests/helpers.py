@@ -147,12 +147,13 @@ def global_losses(results: list[dict]) -> list[float]:
 
 
 def assert_params_close(actual: dict, expected: dict, rtol: float = 1e-5, atol: float = 1e-5) -> None:
-    """Parameters agree within ``rtol`` plus ``atol`` absolute.
+    """Parameters agree within ``rtol`` plus ``atol`` absolute (for entries near zero).
 
-    Why an ``atol``: AdamW divides by ``sqrt(v) + eps``, so an entry whose gradient cancels to rounding noise gets an
-    update whose size depends on the summation order (one global batch vs the mean of replica means): a few such
-    entries differ by ~1e-6. ``atol=1e-5`` is 1/300 of one step at lr 3e-3, so a missing or unaveraged all-reduce,
-    which moves every parameter by about one step, still fails.
+    Adam divides by ``sqrt(v) + eps``, which amplifies fp32 rounding in near-zero gradient entries: in ONE process,
+    4 AdamW steps on the tiny GPT with the global-batch gradient vs the mean of two half-batch gradients (identical
+    up to rounding, max |diff| 2e-9) end with parameters up to 6e-5 apart at eps=1e-8 and 1.9e-6 apart at eps=1e-6.
+    So parity runs use ``adam_eps=1e-6`` and ``atol=1e-5``: 1/300 of one step at lr 3e-3, while a missing or
+    unaveraged all-reduce moves parameters by about a step.
     """
     assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
     for name in expected:

@@ -27,6 +27,7 @@ from lightning_par.data_parallel.compression import CAST_DTYPES, PowerSGDState, 
 __all__ = ["Bucket", "CommStats", "GradientReducer"]
 
 _MiB = 1024 * 1024
+_FIRST_BUCKET_BYTES = _MiB
 
 
 def _local(t: Tensor) -> Tensor:
@@ -94,7 +95,8 @@ class GradientReducer:
         params: parameters to reduce (those with ``requires_grad``); plain tensors or DTensors (their local shards
             are reduced, which is what a dp axis beside a tp axis needs).
         group: the data-parallel process group.
-        bucket_cap_mb: bucket size in MiB of fp32 gradient (torch DDP's default is 25).
+        bucket_cap_mb: bucket size in MiB of fp32 gradient (torch DDP's default is 25); the first bucket (the last
+            layers' gradients) is capped at 1 MiB, as in DDP, so that communication starts early.
         gradient_as_bucket_view: after reduction, point each plain tensor's ``.grad`` at its slice of the bucket
             instead of copying back, so gradients and buckets share memory.
         static_graph: the set and order of gradients is the same every step: after the first synchronised step the
@@ -149,7 +151,9 @@ class GradientReducer:
         size = 0
         for p in order:
             nbytes = _local(p).numel() * 4
-            if current and size + nbytes > self.bucket_cap_bytes:
+            # As torch DDP does, the first bucket is capped at 1 MiB so that communication starts early.
+            cap = min(self.bucket_cap_bytes, _FIRST_BUCKET_BYTES) if not self.buckets else self.bucket_cap_bytes
+            if current and size + nbytes > cap:
                 self._add_bucket(current)
                 current, size = [], 0
             current.append(p)

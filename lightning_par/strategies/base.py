@@ -152,8 +152,9 @@ class MeshStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
-        # Validate the layout before any process group starts.
+        # Validate the layout, and the model against it, before any process group starts.
         dims = self.resolve_parallel_dims(self.num_nodes * self.num_processes)
+        self.validate_model(dims)
         reset_seed()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
@@ -180,6 +181,13 @@ class MeshStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def validate_model(self, dims: ParallelDims) -> None:
+        """Check that ``self.lightning_module`` can run under ``dims`` (e.g. heads divisible by ``tp_size``).
+
+        Runs in :meth:`setup_environment` before the process group starts; raise ``ValueError`` naming the field, the
+        value and what would be valid. Nothing to check by default.
+        """
 
     def parallelize(self) -> None:
         """Turn ``self.model`` into its parallel form for training. Called once, after the mesh exists and before

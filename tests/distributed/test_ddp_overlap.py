@@ -17,7 +17,7 @@ STEPS, MICRO, WORLD = 4, 4, 2
 
 def make_module() -> GPTLightningModule:
     torch.manual_seed(0)
-    return GPTLightningModule(GPTConfig(**CONFIG), learning_rate=3e-3)
+    return GPTLightningModule(GPTConfig(**CONFIG), learning_rate=3e-3, adam_eps=1e-6)
 
 
 def make_strategy(**kw):

@@ -1,0 +1,1 @@
+"""Hydra structured configs and the builders that turn a composed config into run objects."""

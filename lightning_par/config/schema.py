@@ -1,0 +1,144 @@
+"""Structured-config schemas for the Hydra recipes: a bad override fails when the config is composed.
+
+Each config group under ``conf/`` (``parallel``, ``strategy``, ``model``, ``data``, ``trainer``) has a dataclass here,
+stored in Hydra's ConfigStore as ``<group>/schema_<name>`` so that the YAML options extend it
+(``defaults: [schema_ddp_overlap, _self_]``). A type error (``parallel.dp_size=two``) or an unknown key is then
+reported by OmegaConf at compose time; an unknown option of a group (``strategy=foo``) by Hydra, which lists the
+options it has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+__all__ = [
+    "DataConfig",
+    "DDPOverlapConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "RunConfig",
+    "STRATEGY_SCHEMAS",
+    "StrategyConfig",
+    "TrainerConfig",
+    "register_configs",
+]
+
+
+@dataclass
+class ParallelConfig:
+    """The layout: how many processes, and how they split over the ``("pp", "dp", "tp")`` mesh."""
+
+    #: processes to start (one per device; on CPU, gloo processes).
+    world_size: int = 2
+    #: data-parallel replicas; -1 infers ``world_size // (tp_size * pp_size)``.
+    dp_size: int = -1
+    #: tensor-parallel ranks per layer.
+    tp_size: int = 1
+    #: pipeline stages.
+    pp_size: int = 1
+
+
+@dataclass
+class StrategyConfig:
+    """Fields every strategy accepts; ``name`` is the Lightning registry name."""
+
+    name: str = "ddp_overlap"
+    #: seconds a collective may wait for a peer before it raises (a dead rank ends the job, never hangs it).
+    timeout_s: float = 1800.0
+
+
+@dataclass
+class DDPOverlapConfig(StrategyConfig):
+    """:class:`lightning_par.strategies.DDPOverlapStrategy` options."""
+
+    name: str = "ddp_overlap"
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    comm_hook: str = "none"
+    powersgd_rank: int = 1
+    powersgd_start_iter: int = 2
+
+
+@dataclass
+class ModelConfig:
+    """The reference GPT: a preset plus optional overrides, and its optimiser."""
+
+    preset: str = "small"
+    n_layer: Optional[int] = None
+    n_head: Optional[int] = None
+    n_embd: Optional[int] = None
+    block_size: Optional[int] = None
+    vocab_size: int = 256
+    dropout: float = 0.0
+    bias: bool = True
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.1
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    adam_eps: float = 1e-8
+
+
+@dataclass
+class DataConfig:
+    """Byte-level text: the interpreter's standard library by default, or ``path`` (a file or directory)."""
+
+    path: Optional[str] = None
+    synthetic: bool = False
+    #: micro-batch per data-parallel replica, in sequences.
+    batch_size: int = 16
+    num_workers: int = 0
+    #: validation batches per replica at each validation.
+    val_batches: int = 20
+    cache_dir: Optional[str] = None
+
+
+@dataclass
+class TrainerConfig:
+    """Lightning ``Trainer`` settings used by the recipes."""
+
+    accelerator: str = "auto"
+    precision: str = "32-true"
+    max_steps: int = 400
+    val_check_interval: int = 100
+    log_every_n_steps: int = 10
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: Optional[float] = 1.0
+    enable_progress_bar: bool = True
+    #: FLOP/s of one device at the training dtype, for MFU; None looks it up on GPUs (none on CPU).
+    peak_flops_per_device: Optional[float] = None
+    #: save a checkpoint at the end (and every ``val_check_interval`` steps).
+    checkpoint: bool = True
+    #: wall-clock limit of the whole multi-process job, in seconds.
+    job_timeout_s: float = 3600.0
+
+
+@dataclass
+class RunConfig:
+    """The root config: one option per group, plus run-wide settings."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    strategy: Any = field(default_factory=DDPOverlapConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    seed: int = 1234
+
+
+#: Schema of each strategy registry name; a strategy YAML extends ``schema_<name>``.
+STRATEGY_SCHEMAS: dict[str, type[StrategyConfig]] = {"ddp_overlap": DDPOverlapConfig}
+
+
+def register_configs(cs: ConfigStore | None = None) -> None:
+    """Store every schema in Hydra's ConfigStore (call before composing)."""
+    cs = cs or ConfigStore.instance()
+    cs.store(name="schema_run", node=RunConfig)
+    cs.store(group="parallel", name="schema_parallel", node=ParallelConfig)
+    cs.store(group="model", name="schema_model", node=ModelConfig)
+    cs.store(group="data", name="schema_data", node=DataConfig)
+    cs.store(group="trainer", name="schema_trainer", node=TrainerConfig)
+    for name, schema in STRATEGY_SCHEMAS.items():
+        cs.store(group="strategy", name=f"schema_{name}", node=schema)

@@ -1,0 +1,332 @@
+"""A nanoGPT-sized decoder-only transformer that tensor and pipeline parallelism can cut up.
+
+The architecture follows GPT-2 (Radford et al. 2019) as written in nanoGPT (Karpathy,
+https://github.com/karpathy/nanoGPT): pre-LayerNorm blocks, learned absolute positions, GELU MLP of width
+``4 * n_embd``. It differs from nanoGPT in the ways the parallel strategies need:
+
+* ``q_proj``/``k_proj``/``v_proj`` are separate ``n_embd -> n_embd`` projections, so each can be split by columns
+  (Megatron-LM, Shoeybi et al. 2019, §3) without re-ordering a fused ``c_attn`` weight.
+* Attention computes its head count from the local tensor width, and no reshape hard-codes ``n_embd``: a rank that
+  holds ``1/tp`` of the columns runs ``n_head / tp`` heads.
+* ``lm_head`` is not tied to ``wte``: pipeline parallelism puts them on different stages.
+* ``blocks`` is an ``nn.ModuleDict`` keyed by ``str(layer_index)`` and ``wte``/``wpe``/``ln_f``/``lm_head`` may be set
+  to ``None``: a pipeline stage is the full model with the parts it does not own removed, and its parameter names
+  (``blocks.3.attn.q_proj.weight``) match the full model's, so checkpoints line up.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPT", "GPT_PRESETS", "Block", "CausalSelfAttention", "GPTConfig", "MLP"]
+
+#: Named model sizes. ``"tiny"`` is for CI, ``"small"`` is the default CPU job, ``"gpt2"``/``"gpt2-medium"`` are the
+#: GPT-2 shapes (Radford et al. 2019, Table 2) with the vocabulary padded to 50304 (a multiple of 64), as nanoGPT does.
+GPT_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
+    "small": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128},
+    "gpt2": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "vocab_size": 50304},
+    "gpt2-medium": {"n_layer": 24, "n_head": 16, "n_embd": 1024, "block_size": 1024, "vocab_size": 50304},
+}
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"GPTConfig.{name}={value!r} is not valid: expected a positive integer.")
+
+
+@dataclass
+class GPTConfig:
+    """Shape of a :class:`GPT`.
+
+    Args:
+        n_layer: number of transformer blocks.
+        n_head: attention heads per block; must divide ``n_embd``.
+        n_embd: width of the residual stream.
+        block_size: longest sequence (tokens) the model accepts; size of the position table.
+        vocab_size: number of token ids (256 for the byte-level corpus).
+        dropout: dropout probability on embeddings, attention weights and residual branches, in ``[0, 1)``.
+        bias: whether Linear and LayerNorm layers have biases (``lm_head`` never has one).
+
+    Raises:
+        ValueError: a size that is not a positive integer, ``n_embd`` not divisible by ``n_head``, ``dropout``
+            outside ``[0, 1)`` or ``bias`` not a bool. The message names the field, the value and what is valid.
+    """
+
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 128
+    vocab_size: int = 256
+    dropout: float = 0.0
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+            _positive_int(name, getattr(self, name))
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"GPTConfig.n_embd={self.n_embd} is not valid with n_head={self.n_head}: "
+                f"expected n_embd to be a multiple of n_head."
+            )
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"GPTConfig.dropout={self.dropout!r} is not valid: expected a number in [0, 1).")
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"GPTConfig.bias={self.bias!r} is not valid: expected True or False.")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head, ``n_embd // n_head``."""
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> GPTConfig:
+        """Build the config of a named preset (see :data:`GPT_PRESETS`), with some fields replaced.
+
+        Args:
+            name: a key of :data:`GPT_PRESETS`.
+            **overrides: any :class:`GPTConfig` field, e.g. ``dropout=0.1``.
+
+        Raises:
+            ValueError: an unknown preset name or override field (the message lists the valid ones), or an
+                invalid resulting config.
+        """
+        if name not in GPT_PRESETS:
+            raise ValueError(f"GPT preset name={name!r} is not valid: expected one of {sorted(GPT_PRESETS)}.")
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(overrides) - set(valid))
+        if unknown:
+            raise ValueError(f"GPTConfig override(s) {unknown} are not valid: expected fields among {valid}.")
+        return cls(**{**GPT_PRESETS[name], **overrides})
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Exact parameter count of the :class:`GPT` this config builds, from the config alone.
+
+        Per block: four ``d x d`` attention projections and the ``d x 4d`` and ``4d x d`` MLP matrices
+        (``12 d^2``), two LayerNorm weights (``2d``), and with ``bias`` the LayerNorm biases (``2d``), projection
+        biases (``4d``) and MLP biases (``4d + d``). Then ``ln_f``, ``wte`` (``V d``), ``wpe`` (``block_size d``) and
+        the untied ``lm_head`` (``V d``).
+
+        Args:
+            include_embedding: if False, leave out the lookup tables ``wte`` and ``wpe`` (they do no arithmetic);
+                the untied ``lm_head`` is a matrix multiply and is always counted.
+
+        Returns:
+            Number of scalar parameters.
+        """
+        d, b = self.n_embd, int(self.bias)
+        per_block = 12 * d * d + 2 * d + b * 11 * d
+        total = self.n_layer * per_block + (d + b * d) + self.vocab_size * d  # blocks, ln_f, lm_head
+        if include_embedding:
+            total += self.vocab_size * d + self.block_size * d
+        return total
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (forward and backward) at full context length.
+
+        ``6 N + 12 n_layer n_embd block_size`` with ``N = num_params(include_embedding=False)``: ``6 N`` for the
+        matrix multiplies (2 forward, 4 backward per weight) and the second term for the attention scores and the
+        weighted sum of values. Source: PaLM, Chowdhery et al. 2022, App. B; also nanoGPT's ``estimate_mfu``.
+
+        Returns:
+            FLOPs per token (a float; about 8.6e8 for ``"gpt2"``).
+        """
+        n = self.num_params(include_embedding=False)
+        return float(6 * n + 12 * self.n_layer * self.n_embd * self.block_size)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with separate Q, K, V projections.
+
+    Tensor parallelism may replace ``q_proj``/``k_proj``/``v_proj`` by column shards and ``c_proj`` by a row shard;
+    the head count is then read from the local width: ``n_local_heads = q.shape[-1] // head_dim``.
+
+    Args:
+        config: the model shape.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        d = config.n_embd
+        self.head_dim: int = config.head_dim
+        self.dropout: float = config.dropout
+        self.q_proj = nn.Linear(d, d, bias=config.bias)
+        self.k_proj = nn.Linear(d, d, bias=config.bias)
+        self.v_proj = nn.Linear(d, d, bias=config.bias)
+        self.c_proj = nn.Linear(d, d, bias=config.bias)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Attend over earlier positions.
+
+        Args:
+            x: hidden states ``(batch, seq, n_embd)``.
+
+        Returns:
+            ``(batch, seq, n_embd)`` (a partial sum on each rank when ``c_proj`` is row-sharded).
+        """
+        bsz, seq = x.shape[0], x.shape[1]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        n_local_heads = q.shape[-1] // self.head_dim
+        # (batch, seq, local_width) -> (batch, n_local_heads, seq, head_dim)
+        q, k, v = (t.view(bsz, seq, n_local_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).reshape(bsz, seq, -1)
+        return self.resid_drop(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward layer ``n_embd -> 4 n_embd -> n_embd`` with GELU.
+
+    Args:
+        config: the model shape.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        d = config.n_embd
+        self.c_fc = nn.Linear(d, 4 * d, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * d, d, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the MLP.
+
+        Args:
+            x: hidden states ``(batch, seq, n_embd)``; the hidden layer is ``(batch, seq, 4 n_embd / tp)`` under tp.
+
+        Returns:
+            ``(batch, seq, n_embd)`` (a partial sum on each rank when ``c_proj`` is row-sharded).
+        """
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``.
+
+    Args:
+        config: the model shape.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the block.
+
+        Args:
+            x: hidden states ``(batch, seq, n_embd)``.
+
+        Returns:
+            ``(batch, seq, n_embd)``.
+        """
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2-style language model returning logits (the loss is computed outside, see ``GPTLightningModule``).
+
+    A pipeline stage is made by setting ``wte``/``wpe``/``ln_f``/``lm_head`` to ``None`` and deleting keys from
+    ``blocks``; :meth:`forward` then runs whatever is left.
+
+    Args:
+        config: the model shape; ``GPTConfig()`` if None.
+    """
+
+    def __init__(self, config: GPTConfig | None = None) -> None:
+        super().__init__()
+        self.config: GPTConfig = config if config is not None else GPTConfig()
+        c = self.config
+        self.wte: nn.Embedding | None = nn.Embedding(c.vocab_size, c.n_embd)
+        self.wpe: nn.Embedding | None = nn.Embedding(c.block_size, c.n_embd)
+        self.drop = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleDict({str(i): Block(c) for i in range(c.n_layer)})
+        self.ln_f: nn.LayerNorm | None = nn.LayerNorm(c.n_embd, bias=c.bias)
+        self.lm_head: nn.Linear | None = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re-)initialise every parameter as nanoGPT does; deterministic under ``torch.manual_seed``.
+
+        Linear and Embedding weights ~ N(0, 0.02), biases 0, LayerNorm weight 1 and bias 0, and the residual output
+        projections (``*.c_proj.weight``) ~ N(0, 0.02 / sqrt(2 n_layer)) (GPT-2, Radford et al. 2019, §2.3).
+        """
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, param in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=residual_std)
+
+    def reset_parameters(self) -> None:
+        """Alias of :meth:`init_weights` (the name ``torch`` utilities look for)."""
+        self.init_weights()
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Number of scalar parameters this module holds now (a pipeline stage holds fewer).
+
+        Args:
+            include_embedding: if False, leave out ``wte`` and ``wpe`` (when present).
+        """
+        total = sum(p.numel() for p in self.parameters())
+        if not include_embedding:
+            for table in (self.wte, self.wpe):
+                if table is not None:
+                    total -= table.weight.numel()
+        return total
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Run the embeddings (if present), the remaining blocks, ``ln_f`` and ``lm_head`` (if present).
+
+        Args:
+            x: token ids ``(batch, seq)`` int64 when ``wte`` is present, else hidden states
+                ``(batch, seq, n_embd)`` from the previous pipeline stage.
+
+        Returns:
+            Logits ``(batch, seq, vocab_size)`` when ``lm_head`` is present, else hidden states
+            ``(batch, seq, n_embd)``.
+
+        Raises:
+            ValueError: ``x`` has the wrong number of dimensions, or ``seq > block_size``.
+        """
+        want_dims = 2 if self.wte is not None else 3
+        if x.dim() != want_dims:
+            what = "token ids (batch, seq)" if want_dims == 2 else "hidden states (batch, seq, n_embd)"
+            raise ValueError(f"GPT input of shape {tuple(x.shape)} is not valid: expected {what}.")
+        seq = x.shape[1]
+        if seq > self.config.block_size:
+            raise ValueError(
+                f"sequence length seq={seq} is not valid: expected at most block_size={self.config.block_size}."
+            )
+        if self.wte is not None:
+            h = self.wte(x)
+            if self.wpe is not None:
+                h = h + self.wpe(torch.arange(seq, device=x.device))
+            x = self.drop(h)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        if self.lm_head is not None:
+            x = self.lm_head(x)
+        return x

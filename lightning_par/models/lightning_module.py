@@ -1,0 +1,157 @@
+"""The Lightning wrapper every recipe trains: a :class:`GPT`, its loss, AdamW and a warmup + cosine schedule.
+
+The loss lives here, not in the model, and is a static method so that strategies which own the forward pass (a
+pipeline schedule calling it on the last stage, a vocab-parallel loss) can call it on their own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from lightning_par.models.gpt import GPT, GPTConfig
+
+__all__ = ["GPTLightningModule", "lr_lambda"]
+
+
+def lr_lambda(step: int, warmup_steps: int, max_steps: int | None, min_lr_ratio: float) -> float:
+    """Learning-rate multiplier at optimizer step ``step`` (0-based).
+
+    Linear warmup ``(step + 1) / warmup_steps`` for the first ``warmup_steps`` steps, then a cosine from 1 down to
+    ``min_lr_ratio`` at ``max_steps`` and flat after it; flat at 1 after warmup when ``max_steps`` is None.
+    Source: nanoGPT's ``get_lr`` (cosine decay, Loshchilov & Hutter 2017, without restarts).
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if max_steps is None:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _check(name: str, value: object, ok: bool, valid: str) -> None:
+    if not ok:
+        raise ValueError(f"GPTLightningModule {name}={value!r} is not valid: expected {valid}.")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class GPTLightningModule(L.LightningModule):
+    """Next-token language modelling with a :class:`GPT`.
+
+    Args:
+        config: model shape, a :class:`GPTConfig` or its ``dict`` (as stored in checkpoints); ``GPTConfig()`` if None.
+        learning_rate: peak AdamW learning rate.
+        weight_decay: decoupled weight decay, applied to parameters with 2 or more dimensions only.
+        betas: AdamW ``(beta1, beta2)``.
+        warmup_steps: optimizer steps of linear warmup.
+        min_lr_ratio: final learning rate as a fraction of ``learning_rate``, in ``[0, 1]``.
+        max_steps: optimizer step where the cosine reaches ``min_lr_ratio``; None keeps the rate constant after warmup.
+        adam_eps: AdamW's ``eps`` (added to ``sqrt(v)``). Parity tests use 1e-6: at 1e-8 an entry whose gradient
+            cancels to fp32 rounding noise gets an update whose size depends on the summation order.
+
+    Raises:
+        ValueError: an invalid value; the message names the argument, the value and what is valid.
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig | dict[str, Any] | None = None,
+        learning_rate: float = 1e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.1,
+        max_steps: int | None = None,
+        adam_eps: float = 1e-8,
+    ) -> None:
+        super().__init__()
+        if config is None:
+            config = GPTConfig()
+        elif isinstance(config, dict):
+            config = GPTConfig(**config)
+        elif not isinstance(config, GPTConfig):
+            # OmegaConf DictConfig and other mappings.
+            config = GPTConfig(**dict(config))
+        _check("learning_rate", learning_rate, learning_rate > 0, "a positive float")
+        _check("weight_decay", weight_decay, weight_decay >= 0, "a float >= 0")
+        betas = tuple(float(b) for b in betas)  # type: ignore[assignment]
+        _check("betas", betas, len(betas) == 2 and all(0 <= b < 1 for b in betas), "two floats in [0, 1)")
+        _check("warmup_steps", warmup_steps, _is_int(warmup_steps) and warmup_steps >= 0, "an integer >= 0")
+        _check("adam_eps", adam_eps, isinstance(adam_eps, (int, float)) and adam_eps > 0, "a positive float")
+        _check("min_lr_ratio", min_lr_ratio, 0 <= min_lr_ratio <= 1, "a float in [0, 1]")
+        _check(
+            "max_steps",
+            max_steps,
+            max_steps is None or (_is_int(max_steps) and max_steps >= max(1, warmup_steps)),
+            f"None or an integer >= max(1, warmup_steps={warmup_steps})",
+        )
+        self.save_hyperparameters(
+            {
+                "config": asdict(config),
+                "learning_rate": learning_rate,
+                "weight_decay": weight_decay,
+                "betas": betas,
+                "warmup_steps": warmup_steps,
+                "min_lr_ratio": min_lr_ratio,
+                "max_steps": max_steps,
+                "adam_eps": adam_eps,
+            }
+        )
+        self.config: GPTConfig = config
+        self.model = GPT(config)
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over every token, in nats.
+
+        Args:
+            logits: ``(batch, seq, vocab_size)``.
+            targets: token ids ``(batch, seq)`` int64.
+
+        Returns:
+            Scalar loss (computed in float32).
+        """
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits ``(batch, seq, vocab_size)`` of token ids ``idx`` ``(batch, seq)``."""
+        return self.model(idx)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Loss of a batch ``(x, y)``, each ``(batch, seq)``; logs ``train_loss``."""
+        x, y = batch
+        loss = self.loss_fn(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Loss of a batch ``(x, y)``; logs ``val_loss`` averaged over batches and ranks."""
+        x, y = batch
+        loss = self.loss_fn(self(x), y)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW with weight decay on matrices and embeddings only, and a per-step :func:`lr_lambda` schedule."""
+        hp = self.hparams
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]], lr=hp.learning_rate, betas=tuple(hp.betas), eps=hp.get("adam_eps", 1e-8)
+        )
+        warmup, max_steps, floor = hp.warmup_steps, hp.max_steps, hp.min_lr_ratio
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_lambda(step, warmup, max_steps, floor)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,134 @@
+"""The training job behind ``recipes/train.py``: one Hydra job = one multi-process world.
+
+The Hydra process never trains. It validates the config, then starts ``parallel.world_size`` worker processes that
+each run :func:`train_worker` (a function, not the command line), waits for them, and returns rank 0's summary. So a
+multirun sweep (``-m``) runs its jobs one after another, each in a fresh world, and no child ever re-runs the sweep:
+the failure that made Lightning drop its Hydra support (Lightning #18175, Hydra #2070) cannot happen.
+
+When the processes are created by someone else (``torchrun``, SLURM's ``srun``: ``RANK`` and ``WORLD_SIZE`` are set),
+the job runs :func:`train_worker` in place instead, so the same recipe runs on a cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_par.config.build import build_datamodule, build_module, build_parallel_dims, build_strategy
+from lightning_par.launcher import run_distributed
+
+__all__ = ["launch_job", "train_worker"]
+
+
+def _externally_launched() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _loggers(run_dir: Path) -> list[Any]:
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    loggers: list[Any] = [CSVLogger(save_dir=str(run_dir), name="logs", version="")]
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return loggers
+    loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tb", version=""))
+    return loggers
+
+
+def train_worker(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
+    """Train on this rank (the torchrun environment variables must be set); rank 0 returns the run summary.
+
+    Args:
+        cfg_dict: the resolved run config as plain containers.
+        run_dir: where logs, checkpoints and ``summary.json`` go.
+
+    Returns:
+        The contents of ``summary.json`` on rank 0, ``None`` on other ranks.
+    """
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+
+    from lightning_par.callbacks import ParallelMetricsCallback, RunSummaryCallback
+
+    cfg = OmegaConf.create(cfg_dict)
+    out = Path(run_dir)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    module = build_module(cfg)
+    datamodule = build_datamodule(cfg, module.config.block_size)
+    strategy = build_strategy(cfg)
+    metrics = ParallelMetricsCallback(peak_flops_per_device=cfg.trainer.peak_flops_per_device)
+    summary_path = out / "summary.json"
+    callbacks: list[Any] = [
+        metrics,
+        RunSummaryCallback(summary_path, metrics, extra={"config": cfg_dict}),
+        LearningRateMonitor(logging_interval="step"),
+    ]
+    if cfg.trainer.checkpoint:
+        callbacks.append(ModelCheckpoint(dirpath=str(out / "checkpoints"), save_last=True, every_n_train_steps=cfg.trainer.val_check_interval))
+    accelerator = cfg.trainer.accelerator
+    if accelerator == "auto":
+        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    trainer = L.Trainer(
+        accelerator=accelerator,
+        devices=cfg.parallel.world_size,
+        num_nodes=1,
+        strategy=strategy,
+        precision=cfg.trainer.precision,
+        max_steps=cfg.trainer.max_steps,
+        val_check_interval=cfg.trainer.val_check_interval,
+        check_val_every_n_epoch=None,
+        log_every_n_steps=cfg.trainer.log_every_n_steps,
+        accumulate_grad_batches=cfg.trainer.accumulate_grad_batches,
+        gradient_clip_val=cfg.trainer.gradient_clip_val,
+        enable_progress_bar=cfg.trainer.enable_progress_bar,
+        enable_checkpointing=bool(cfg.trainer.checkpoint),
+        enable_model_summary=False,
+        logger=_loggers(out),
+        callbacks=callbacks,
+        default_root_dir=str(out),
+    )
+    trainer.fit(module, datamodule=datamodule)
+    if trainer.global_rank != 0:
+        return None
+    return json.loads(summary_path.read_text())
+
+
+def launch_job(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any] | None:
+    """Validate ``cfg``, then run the whole world for it and return rank 0's summary.
+
+    Raises:
+        ValueError: an impossible layout or an invalid strategy option, before any process starts.
+        lightning_par.launcher.DistributedRunError: a rank failed, died or the job ran past
+            ``trainer.job_timeout_s``; the message holds the first failure.
+    """
+    dims = build_parallel_dims(cfg)  # raises before anything starts
+    build_strategy(cfg)  # option validation, in the parent
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    run_dir = str(run_dir)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    if _externally_launched():
+        if int(os.environ["WORLD_SIZE"]) != dims.world_size:
+            raise ValueError(
+                f"parallel.world_size={dims.world_size} does not match WORLD_SIZE={os.environ['WORLD_SIZE']} set by "
+                f"the launcher: set parallel.world_size={os.environ['WORLD_SIZE']}."
+            )
+        return train_worker(cfg_dict, run_dir)
+    import torch
+
+    gpu = cfg.trainer.accelerator in ("gpu", "cuda") or (cfg.trainer.accelerator == "auto" and torch.cuda.is_available())
+    threads = None if gpu else max(1, (os.cpu_count() or 1) // dims.world_size)
+    results = run_distributed(
+        train_worker,
+        dims.world_size,
+        (cfg_dict, run_dir),
+        timeout_s=cfg.trainer.job_timeout_s,
+        start_method="spawn" if gpu else None,
+        threads_per_rank=threads,
+    )
+    return results[0]

@@ -1,0 +1,41 @@
+"""The main job end to end through the README's command (`make train`), for a few steps."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FIELDS = (
+    "strategy", "world_size", "dp_size", "tp_size", "pp_size", "steps", "tokens_seen", "initial_train_loss",
+    "final_train_loss", "final_val_loss", "tokens_per_s", "peak_memory_bytes", "param_bytes", "grad_bytes",
+    "optimizer_state_bytes",
+)
+
+
+@pytest.mark.slow
+def test_make_train_runs_and_writes_summary(tmp_path):
+    run_dir = tmp_path / "run"
+    args = f"model=tiny data=synthetic trainer=smoke hydra.run.dir={run_dir}"
+    proc = subprocess.run(["make", "-s", "train", f"ARGS={args}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for field in FIELDS:
+        assert summary.get(field) is not None, field
+    assert summary["strategy"] == "ddp_overlap" and summary["world_size"] == 2 and summary["dp_size"] == 2
+    assert summary["steps"] == 6
+    assert summary["tokens_seen"] == 6 * 2 * 8 * 32  # steps * dp * micro-batch * block_size (tiny)
+    assert len(summary["param_bytes"]) == 2 and summary["param_bytes"][0] == summary["param_bytes"][1]
+    assert summary["final_train_loss"] < summary["initial_train_loss"]
+    assert (run_dir / "logs" / "metrics.csv").exists()
+
+
+@pytest.mark.slow
+def test_bad_layout_fails_fast_with_the_field_named(tmp_path):
+    args = f"parallel.world_size=3 parallel.dp_size=2 hydra.run.dir={tmp_path}"
+    proc = subprocess.run(["make", "-s", "train", f"ARGS={args}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "does not equal world_size=3" in proc.stderr + proc.stdout

@@ -1,0 +1,69 @@
+"""ParallelDims: the validation table, with the exact messages, and rank coordinates. No processes."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from lightning_par.parallel_dims import ParallelDims
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        (dict(dp_size=-1, tp_size=1, pp_size=1, world_size=8), (8, 1, 1)),
+        (dict(dp_size=-1, tp_size=2, pp_size=2, world_size=8), (2, 2, 2)),
+        (dict(dp_size=2, tp_size=4, pp_size=1, world_size=8), (2, 4, 1)),
+        (dict(dp_size=1, tp_size=1, pp_size=8, world_size=8), (1, 1, 8)),
+        (dict(world_size=1), (1, 1, 1)),
+    ],
+)
+def test_valid_layouts(kwargs, expected):
+    dims = ParallelDims(**kwargs)
+    assert (dims.dp_size, dims.tp_size, dims.pp_size) == expected
+    assert dims.dp_size * dims.tp_size * dims.pp_size == dims.world_size
+    assert dims.shape == (expected[2], expected[0], expected[1])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            dict(dp_size=2, tp_size=2, pp_size=1, world_size=8),
+            "dp_size * tp_size * pp_size = 2 * 2 * 1 = 4 does not equal world_size=8. Each size must be one of the "
+            "divisors [1, 2, 4, 8] and their product must be 8; dp_size=-1 infers the data-parallel size.",
+        ),
+        (
+            dict(dp_size=-1, tp_size=3, pp_size=1, world_size=8),
+            "dp_size=-1 cannot be inferred: world_size=8 is not divisible by tp_size * pp_size = 3 * 1 = 3. "
+            "Choose tp_size and pp_size whose product divides 8.",
+        ),
+        (dict(tp_size=0, world_size=2), "tp_size=0 is not valid: expected an integer >= 1."),
+        (dict(pp_size=-2, world_size=2), "pp_size=-2 is not valid: expected an integer >= 1."),
+        (dict(dp_size=0, world_size=2), "dp_size=0 is not valid: expected an integer >= 1 or -1 (infer from world_size)."),
+        (dict(dp_size="two", world_size=2), "dp_size='two' is not valid: expected an integer >= 1 or -1 (infer from world_size)."),
+        (dict(tp_size=True, world_size=2), "tp_size=True is not valid: expected an integer >= 1."),
+        (dict(world_size=0), "world_size=0 is not valid: expected an integer >= 1."),
+    ],
+)
+def test_invalid_layouts_name_field_value_and_valid(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ParallelDims(**kwargs)
+
+
+def test_coordinates_follow_pp_dp_tp_order():
+    dims = ParallelDims(dp_size=2, tp_size=2, pp_size=2, world_size=8)
+    assert [tuple(dims.coordinates(r).values()) for r in range(8)] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)
+    ]
+    with pytest.raises(ValueError, match=re.escape("rank=8 is not valid: expected 0 <= rank < world_size=8.")):
+        dims.coordinates(8)
+
+
+def test_get_mesh_checks_axis_and_build():
+    dims = ParallelDims(world_size=2)
+    with pytest.raises(ValueError, match=re.escape("axis='xy' is not valid: expected one of ['pp', 'dp', 'tp'].")):
+        dims.get_mesh("xy")
+    with pytest.raises(RuntimeError, match="before build_mesh"):
+        dims.get_mesh("dp")
