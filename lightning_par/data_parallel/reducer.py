@@ -59,6 +59,7 @@ class Bucket:
 class CommStats:
     """Timings of one synchronised backward, in seconds of ``time.perf_counter``.
 
+    ``backward_end`` is when the last gradient hook of the step ran (the end of backward's computation).
     ``overlap_fraction`` is the share of all-reduce time (launch to completion, summed over buckets) that lay before
     the end of backward, i.e. was hidden behind computation. ``bytes_sent`` counts the payload handed to the
     all-reduce (wire dtype), per rank.
@@ -189,6 +190,7 @@ class GradientReducer:
         if not self._rebuilt:
             self._arrival.append(param)
         self._slice(bucket, i).copy_(_local(param.grad).reshape(-1))
+        self._stats.backward_end = time.perf_counter()
         bucket.arrived.add(i)
         if len(bucket.arrived) == len(bucket.params):
             self._launch_ready()
@@ -233,7 +235,8 @@ class GradientReducer:
         if not self.require_sync:
             return None
         stats = self._stats
-        stats.backward_end = time.perf_counter()
+        if stats.backward_end == 0.0:  # no gradient hook ran on this rank
+            stats.backward_end = time.perf_counter()
         self._launch_ready(force=True)
         for bucket in self.buckets:
             if self.powersgd is not None:

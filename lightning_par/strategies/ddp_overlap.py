@@ -132,6 +132,7 @@ class DDPOverlapStrategy(MeshStrategy):
             first_bucket_launched_before_backward_end=all(s.first_launch_before_backward_end for s in history),
             comm_bytes_per_step=history[-1].bytes_sent,
             num_buckets=len(self.reducer.buckets),
+            synchronised_backwards=len(self.reducer.history),
             comm_hook=self.reducer.comm_hook,
         )
         return extras

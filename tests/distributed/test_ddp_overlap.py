@@ -46,6 +46,7 @@ def test_parity_fp32(dataset, reference, options):
 
 
 def test_first_bucket_launches_before_backward_ends(dataset):
+    """Bucket 0 is all-reduced while backward still computes: it launches before the last gradient hook runs."""
     results = run_fit(WORLD, make_strategy(), make_module, dataset, MICRO, 2)
     for r in results:
         assert r["extras"]["first_bucket_launched_before_backward_end"] is True
@@ -58,6 +59,7 @@ def test_gradient_accumulation_parity(dataset):
     torch.testing.assert_close(torch.tensor(global_losses(results)), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     for r in results:
         assert_params_close(r["state"], ref_params)
+        assert r["extras"]["synchronised_backwards"] == 2  # 4 backward passes, all-reduce only on the last of each 2
 
 
 @pytest.mark.parametrize("hook", ["fp16", "bf16"])
