@@ -15,7 +15,10 @@ import sys
 import time
 
 #: section name -> module under lightning_par.benchmarks exposing run(quick: bool) -> str (a markdown table).
-SECTIONS = {"ddp": "lightning_par.benchmarks.ddp"}
+SECTIONS = {
+    "ddp": "lightning_par.benchmarks.ddp",
+    "tp": "lightning_par.benchmarks.tensor_parallel",
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ __all__ = [
     "RunConfig",
     "STRATEGY_SCHEMAS",
     "StrategyConfig",
+    "TensorParallelConfig",
     "TrainerConfig",
     "register_configs",
 ]
@@ -55,6 +56,22 @@ class DDPOverlapConfig(StrategyConfig):
     """:class:`lightning_par.strategies.DDPOverlapStrategy` options."""
 
     name: str = "ddp_overlap"
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    comm_hook: str = "none"
+    powersgd_rank: int = 1
+    powersgd_start_iter: int = 2
+
+
+@dataclass
+class TensorParallelConfig(StrategyConfig):
+    """:class:`lightning_par.strategies.TensorParallelStrategy` options (tp_size/dp_size come from ``parallel``)."""
+
+    name: str = "tensor_parallel"
+    sequence_parallel: bool = False
+    #: a user plan: module path (relative to the LightningModule) -> style name; None uses the model's own plan.
+    plan: Optional[dict[str, str]] = None
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
@@ -121,7 +138,7 @@ class RunConfig:
     """The root config: one option per group, plus run-wide settings."""
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    strategy: Any = field(default_factory=DDPOverlapConfig)
+    strategy: Any = field(default_factory=StrategyConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -129,7 +146,10 @@ class RunConfig:
 
 
 #: Schema of each strategy registry name; a strategy YAML extends ``schema_<name>``.
-STRATEGY_SCHEMAS: dict[str, type[StrategyConfig]] = {"ddp_overlap": DDPOverlapConfig}
+STRATEGY_SCHEMAS: dict[str, type[StrategyConfig]] = {
+    "ddp_overlap": DDPOverlapConfig,
+    "tensor_parallel": TensorParallelConfig,
+}
 
 
 def register_configs(cs: ConfigStore | None = None) -> None:

@@ -30,7 +30,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_par.parallel_dims import ParallelDims
+from lightning_par.parallel_dims import ParallelDims, _check_int
 
 __all__ = ["MeshStrategy"]
 
@@ -76,10 +76,10 @@ class MeshStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        # Validate what can be validated without the world size now; the product is checked before the group starts.
-        ParallelDims(dp_size=-1, tp_size=tp_size, pp_size=pp_size, world_size=tp_size * pp_size)
-        if dp_size != -1:
-            ParallelDims(dp_size=dp_size, tp_size=1, pp_size=1, world_size=dp_size)
+        # Validate each size now; their product is checked against the world size before the group starts.
+        _check_int("tp_size", tp_size, 1)
+        _check_int("pp_size", pp_size, 1)
+        _check_int("dp_size", dp_size, 1, allow_infer=True)
         if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s!r} is not valid: expected a number of seconds > 0.")
         self._sizes = {"dp_size": dp_size, "tp_size": tp_size, "pp_size": pp_size}

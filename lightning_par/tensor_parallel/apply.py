@@ -1,0 +1,93 @@
+"""Apply a tensor-parallel plan to a module on the tp sub-mesh (the entry point strategies call)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from lightning_par.tensor_parallel.plan import Plan, resolve_style, validate_plan
+
+__all__ = ["apply_tensor_parallel", "broadcast_from_tp_rank0", "reduce_partial_grads_eagerly"]
+
+
+def broadcast_from_tp_rank0(module: nn.Module, tp_group: dist.ProcessGroup) -> None:
+    """Give every tp rank tp-rank 0's parameters and buffers (plain tensors, before they are sharded).
+
+    After this every rank can cut its shard locally, and the replicated styles (which wrap local tensors) agree.
+    """
+    if dist.get_world_size(tp_group) == 1:
+        return
+    src = dist.get_global_rank(tp_group, 0)
+    for t in list(module.parameters()) + list(module.buffers()):
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        dist.broadcast(local.data, src=src, group=tp_group)
+
+
+def _reduce_partial_grad(param: Tensor) -> None:
+    grad = param.grad
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        param.grad = grad.redistribute(placements=param.placements)
+
+
+def reduce_partial_grads_eagerly(module: nn.Module) -> None:
+    """Sum each ``Partial`` gradient of a replicated parameter over the tp ranks as soon as it is accumulated.
+
+    Under sequence parallelism a replicated parameter that sees only this rank's positions (a LayerNorm's weight and
+    bias) gets a ``Partial`` gradient. DTensor would sum it lazily, inside every optimizer and clipping op that reads
+    it (several small all-reduces per parameter per step, and a slow optimizer step); this hook does it once, in
+    backward, so every gradient leaves backward with its parameter's placement (which also suits the dp reducer).
+    """
+    for param in module.parameters():
+        if isinstance(param, DTensor) and param.requires_grad and all(p.is_replicate() for p in param.placements):
+            param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+
+
+def apply_tensor_parallel(
+    module: nn.Module,
+    tp_mesh: DeviceMesh,
+    plan: Plan,
+    sequence_parallel: bool = False,
+    *,
+    skip_absent: bool = False,
+) -> nn.Module:
+    """Split ``module`` over the ranks of ``tp_mesh`` following ``plan`` (in place; also returned).
+
+    Megatron-LM layout (Shoeybi et al. 2019, §3) with DTensor (``torch.distributed.tensor.parallel``), optionally with
+    sequence parallelism (Korthikanti et al. 2022, §4.2.2). Afterwards every parameter is a DTensor on ``tp_mesh``
+    (``Shard`` for split matrices, ``Replicate`` for the rest), which FSDP2 (``fully_shard`` on the dp mesh) and
+    ``torch.distributed.checkpoint`` understand; vocab-parallel weights are padded to a multiple of the tp size (see
+    :mod:`lightning_par.tensor_parallel.vocab`).
+
+    Args:
+        module: the model (plain parameters, identical on every rank or to be taken from tp-rank 0).
+        tp_mesh: the 1-D tp sub-mesh (``mesh["tp"]``).
+        plan: module path -> style name or ``ParallelStyle`` (see :mod:`lightning_par.tensor_parallel.plan`).
+        sequence_parallel: shard activations between sub-blocks over the sequence dim.
+        skip_absent: skip plan entries for parts a pipeline stage removed (see
+            :func:`~lightning_par.tensor_parallel.plan.expand_plan`).
+
+    Returns:
+        ``module``.
+
+    Raises:
+        ValueError: the plan does not fit the module (see :func:`~lightning_par.tensor_parallel.plan.validate_plan`),
+            or ``tp_mesh`` is not 1-D.
+    """
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"tp_mesh has {tp_mesh.ndim} dims: expected the 1-D tp sub-mesh (mesh['tp']).")
+    expanded = validate_plan(module, plan, tp_mesh.size(), sequence_parallel, skip_absent=skip_absent)
+    broadcast_from_tp_rank0(module, tp_mesh.get_group())
+    for path, style in expanded.items():
+        # src_data_rank=None: every rank already holds tp-rank 0's values, so each cuts its shard with no traffic.
+        style_obj = resolve_style(style, sequence_parallel)
+        parallelize_module(module.get_submodule(path), tp_mesh, style_obj, src_data_rank=None)
+    plain = [n for n, p in module.named_parameters() if not isinstance(p, DTensor)]
+    if plain:  # only a user-supplied ParallelStyle can leave these
+        raise ValueError(
+            f"parameters {plain[:6]} are still plain tensors after the plan: their style did not convert them."
+        )
+    reduce_partial_grads_eagerly(module)
+    return module

@@ -1,0 +1,108 @@
+"""Count the bytes the tensor-parallel collectives send, and the Megatron-LM figure to compare them with.
+
+:class:`CommVolume` is a ``TorchDispatchMode``: it sees every functional collective (``torch.ops._c10d_functional``,
+which DTensor redistributions and ``loss_parallel`` use) issued in forward *and* backward while it is active, and
+records its payload. Bytes *sent per rank* follow the ring algorithms (Patarasuk & Yuan 2009; the model of Narayanan
+et al. 2021, §3.2): an all-reduce of ``n`` bytes over ``t`` ranks sends ``2 n (t-1)/t``, an all-gather with output
+``n`` or a reduce-scatter with input ``n`` sends ``n (t-1)/t``. Collectives issued through ``torch.distributed``
+directly (``dist.all_reduce``) are not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["CollectiveRecord", "CommVolume", "megatron_layer_comm_bytes"]
+
+_F = torch.ops._c10d_functional
+
+
+def _group_size(group_name: str) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name).size()
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective: its kind, payload (bytes of the input tensor on this rank), group size and bytes sent."""
+
+    op: str
+    payload_bytes: int
+    group_size: int
+    sent_bytes: float
+
+
+class CommVolume(TorchDispatchMode):
+    """Record the functional collectives run while active (``with CommVolume(group) as cv: ...``).
+
+    Args:
+        group: count only collectives on this process group (e.g. the tp group); None counts all.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.group = group
+        self.records: list[CollectiveRecord] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if any(issubclass(t, DTensor) for t in types):
+            # Let DTensor run first and desugar into collectives on local tensors, which then come back here.
+            return NotImplemented
+        out = func(*args, **kwargs)
+        self._record(func, args)
+        return out
+
+    def _record(self, func: Any, args: tuple) -> None:
+        packet = func._overloadpacket
+        if packet in (_F.all_reduce, _F.all_reduce_):
+            tensor, group_name, kind, factor = args[0], args[2], "all_reduce", None
+        elif packet is _F.all_gather_into_tensor:
+            tensor, group_name, kind, factor = args[0], args[2], "all_gather", None
+        elif packet is _F.reduce_scatter_tensor:
+            tensor, group_name, kind, factor = args[0], args[3], "reduce_scatter", None
+        elif packet is _F.all_to_all_single:
+            tensor, group_name, kind, factor = args[0], args[3], "all_to_all", None
+        elif packet is _F.broadcast:
+            tensor, group_name, kind, factor = args[0], args[2], "broadcast", 1.0
+        else:
+            return
+        if self.group is not None and group_name != self.group.group_name:
+            return
+        t = _group_size(group_name)
+        n = tensor.numel() * tensor.element_size()
+        if factor is None:
+            factor = {"all_reduce": 2 * (t - 1) / t, "all_gather": float(t - 1), "reduce_scatter": (t - 1) / t,
+                      "all_to_all": (t - 1) / t}[kind]
+        self.records.append(CollectiveRecord(kind, n, t, factor * n))
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes this rank sent, summed over the recorded collectives (ring model)."""
+        return sum(r.sent_bytes for r in self.records)
+
+    def counts(self) -> dict[str, int]:
+        """Number of collectives of each kind."""
+        out: dict[str, int] = {}
+        for r in self.records:
+            out[r.op] = out.get(r.op, 0) + 1
+        return out
+
+
+def megatron_layer_comm_bytes(batch: int, seq: int, hidden: int, tp_size: int, bytes_per_element: int = 4) -> float:
+    """Bytes one rank sends per transformer layer per step under Megatron tensor parallelism.
+
+    Four all-reduces (two forward, two backward) of ``batch * seq * hidden`` elements, each sending
+    ``2 (t-1)/t`` of it: ``8 b s h (t-1)/t`` elements (Narayanan et al. 2021, §3.2). Sequence parallelism replaces
+    each all-reduce by an all-gather plus a reduce-scatter, which send the same (Korthikanti et al. 2022, §4.2.2).
+    """
+    return 8 * batch * seq * hidden * (tp_size - 1) / tp_size * bytes_per_element
