@@ -60,13 +60,18 @@ def storage_bytes(tensors: Iterable[Tensor]) -> int:
         local = _local(tensor)
         if local.device.type == "meta":
             continue
-        storage = local.untyped_storage()
-        key = (local.device.type, local.device.index, storage.data_ptr())
+        key = _storage_key(local)
         if key in seen:
             continue
         seen.add(key)
-        total += storage.nbytes()
+        total += local.untyped_storage().nbytes()
     return total
+
+
+def _storage_key(tensor: Tensor) -> tuple[str, int | None, int]:
+    """Identity of the storage holding ``tensor``'s data on this rank (a ``DTensor``'s local shard's)."""
+    local = _local(tensor)
+    return (local.device.type, local.device.index, local.untyped_storage().data_ptr())
 
 
 def _tensors_in(value: Any) -> Iterator[Tensor]:
@@ -91,20 +96,29 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimi
 
     Returns:
         ``{"param_bytes", "grad_bytes", "optimizer_state_bytes"}``, each the bytes of distinct storages (see
-        :func:`storage_bytes`). ``optimizer_state_bytes`` counts every tensor in every ``optimizer.state[p]``,
-        including scalar ones such as Adam's per-parameter ``step`` counter (a 4-byte float32 tensor in
-        ``torch.optim.Adam``). It is 0 before the first ``optimizer.step()``, when the state is still empty.
+        :func:`storage_bytes`). ``grad_bytes`` counts the gradients of the module's parameters and of the
+        optimizers' own parameters (ZeRO stage 2 keeps only the gradient shards of the optimizer's parameter shards).
+        ``optimizer_state_bytes`` counts every tensor in every ``optimizer.state[p]``, including scalar ones such as
+        Adam's per-parameter ``step`` counter (a 4-byte float32 tensor in ``torch.optim.Adam``), and the optimizers'
+        parameters whose storage is not a module parameter's (fp32 master shards under mixed precision). It is 0
+        before the first ``optimizer.step()``, when the state is still empty.
     """
     params = list(module.parameters())
     state_tensors: list[Tensor] = []
+    opt_params: list[Tensor] = []
     for optimizer in optimizers:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         for per_param in optimizer.state.values():
             state_tensors.extend(_tensors_in(per_param))
+        opt_params.extend(p for group in optimizer.param_groups for p in group["params"])
+    # An optimizer may step tensors of its own (ZeRO 1/2 step shards of the parameters): their gradients are
+    # gradients, and those whose storage is not a module parameter's (fp32 master copies) are optimizer state.
+    module_storages = {_storage_key(p) for p in params if _local(p).device.type != "meta"}
+    masters = [p for p in opt_params if _local(p).device.type != "meta" and _storage_key(p) not in module_storages]
     return {
         "param_bytes": storage_bytes(params),
-        "grad_bytes": storage_bytes(p.grad for p in params),
-        "optimizer_state_bytes": storage_bytes(state_tensors),
+        "grad_bytes": storage_bytes([p.grad for p in params] + [p.grad for p in opt_params]),
+        "optimizer_state_bytes": storage_bytes(state_tensors + masters),
     }
 
 

@@ -18,6 +18,7 @@ import time
 SECTIONS = {
     "ddp": "lightning_par.benchmarks.ddp",
     "tp": "lightning_par.benchmarks.tensor_parallel",
+    "zero": "lightning_par.benchmarks.zero",
 }
 
 

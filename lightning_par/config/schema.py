@@ -24,6 +24,7 @@ __all__ = [
     "StrategyConfig",
     "TensorParallelConfig",
     "TrainerConfig",
+    "ZeroConfig",
     "register_configs",
 ]
 
@@ -78,6 +79,26 @@ class TensorParallelConfig(StrategyConfig):
     comm_hook: str = "none"
     powersgd_rank: int = 1
     powersgd_start_iter: int = 2
+
+
+@dataclass
+class ZeroConfig(StrategyConfig):
+    """:class:`lightning_par.strategies.ZeroStrategy` options; the registry name (``zero1``/``zero2``/``zero3``) sets
+    the stage."""
+
+    name: str = "zero3"
+    #: stage 3 only, needs an accelerator: keep the shards in CPU memory and step there.
+    cpu_offload: bool = False
+    #: None, a dtype name ("bf16", "fp16") or {"param_dtype": ..., "reduce_dtype": ...}.
+    mixed_precision: Any = None
+    #: stage 3: free gathered parameters after each block's forward.
+    reshard_after_forward: bool = True
+    #: stages 1 and 2 (None: 25 MiB); must stay None at stage 3.
+    bucket_cap_mb: Optional[float] = None
+    #: stage 1 reducer options (as ddp_overlap).
+    gradient_as_bucket_view: bool = True
+    static_graph: bool = False
+    comm_hook: str = "none"
 
 
 @dataclass
@@ -149,6 +170,9 @@ class RunConfig:
 STRATEGY_SCHEMAS: dict[str, type[StrategyConfig]] = {
     "ddp_overlap": DDPOverlapConfig,
     "tensor_parallel": TensorParallelConfig,
+    "zero1": ZeroConfig,
+    "zero2": ZeroConfig,
+    "zero3": ZeroConfig,
 }
 
 
