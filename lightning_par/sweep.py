@@ -48,7 +48,7 @@ def _row(name: str, s: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_s": s.get("tokens_per_s"),
         "peak_mib": peak,
         "state_mib": max(state) / _MiB if state else None,
-        "bubble": s.get("bubble_fraction"),
+        "bubble": s.get("pp_bubble"),
         "final_train_loss": s.get("final_train_loss"),
         "final_val_loss": s.get("final_val_loss"),
     }

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_par.config.build import build_datamodule, build_module, build_parallel_dims, build_strategy
 from lightning_par.launcher import run_distributed
 
-__all__ = ["launch_job", "train_worker"]
+__all__ = ["launch_job", "train_worker", "validate_run"]
 
 
 def _externally_launched() -> bool:
@@ -99,6 +99,23 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
     return json.loads(summary_path.read_text())
 
 
+def validate_run(cfg: DictConfig) -> None:
+    """Check the strategy's options and the model against the layout in this process, before any rank starts.
+
+    The model is built on the ``meta`` device (no memory, no initialisation), so this is cheap for any preset.
+
+    Raises:
+        ValueError: the first problem found, naming the field, the value and what would be valid.
+    """
+    import torch
+
+    strategy = build_strategy(cfg)
+    with torch.device("meta"):
+        module = build_module(cfg)
+    strategy.connect(module)
+    strategy.validate_model(build_parallel_dims(cfg))
+
+
 def launch_job(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any] | None:
     """Validate ``cfg``, then run the whole world for it and return rank 0's summary.
 
@@ -108,7 +125,7 @@ def launch_job(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any] | None:
             ``trainer.job_timeout_s``; the message holds the first failure.
     """
     dims = build_parallel_dims(cfg)  # raises before anything starts
-    build_strategy(cfg)  # option validation, in the parent
+    validate_run(cfg)
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     run_dir = str(run_dir)
     Path(run_dir).mkdir(parents=True, exist_ok=True)

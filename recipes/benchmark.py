@@ -19,6 +19,7 @@ SECTIONS = {
     "ddp": "lightning_par.benchmarks.ddp",
     "tp": "lightning_par.benchmarks.tensor_parallel",
     "zero": "lightning_par.benchmarks.zero",
+    "pp": "lightning_par.benchmarks.pipeline",
 }
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "DDPOverlapConfig",
     "ModelConfig",
     "ParallelConfig",
+    "PipelineConfig",
     "RunConfig",
     "STRATEGY_SCHEMAS",
     "StrategyConfig",
@@ -102,6 +103,26 @@ class ZeroConfig(StrategyConfig):
 
 
 @dataclass
+class PipelineConfig(StrategyConfig):
+    """:class:`lightning_par.strategies.PipelineStrategy` options (pp_size/dp_size come from ``parallel``)."""
+
+    name: str = "gpipe"
+    #: gpipe | 1f1b | interleaved_1f1b
+    schedule: str = "gpipe"
+    num_microbatches: int = 4
+    #: chunks per rank for interleaved_1f1b (None: 2 for interleaved, 1 otherwise).
+    virtual_stages: Optional[int] = None
+    #: params | time | size | [layers per (virtual) stage]
+    split: Any = "params"
+    measure_bubble: bool = True
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
+    comm_hook: str = "none"
+    powersgd_rank: int = 1
+    powersgd_start_iter: int = 2
+
+
+@dataclass
 class ModelConfig:
     """The reference GPT: a preset plus optional overrides, and its optimiser."""
 
@@ -173,6 +194,8 @@ STRATEGY_SCHEMAS: dict[str, type[StrategyConfig]] = {
     "zero1": ZeroConfig,
     "zero2": ZeroConfig,
     "zero3": ZeroConfig,
+    "gpipe": PipelineConfig,
+    "1f1b": PipelineConfig,
 }
 
 

@@ -6,13 +6,14 @@ from typing import Any
 
 from lightning_par.strategies.base import MeshStrategy
 from lightning_par.strategies.ddp_overlap import DDPOverlapStrategy
+from lightning_par.strategies.pipeline import PipelineStrategy
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_par.strategies.zero import ZeroStrategy
 
-__all__ = ["DDPOverlapStrategy", "MeshStrategy", "STRATEGIES", "TensorParallelStrategy", "ZeroStrategy", "register_all"]
+__all__ = ["DDPOverlapStrategy", "MeshStrategy", "PipelineStrategy", "STRATEGIES", "TensorParallelStrategy", "ZeroStrategy", "register_all"]
 
 #: Every concrete strategy class, registered under the names its ``register_strategies`` gives.
-STRATEGIES: tuple[type[MeshStrategy], ...] = (DDPOverlapStrategy, TensorParallelStrategy, ZeroStrategy)
+STRATEGIES: tuple[type[MeshStrategy], ...] = (DDPOverlapStrategy, TensorParallelStrategy, ZeroStrategy, PipelineStrategy)
 
 
 def register_all(registry: Any | None = None) -> None:

@@ -1,0 +1,209 @@
+"""Pipeline schedules without processes: order of operations, stashed activations, deadlock freedom, the bubble of
+the ideal timeline, the runner on one rank, bubble accounting, and option errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_par.models import GPT, GPTConfig
+from lightning_par.pipeline_parallel import (
+    Action,
+    PipelineRunner,
+    bubble_formula,
+    build_order,
+    cut_network,
+    peak_in_flight,
+    simulate,
+    split_microbatches,
+    summarize_bubble,
+    validate_schedule,
+)
+from lightning_par.strategies.pipeline import PipelineStrategy
+
+
+def names(order: list[Action]) -> list[str]:
+    return [repr(a) for a in order]
+
+
+def test_gpipe_runs_every_forward_then_every_backward():
+    assert names(build_order("gpipe", 1, 2, 3)) == ["F0", "F1", "F2", "B0", "B1", "B2"]
+
+
+def test_1f1b_order_per_stage():
+    """PipeDream-Flush at p=4, m=6: p - s - 1 warm-up forwards, then one forward / one backward, then the drain."""
+    assert names(build_order("1f1b", 0, 4, 6)) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5".split()
+    assert names(build_order("1f1b", 2, 4, 6)) == "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5".split()
+    assert names(build_order("1f1b", 3, 4, 6)) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5".split()
+
+
+def test_interleaved_order_matches_megatron():
+    """p=2, v=2, m=4: micro-batches enter the chunks in groups of p; rank 0 warms up with 2(p-1) + (v-1)p = 4."""
+    assert names(build_order("interleaved_1f1b", 0, 2, 4, 2)) == (
+        "F0 F1 F0.c1 F1.c1 F2 B0.c1 F3 B1.c1 F2.c1 B0 F3.c1 B1 B2.c1 B3.c1 B2 B3".split()
+    )
+    assert names(build_order("interleaved_1f1b", 1, 2, 4, 2)) == (
+        "F0 F1 F0.c1 B0.c1 F1.c1 B1.c1 F2 B0 F3 B1 F2.c1 B2.c1 F3.c1 B3.c1 B2 B3".split()
+    )
+
+
+GRID = [
+    (schedule, p, m, v)
+    for schedule, p, m, v in itertools.product(
+        ["gpipe", "1f1b", "interleaved_1f1b"], [1, 2, 3, 4], [1, 2, 3, 4, 6, 8], [None, 2, 3]
+    )
+    if (v is None) != (schedule == "interleaved_1f1b") and (schedule != "interleaved_1f1b" or m % p == 0)
+]
+
+
+@pytest.mark.parametrize("schedule,p,m,v", GRID)
+def test_every_microbatch_once_forward_then_backward(schedule, p, m, v):
+    for rank in range(p):
+        order = build_order(schedule, rank, p, m, v)
+        forwards = [(a.chunk, a.microbatch) for a in order if a.kind == "F"]
+        backwards = [(a.chunk, a.microbatch) for a in order if a.kind == "B"]
+        chunks = v or 1
+        assert sorted(forwards) == sorted(backwards) == [(c, i) for c in range(chunks) for i in range(m)]
+        assert len(set(forwards)) == len(forwards)
+        for c, i in forwards:
+            assert order.index(Action("F", c, i)) < order.index(Action("B", c, i))
+
+
+@pytest.mark.parametrize("schedule,p,m,v", GRID)
+@pytest.mark.parametrize("t_forward,t_backward", [(1.0, 1.0), (1.0, 2.0)])
+def test_simulated_bubble_equals_formula(schedule, p, m, v, t_forward, t_backward):
+    """With uniform stages and free communication, the idle share of every stage is (p-1)/(vm+p-1) exactly, and no
+    schedule deadlocks under blocking receives and non-blocking sends."""
+    step = simulate(schedule, p, m, v, t_forward, t_backward)
+    expected = bubble_formula(p, m, v or 1)
+    assert step.bubble == pytest.approx([expected] * p, abs=1e-12)
+    assert step.makespan == pytest.approx((m * (v or 1) + p - 1) * (t_forward + t_backward) / (v or 1))
+
+
+def test_simulated_latency_adds_to_the_bubble():
+    ideal = simulate("1f1b", 4, 8, t_forward=1.0, t_backward=2.0)
+    slow = simulate("1f1b", 4, 8, t_forward=1.0, t_backward=2.0, latency=0.1)
+    assert all(s > i for s, i in zip(slow.bubble, ideal.bubble))
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (4, 2), (4, 8), (8, 16)])
+def test_1f1b_holds_at_most_p_minus_stage_microbatches(p, m):
+    assert [peak_in_flight(build_order("1f1b", s, p, m)) for s in range(p)] == [min(p - s, m) for s in range(p)]
+    assert [peak_in_flight(build_order("gpipe", s, p, m)) for s in range(p)] == [m] * p
+
+
+def test_interleaved_stash_is_bounded_by_its_warmup():
+    # Rank r holds 2(p - r - 1) + (v - 1) p warm-up forwards plus the one in flight (Narayanan et al. 2021, §2.2).
+    p, v, m = 4, 2, 8
+    assert [peak_in_flight(build_order("interleaved_1f1b", r, p, m, v)) for r in range(p)] == [
+        2 * (p - r - 1) + (v - 1) * p + 1 for r in range(p)
+    ]
+
+
+def test_bubble_formula_values():
+    assert bubble_formula(4, 8) == pytest.approx(3 / 11)
+    assert bubble_formula(2, 1) == pytest.approx(1 / 2)
+    assert bubble_formula(4, 8, 2) == pytest.approx(3 / 19)
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+def test_unknown_schedule():
+    with pytest.raises(ValueError, match=r"schedule='zb' is not valid: expected one of \['gpipe', '1f1b'"):
+        validate_schedule("zb", 2, 4)
+    with pytest.raises(ValueError, match="schedule='zb' is not valid"):
+        PipelineStrategy(schedule="zb")
+
+
+def test_interleaved_needs_a_multiple_of_pp_size_microbatches():
+    message = r"num_microbatches=2 is not valid for schedule='interleaved_1f1b' with pp_size=4"
+    with pytest.raises(ValueError, match=message):
+        PipelineStrategy(pp_size=4, schedule="interleaved_1f1b", num_microbatches=2)
+    with pytest.raises(ValueError, match=r"expected a multiple of pp_size \(4, 8, 12"):
+        validate_schedule("interleaved_1f1b", 4, 6)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_microbatches=0), r"num_microbatches=0 is not valid: expected a positive integer"),
+        (dict(schedule="1f1b", virtual_stages=2), r"virtual_stages=2 is not valid for schedule='1f1b'"),
+        (dict(schedule="interleaved_1f1b", virtual_stages=1), r"virtual_stages=1 is not valid for schedule='inter"),
+        (dict(split="layers"), r"split='layers' is not valid: expected one of \['params', 'time', 'size'\]"),
+        (dict(bucket_cap_mb=0), r"bucket_cap_mb=0 is not valid"),
+        (dict(pp_size=0), r"pp_size=0 is not valid"),
+    ],
+)
+def test_strategy_option_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PipelineStrategy(**kwargs)
+
+
+def test_batch_not_divisible_into_microbatches():
+    with pytest.raises(ValueError, match=r"batch size 6 is not valid with num_microbatches=4: expected a batch size"):
+        split_microbatches(torch.zeros(6, 3), 4)
+
+
+def test_registered_names_and_presets():
+    from lightning.fabric.strategies.registry import _StrategyRegistry
+
+    registry = _StrategyRegistry()  # a fresh one: the global registry is lightning_par/__init__'s business
+    PipelineStrategy.register_strategies(registry)
+    for name in ("gpipe", "1f1b"):
+        assert registry[name]["strategy"] is PipelineStrategy
+        assert registry[name]["init_params"] == {"schedule": name}
+        assert registry.get(name).schedule == name
+
+
+# ---------------------------------------------------------------------------------------------------- runner
+@pytest.mark.parametrize(
+    "schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)]
+)
+def test_runner_on_one_rank_matches_the_whole_model(schedule, virtual):
+    """pp_size=1 runs every transfer inside the process: the schedule's gradients equal one backward of the whole
+    batch's mean loss, and the stash peak is the schedule's."""
+    config = GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=32)
+    torch.manual_seed(0)
+    whole = GPT(config)
+    torch.manual_seed(0)
+    staged = GPT(config)
+    x = torch.randint(0, 32, (8, 8))
+    y = torch.randint(0, 32, (8, 8))
+
+    def loss_fn(logits, targets):
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    loss_fn(whole(x), y).backward()
+    counts = [4 // virtual] * virtual
+    holder, chunks = cut_network(staged, counts, list(range(virtual)))
+    runner = PipelineRunner(chunks, 0, 1, None, schedule, 4, loss_fn)
+    loss = runner.train_step(x, y)
+    assert loss is not None
+    torch.testing.assert_close(loss, loss_fn(whole(x), y).detach(), rtol=1e-6, atol=0)
+    grads = {n: p.grad for n, p in holder.named_parameters()}
+    for n, p in whole.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7)
+    record = runner.history[-1]
+    assert record.peak_in_flight == peak_in_flight(runner.order)
+    assert sum(e.kind == "F" for e in record.events) == 4 * virtual
+    assert sum(e.kind == "B" for e in record.events) == 4 * virtual
+    with torch.no_grad():
+        assert runner.eval_step(x, y, num_microbatches=2) == pytest.approx(float(loss), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------- accounting
+def test_summarize_bubble_uses_the_common_window():
+    # Two stages, two steps: (span, busy, comm, peak). Stage 1 finishes early in step 0; the window is the longest span.
+    stages = [[(1.0, 0.6, 0.1, 2), (2.0, 1.0, 0.2, 2)], [(0.8, 0.6, 0.3, 1), (1.5, 1.2, 0.1, 1)]]
+    out = summarize_bubble(stages)
+    assert out["pp_step_window_s"] == pytest.approx(3.0)
+    assert out["pp_busy_s"] == pytest.approx([1.6, 1.8])
+    assert out["pp_idle_s"] == pytest.approx([1.4, 1.2])
+    assert out["pp_bubble_per_stage"] == pytest.approx([1.4 / 3, 1.2 / 3])
+    assert out["pp_bubble"] == pytest.approx(2.6 / 6)
+    assert out["pp_comm_s"] == pytest.approx([0.3, 0.4])
+    assert out["pp_peak_microbatches_in_flight"] == [2, 1]
+    with pytest.raises(ValueError, match="same steps"):
+        summarize_bubble([[(1.0, 0.5, 0.0, 1)], []])
