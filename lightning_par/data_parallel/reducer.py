@@ -16,7 +16,10 @@ in the same order even when hooks fire in a different order. ``finish()`` waits 
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,10 +27,36 @@ from torch import Tensor, nn
 
 from lightning_par.data_parallel.compression import CAST_DTYPES, PowerSGDState, validate_comm_hook
 
-__all__ = ["Bucket", "CommStats", "GradientReducer"]
+__all__ = ["Bucket", "CommStats", "GradientReducer", "reducer_options"]
 
 _MiB = 1024 * 1024
 _FIRST_BUCKET_BYTES = _MiB
+
+
+def reducer_options(
+    bucket_cap_mb: float = 25.0,
+    gradient_as_bucket_view: bool = False,
+    static_graph: bool = False,
+    comm_hook: str = "none",
+    powersgd_rank: int = 1,
+    powersgd_start_iter: int = 2,
+) -> dict[str, Any]:
+    """Validate :class:`GradientReducer`'s options (the one place that does) and return them as keyword arguments.
+
+    Raises:
+        ValueError: an invalid option; the message names it, its value and what would be valid.
+    """
+    validate_comm_hook(comm_hook, powersgd_rank, powersgd_start_iter)
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is not valid: expected a number > 0 (MiB).")
+    return dict(
+        bucket_cap_mb=bucket_cap_mb,
+        gradient_as_bucket_view=bool(gradient_as_bucket_view),
+        static_graph=bool(static_graph),
+        comm_hook=comm_hook,
+        powersgd_rank=powersgd_rank,
+        powersgd_start_iter=powersgd_start_iter,
+    )
 
 
 def _local(t: Tensor) -> Tensor:
@@ -123,9 +152,7 @@ class GradientReducer:
         powersgd_rank: int = 1,
         powersgd_start_iter: int = 2,
     ) -> None:
-        validate_comm_hook(comm_hook, powersgd_rank, powersgd_start_iter)
-        if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is not valid: expected a number > 0 (MiB).")
+        reducer_options(bucket_cap_mb, gradient_as_bucket_view, static_graph, comm_hook, powersgd_rank, powersgd_start_iter)
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("The model has no parameter that requires a gradient: there is nothing to reduce.")
@@ -178,6 +205,32 @@ class GradientReducer:
         return [b.nbytes for b in self.buckets]
 
     # ------------------------------------------------------------------ backward
+    @contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Backward passes inside accumulate gradients locally without communicating (gradient accumulation)."""
+        previous, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+    def overlap_summary(self) -> dict[str, Any]:
+        """Figures of the synchronised backwards so far (the first, with its one-off set-up, left out when there are
+        others): ``comm_overlap_fraction``, ``first_bucket_launched_before_backward_end``, ``comm_bytes_per_step``,
+        ``num_buckets``, ``synchronised_backwards``, ``comm_hook``. Empty before the first one."""
+        if not self.history:
+            return {}
+        history = self.history[1:] or self.history
+        comm = sum(s.comm_time_s for s in history)
+        return {
+            "comm_overlap_fraction": sum(s.hidden_time_s for s in history) / comm if comm > 0 else 0.0,
+            "first_bucket_launched_before_backward_end": all(s.first_launch_before_backward_end for s in history),
+            "comm_bytes_per_step": history[-1].bytes_sent,
+            "num_buckets": len(self.buckets),
+            "synchronised_backwards": len(self.history),
+            "comm_hook": self.comm_hook,
+        }
+
     def start_backward(self) -> None:
         """Mark the start of a backward pass (for the overlap measurement)."""
         if self.require_sync:

@@ -315,11 +315,8 @@ class ZeroShardedDataParallel(ZeroEngine):
         if not isinstance(self.reducer, GradientReducer):
             yield
             return
-        previous, self.reducer.require_sync = self.reducer.require_sync, False
-        try:
+        with self.reducer.no_sync():
             yield
-        finally:
-            self.reducer.require_sync = previous
 
     def pre_backward(self) -> None:
         if self.reducer.require_sync:

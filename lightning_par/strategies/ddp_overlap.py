@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 from typing_extensions import override
 
-from lightning_par.data_parallel.compression import validate_comm_hook
-from lightning_par.data_parallel.reducer import GradientReducer
+from lightning_par.data_parallel.reducer import GradientReducer, reducer_options
 from lightning_par.strategies.base import MeshStrategy
+from lightning_par.strategies.reducer_hooks import ReducerHooks
 
 __all__ = ["DDPOverlapStrategy", "broadcast_from_dp_rank0"]
 
@@ -25,7 +23,7 @@ def broadcast_from_dp_rank0(module: nn.Module, dp_group: dist.ProcessGroup) -> N
         dist.broadcast(local.data, src=src, group=dp_group)
 
 
-class DDPOverlapStrategy(MeshStrategy):
+class DDPOverlapStrategy(ReducerHooks, MeshStrategy):
     """Data parallelism over the dp axis, with a bucketed gradient all-reduce launched during backward.
 
     Each rank keeps a full replica. As backward produces gradients, they are copied into buckets of at most
@@ -66,16 +64,8 @@ class DDPOverlapStrategy(MeshStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(dp_size=dp_size, tp_size=1, pp_size=1, **kwargs)
-        validate_comm_hook(comm_hook, powersgd_rank, powersgd_start_iter)
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is not valid: expected a number > 0 (MiB).")
-        self._reducer_kwargs = dict(
-            bucket_cap_mb=bucket_cap_mb,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            static_graph=static_graph,
-            comm_hook=comm_hook,
-            powersgd_rank=powersgd_rank,
-            powersgd_start_iter=powersgd_start_iter,
+        self._reducer_kwargs = reducer_options(
+            bucket_cap_mb, gradient_as_bucket_view, static_graph, comm_hook, powersgd_rank, powersgd_start_iter
         )
         self.reducer: GradientReducer | None = None
 
@@ -93,49 +83,9 @@ class DDPOverlapStrategy(MeshStrategy):
         assert self.model is not None
         broadcast_from_dp_rank0(self.model, self.group("dp"))
 
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip the all-reduce while gradients accumulate (all but the last micro-step)."""
-        if self.reducer is None:
-            yield
-            return
-        previous, self.reducer.require_sync = self.reducer.require_sync, False
-        try:
-            yield
-        finally:
-            self.reducer.require_sync = previous
-
-    @override
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        if self.reducer is not None:
-            self.reducer.start_backward()
-
-    @override
-    def post_backward(self, closure_loss: Tensor) -> None:
-        if self.reducer is None:
-            return
-        stats = self.reducer.finish()
-        if stats is not None and self.lightning_module is not None and self.lightning_module._trainer is not None:
-            self.lightning_module.log("comm_overlap", stats.overlap_fraction, prog_bar=True, on_step=True)
-
     @override
     def summary_extras(self) -> dict[str, Any]:
-        extras = super().summary_extras()
-        if self.reducer is None or not self.reducer.history:
-            return extras
-        history = self.reducer.history[1:] or self.reducer.history  # the first step includes one-off set-up
-        comm = sum(s.comm_time_s for s in history)
-        hidden = sum(s.hidden_time_s for s in history)
-        extras.update(
-            comm_overlap_fraction=hidden / comm if comm > 0 else 0.0,
-            first_bucket_launched_before_backward_end=all(s.first_launch_before_backward_end for s in history),
-            comm_bytes_per_step=history[-1].bytes_sent,
-            num_buckets=len(self.reducer.buckets),
-            synchronised_backwards=len(self.reducer.history),
-            comm_hook=self.reducer.comm_hook,
-        )
-        return extras
+        return {**super().summary_extras(), **self.reducer_extras()}
 
     @classmethod
     @override

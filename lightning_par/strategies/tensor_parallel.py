@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
-from contextlib import contextmanager, nullcontext
+from collections.abc import Mapping
+from contextlib import nullcontext
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_par.data_parallel.compression import validate_comm_hook
-from lightning_par.data_parallel.reducer import GradientReducer
+from lightning_par.data_parallel.reducer import GradientReducer, reducer_options
 from lightning_par.memory import model_state_bytes
 from lightning_par.models.gpt import GPT
 from lightning_par.models.gpt_tp_plan import gpt_tp_plan, validate_gpt_tp
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.strategies.base import MeshStrategy
 from lightning_par.strategies.ddp_overlap import broadcast_from_dp_rank0
+from lightning_par.strategies.reducer_hooks import ReducerHooks
 from lightning_par.tensor_parallel import (
     VOCAB_SIZE_ATTR,
     apply_tensor_parallel,
@@ -37,7 +37,7 @@ __all__ = ["TensorParallelStrategy"]
 _APPLIED_ATTR = "_lp_tensor_parallel"
 
 
-class TensorParallelStrategy(MeshStrategy):
+class TensorParallelStrategy(ReducerHooks, MeshStrategy):
     """Tensor parallelism over the tp axis (Megatron-LM, Shoeybi et al. 2019, §3), data parallelism over dp (2D).
 
     Every layer listed in the plan is split across the ``tp_size`` ranks of the tp axis with DTensor (see
@@ -93,18 +93,10 @@ class TensorParallelStrategy(MeshStrategy):
         super().__init__(dp_size=dp_size, tp_size=tp_size, pp_size=1, **kwargs)
         if not isinstance(sequence_parallel, bool):
             raise ValueError(f"sequence_parallel={sequence_parallel!r} is not valid: expected True or False.")
-        validate_comm_hook(comm_hook, powersgd_rank, powersgd_start_iter)
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is not valid: expected a number > 0 (MiB).")
         self.sequence_parallel = sequence_parallel
         self._plan = None if plan is None else check_plan_styles(plan)
-        self._reducer_kwargs = dict(
-            bucket_cap_mb=bucket_cap_mb,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            static_graph=static_graph,
-            comm_hook=comm_hook,
-            powersgd_rank=powersgd_rank,
-            powersgd_start_iter=powersgd_start_iter,
+        self._reducer_kwargs = reducer_options(
+            bucket_cap_mb, gradient_as_bucket_view, static_graph, comm_hook, powersgd_rank, powersgd_start_iter
         )
         self.reducer: GradientReducer | None = None
         self._loss_parallel = False
@@ -198,32 +190,6 @@ class TensorParallelStrategy(MeshStrategy):
             tensor = tensor.full_tensor()
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip the dp all-reduce while gradients accumulate (all but the last micro-step)."""
-        if self.reducer is None:
-            yield
-            return
-        previous, self.reducer.require_sync = self.reducer.require_sync, False
-        try:
-            yield
-        finally:
-            self.reducer.require_sync = previous
-
-    @override
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        if self.reducer is not None:
-            self.reducer.start_backward()
-
-    @override
-    def post_backward(self, closure_loss: Tensor) -> None:
-        if self.reducer is None:
-            return
-        stats = self.reducer.finish()
-        if stats is not None and self.lightning_module is not None and self.lightning_module._trainer is not None:
-            self.lightning_module.log("comm_overlap", stats.overlap_fraction, prog_bar=True, on_step=True)
-
     # ------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -262,11 +228,7 @@ class TensorParallelStrategy(MeshStrategy):
             }
             if padded:
                 extras["vocab_padding"] = {name: f"{v} -> {p}" for name, (v, p) in padded.items()}
-        if self.reducer is not None and self.reducer.history:
-            history = self.reducer.history[1:] or self.reducer.history
-            comm = sum(s.comm_time_s for s in history)
-            extras["dp_comm_overlap_fraction"] = sum(s.hidden_time_s for s in history) / comm if comm > 0 else 0.0
-            extras["dp_comm_bytes_per_step"] = history[-1].bytes_sent
+        extras.update(self.reducer_extras(prefix="dp_"))
         return extras
 
     @classmethod
