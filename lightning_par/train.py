@@ -5,8 +5,9 @@ each run :func:`train_worker` (a function, not the command line), waits for them
 multirun sweep (``-m``) runs its jobs one after another, each in a fresh world, and no child ever re-runs the sweep:
 the failure that made Lightning drop its Hydra support (Lightning #18175, Hydra #2070) cannot happen.
 
-When the processes are created by someone else (``torchrun``, SLURM's ``srun``: ``RANK`` and ``WORLD_SIZE`` are set),
-the job runs :func:`train_worker` in place instead, so the same recipe runs on a cluster.
+When the processes are created by someone else (``torchrun``: ``RANK`` and ``WORLD_SIZE`` are set; SLURM's ``srun`` or
+Hydra's submitit launcher: ``SLURM_PROCID`` and ``SLURM_NTASKS`` are set), the job runs :func:`train_worker` in place
+instead, so the same recipe runs on a cluster.
 """
 
 from __future__ import annotations
@@ -24,8 +25,14 @@ from lightning_par.launcher import run_distributed
 __all__ = ["launch_job", "train_worker", "validate_run"]
 
 
-def _externally_launched() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+def _external_world_size() -> int | None:
+    """World size set by an outside launcher (torchrun: ``WORLD_SIZE``; SLURM ``srun`` / submitit:
+    ``SLURM_NTASKS`` with ``SLURM_PROCID``), or ``None`` when this process must start the world itself."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        return int(os.environ["SLURM_NTASKS"])  # Lightning's SLURMEnvironment reads the rest
+    return None
 
 
 def _loggers(run_dir: Path) -> list[Any]:
@@ -129,11 +136,12 @@ def launch_job(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any] | None:
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     run_dir = str(run_dir)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    if _externally_launched():
-        if int(os.environ["WORLD_SIZE"]) != dims.world_size:
+    external = _external_world_size()
+    if external is not None:
+        if external != dims.world_size:
             raise ValueError(
-                f"parallel.world_size={dims.world_size} does not match WORLD_SIZE={os.environ['WORLD_SIZE']} set by "
-                f"the launcher: set parallel.world_size={os.environ['WORLD_SIZE']}."
+                f"parallel.world_size={dims.world_size} does not match the {external} processes started by the "
+                f"launcher (WORLD_SIZE / SLURM_NTASKS): set parallel.world_size={external}."
             )
         return train_worker(cfg_dict, run_dir)
     import torch
