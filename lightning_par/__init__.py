@@ -4,9 +4,9 @@ Importing the package registers its strategies with Lightning, so ``Trainer(stra
 """
 
 from lightning_par.parallel_dims import MESH_AXES, ParallelDims
-from lightning_par.strategies import DDPOverlapStrategy, MeshStrategy, PipelineStrategy, TensorParallelStrategy, ZeroStrategy, register_all
+from lightning_par.strategies import DDPOverlapStrategy, MeshStrategy, Parallel3DStrategy, PipelineStrategy, TensorParallelStrategy, ZeroStrategy, register_all
 
-__all__ = ["MESH_AXES", "DDPOverlapStrategy", "MeshStrategy", "ParallelDims", "PipelineStrategy", "TensorParallelStrategy", "ZeroStrategy"]
+__all__ = ["MESH_AXES", "DDPOverlapStrategy", "MeshStrategy", "Parallel3DStrategy", "ParallelDims", "PipelineStrategy", "TensorParallelStrategy", "ZeroStrategy"]
 __version__ = "0.1.0.dev0"
 
 register_all()

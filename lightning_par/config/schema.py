@@ -18,6 +18,7 @@ __all__ = [
     "DataConfig",
     "DDPOverlapConfig",
     "ModelConfig",
+    "Parallel3DConfig",
     "ParallelConfig",
     "PipelineConfig",
     "RunConfig",
@@ -123,6 +124,31 @@ class PipelineConfig(StrategyConfig):
 
 
 @dataclass
+class Parallel3DConfig(StrategyConfig):
+    """:class:`lightning_par.strategies.Parallel3DStrategy` options (the three sizes come from ``parallel``)."""
+
+    name: str = "parallel_3d"
+    #: ddp | zero1 | zero2 | zero3
+    dp_mode: str = "ddp"
+    sequence_parallel: bool = False
+    #: a user TP plan, relative to the network (``.model``); None uses the reference GPT's.
+    plan: Optional[dict[str, str]] = None
+    schedule: str = "1f1b"
+    num_microbatches: int = 4
+    virtual_stages: Optional[int] = None
+    split: Any = "params"
+    reshard_after_forward: bool = True
+    #: zero modes only: None, "bf16", "fp16".
+    mixed_precision: Optional[str] = None
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
+    comm_hook: str = "none"
+    powersgd_rank: int = 1
+    powersgd_start_iter: int = 2
+    measure_bubble: bool = True
+
+
+@dataclass
 class ModelConfig:
     """The reference GPT: a preset plus optional overrides, and its optimiser."""
 
@@ -196,6 +222,7 @@ STRATEGY_SCHEMAS: dict[str, type[StrategyConfig]] = {
     "zero3": ZeroConfig,
     "gpipe": PipelineConfig,
     "1f1b": PipelineConfig,
+    "parallel_3d": Parallel3DConfig,
 }
 
 

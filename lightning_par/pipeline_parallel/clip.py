@@ -18,26 +18,55 @@ from torch import Tensor, nn
 __all__ = ["clip_grad_norm_across_ranks", "total_grad_norm"]
 
 
+def _powered_norm_sum(grads: list[Tensor], q: float) -> Tensor:
+    """``sum_g ||g||_q^q`` (``max_g ||g||_inf`` for ``q = inf``) over this rank's share of ``grads``, each DTensor
+    made whole over its own mesh (a float32 scalar, plain)."""
+    from torch.distributed.tensor import DTensor
+
+    by_spec: dict[tuple, list[Tensor]] = {}
+    plain: list[Tensor] = []
+    for g in grads:
+        if isinstance(g, DTensor):
+            by_spec.setdefault((g.device_mesh, tuple(g.placements)), []).append(g)
+        else:
+            plain.append(g)
+    parts: list[Tensor] = []
+    if plain:
+        parts.append(torch.nn.utils.get_total_norm(plain, q).detach().float().reshape(()))
+    for same in by_spec.values():
+        # One mesh and placement: torch stacks the per-tensor norms; full_tensor() reduces over that mesh once.
+        norm = torch.nn.utils.get_total_norm(same, q)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        parts.append(norm.detach().float().reshape(()))
+    if not parts:
+        return torch.tensor(0.0)
+    stacked = torch.stack([p.cpu() for p in parts])
+    return stacked.max() if q == float("inf") else stacked.pow(q).sum()
+
+
 def total_grad_norm(
     params: Iterable[nn.Parameter], groups: Sequence[dist.ProcessGroup | None], norm_type: float = 2.0
 ) -> Tensor:
     """The ``norm_type``-norm of the gradients of ``params`` on this rank and of the parameters on the other ranks of
-    each group in ``groups`` (e.g. ``[pp_group]``), as one vector. DTensor gradients count in full.
+    each group in ``groups`` (e.g. ``[pp_group]``), as one vector.
+
+    DTensor gradients count in full, whatever their mesh: tensor-parallel shards (tp mesh), ZeRO shards (dp mesh) and
+    FSDP2 + TP shards (``(dp, tp)`` mesh) may be mixed with plain gradients on one stage. The gradients are grouped
+    by (mesh, placements); each group's norm is reduced over its own mesh (``full_tensor``), the plain gradients are
+    counted once, and the ``q``-th powers are summed (max for ``q = inf``), then summed over ``groups``. This is
+    Megatron-LM's global-norm clipping under model parallelism (Shoeybi et al. 2019, the ``clip_grad_norm`` of its
+    ``mpu``), with DTensor doing the tp/dp reductions.
 
     Returns:
-        A float32 scalar tensor, the same on every rank of the groups.
+        A float32 scalar tensor (CPU), the same on every rank of the groups.
     """
     q = float(norm_type)
     grads = [p.grad for p in params if p.grad is not None]
-    local = torch.nn.utils.get_total_norm(grads, q) if grads else torch.tensor(0.0)
-    if hasattr(local, "full_tensor"):
-        local = local.full_tensor()
-    local = local.detach().float().reshape(())
+    powered = _powered_norm_sum(grads, q)
     if q == float("inf"):
         for group in groups:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        return local
-    powered = local.pow(q)
+            dist.all_reduce(powered, op=dist.ReduceOp.MAX, group=group)
+        return powered
     for group in groups:
         dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
     return powered.pow(1.0 / q)
@@ -54,12 +83,16 @@ def clip_grad_norm_across_ranks(
     Args:
         params: this rank's parameters.
         max_norm: largest allowed total norm.
-        groups: process groups whose ranks hold the rest of the model (the pp group; with tensor parallelism the
-            DTensor gradients already count in full).
+        groups: process groups whose ranks hold the rest of the model (the pp group; DTensor gradients, tensor-
+            or data-parallel shards, already count in full).
         norm_type: ``q`` of the q-norm; ``float("inf")`` for the max norm.
     """
     params = [p for p in params if p.grad is not None]
     total = total_grad_norm(params, groups, norm_type)
-    if params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(params[0].grad.device))
+    # The coefficient of clip_grad_norm_ (always applied, 1.0 when under the limit), as a float so that it scales
+    # plain and DTensor gradients of any mesh alike.
+    coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    with torch.no_grad():
+        for p in params:
+            p.grad.mul_(coef)
     return total

@@ -6,14 +6,15 @@ from typing import Any
 
 from lightning_par.strategies.base import MeshStrategy
 from lightning_par.strategies.ddp_overlap import DDPOverlapStrategy
+from lightning_par.strategies.parallel_3d import Parallel3DStrategy
 from lightning_par.strategies.pipeline import PipelineStrategy
 from lightning_par.strategies.tensor_parallel import TensorParallelStrategy
 from lightning_par.strategies.zero import ZeroStrategy
 
-__all__ = ["DDPOverlapStrategy", "MeshStrategy", "PipelineStrategy", "STRATEGIES", "TensorParallelStrategy", "ZeroStrategy", "register_all"]
+__all__ = ["DDPOverlapStrategy", "MeshStrategy", "Parallel3DStrategy", "PipelineStrategy", "STRATEGIES", "TensorParallelStrategy", "ZeroStrategy", "register_all"]
 
 #: Every concrete strategy class, registered under the names its ``register_strategies`` gives.
-STRATEGIES: tuple[type[MeshStrategy], ...] = (DDPOverlapStrategy, TensorParallelStrategy, ZeroStrategy, PipelineStrategy)
+STRATEGIES: tuple[type[MeshStrategy], ...] = (DDPOverlapStrategy, TensorParallelStrategy, ZeroStrategy, PipelineStrategy, Parallel3DStrategy)
 
 
 def register_all(registry: Any | None = None) -> None:

@@ -12,6 +12,7 @@ from omegaconf.errors import ValidationError
 
 from lightning_par.config.build import build_module, build_parallel_dims, build_strategy, strategy_classes
 from lightning_par.config.schema import register_configs
+from lightning_par.train import validate_run
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = ("parallel", "strategy", "model", "data", "trainer")
@@ -52,11 +53,12 @@ def test_every_option_composes_and_builds(group, option):
         build_strategy(cfg)  # option and layout validation, no processes
 
 
-def test_recipes_compose():
-    for recipe in _options("recipe") if (CONF / "recipe").is_dir() else []:
-        cfg = _compose(f"+recipe={recipe}")
-        build_parallel_dims(cfg)
-        build_strategy(cfg)
+@pytest.mark.parametrize("recipe", _options("recipe"))
+def test_every_recipe_composes_and_validates(recipe):
+    """Strategy options and the model (built on the meta device) against the layout, as the launcher checks them."""
+    cfg = _compose(f"+recipe={recipe}")
+    validate_run(cfg)
+    assert build_parallel_dims(cfg).world_size == cfg.parallel.world_size
 
 
 def test_default_builds_the_small_gpt():

@@ -1,0 +1,149 @@
+"""Helpers of the 3D-parallel tests: every fit, save, resume and validation of the 8-process test in one launch.
+
+A *step* of the worker's plan is a picklable dict with ``"kind"``:
+
+* ``"fit"``: ``{"kind": "fit", "name", "options" (Parallel3DStrategy kwargs), "steps", "micro_batch", "clip",
+  "resume": path | None, "save": path | None, "val": bool, "crash_save": path | None}`` — fit from scratch (or resume
+  from ``resume``); with ``val`` a validation runs at the end (``val_loss``); ``save`` writes a checkpoint after the
+  fit; ``crash_save`` then starts another save to that path that fails after the shards are written but before the
+  commit (a simulated crash);
+* ``"validate"``: ``{"kind": "validate", "name", "options", "micro_batch", "ckpt"}`` — load ``ckpt`` into a fresh
+  model under ``options`` and validate (``val_loss``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from lightning_par.launcher import run_distributed
+from lightning_par.models import GPTConfig, GPTLightningModule
+from tests.helpers import TIMEOUT_S, LossRecorder, TokenDataset
+
+CONFIG = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=256, dropout=0.0)
+
+
+def make_gpt() -> GPTLightningModule:
+    """The tiny GPT, seeded: every rank and the reference build the same initial model."""
+    torch.manual_seed(0)
+    return GPTLightningModule(CONFIG, learning_rate=3e-3, adam_eps=1e-6)
+
+
+def _loader(dataset: Dataset, micro_batch: int, dp_size: int, dp_rank: int) -> DataLoader:
+    sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=False)
+    return DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True)
+
+
+class SimulatedCrash(RuntimeError):
+    """Raised by the crashing save of the tests."""
+
+
+def _crashing_save(path: Any, checkpoint: dict[str, Any], is_rank0: bool) -> None:
+    from lightning_par.checkpoint.sharded import save_sharded
+
+    save_sharded(path, checkpoint, is_rank0)  # the shards are on disk (in the staging directory) ...
+    raise SimulatedCrash("simulated crash during a checkpoint save")  # ... but the save never commits
+
+
+def _strategy(options: dict[str, Any]) -> Any:
+    from lightning_par.strategies.parallel_3d import Parallel3DStrategy
+
+    return Parallel3DStrategy(timeout_s=90, **options)
+
+
+def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, Any]:
+    """Run one step of the plan on this rank (see the module docstring)."""
+    import lightning_par.strategies.parallel_3d as p3d
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    strategy = _strategy(step["options"])
+    dims = strategy.resolve_parallel_dims(world)
+    dp_rank = dims.coordinates(rank)["dp"]
+    micro = step["micro_batch"]
+    recorder = LossRecorder()
+    validate_only = step["kind"] == "validate"
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=step.get("steps", 1),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=None if (validate_only or step.get("val")) else 0,
+        check_val_every_n_epoch=None,
+        val_check_interval=step.get("val_every", step.get("steps", 1)),
+        gradient_clip_val=step.get("clip"),
+        callbacks=[recorder],
+    )
+    module = make_gpt()
+    out: dict[str, Any] = {"name": step["name"], "rank": rank, "dp_rank": dp_rank}
+    val_loader = _loader(val, micro, dims.dp_size, dp_rank)
+    if validate_only:
+        metrics = trainer.validate(module, val_loader, ckpt_path=step["ckpt"], verbose=False)
+        out["val_loss"] = float(metrics[0]["val_loss"])
+        return out
+    loader = _loader(train, micro, dims.dp_size, dp_rank)
+    trainer.fit(module, loader, val_loader if step.get("val") else None, ckpt_path=step.get("resume"))
+    out["losses"] = recorder.losses
+    out["state"] = strategy.full_state_dict()
+    if step.get("val"):
+        out["val_loss"] = float(trainer.callback_metrics["val_loss"])
+    if step.get("save"):
+        trainer.save_checkpoint(step["save"])
+    if step.get("crash_save"):
+        original = p3d.save_sharded
+        p3d.save_sharded = _crashing_save
+        try:
+            trainer.save_checkpoint(step["crash_save"])
+        except SimulatedCrash:
+            out["crashed"] = True
+        finally:
+            p3d.save_sharded = original
+    return out
+
+
+def plan_worker(plan: list[dict[str, Any]], train: Dataset, val: Dataset) -> list[dict[str, Any]]:
+    """Body of one rank: every step of ``plan`` in order, in one process group."""
+    env = dict(os.environ)
+    torch.set_num_threads(1)
+    results = []
+    for step in plan:
+        os.environ.clear()
+        os.environ.update(env)  # Lightning's teardown removes WORLD_SIZE and friends after each fit
+        results.append(run_step(step, train, val))
+    return results
+
+
+def run_plan(world_size: int, plan: list[dict[str, Any]], train: Dataset, val: Dataset,
+             timeout_s: float = TIMEOUT_S) -> dict[str, list[dict[str, Any]]]:
+    """Run ``plan`` on ``world_size`` ranks; returns ``{step name: [result of rank 0, rank 1, ...]}``."""
+    per_rank = run_distributed(plan_worker, world_size, (plan, train, val), timeout_s=timeout_s)
+    return {step["name"]: [per_rank[r][i] for r in range(world_size)] for i, step in enumerate(plan)}
+
+
+def reference_val_loss(params: dict[str, torch.Tensor] | None, val: Dataset, path: str | None = None) -> float:
+    """One process: the mean loss over every sample of ``val`` (equal-size batches, so the mean Lightning logs),
+    with ``params`` loaded, or the model part of the sharded checkpoint at ``path``."""
+    from lightning_par.checkpoint import load_model_weights
+
+    module = make_gpt()
+    if path is not None:
+        load_model_weights(path, module)
+    else:
+        module.load_state_dict(params, strict=False)
+    x = torch.stack([val[i][0] for i in range(len(val))])
+    y = torch.stack([val[i][1] for i in range(len(val))])
+    with torch.no_grad():
+        return float(module.loss_fn(module.model(x), y))
+
+
+def token_data(n: int, seed: int = 0) -> TokenDataset:
+    return TokenDataset(n=n, seq=CONFIG.block_size, seed=seed)
