@@ -9,6 +9,7 @@ turns the LightningModule's network into its parallel form once the mesh exists.
 
 from __future__ import annotations
 
+import atexit
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -33,6 +34,14 @@ from typing_extensions import override
 from lightning_par.parallel_dims import ParallelDims, _check_int
 
 __all__ = ["MeshStrategy"]
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
 
 
 class MeshStrategy(ParallelStrategy):
@@ -160,9 +169,14 @@ class MeshStrategy(ParallelStrategy):
             self.root_device
         )
         assert self.cluster_environment is not None
+        started = not dist.is_initialized()
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=timedelta(seconds=self._timeout_s)
         )
+        if started:
+            # Destroy the group we started before the interpreter tears down: left to interpreter finalisation,
+            # gloo's threads can outlive the objects they use and abort the process after a successful fit.
+            atexit.register(_destroy_process_group)
         dims.build_mesh(self.root_device.type)
         self.parallel_dims = dims
 
