@@ -27,7 +27,7 @@ def strategy_classes() -> dict[str, type]:
 
     names: dict[str, type] = {}
     for cls in STRATEGIES:
-        for name in getattr(cls, "registry_names", (cls.strategy_name,)):
+        for name in cls.registry_names or (cls.strategy_name,):
             names[name] = cls
     return names
 

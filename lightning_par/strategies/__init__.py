@@ -22,5 +22,4 @@ def register_all(registry: Any | None = None) -> None:
     if registry is None:
         from lightning.pytorch.strategies import StrategyRegistry as registry
     for cls in STRATEGIES:
-        if cls.strategy_name not in registry:
-            cls.register_strategies(registry)
+        cls.register_strategies(registry)

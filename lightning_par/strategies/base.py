@@ -63,6 +63,11 @@ class MeshStrategy(ParallelStrategy):
     """
 
     strategy_name: ClassVar[str] = "mesh"
+    #: Lightning registry names of the class (default: ``(strategy_name,)``) and the options each name implies.
+    registry_names: ClassVar[tuple[str, ...]] = ()
+    registry_presets: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: one line for ``StrategyRegistry``'s listing.
+    description: ClassVar[str] = ""
 
     def __init__(
         self,
@@ -245,3 +250,13 @@ class MeshStrategy(ParallelStrategy):
         """Strategy-specific figures for ``summary.json`` (e.g. overlap fraction, bubble); empty by default."""
         dims = self.parallel_dims
         return {} if dims is None else {"dp_size": dims.dp_size, "tp_size": dims.tp_size, "pp_size": dims.pp_size}
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register every name of :attr:`registry_names` with its preset options (names already taken are kept)."""
+        for name in cls.registry_names or (cls.strategy_name,):
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name, cls, description=cls.description, **cls.registry_presets.get(name, {})
+                )

@@ -51,6 +51,7 @@ class DDPOverlapStrategy(ReducerHooks, MeshStrategy):
     """
 
     strategy_name: ClassVar[str] = "ddp_overlap"
+    description: ClassVar[str] = "Data parallel, bucketed all-reduce overlapped with backward"
 
     def __init__(
         self,
@@ -86,10 +87,3 @@ class DDPOverlapStrategy(ReducerHooks, MeshStrategy):
     @override
     def summary_extras(self) -> dict[str, Any]:
         return {**super().summary_extras(), **self.reducer_extras()}
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="Data parallel, bucketed all-reduce overlapped with backward"
-        )

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
@@ -133,6 +132,7 @@ class Parallel3DStrategy(PipelineStrategy):
     """
 
     strategy_name: ClassVar[str] = "parallel_3d"
+    description: ClassVar[str] = "3D parallel: TP in each pipeline stage, PP across stages, ddp/zero1/zero2/zero3 on dp"
     registry_names: ClassVar[tuple[str, ...]] = ("parallel_3d",)
     registry_presets: ClassVar[dict[str, dict[str, Any]]] = {"parallel_3d": {}}
 
@@ -504,19 +504,6 @@ class Parallel3DStrategy(PipelineStrategy):
             extras.update(self.engine.summary())
         return extras
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name in cls.registry_names:
-            if name in strategy_registry:
-                continue
-            strategy_registry.register(
-                name,
-                cls,
-                description="3D parallel: tensor parallel in each pipeline stage, pipeline across stages, "
-                "ddp/zero1/zero2/zero3 across replicas",
-                **cls.registry_presets[name],
-            )
 
 
 def _prefix_optimizer_state(state: dict[str, Any], attr: str, remove: bool = False) -> dict[str, Any]:

@@ -132,6 +132,7 @@ class PipelineStrategy(MeshStrategy):
     """
 
     strategy_name: ClassVar[str] = "gpipe"
+    description: ClassVar[str] = "Pipeline parallel on the pp axis (gpipe / 1f1b / interleaved), bucketed all-reduce on dp"
     #: Lightning registry names and the options each one implies.
     registry_names: ClassVar[tuple[str, ...]] = ("gpipe", "1f1b")
     registry_presets: ClassVar[dict[str, dict[str, Any]]] = {
@@ -541,16 +542,3 @@ class PipelineStrategy(MeshStrategy):
             extras.update(summarize_bubble(per_stage))
             extras["pp_bubble_measured_steps"] = len(steps)
         return extras
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name in cls.registry_names:
-            if name in strategy_registry:
-                continue
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"Pipeline parallel ({name} schedule) on the pp axis, bucketed all-reduce on dp",
-                **cls.registry_presets[name],
-            )

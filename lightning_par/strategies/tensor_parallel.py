@@ -73,6 +73,7 @@ class TensorParallelStrategy(ReducerHooks, MeshStrategy):
     """
 
     strategy_name: ClassVar[str] = "tensor_parallel"
+    description: ClassVar[str] = "Megatron tensor parallelism on tp (DTensor), data parallel on dp"
 
     def __init__(
         self,
@@ -230,10 +231,3 @@ class TensorParallelStrategy(ReducerHooks, MeshStrategy):
                 extras["vocab_padding"] = {name: f"{v} -> {p}" for name, (v, p) in padded.items()}
         extras.update(self.reducer_extras(prefix="dp_"))
         return extras
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="Megatron tensor parallelism on tp (DTensor), data parallel on dp"
-        )

@@ -65,6 +65,7 @@ class ZeroStrategy(MeshStrategy):
 
     #: The first name :meth:`register_strategies` adds (``register_all`` checks it); instances report their stage's.
     strategy_name: ClassVar[str] = "zero1"
+    description: ClassVar[str] = "ZeRO stage 1/2/3 (optimizer state / + gradients / + parameters sharded over dp)"
     #: Registry names and the options each one presets (read by ``lightning_par.config.build``).
     registry_names: ClassVar[tuple[str, ...]] = ("zero1", "zero2", "zero3")
     registry_presets: ClassVar[dict[str, dict[str, Any]]] = {f"zero{k}": {"stage": k} for k in (1, 2, 3)}
@@ -260,14 +261,6 @@ class ZeroStrategy(MeshStrategy):
             extras.update(self.engine.summary())
         return extras
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        what = {1: "optimizer state", 2: "optimizer state and gradients", 3: "parameters, gradients, optimizer state"}
-        for name in cls.registry_names:
-            stage = cls.registry_presets[name]["stage"]
-            description = f"ZeRO stage {stage}: {what[stage]} sharded over dp"
-            strategy_registry.register(name, cls, description=description, **cls.registry_presets[name])
 
 
 def _check_trainable(module: torch.nn.Module) -> None:
