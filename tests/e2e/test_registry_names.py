@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).with_name("registry_user_script.py")
+CRASH = Path(__file__).with_name("crash_user_script.py")
 
 
 @pytest.mark.slow
@@ -20,3 +21,12 @@ def test_registry_name_trains_under_lightnings_launcher(name, tmp_path):
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("DONE"))
     val_loss = float(line.split()[-1])
     assert 0.0 < val_loss < 5.55  # below the uniform byte entropy after 5 steps on the learnable synthetic stream
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp_overlap", "zero2", "tensor_parallel"])
+def test_a_rank_that_raises_ends_the_job_with_a_non_zero_exit(name, tmp_path):
+    """No hang: the peers see the closed connection, and nothing waits for the failed rank at exit."""
+    proc = subprocess.run([sys.executable, str(CRASH), name], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "rank 1 fails on purpose" in proc.stdout + proc.stderr
