@@ -3,10 +3,10 @@
 A *step* of the worker's plan is a picklable dict with ``"kind"``:
 
 * ``"fit"``: ``{"kind": "fit", "name", "options" (Parallel3DStrategy kwargs), "steps", "micro_batch", "clip",
-  "resume": path | None, "save": path | None, "val": bool, "crash_save": path | None}`` — fit from scratch (or resume
-  from ``resume``); with ``val`` a validation runs at the end (``val_loss``); ``save`` writes a checkpoint after the
-  fit; ``crash_save`` then starts another save to that path that fails after the shards are written but before the
-  commit (a simulated crash);
+  "accumulate": int (``accumulate_grad_batches``, default 1), "resume": path | None, "save": path | None, "val": bool,
+  "crash_save": path | None}`` — fit ``steps`` optimizer steps from scratch (or resume from ``resume``); with ``val``
+  a validation runs at the end (``val_loss``); ``save`` writes a checkpoint after the fit; ``crash_save`` then starts
+  another save to that path that fails after the shards are written but before the commit (a simulated crash);
 * ``"validate"``: ``{"kind": "validate", "name", "options", "micro_batch", "ckpt"}`` — load ``ckpt`` into a fresh
   model under ``options`` and validate (``val_loss``).
 """
@@ -81,6 +81,7 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
         check_val_every_n_epoch=None,
         val_check_interval=step.get("val_every", step.get("steps", 1)),
         gradient_clip_val=step.get("clip"),
+        accumulate_grad_batches=step.get("accumulate", 1),
         callbacks=[recorder],
     )
     module = make_gpt()
