@@ -22,6 +22,8 @@ from lightning_par.memory import model_state_bytes, peak_memory_bytes
 
 __all__ = ["ParallelMetricsCallback", "parallel_sizes"]
 
+#: optimizer steps during which the model-state bytes are measured (see ``on_before_optimizer_step``).
+_STATE_MEASURE_STEPS = 3
 _CPU_MFU_NOTE = "not meaningful on CPU: no peak FLOP/s for this device"
 
 
@@ -189,7 +191,10 @@ class ParallelMetricsCallback(L.Callback):
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        self._measure_state(pl_module, trainer.optimizers)
+        # Parameter, gradient and optimizer-state bytes do not change after the first steps (optimizer state exists
+        # from the first step on): measure early, keep the hot path free of the walk over every tensor later.
+        if self._steps_done < _STATE_MEASURE_STEPS:
+            self._measure_state(pl_module, trainer.optimizers)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -222,6 +227,9 @@ class ParallelMetricsCallback(L.Callback):
             pl_module.log("mfu", mfu, prog_bar=True, **log)
         if self._peak_mem is not None:
             pl_module.log("peak_mem_mb", self._peak_mem / 2**20, **log)
+        for key, value in self._state_bytes.items():
+            if value is not None:  # param_mb, grad_mb, optimizer_state_mb of this rank (local shards)
+                pl_module.log(key.replace("_bytes", "_mb"), value / 2**20, **log)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._measure_state(pl_module, trainer.optimizers)
