@@ -14,7 +14,7 @@ CRASH = Path(__file__).with_name("crash_user_script.py")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ddp_overlap", "zero1", "zero2", "zero3", "tensor_parallel", "gpipe", "1f1b"])
+@pytest.mark.parametrize("name", ["ddp_overlap", "zero1", "zero2", "zero3", "tensor_parallel", "gpipe", "1f1b", "parallel_3d"])
 def test_registry_name_trains_under_lightnings_launcher(name, tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), name], cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
