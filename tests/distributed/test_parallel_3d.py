@@ -6,14 +6,17 @@ One 8-process launch runs, in order:
 * parity: 4 optimizer steps (2 epochs) for every ``dp_mode`` (ddp, zero1, zero2, zero3), with sequence parallelism
   and global-norm clipping in some cases; gradient accumulation (``accumulate_grad_batches=2``, 2 optimizer steps
   over 4 batches) for every ``dp_mode``; the interleaved 1F1B schedule (2 virtual stages per rank) with ddp, zero1
-  and zero3 without resharding after forward. Each is compared with a one-process reference that sums the
-  micro-batch gradients in the pipeline's order (losses within ``rtol=1e-5``, gathered parameters within
-  ``assert_params_close``);
+  and zero3 without resharding after forward; the GPipe schedule with zero2, sequence parallelism and clipping. Each
+  is compared with a one-process reference that sums the micro-batch gradients in the pipeline's order (losses
+  within ``rtol=1e-5``, gathered parameters within ``assert_params_close``);
 * for each of zero3, ddp and zero1: a fit of 2 steps (one epoch) that validates and saves a checkpoint; a resumed fit
   from it to step 4, whose losses and parameters must equal the uninterrupted parity run's (zero3: then a save over
   the same path that crashes after writing its shards: the earlier checkpoint must stay in place and loadable);
+* the same for zero2 (with sequence parallelism and clipping), without the crashing save;
 * the resharding round trips: each checkpoint (saved at dp2·tp2·pp2) validated at dp4·tp2·pp1 (under another
-  dp_mode than the one that saved it), and loaded in one process here: the same validation loss within 1e-5.
+  dp_mode than the one that saved it), and loaded in one process here: the same validation loss within 1e-5;
+* the ddp checkpoint validated at dp1·tp2·pp4 (zero1, sequence parallel: one block per stage) and the zero2 one at
+  dp4·tp1·pp2 (zero3): another pp size, so other stage boundaries; the reference's validation loss within 1e-5.
 
 One 4-process launch runs the layouts with one axis of size 1: dp2·tp1·pp2 (ddp, zero3) and dp1·tp2·pp2 (ddp with
 sequence parallelism, zero1), 4 steps each, against the same reference.
@@ -47,10 +50,21 @@ PARITY = {
     "interleaved_ddp_sp": (dict(dp_mode="ddp", sequence_parallel=True, **INTERLEAVED), None, 1),
     "interleaved_zero1_clip": (dict(dp_mode="zero1", **INTERLEAVED), CLIP, 1),
     "interleaved_zero3_keep": (dict(dp_mode="zero3", reshard_after_forward=False, **INTERLEAVED), None, 1),
+    "gpipe_zero2_sp_clip": (dict(dp_mode="zero2", sequence_parallel=True, schedule="gpipe"), CLIP, 1),
 }
 #: Checkpoint round trips: name: (the parity case whose options save, and that the resumed fit must continue;
 #: the dp_mode that loads at dp4·tp2·pp1).
-ROUND_TRIPS = {"zero3": ("zero3", "ddp"), "ddp": ("ddp_sp", "zero2"), "zero1": ("zero1_clip", "zero3")}
+ROUND_TRIPS = {
+    "zero3": ("zero3", "ddp"),
+    "ddp": ("ddp_sp", "zero2"),
+    "zero1": ("zero1_clip", "zero3"),
+    "zero2": ("zero2_sp_clip", "zero1"),
+}
+#: Validations at another pp size (world 8): name: (the round trip whose checkpoint loads, the layout it loads into).
+OTHER_PP = {
+    "dp1_tp2_pp4": ("ddp", dict(dp_size=1, tp_size=2, pp_size=4, dp_mode="zero1", sequence_parallel=True)),
+    "dp4_tp1_pp2": ("zero2", dict(dp_size=4, tp_size=1, pp_size=2, dp_mode="zero3")),
+}
 #: World 4: name: (options, clip).
 SMALL = {
     "dp2_tp1_pp2_ddp": (dict(dp_size=2, tp_size=1, pp_size=2, dp_mode="ddp"), None),
@@ -87,6 +101,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[str, s
             {"kind": "validate", "name": f"{name}_dp4_tp2", "micro_batch": MICRO, "ckpt": ckpt,
              "options": dict(dp_size=4, tp_size=2, pp_size=1, dp_mode=load_mode, num_microbatches=M)},
         ]
+    plan += [
+        {"kind": "validate", "name": name, "micro_batch": MICRO, "ckpt": ckpts[trip],
+         "options": {**options, "num_microbatches": M, "schedule": "1f1b"}}
+        for name, (trip, options) in OTHER_PP.items()
+    ]
     return run_plan(8, plan, train, val, timeout_s=300), ckpts
 
 
@@ -163,3 +182,24 @@ def test_crashed_save_keeps_the_previous_checkpoint(results) -> None:
     out, _ = results
     assert all(r.get("crashed") for r in out["zero3_resumed"])  # the second save really failed on every rank
     # test_resharding_round_trip[zero3] checks that the checkpoint in place is still the 2-step one.
+
+
+@pytest.mark.parametrize("name", list(OTHER_PP))
+def test_checkpoint_loads_at_another_pp_size(results, name: str) -> None:
+    """A dp2·tp2·pp2 checkpoint validated with 4 pipeline stages (one block each), or with tp1 and dp4: the
+    stage boundaries move, so each stage reads other ranks' shards of other stages' parameters."""
+    out, _ = results
+    trip, options = OTHER_PP[name]
+    _, clip, _ = PARITY[ROUND_TRIPS[trip][0]]
+    with one_thread():
+        _, params = reference_fit_microbatched(make_gpt, token_data(MICRO * DP * HALF), MICRO, HALF, M, DP,
+                                               clip_norm=clip)
+        expected = reference_val_loss(params, token_data(16, seed=1))
+    saved = out[f"{trip}_first"][0]["val_loss"]
+    loaded = [r["val_loss"] for r in out[name]]
+    print(f"{name} ({trip} checkpoint, {options['dp_mode']}) val_loss {loaded[0]:.7f}, saved at dp2-tp2-pp2 "
+          f"{saved:.7f}, reference {expected:.7f}")
+    # The untrained model's loss (5.5418) is ~2e-2 away: a load that silently kept the initial weights fails here.
+    assert len(loaded) == 8
+    assert all(v == pytest.approx(expected, rel=1e-5) for v in loaded)
+    assert all(v == pytest.approx(saved, rel=1e-5) for v in loaded)
