@@ -151,9 +151,9 @@ def assert_params_close(actual: dict, expected: dict, rtol: float = 1e-5, atol: 
 
     Adam divides by ``sqrt(v) + eps``, which amplifies fp32 rounding in near-zero gradient entries: in ONE process,
     4 AdamW steps on the tiny GPT with the global-batch gradient vs the mean of two half-batch gradients (identical
-    up to rounding, max |diff| 2e-9) end with parameters up to 6e-5 apart at eps=1e-8 and 1.9e-6 apart at eps=1e-6.
-    So parity runs use ``adam_eps=1e-6`` and ``atol=1e-5``: 1/300 of one step at lr 3e-3, while a missing or
-    unaveraged all-reduce moves parameters by about a step.
+    up to rounding) end with parameters 6.3e-5 apart at eps=1e-8 and 2.0e-6 apart at eps=1e-6
+    (``tests/unit/test_parity_tolerance.py`` measures it). So parity runs use ``adam_eps=1e-6`` and ``atol=1e-5``:
+    1/300 of one step at lr 3e-3, while a missing or unaveraged all-reduce moves parameters by about a step.
     """
     assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
     for name in expected:
