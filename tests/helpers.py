@@ -57,6 +57,24 @@ def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+#: Trainer settings every distributed test shares: no logger, checkpoint callback, progress bar, model summary or
+#: sanity check, and no injected sampler (tests shard the data over the dp axis themselves).
+QUIET_TRAINER = dict(
+    accelerator="cpu",
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    use_distributed_sampler=False,
+    num_sanity_val_steps=0,
+)
+
+
+def quiet_trainer(strategy: Any, world: int, **kwargs: Any) -> L.Trainer:
+    """A Trainer on ``world`` CPU devices under ``strategy`` with :data:`QUIET_TRAINER` plus ``kwargs``."""
+    return L.Trainer(devices=world, strategy=strategy, **{**QUIET_TRAINER, **kwargs})
+
+
 def fit_worker(
     make_strategy: Callable[[], Any],
     make_module: Callable[[], L.LightningModule],
@@ -74,20 +92,8 @@ def fit_worker(
     loader = DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True)
     recorder = LossRecorder()
     module = make_module()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[recorder],
-        **(trainer_kwargs or {}),
+    trainer = quiet_trainer(
+        strategy, world, max_steps=steps, limit_val_batches=0, callbacks=[recorder], **(trainer_kwargs or {})
     )
     trainer.fit(module, loader)
     state = (state_fn or (lambda m, s: full_state_dict(m)))(module, strategy)

@@ -16,13 +16,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_par.launcher import run_distributed
 from lightning_par.models import GPTConfig, GPTLightningModule
-from tests.helpers import TIMEOUT_S, LossRecorder, TokenDataset
+from tests.helpers import TIMEOUT_S, LossRecorder, TokenDataset, quiet_trainer
 
 CONFIG = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=256, dropout=0.0)
 
@@ -66,17 +65,10 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
     micro = step["micro_batch"]
     recorder = LossRecorder()
     validate_only = step["kind"] == "validate"
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
+    trainer = quiet_trainer(
+        strategy,
+        world,
         max_steps=step.get("steps", 1),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
         limit_val_batches=None if (validate_only or step.get("val")) else 0,
         check_val_every_n_epoch=None,
         val_check_interval=step.get("val_every", step.get("steps", 1)),

@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_par.launcher import run_distributed
 from lightning_par.pipeline_parallel.checkpoint import gather_state_dicts
-from tests.helpers import TIMEOUT_S, fit_worker
+from tests.helpers import TIMEOUT_S, fit_worker, quiet_trainer
 
 
 @contextmanager
@@ -230,17 +230,10 @@ def checkpoint_worker(
         val_loader = _replica_loader(dataset, micro_batch, dims.dp_size, dp_rank)
         recorder = LossRecorder()
         module = make_module()
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=dims.world_size,
-            strategy=strategy,
+        trainer = quiet_trainer(
+            strategy,
+            dims.world_size,
             max_steps=steps if phase == "first" else 2 * steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-            num_sanity_val_steps=0,
             limit_val_batches=2,
             val_check_interval=steps,
             callbacks=[recorder],

@@ -25,7 +25,7 @@ from lightning_par.data_parallel.comm_volume import CommVolumeCallback
 from lightning_par.data_parallel.zero_memory import zero_state_bytes
 from lightning_par.launcher import run_distributed
 from lightning_par.models import GPTConfig, GPTLightningModule
-from tests.helpers import TIMEOUT_S, LossRecorder, TokenDataset
+from tests.helpers import TIMEOUT_S, LossRecorder, TokenDataset, quiet_trainer
 
 CONFIG = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=256, dropout=0.0)
 
@@ -134,17 +134,10 @@ def run_case(case: dict[str, Any], dataset: Dataset, val_dataset: Dataset | None
     trainer_kwargs: dict[str, Any] = {"accumulate_grad_batches": case.get("accumulate", 1)}
     if case.get("clip") is not None:
         trainer_kwargs["gradient_clip_val"] = case["clip"]
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
+    trainer = quiet_trainer(
+        strategy,
+        world,
         max_steps=case.get("steps", 1),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
         limit_val_batches=0 if case.get("validate") is None else None,
         callbacks=[recorder, probe, metrics, comm] + ([saver] if saver else []),
         **trainer_kwargs,

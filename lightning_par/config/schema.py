@@ -20,6 +20,7 @@ __all__ = [
     "ModelConfig",
     "Parallel3DConfig",
     "ParallelConfig",
+    "ReducerConfig",
     "PipelineConfig",
     "RunConfig",
     "STRATEGY_SCHEMAS",
@@ -55,32 +56,34 @@ class StrategyConfig:
 
 
 @dataclass
-class DDPOverlapConfig(StrategyConfig):
-    """:class:`lightning_par.strategies.DDPOverlapStrategy` options."""
+class ReducerConfig(StrategyConfig):
+    """The dp-axis gradient reducer's options (:func:`lightning_par.data_parallel.reducer.reducer_options`), shared
+    by every strategy whose dp axis all-reduces gradients."""
 
-    name: str = "ddp_overlap"
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = False
-    static_graph: bool = False
     comm_hook: str = "none"
     powersgd_rank: int = 1
     powersgd_start_iter: int = 2
 
 
 @dataclass
-class TensorParallelConfig(StrategyConfig):
+class DDPOverlapConfig(ReducerConfig):
+    """:class:`lightning_par.strategies.DDPOverlapStrategy` options."""
+
+    name: str = "ddp_overlap"
+    static_graph: bool = False
+
+
+@dataclass
+class TensorParallelConfig(ReducerConfig):
     """:class:`lightning_par.strategies.TensorParallelStrategy` options (tp_size/dp_size come from ``parallel``)."""
 
     name: str = "tensor_parallel"
     sequence_parallel: bool = False
     #: a user plan: module path (relative to the LightningModule) -> style name; None uses the model's own plan.
     plan: Optional[dict[str, str]] = None
-    bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = False
     static_graph: bool = False
-    comm_hook: str = "none"
-    powersgd_rank: int = 1
-    powersgd_start_iter: int = 2
 
 
 @dataclass
@@ -104,7 +107,7 @@ class ZeroConfig(StrategyConfig):
 
 
 @dataclass
-class PipelineConfig(StrategyConfig):
+class PipelineConfig(ReducerConfig):
     """:class:`lightning_par.strategies.PipelineStrategy` options (pp_size/dp_size come from ``parallel``)."""
 
     name: str = "gpipe"
@@ -116,15 +119,10 @@ class PipelineConfig(StrategyConfig):
     #: params | time | size | [layers per (virtual) stage]
     split: Any = "params"
     measure_bubble: bool = True
-    bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = False
-    comm_hook: str = "none"
-    powersgd_rank: int = 1
-    powersgd_start_iter: int = 2
 
 
 @dataclass
-class Parallel3DConfig(StrategyConfig):
+class Parallel3DConfig(ReducerConfig):
     """:class:`lightning_par.strategies.Parallel3DStrategy` options (the three sizes come from ``parallel``)."""
 
     name: str = "parallel_3d"
@@ -140,11 +138,6 @@ class Parallel3DConfig(StrategyConfig):
     reshard_after_forward: bool = True
     #: zero modes only: None, "bf16", "fp16".
     mixed_precision: Optional[str] = None
-    bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = False
-    comm_hook: str = "none"
-    powersgd_rank: int = 1
-    powersgd_start_iter: int = 2
     measure_bubble: bool = True
 
 
