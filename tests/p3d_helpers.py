@@ -41,11 +41,18 @@ class SimulatedCrash(RuntimeError):
     """Raised by the crashing save of the tests."""
 
 
-def _crashing_save(path: Any, checkpoint: dict[str, Any], is_rank0: bool) -> None:
-    from lightning_par.checkpoint.sharded import save_sharded
-
-    save_sharded(path, checkpoint, is_rank0)  # the shards are on disk (in the staging directory) ...
+def _crashing_write(path: Any, checkpoint: dict[str, Any], record: dict[str, Any], is_rank0: bool) -> None:
+    _ORIGINAL_WRITE(path, checkpoint, record, is_rank0)  # the shards are on disk (in the staging directory) ...
     raise SimulatedCrash("simulated crash during a checkpoint save")  # ... but the save never commits
+
+
+def _original_write() -> Any:
+    from lightning_par.checkpoint import sharded
+
+    return sharded._write
+
+
+_ORIGINAL_WRITE = _original_write()
 
 
 def _strategy(options: dict[str, Any]) -> Any:
@@ -56,7 +63,7 @@ def _strategy(options: dict[str, Any]) -> Any:
 
 def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, Any]:
     """Run one step of the plan on this rank (see the module docstring)."""
-    import lightning_par.strategies.parallel_3d as p3d
+    from lightning_par.checkpoint import sharded
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     strategy = _strategy(step["options"])
@@ -92,14 +99,13 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
     if step.get("save"):
         trainer.save_checkpoint(step["save"])
     if step.get("crash_save"):
-        original = p3d.save_sharded
-        p3d.save_sharded = _crashing_save
+        sharded._write = _crashing_write
         try:
             trainer.save_checkpoint(step["crash_save"])
         except SimulatedCrash:
             out["crashed"] = True
         finally:
-            p3d.save_sharded = original
+            sharded._write = _ORIGINAL_WRITE
     return out
 
 
