@@ -17,7 +17,7 @@ from lightning_par.pipeline_parallel.schedules import (
     peak_in_flight,
     stage_ids,
 )
-from lightning_par.pipeline_parallel.simulate import SimulatedStep, simulate
+from lightning_par.pipeline_parallel.simulate import SimulatedStep, simulate, simulate_actions
 from lightning_par.pipeline_parallel.split import (
     balance_costs,
     cut_network,
@@ -49,6 +49,7 @@ __all__ = [
     "plan_split",
     "prune_to",
     "simulate",
+    "simulate_actions",
     "split_tree",
     "stage_ids",
     "summarize_bubble",
