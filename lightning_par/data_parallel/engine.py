@@ -265,7 +265,7 @@ def apply_data_parallel(
 
         if stage_modules:
             fully_shard_roots(stage_modules, dp_mesh, zero)
-        return FSDPZero(module, dp_mesh, zero)
+        return FSDPZero(module, dp_mesh, zero, roots=stage_modules)
     from lightning_par.data_parallel.zero import ZeroShardedDataParallel
 
     return ZeroShardedDataParallel(module, dp_mesh, zero)

@@ -105,6 +105,7 @@ class FSDPZero(ZeroEngine):
     Args:
         module: the model; its replicas must be equal (FSDP2 keeps each rank's chunk of its own copy).
         dp_mesh: 1-D data-parallel mesh.
+        roots: pipeline stage modules already made FSDP2 roots (:func:`fully_shard_roots`): nothing more is sharded.
         options: stage 3, ``reshard_after_forward``, ``param_dtype`` / ``reduce_dtype`` (FSDP2's
             ``MixedPrecisionPolicy``: the sharded parameters stay in their dtype, fp32, and are cast when gathered)
             and ``cpu_offload`` (FSDP2's ``CPUOffloadPolicy``: shards live in pinned CPU memory, the optimizer steps on
@@ -114,7 +115,9 @@ class FSDPZero(ZeroEngine):
         ValueError: no trainable parameter.
     """
 
-    def __init__(self, module: nn.Module, dp_mesh: DeviceMesh, options: ZeroOptions) -> None:
+    def __init__(
+        self, module: nn.Module, dp_mesh: DeviceMesh, options: ZeroOptions, roots: Sequence[nn.Module] | None = None
+    ) -> None:
         from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
         super().__init__(module, dp_mesh, options)
@@ -123,6 +126,10 @@ class FSDPZero(ZeroEngine):
         kwargs = _fsdp_kwargs(dp_mesh, options)
         self.units: list[nn.Module] = []
         self.roots: list[nn.Module] = []
+        if roots:  # pipeline stages, already sharded by fully_shard_roots (they may lie outside ``module``'s tree)
+            self.roots = list(roots)
+            self.units = [m for r in roots for m in r.modules() if isinstance(m, FSDPModule) and m is not r]
+            return
         if isinstance(module, FSDPModule) or any(isinstance(m, FSDPModule) for m in module.modules()):
             self.units = [m for m in module.modules() if isinstance(m, FSDPModule)]
             return  # already sharded (e.g. validate after fit with the same module)
