@@ -90,10 +90,11 @@ def tp_plan(module: nn.Module, network: nn.Module, explicit: Mapping[str, Any] |
         method = getattr(owner, "tp_plan", None)
         if callable(method):
             return dict(method())
+    where = f"the network ({type(network).__name__}) or on " if network is not module else ""
     raise ValueError(
-        f"tensor parallelism needs a plan for {type(network).__name__}: pass plan={{module path relative to the "
-        f"network: style}} to the strategy (strategy.tensor_parallel.plan in the recipe), or define tp_plan() on the "
-        f"network or on {type(module).__name__}. Styles: colwise, rowwise, colwise_input, sequence_parallel, "
+        f"tensor parallelism needs a plan for {type(module).__name__}: pass plan={{module path relative to the "
+        f"network: style}} to the strategy (strategy.tensor_parallel.plan in the recipe), or define tp_plan() on "
+        f"{where}{type(module).__name__}. Styles: colwise, rowwise, colwise_input, sequence_parallel, "
         f"position_embedding, replicate, vocab_embedding, vocab_head."
     )
 

@@ -275,6 +275,9 @@ def parallelize(
     validate(module, dims, options)
     mesh = dims.build_mesh(device.type)
     network = contract.find_network(module, options.module_attr, dims.pp_enabled)
+    tp = options.tensor_parallel
+    # The plan of the whole network, before the cut: a model's tp_plan() may read its own structure.
+    plan = contract.tp_plan(module, network, tp.plan) if dims.tp_enabled else None
     stage_modules: list[nn.Module] = []
     counts = stage_ids = None
     if dims.pp_enabled:  # 1. this rank's pipeline stage(s)
@@ -283,9 +286,7 @@ def parallelize(
         network, stage_modules = cut_network(network, counts, stage_ids)
         setattr(module, options.module_attr, network)  # type: ignore[arg-type]
     loss_parallel = False
-    if dims.tp_enabled:  # 2. tensor parallelism inside the stage(s)
-        tp = options.tensor_parallel
-        plan = contract.tp_plan(module, network, tp.plan)
+    if plan is not None:  # 2. tensor parallelism inside the stage(s)
         apply_tensor_parallel(
             network, mesh["tp"], plan, tp.sequence_parallel, skip_absent=dims.pp_enabled,
             eager_grad_reduction=not dims.pp_enabled,

@@ -58,6 +58,28 @@ def split_tree(value: Any, num_microbatches: int, name: str = "targets") -> list
     raise ValueError(f"{name} of type {type(value).__name__} is not valid: expected tensors, tuples, lists or dicts.")
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous.
+
+    torch 2.13's ``PipelineStage`` allocates its receive buffers from the inferred metadata, strides included: the
+    gradient of a stage input that feeds ``torch.cat`` is a strided slice, and gloo's ``irecv`` then refuses the
+    non-contiguous buffer ("input tensor has to be contiguous", measured with a stage passing ``(h, s)`` into a
+    ``cat``). Routing each received input through this keeps every gradient that crosses stages contiguous.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+def _contiguous_input_grads(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(_ContiguousGrad.apply(a) if isinstance(a, Tensor) and a.requires_grad else a for a in args)
+
+
 def _plain(loss: Tensor) -> Tensor:
     """The vocab-parallel loss is a replicated DTensor: its local value is the whole loss (``to_local`` keeps the
     graph to the sharded logits)."""
@@ -94,6 +116,9 @@ class PipelineEngine:
     ) -> None:
         if len(modules) != len(stage_ids):
             raise ValueError(f"{len(modules)} stage modules for {len(stage_ids)} stage ids {list(stage_ids)}.")
+        for module, sid in zip(modules, stage_ids):
+            if sid > 0:
+                module.register_forward_pre_hook(_contiguous_input_grads)
         self.modules = list(modules)
         self.stage_ids = list(stage_ids)
         self.options = options

@@ -20,10 +20,11 @@ import torch
 
 from lightning_par.checkpoint import load_model_weights
 from lightning_par.pipeline_parallel.options import SCHEDULES
-from tests.helpers import assert_params_close, global_losses
+from lightning_par.strategies import PipelineStrategy
+from tests.helpers import assert_params_close, global_losses, run_fit
 from tests.p3d_helpers import make_gpt, run_plan, token_data
 from tests.pp_helpers import RegressionDataset, one_thread, reference_fit_microbatched
-from tests.user_models import make_mlp
+from tests.user_models import DictDataset, TwoStreamModule, make_mlp
 
 pytestmark = pytest.mark.distributed
 
@@ -177,3 +178,37 @@ def test_a_checkpoint_of_each_strategy_loads_into_every_other(checkpoints, saved
         one_process = float(module.loss_fn(module.model(x), y))
     assert one_process == pytest.approx(reference, rel=1e-5)
     assert abs(untrained - reference) > 1e-3  # the trained weights were really loaded
+
+
+# ------------------------------------------------------------------------------------------------ the contract
+def _two_stream() -> TwoStreamModule:
+    torch.manual_seed(0)
+    return TwoStreamModule()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv_zero_bubble"])
+def test_tuple_inputs_tuple_stage_outputs_dict_batches_and_pipeline_loss(schedule):
+    """Two inputs to the first stage, a tuple between stages, dict batches mapped by ``pipeline_batch``, dict targets
+    and ``pipeline_loss``: the same updates as one process on the global batch."""
+    dataset, m = DictDataset(n=MICRO * STEPS), 4
+    options = dict(pp_size=2, dp_size=1, schedule=schedule, num_microbatches=m)
+    results = run_fit(2, lambda: PipelineStrategy(timeout_s=60, **options), _two_stream, dataset, MICRO, STEPS, None,
+                      lambda module, strategy: strategy.full_state_dict())
+    module = _two_stream()
+    optimizer = module.configure_optimizers()
+    losses = []
+    with one_thread():
+        for batch in torch.utils.data.DataLoader(dataset, batch_size=MICRO):
+            inputs, targets = module.pipeline_batch(batch)
+            step = []
+            for i in range(m):
+                sl = slice(i * MICRO // m, (i + 1) * MICRO // m)
+                loss = module.pipeline_loss(module.model(*(t[sl] for t in inputs)), {"y": targets["y"][sl]})
+                (loss / m).backward()
+                step.append(float(loss))
+            losses.append(sum(step) / m)
+            optimizer.step()
+            optimizer.zero_grad()
+    torch.testing.assert_close(torch.tensor(global_losses(results)), torch.tensor(losses), rtol=1e-5, atol=0)
+    for r in results:
+        assert_params_close(r["state"], dict(module.named_parameters()))
