@@ -139,9 +139,10 @@ class TwoStreamModule(L.LightningModule):
     """Batches are dicts ``{"x", "mask", "y"}``, mapped for the pipeline by ``pipeline_batch``; the loss reads a dict of
     targets (``pipeline_loss``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, build: bool = True) -> None:
         super().__init__()
-        self.model = TwoStreamNet()
+        if build:  # else configure_model builds it
+            self.model = TwoStreamNet()
 
     @staticmethod
     def pipeline_batch(batch: dict[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:

@@ -60,7 +60,8 @@ class _WaitInBackward(torch.autograd.Function):
 
 class FixedTimeStage(nn.Module):
     """A stage whose forward takes ``t_f`` seconds and whose backward ``t_i`` (input gradient) plus ``t_w`` (weight
-    gradient): ``x * w`` with waits on the two branches. Input and output ``(batch, width)``.
+    gradient): ``x + w`` with a wait on each branch, so the two halves of a split backward share no computation (the
+    input half runs the ``x`` branch, the weight half the ``w`` branch). Input and output ``(batch, width)``.
 
     On the first stage the input needs no gradient, so both waits sit on the weight branch: its backward still takes
     ``t_i + t_w``, all of it in the weight-gradient half (torch runs stage 0's split backward whole in its ``W``).
@@ -75,8 +76,8 @@ class FixedTimeStage(nn.Module):
         time.sleep(self.t_f)
         w = _WaitInBackward.apply(self.w, self.t_w)
         if self.first:
-            return x * _WaitInBackward.apply(w, self.t_i)
-        return _WaitInBackward.apply(x, self.t_i) * w
+            return x + _WaitInBackward.apply(w, self.t_i)
+        return _WaitInBackward.apply(x, self.t_i) + w
 
 
 def _mean(out: Tensor, target: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ from lightning_par.strategies import PipelineStrategy
 from tests.helpers import assert_params_close, global_losses, run_fit
 from tests.p3d_helpers import make_gpt, run_plan, token_data
 from tests.pp_helpers import RegressionDataset, one_thread, reference_fit_microbatched
-from tests.user_models import DictDataset, TwoStreamModule, make_mlp
+from tests.user_models import DictDataset, TwoStreamModule, TwoStreamNet, make_mlp
 
 pytestmark = pytest.mark.distributed
 
@@ -212,3 +212,28 @@ def test_tuple_inputs_tuple_stage_outputs_dict_batches_and_pipeline_loss(schedul
     torch.testing.assert_close(torch.tensor(global_losses(results)), torch.tensor(losses), rtol=1e-5, atol=0)
     for r in results:
         assert_params_close(r["state"], dict(module.named_parameters()))
+
+
+# ------------------------------------------------------------------------------------------------ configure_model
+class _BuiltInConfigureModel(TwoStreamModule):
+    """Builds its network in ``configure_model``, where ``self.device_mesh`` is already the strategy's mesh (as with
+    Lightning's ``ModelParallelStrategy``)."""
+
+    def __init__(self) -> None:
+        super().__init__(build=False)
+        self.seen_axes: tuple[str, ...] | None = None
+
+    def configure_model(self) -> None:
+        self.seen_axes = tuple(self.device_mesh.mesh_dim_names)
+        if not hasattr(self, "model"):
+            torch.manual_seed(0)
+            self.model = TwoStreamNet()
+
+
+def test_device_mesh_is_set_before_configure_model():
+    dataset = DictDataset(n=MICRO * STEPS)
+    results = run_fit(2, lambda: PipelineStrategy(timeout_s=60, pp_size=2, schedule="1f1b", num_microbatches=4),
+                      _BuiltInConfigureModel, dataset, MICRO, STEPS, None,
+                      lambda module, strategy: {"axes": module.seen_axes, "trained": len(strategy.full_state_dict())})
+    for r in results:
+        assert r["state"]["axes"] == ("pp", "dp", "tp") and r["state"]["trained"] > 0
