@@ -61,7 +61,7 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
     import torch
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
-    from lightning_par.callbacks import ParallelMetricsCallback, RunSummaryCallback
+    from lightning_par.callbacks import ParallelMetricsCallback, RunSummaryCallback, TimelineCallback
 
     cfg = OmegaConf.create(cfg_dict)
     out = Path(run_dir)
@@ -71,9 +71,13 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
     strategy = build_strategy(cfg)
     metrics = ParallelMetricsCallback(peak_flops_per_device=cfg.trainer.peak_flops_per_device)
     summary_path = out / "summary.json"
+    sources: list[Any] = []
+    if cfg.get("profile"):
+        sources.append(TimelineCallback(out / "timeline", cfg.profile_start_step, cfg.profile_steps))
     callbacks: list[Any] = [
         metrics,
-        RunSummaryCallback(summary_path, metrics, extra={"config": cfg_dict}),
+        *sources,
+        RunSummaryCallback(summary_path, metrics, extra={"config": cfg_dict}, sources=sources),
         LearningRateMonitor(logging_interval="step"),
     ]
     if cfg.trainer.checkpoint:
@@ -116,6 +120,11 @@ def validate_run(cfg: DictConfig) -> None:
     """
     import torch
 
+    from lightning_par.validation import check_int
+
+    if cfg.get("profile"):
+        check_int("profile_start_step", cfg.profile_start_step, 0)
+        check_int("profile_steps", cfg.profile_steps, 1)
     strategy = build_strategy(cfg)
     with torch.device("meta"):
         module = build_module(cfg)

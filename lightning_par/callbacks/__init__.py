@@ -2,5 +2,6 @@
 
 from lightning_par.callbacks.metrics import ParallelMetricsCallback, parallel_sizes
 from lightning_par.callbacks.summary import RunSummaryCallback, build_summary
+from lightning_par.callbacks.timeline import TimelineCallback
 
-__all__ = ["ParallelMetricsCallback", "RunSummaryCallback", "build_summary", "parallel_sizes"]
+__all__ = ["ParallelMetricsCallback", "RunSummaryCallback", "TimelineCallback", "build_summary", "parallel_sizes"]

@@ -227,6 +227,13 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     seed: int = 1234
+    #: record a per-rank timeline of a few steps (lightning_par.callbacks.TimelineCallback): Chrome traces per rank and
+    #: timeline.png in <run dir>/timeline/.
+    profile: bool = False
+    #: the first recorded optimizer step (0-based; moved earlier when the run is shorter).
+    profile_start_step: int = 2
+    #: optimizer steps to record.
+    profile_steps: int = 2
 
 
 #: Schema of each strategy registry name; a strategy YAML extends ``schema_<name>``.
