@@ -61,7 +61,7 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
     import torch
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
-    from lightning_par.callbacks import ParallelMetricsCallback, RunSummaryCallback, TimelineCallback
+    from lightning_par.callbacks import LRScalingCallback, ParallelMetricsCallback, RunSummaryCallback, TimelineCallback
 
     cfg = OmegaConf.create(cfg_dict)
     out = Path(run_dir)
@@ -71,7 +71,7 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
     strategy = build_strategy(cfg)
     metrics = ParallelMetricsCallback(peak_flops_per_device=cfg.trainer.peak_flops_per_device)
     summary_path = out / "summary.json"
-    sources: list[Any] = []
+    sources: list[Any] = [LRScalingCallback(**OmegaConf.to_container(cfg.lr_scaling))]
     if cfg.get("profile"):
         sources.append(TimelineCallback(out / "timeline", cfg.profile_start_step, cfg.profile_steps))
     callbacks: list[Any] = [
@@ -120,14 +120,24 @@ def validate_run(cfg: DictConfig) -> None:
     """
     import torch
 
+    from lightning_par.lr_scaling import check_lr_scaling
     from lightning_par.validation import check_int
 
     if cfg.get("profile"):
         check_int("profile_start_step", cfg.profile_start_step, 0)
         check_int("profile_steps", cfg.profile_steps, 1)
+    scaling = cfg.lr_scaling
+    check_lr_scaling(scaling.rule, scaling.reference_batch, scaling.warmup_samples, prefix="lr_scaling.")
     strategy = build_strategy(cfg)
     with torch.device("meta"):
         module = build_module(cfg)
+    own_warmup = getattr(module, "hparams", {}).get("warmup_steps")
+    if scaling.warmup_samples and own_warmup:
+        raise ValueError(
+            f"lr_scaling.warmup_samples={scaling.warmup_samples} is not valid with the model's own warm-up "
+            f"(warmup_steps={own_warmup}): both would warm the learning rate up. Set model.warmup_steps=0 to warm up "
+            f"per sample, or lr_scaling.warmup_samples=0."
+        )
     strategy.connect(module)
     strategy.validate_model(build_parallel_dims(cfg))
 

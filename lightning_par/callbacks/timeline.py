@@ -35,7 +35,8 @@ class TimelineCallback(L.Callback):
     ``dirpath``.
 
     Just before the first recorded step every rank leaves a barrier (``lp::align``): the lanes of one host share its
-    clock; ranks on hosts with different clocks are aligned on the barrier's end. The figures (:func:`lightning_par.profiling.trace.timeline_figures`:
+    clock; ranks on hosts with different clocks are aligned on the barrier's end. The figures
+    (:func:`lightning_par.profiling.trace.timeline_figures`:
     compute, idle and communication seconds per rank, the share of communication hidden behind compute, and under
     pipelining each rank's idle share of the schedule) are in :meth:`summary_extras`, which
     :class:`~lightning_par.callbacks.RunSummaryCallback` writes into ``summary.json``.
@@ -119,7 +120,9 @@ class TimelineCallback(L.Callback):
             self._start = min(self.start_step, max(0, max_steps - self.num_steps))
         self._start = max(self._start, trainer.global_step)
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._done:
             return
         first_of_step = batch_idx % trainer.accumulate_grad_batches == 0

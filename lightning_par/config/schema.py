@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 
 __all__ = [
     "DataConfig",
+    "LRScalingConfig",
     "PipelineGroup",
     "ReducerGroup",
     "TensorParallelGroup",
@@ -218,6 +219,19 @@ class TrainerConfig:
 
 
 @dataclass
+class LRScalingConfig:
+    """``lr_scaling``: the learning rate scaled with the global batch (Goyal et al. 2017), with a warm-up counted in
+    samples (:class:`lightning_par.callbacks.LRScalingCallback`), for any model."""
+
+    #: none | linear | sqrt: multiply the configured rate by 1, k or sqrt(k), k = global batch / reference_batch.
+    rule: str = "none"
+    #: samples per optimizer step the configured rate was tuned for; None: one replica's micro-batch (data.batch_size).
+    reference_batch: Optional[int] = None
+    #: samples of linear warm-up (0: none); the reference GPT's own model.warmup_steps must then be 0.
+    warmup_samples: int = 0
+
+
+@dataclass
 class RunConfig:
     """The root config: one option per group, plus run-wide settings."""
 
@@ -226,6 +240,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    lr_scaling: LRScalingConfig = field(default_factory=LRScalingConfig)
     seed: int = 1234
     #: record a per-rank timeline of a few steps (lightning_par.callbacks.TimelineCallback): Chrome traces per rank and
     #: timeline.png in <run dir>/timeline/.

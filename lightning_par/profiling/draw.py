@@ -94,8 +94,8 @@ def draw_timeline(
     order = [k for k in COMPUTE_KINDS + COLLECTIVES if k in used]
     handles = [Patch(facecolor=COLORS[k], label=k.replace("_", " ")) for k in order]
     handles.append(Patch(facecolor=_IDLE, edgecolor="#BBBBBB", hatch="///", label="idle / bubble"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.55 / max(1.0, n / 2)), ncol=min(8, len(handles)),
-              fontsize=8, frameon=False)
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.55 / max(1.0, n / 2)),
+              ncol=min(8, len(handles)), fontsize=8, frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()

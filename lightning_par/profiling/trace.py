@@ -176,7 +176,8 @@ class RankTimeline:
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "steps": self.steps, "schedules": self.schedules, "source": self.source,
-                "device": self.device, "host": self.host, "clock_base_ns": self.clock_base_ns, "origin_us": self.origin_us,
+                "device": self.device, "host": self.host, "clock_base_ns": self.clock_base_ns,
+                "origin_us": self.origin_us,
                 "segments": [s.__dict__ for s in self.segments]}
 
     @classmethod
@@ -257,7 +258,8 @@ def read_trace(path: str | Path, rank: int | None = None) -> RankTimeline:
 
     base_ns = trace.get("baseTimeNanoseconds")
     timeline = RankTimeline(
-        rank=rank, source=str(path), device="cuda" if device_annotations else "cpu", host=str(trace.get("host_name", "")),
+        rank=rank, source=str(path), device="cuda" if device_annotations else "cpu",
+        host=str(trace.get("host_name", "")),
         clock_base_ns=None if base_ns is None else int(base_ns), origin_us=float(origin_us),
     )
     timeline.steps = [seconds(e) for e in steps]
@@ -293,7 +295,10 @@ def align_timelines(timelines: Sequence[RankTimeline]) -> list[RankTimeline]:
         return list(timelines)
     ref = timelines[0]
     # each rank's alignment point on rank 0's clock, in µs: integer bases subtracted first (no float rounding)
-    offsets = [(t.clock_base_ns - ref.clock_base_ns) / 1e3 + t.origin_us - ref.origin_us for t in timelines]  # type: ignore[operator]
+    offsets = [
+        (t.clock_base_ns - ref.clock_base_ns) / 1e3 + t.origin_us - ref.origin_us  # type: ignore[operator]
+        for t in timelines
+    ]
     first = min(offsets)
     return [t.shifted((o - first) / 1e6) for t, o in zip(timelines, offsets)]
 

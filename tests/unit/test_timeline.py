@@ -118,7 +118,8 @@ def test_the_png_and_the_command_line_redraw(tmp_path, capsys):
         draw_timeline([], tmp_path / "x.png")
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [({"start_step": -1}, "start_step=-1"), ({"num_steps": 0}, "num_steps=0")])
+@pytest.mark.parametrize(("kwargs", "match"),
+                         [({"start_step": -1}, "start_step=-1"), ({"num_steps": 0}, "num_steps=0")])
 def test_callback_options_are_checked(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         TimelineCallback(tmp_path, **kwargs)
