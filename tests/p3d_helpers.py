@@ -5,7 +5,8 @@ A *step* of the worker's plan is a picklable dict with ``"kind"``:
 * every step may name ``"strategy"`` (a registry name, default ``parallel_3d``; ``"options"`` are its keyword
   arguments) and ``"model"`` (``"gpt"``, the default, ``"gpt8"`` with 8 blocks, or a user's MLP: see :func:`_model`);
 * ``"fit"``: ``{"kind": "fit", "name", "options" (the strategy's kwargs), "steps", "micro_batch", "clip",
-  "accumulate": int (``accumulate_grad_batches``, default 1), "resume": path | None, "save": path | None, "val": bool,
+  "accumulate": int (``accumulate_grad_batches``, default 1), "precision": Lightning's (default ``"32-true"``),
+  "resume": path | None, "save": path | None, "val": bool,
   "crash_save": path | None}`` — fit ``steps`` optimizer steps from scratch (or resume from ``resume``); with ``val``
   a validation runs at the end (``val_loss``); ``save`` writes a checkpoint after the fit; ``crash_save`` then starts
   another save to that path that fails after the shards are written but before the commit (a simulated crash);
@@ -103,6 +104,7 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
         val_check_interval=step.get("val_every", step.get("steps", 1)),
         gradient_clip_val=step.get("clip"),
         accumulate_grad_batches=step.get("accumulate", 1),
+        precision=step.get("precision", "32-true"),
         callbacks=[recorder],
     )
     module = _model(step)
@@ -116,6 +118,7 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
     trainer.fit(module, loader, val_loader if step.get("val") else None, ckpt_path=step.get("resume"))
     out["losses"] = recorder.losses
     out["state"] = strategy.full_state_dict()
+    out["extras"] = strategy.summary_extras()
     if step.get("val"):
         out["val_loss"] = float(trainer.callback_metrics["val_loss"])
     if step.get("save"):

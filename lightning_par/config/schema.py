@@ -112,6 +112,8 @@ class StrategyConfig:
     timeout_s: float = 1800.0
     #: attribute of the LightningModule holding the network (see lightning_par.contract).
     module_attr: Optional[str] = "model"
+    #: none | full (recompute every block in backward) | selective (the attention of every block).
+    activation_checkpointing: str = "none"
     #: also show the strategy's own figures (parallel/...) in the progress bar.
     prog_bar: bool = False
 

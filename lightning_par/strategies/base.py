@@ -96,6 +96,9 @@ class MeshStrategy(ParallelStrategy):
         pp_size: pipeline ranks.
         dp_mode: ``"ddp"`` (bucketed all-reduce overlapped with backward), ``"zero1"``, ``"zero2"`` or ``"zero3"``.
         module_attr: attribute of the LightningModule holding the network (see :mod:`lightning_par.contract`).
+        activation_checkpointing: ``"none"``, ``"full"`` (recompute every block in backward) or ``"selective"`` (the
+            attention of every block); applied once, after tensor parallelism and before the dp mode
+            (:mod:`lightning_par.activation_checkpointing`).
         timeout_s: seconds a collective may wait for a peer before it raises (gloo and nccl), so that a dead or
             stuck rank ends the job with an error instead of a hang.
         prog_bar: also show the strategy's own figures (``parallel/...``) in the progress bar.
@@ -132,6 +135,7 @@ class MeshStrategy(ParallelStrategy):
         dp_mode: str = "ddp",
         *,
         module_attr: str | None = "model",
+        activation_checkpointing: str = "none",
         timeout_s: float = 1800.0,
         prog_bar: bool = False,
         process_group_backend: str | None = None,
@@ -165,7 +169,7 @@ class MeshStrategy(ParallelStrategy):
                     f"{key} is an option of the {_GROUP_AXIS[group]} axis, which {type(self).__name__} does not have: "
                     f"remove it, or use a strategy with that axis (parallel_3d has all three)."
                 )
-        self.options = ParallelOptions.build(dp_mode, module_attr, **options)
+        self.options = ParallelOptions.build(dp_mode, module_attr, activation_checkpointing, **options)
         self.options.check_layout(pp_size)
         self._sizes = sizes
         self._timeout_s = check_number("timeout_s", timeout_s, unit="seconds")
@@ -615,8 +619,10 @@ class MeshStrategy(ParallelStrategy):
             "pp_size": dims.pp_size,
             "dp_mode": self.dp_mode,
             "sequence_parallel": self.options.tensor_parallel.sequence_parallel,
+            "activation_checkpointing": self.options.activation_checkpointing,
         }
         if self.parallel is not None:
+            extras["activation_checkpointed_modules"] = len(self.parallel.checkpointed)
             extras.update(self.parallel.engine.summary())
             if self.parallel.pipeline is not None:
                 extras.update(self._pipelined.summary())
