@@ -24,7 +24,7 @@ from lightning_par.planner.overrides import layout_overrides
 from lightning_par.planner.plan import Prediction, plan, predict
 from lightning_par.planner.precision import PRECISIONS, Precision, get_precision
 from lightning_par.planner.report import format_table, to_csv, to_markdown, to_rows
-from lightning_par.planner.run_config import predict_run
+from lightning_par.planner.run_config import predict_run, predicted_columns
 from lightning_par.planner.step_time import TimeBreakdown, bubble_fraction, predict_step_time
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "predict_memory",
     "predict_run",
     "predict_step_time",
+    "predicted_columns",
     "to_csv",
     "to_markdown",
     "to_rows",

@@ -8,8 +8,9 @@ activation checkpointing and sequence parallelism.
 Validity (checked by :func:`check_layout`, used by :func:`enumerate_layouts`):
 
 * ``dp_size * tp_size * pp_size == num_devices``;
-* ``tp_size`` divides the number of heads (whole heads per rank) and at most ``max_tp_size`` (default: the devices
-  of one node, where tensor parallelism's per-layer all-reduces have the fast links; Narayanan et al. 2021, §3.3);
+* ``tp_size`` divides the number of heads (whole heads per rank) and is at most ``max_tp_size``; with
+  ``devices_per_node`` given, a tensor-parallel group lies inside one node: ``tp_size`` divides ``devices_per_node``
+  (the per-layer all-reduces need the fast links; Narayanan et al. 2021, §3.3);
 * the layers split evenly over the virtual stages: ``num_layers % (pp_size * virtual_stages) == 0`` (as Megatron-LM
   requires; the emitted runs pass the same split explicitly);
 * the global batch splits into ``dp_size * num_microbatches`` micro-batches of ``micro_batch_size`` sequences;
@@ -120,6 +121,7 @@ def check_layout(
     num_devices: int | None = None,
     global_batch_size: int | None = None,
     max_tp_size: int | None = None,
+    devices_per_node: int | None = None,
 ) -> None:
     """Raise if ``layout`` cannot run ``model`` (see the module docstring for the rules).
 
@@ -129,6 +131,7 @@ def check_layout(
         num_devices: if given, the world size the layout must use.
         global_batch_size: if given, the sequences per step the layout must process.
         max_tp_size: if given, the largest tensor-parallel size allowed.
+        devices_per_node: if given, ``tp_size`` must divide it (tensor-parallel groups inside a node).
 
     Raises:
         ValueError: the first rule broken, naming the field, its value and what would be valid.
@@ -159,6 +162,11 @@ def check_layout(
         raise ValueError(
             f"tp_size={layout.tp_size} is not valid: expected at most max_tp_size={max_tp_size} (tensor parallelism "
             f"stays inside a node)."
+        )
+    if devices_per_node is not None and devices_per_node % layout.tp_size:
+        raise ValueError(
+            f"tp_size={layout.tp_size} is not valid with devices_per_node={devices_per_node}: a tensor-parallel group "
+            f"must lie inside one node; expected one of {divisors(devices_per_node)}."
         )
     stages = layout.pp_size * layout.virtual_stages
     if model.num_layers % stages:
@@ -208,6 +216,7 @@ def enumerate_layouts(
     global_batch_size: int,
     *,
     max_tp_size: int | None = None,
+    devices_per_node: int | None = None,
     dp_modes: Sequence[str] = DP_MODES,
     schedules: Sequence[str] = ("gpipe", "1f1b", "interleaved_1f1b"),
     checkpointing: Sequence[str] = CHECKPOINTING,
@@ -223,6 +232,7 @@ def enumerate_layouts(
         num_devices: world size ``N``.
         global_batch_size: sequences per optimizer step ``B``.
         max_tp_size: largest tensor-parallel size (None: no limit beyond the heads).
+        devices_per_node: if given, only tensor-parallel sizes that divide it (groups inside a node).
         dp_modes: dp modes to consider (only ``"ddp"`` when ``dp_size == 1``).
         schedules: pipeline schedules to consider when ``pp_size > 1``.
         checkpointing: activation checkpointing choices.
@@ -236,6 +246,8 @@ def enumerate_layouts(
     """
     for tp in divisors(num_devices):
         if model.num_heads % tp or (max_tp_size is not None and tp > max_tp_size):
+            continue
+        if devices_per_node is not None and devices_per_node % tp:
             continue
         for pp in divisors(num_devices // tp):
             if model.num_layers % pp:

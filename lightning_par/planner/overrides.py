@@ -96,8 +96,6 @@ def layout_notes(layout: Layout) -> list[str]:
     """What the emitted overrides cannot express for ``layout`` (the user must do it in the model)."""
     notes = []
     if layout.activation_checkpointing != "none":
-        notes.append(
-            f"activation_checkpointing={layout.activation_checkpointing!r} is not a lightning_par strategy option: "
-            f"wrap the model's blocks with torch.utils.checkpoint (full) or its attention core (selective)"
-        )
+        where = "blocks" if layout.activation_checkpointing == "full" else "attention cores"
+        notes.append(f"ckpt={layout.activation_checkpointing}: no strategy option, checkpoint the model's {where}")
     return notes

@@ -180,7 +180,8 @@ def plan(
             ``"mixed-bf16"`` on GPUs, ``"fp32"`` on the CPU).
         dp_modes, schedules, checkpointing, micro_batch_sizes, max_virtual_stages, sequence_parallel: the choices
             to enumerate (see :func:`~lightning_par.planner.layouts.enumerate_layouts`).
-        max_tp_size: largest tensor-parallel size (None: ``devices_per_node``, tensor parallelism inside a node).
+        max_tp_size: largest tensor-parallel size (None: any divisor of ``devices_per_node``: tensor parallelism
+            stays inside a node).
         include_unfit: also return the layouts that do not fit (after all that fit, each with its ``reason``).
         calibration: for ``device="cpu"``: the calibration file or object (None: the default file).
 
@@ -214,7 +215,7 @@ def plan(
     prec = get_precision(precision if precision is not None else dev.default_precision)
     layouts = list(enumerate_layouts(
         spec, num_devices, global_batch_size,
-        max_tp_size=max_tp_size if max_tp_size is not None else devices_per_node,
+        max_tp_size=max_tp_size, devices_per_node=min(devices_per_node, num_devices),
         dp_modes=dp_modes, schedules=schedules, checkpointing=checkpointing, micro_batch_sizes=micro_batch_sizes,
         max_virtual_stages=max_virtual_stages, sequence_parallel=sequence_parallel,
     ))

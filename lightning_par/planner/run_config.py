@@ -17,7 +17,7 @@ from lightning_par.planner.devices import DeviceSpec
 from lightning_par.planner.layouts import Layout
 from lightning_par.planner.plan import predict
 
-__all__ = ["layout_from_run", "model_from_run", "predict_run"]
+__all__ = ["layout_from_run", "model_from_run", "predict_run", "predicted_columns"]
 
 _PIPELINED = ("gpipe", "1f1b", "pipeline", "parallel_3d")
 _DP_MODE_OF = {"ddp_overlap": "ddp", "tensor_parallel": "ddp", "gpipe": "ddp", "1f1b": "ddp", "pipeline": "ddp",
@@ -155,3 +155,22 @@ def predict_run(
         "dp_comm_s": t.dp_comm_s,
         "optimizer_s": t.optimizer_s,
     }
+
+
+def predicted_columns(summary: Mapping[str, Any], device: str | DeviceSpec | None = None) -> dict[str, Any]:
+    """Predicted figures to set beside a run's measured ones in a sweep report.
+
+    Args:
+        summary: a run's ``summary.json`` (its ``"config"`` is predicted).
+        device: as for :func:`predict_run`.
+
+    Returns:
+        ``{"pred_tokens_per_s", "pred_state_mib"}`` (global tokens/s; parameters + gradients + optimizer state of the
+        fullest rank, MiB), each ``None`` when the run cannot be predicted (no config, a model or strategy the planner
+        does not read, no CPU calibration on this machine).
+    """
+    try:
+        pred = predict_run(summary["config"], device=device)
+    except (KeyError, TypeError, ValueError):
+        return {"pred_tokens_per_s": None, "pred_state_mib": None}
+    return {"pred_tokens_per_s": pred["tokens_per_s"], "pred_state_mib": pred["model_state_bytes"] / 2**20}
