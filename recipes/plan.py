@@ -1,4 +1,5 @@
-"""Plan a layout: rank every dp x tp x pp layout (dp mode, micro-batches, schedule, checkpointing) of a GPT on N devices.
+"""Plan a layout: rank every dp x tp x pp layout (dp mode, micro-batches, schedule, checkpointing) of a GPT on N
+devices.
 
     python recipes/plan.py model=gpt2 parallel.world_size=64 planner.device=h100-80gb planner.global_batch_size=512
     python recipes/plan.py model=small parallel.world_size=8 planner=cpu planner.top_k=4   # + a ready multirun
@@ -75,8 +76,8 @@ def main(cfg: DictConfig) -> None:
                           f"+recipe={','.join(names)}", *passed]))
         print("\nor one at a time:")
         for x in best:
-            print("  " + shlex.join(["python", "recipes/train.py", *layout_overrides(x.layout, options, spec.num_layers),
-                                      *passed]))
+            overrides = layout_overrides(x.layout, options, spec.num_layers)
+            print("  " + shlex.join(["python", "recipes/train.py", *overrides, *passed]))
             for note in x.notes:
                 print(f"    note: {note}")
 

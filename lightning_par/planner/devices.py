@@ -79,7 +79,8 @@ class DeviceSpec:
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"DeviceSpec.{f}={value!r} is not valid: expected a number > 0.")
-        for f in ("intra_node_latency_s", "inter_node_latency_s", "reserved_bytes", "op_overhead_s", "tp_layer_overhead_s",
+        for f in ("intra_node_latency_s", "inter_node_latency_s", "reserved_bytes", "op_overhead_s",
+                  "tp_layer_overhead_s",
                   "optimizer_tensor_overhead_s", "sharded_optimizer_tensor_overhead_s"):
             value = getattr(self, f)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:

@@ -49,11 +49,55 @@ class Prediction:
     hfu: float
     notes: tuple[str, ...] = ()
 
-    def __getattr__(self, name: str) -> Any:
-        # dp_size, tp_size, pp_size, dp_mode, schedule, ... straight from the layout
-        if name in Layout.__dataclass_fields__ or name in ("world_size", "global_batch_size", "mesh"):
-            return getattr(self.layout, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas."""
+        return self.layout.dp_size
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks per layer."""
+        return self.layout.tp_size
+
+    @property
+    def pp_size(self) -> int:
+        """Pipeline stages."""
+        return self.layout.pp_size
+
+    @property
+    def dp_mode(self) -> str:
+        """``ddp``, ``zero1``, ``zero2`` or ``zero3``."""
+        return self.layout.dp_mode
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Sequences per micro-batch."""
+        return self.layout.micro_batch_size
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per replica per step."""
+        return self.layout.num_microbatches
+
+    @property
+    def schedule(self) -> str:
+        """Pipeline schedule (``none`` without pipelining)."""
+        return self.layout.schedule
+
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per pipeline rank."""
+        return self.layout.virtual_stages
+
+    @property
+    def activation_checkpointing(self) -> str:
+        """``none``, ``selective`` or ``full``."""
+        return self.layout.activation_checkpointing
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Sequence parallelism inside tensor parallelism."""
+        return self.layout.sequence_parallel
 
     @property
     def bytes_per_device(self) -> float:

@@ -36,7 +36,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lightning_par.planner.comm import collective_time, group_link, ring_steps, tp_layer_comm_bytes, zero_step_comm_bytes
+from lightning_par.planner.comm import (
+    collective_time,
+    group_link,
+    ring_steps,
+    tp_layer_comm_bytes,
+    zero_step_comm_bytes,
+)
 from lightning_par.planner.devices import DeviceSpec
 from lightning_par.planner.layouts import Layout
 from lightning_par.planner.memory import rank_params
