@@ -14,8 +14,8 @@ Validity (checked by :func:`check_layout`, used by :func:`enumerate_layouts`):
 * the layers split evenly over the virtual stages: ``num_layers % (pp_size * virtual_stages) == 0`` (as Megatron-LM
   requires; the emitted runs pass the same split explicitly);
 * the global batch splits into ``dp_size * num_microbatches`` micro-batches of ``micro_batch_size`` sequences;
-* ``interleaved_1f1b`` needs ``num_microbatches % pp_size == 0`` and at least 2 virtual stages; zero3 with an
-  interleaved schedule is refused, as :class:`~lightning_par.strategies.Parallel3DStrategy` refuses it;
+* ``1f1b`` needs ``num_microbatches >= pp_size`` (torch's ``Schedule1F1B``); ``interleaved_1f1b`` needs
+  ``num_microbatches % pp_size == 0`` (as Megatron-LM) and at least 2 virtual stages;
 * ZeRO modes only with ``dp_size > 1``; sequence parallelism only with ``tp_size > 1``.
 
 Pure Python: no torch import.
@@ -190,14 +190,14 @@ def check_layout(
                 f"num_microbatches={layout.num_microbatches} is not valid for schedule='interleaved_1f1b' with "
                 f"pp_size={layout.pp_size}: expected a multiple of pp_size."
             )
-        if layout.dp_mode == "zero3":
-            raise ValueError(
-                "dp_mode='zero3' is not valid with schedule='interleaved_1f1b': expected 'ddp', 'zero1' or 'zero2' "
-                "(Parallel3DStrategy refuses the combination, pytorch/pytorch#164756)."
-            )
     elif layout.virtual_stages != 1:
         raise ValueError(
             f"virtual_stages={layout.virtual_stages} is not valid for schedule={layout.schedule!r}: expected 1."
+        )
+    if layout.schedule == "1f1b" and layout.num_microbatches < layout.pp_size:
+        raise ValueError(
+            f"num_microbatches={layout.num_microbatches} is not valid for schedule='1f1b' with pp_size="
+            f"{layout.pp_size}: expected at least pp_size micro-batches (schedule='gpipe' takes fewer)."
         )
     if layout.dp_size == 1 and layout.dp_mode != "ddp":
         raise ValueError(f"dp_mode={layout.dp_mode!r} is not valid with dp_size=1: expected 'ddp' (nothing to shard).")

@@ -1,7 +1,7 @@
 """A planned layout as Hydra overrides of ``recipes/train.py``: ``parallel=``/``strategy=`` options and their fields.
 
 Each layout maps to the simplest registry name that runs it (``ddp_overlap``, ``zero1``-``zero3``,
-``tensor_parallel``, ``gpipe``/``1f1b``) and to ``parallel_3d`` otherwise, with the per-replica batch
+``tensor_parallel``, ``gpipe``/``1f1b``/``pipeline``) and to ``parallel_3d`` otherwise, with the per-replica batch
 ``data.batch_size = micro_batch_size * num_microbatches`` (the pipeline strategies cut it into ``num_microbatches``
 micro-batches; the others take one micro-batch per step) and, with pipelining, the even layer split the planner
 assumed (``strategy.split``). Activation checkpointing is not a strategy option: a layout that plans it says so in
@@ -22,12 +22,16 @@ __all__ = ["STRATEGY_FIELDS", "layout_notes", "layout_overrides", "parallel_opti
 #: Planner choice -> key under ``strategy.`` in the run config (conf/strategy/*.yaml).
 STRATEGY_FIELDS: dict[str, str] = {
     "dp_mode": "dp_mode",
-    "schedule": "schedule",
-    "num_microbatches": "num_microbatches",
-    "virtual_stages": "virtual_stages",
-    "sequence_parallel": "sequence_parallel",
-    "split": "split",
+    "schedule": "pipeline.schedule",
+    "num_microbatches": "pipeline.num_microbatches",
+    "virtual_stages": "pipeline.virtual_stages",
+    "split": "pipeline.split",
+    "sequence_parallel": "tensor_parallel.sequence_parallel",
 }
+
+
+#: Registry names that cut the per-replica batch into ``num_microbatches`` micro-batches.
+_PIPELINED = ("parallel_3d", "pipeline", "gpipe", "1f1b")
 
 
 def parallel_option_name(layout: Layout) -> str:
@@ -45,8 +49,8 @@ def strategy_name(layout: Layout) -> str:
         return "ddp_overlap" if layout.dp_mode == "ddp" else layout.dp_mode
     if layout.pp_size == 1 and layout.tp_size > 1 and single_step and layout.dp_mode == "ddp":
         return "tensor_parallel"
-    if layout.pp_size > 1 and layout.tp_size == 1 and layout.dp_mode == "ddp" and layout.schedule in ("gpipe", "1f1b"):
-        return layout.schedule
+    if layout.pp_size > 1 and layout.tp_size == 1 and layout.dp_mode == "ddp":
+        return layout.schedule if layout.schedule in ("gpipe", "1f1b") else "pipeline"
     return "parallel_3d"
 
 
@@ -76,9 +80,9 @@ def layout_overrides(
     f = STRATEGY_FIELDS
     if strategy == "parallel_3d":
         out.append(f"strategy.{f['dp_mode']}={layout.dp_mode}")
-        if layout.pp_size > 1:
-            out.append(f"strategy.{f['schedule']}={layout.schedule}")
-    if strategy in ("parallel_3d", "gpipe", "1f1b"):
+    if strategy in ("parallel_3d", "pipeline") and layout.pp_size > 1:
+        out.append(f"strategy.{f['schedule']}={layout.schedule}")
+    if strategy in _PIPELINED:
         out.append(f"strategy.{f['num_microbatches']}={layout.num_microbatches}")
         if layout.virtual_stages > 1:
             out.append(f"strategy.{f['virtual_stages']}={layout.virtual_stages}")
@@ -87,7 +91,7 @@ def layout_overrides(
         out.append(f"strategy.{f['split']}=[{','.join([str(num_layers // stages)] * stages)}]")
     if layout.sequence_parallel:
         out.append(f"strategy.{f['sequence_parallel']}=true")
-    pipelined = strategy in ("parallel_3d", "gpipe", "1f1b")
+    pipelined = strategy in _PIPELINED
     out.append(f"data.batch_size={layout.micro_batch_size * (layout.num_microbatches if pipelined else 1)}")
     return out
 

@@ -80,7 +80,8 @@ def layout_from_run(cfg: Mapping[str, Any]) -> Layout:
     accumulate = int(_get(cfg, "trainer.accumulate_grad_batches", default=1))
     if name in _PIPELINED:
         chunks = int(_get(cfg, "strategy.pipeline.num_microbatches", "strategy.num_microbatches", default=1))
-        schedule = _get(cfg, "strategy.pipeline.schedule", "strategy.schedule", default=name)
+        schedule = _get(cfg, "strategy.pipeline.schedule", "strategy.schedule",
+                        default=name if name in ("gpipe", "1f1b") else "1f1b")
     else:
         chunks, schedule = 1, "none"
     if batch % chunks:

@@ -190,9 +190,10 @@ def test_enumeration_is_exactly_the_valid_layouts():
         (Layout(2, 2, 1, dp_mode="zero4"), r"dp_mode='zero4' is not valid: expected one of"),
         (Layout(4, 1, 1, schedule="1f1b"), r"schedule='1f1b' is not valid with pp_size=1"),
         (Layout(1, 1, 2, schedule="interleaved_1f1b", virtual_stages=2, num_microbatches=3), "multiple of pp_size"),
-        (Layout(2, 1, 2, dp_mode="zero3", schedule="interleaved_1f1b", virtual_stages=2, num_microbatches=2),
-         "zero3' is not valid with schedule='interleaved_1f1b'"),
-        (Layout(1, 2, 2, dp_mode="zero1", schedule="1f1b"), r"dp_mode='zero1' is not valid with dp_size=1"),
+        (Layout(1, 1, 4, schedule="1f1b", num_microbatches=2, micro_batch_size=1),
+         "num_microbatches=2 is not valid for schedule='1f1b' with pp_size=4: expected at least pp_size"),
+        (Layout(1, 2, 2, dp_mode="zero1", schedule="1f1b", num_microbatches=2),
+         r"dp_mode='zero1' is not valid with dp_size=1"),
         (Layout(4, 1, 1, sequence_parallel=True), "sequence_parallel=True is not valid with tp_size=1"),
     ],
 )
@@ -336,7 +337,8 @@ def test_emitted_overrides_compose_into_the_planned_run():
         Layout(8, 1, 1, "zero3", 2, 2),  # parallel_3d at pp 1: micro-batched accumulation
         Layout(4, 2, 1, "ddp", 8, 1, sequence_parallel=True),  # tensor_parallel
         Layout(2, 1, 4, "ddp", 4, 4, "gpipe"),  # gpipe
-        Layout(4, 1, 2, "zero1", 2, 4, "interleaved_1f1b", 2),  # parallel_3d, interleaved
+        Layout(4, 1, 2, "ddp", 2, 4, "interleaved_1f1b", 2),  # pipeline (any schedule)
+        Layout(4, 1, 2, "zero3", 2, 4, "interleaved_1f1b", 2),  # parallel_3d, interleaved
         Layout(2, 2, 2, "zero3", 4, 4, "1f1b", sequence_parallel=True),  # parallel_3d, all three axes
     ]
     for lay in layouts:
@@ -367,7 +369,7 @@ def test_layout_recipes_run_as_one_multirun(tmp_path):
 
 def test_overrides_to_recipe():
     text = overrides_to_recipe(["parallel=tp2_dp4", "strategy=parallel_3d", "strategy.dp_mode=zero1",
-                                "strategy.split=[2,2]", "data.batch_size=8"], comment="rank 1")
+                                "strategy.pipeline.split=[2,2]", "data.batch_size=8"], comment="rank 1")
     assert text.startswith("# @package _global_\n# rank 1\ndefaults:\n  - override /parallel: tp2_dp4\n")
     assert "dp_mode: zero1" in text and "split: [2, 2]" in text and "batch_size: 8" in text
 
@@ -382,7 +384,7 @@ def test_predict_run_reads_every_strategy_name():
         "1f1b": ({"world_size": 4, "pp_size": 2}, Layout(2, 1, 2, "ddp", 2, 4, "1f1b")),
     }
     for name, (par, expected) in cases.items():
-        strategy = {"name": name, "num_microbatches": 4, "schedule": "1f1b"}
+        strategy = {"name": name, "pipeline": {"num_microbatches": 4, "schedule": "1f1b"}}
         assert layout_from_run({**base, "parallel": par, "strategy": strategy}) == expected, name
     nested = {**base, "parallel": {"world_size": 8, "dp_size": 2, "tp_size": 2, "pp_size": 2},
               "strategy": {"name": "parallel_3d", "dp_mode": "zero1",
