@@ -19,6 +19,7 @@ All in bytes. Pure Python: no torch import.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -197,6 +198,8 @@ class MemoryBreakdown:
         model_state_bytes: parameters + gradients + optimizer state.
         activation_bytes: activations held for backward at the schedule's peak, plus the last rank's logits.
         buffer_bytes: see :func:`buffer_bytes`.
+        max_model_state_bytes: the largest model state of any pipeline rank (the fullest rank may hold less state
+            and more activations than another).
     """
 
     pp_rank: int
@@ -204,6 +207,7 @@ class MemoryBreakdown:
     model_state_bytes: float
     activation_bytes: float
     buffer_bytes: float
+    max_model_state_bytes: float = 0.0
 
     @property
     def total_bytes(self) -> float:
@@ -232,6 +236,7 @@ def predict_memory(model: ModelSpec, layout: Layout, precision: Precision) -> Me
     the head, and no more micro-batches in flight than the first.
     """
     best: MemoryBreakdown | None = None
+    max_state = 0.0
     for r in sorted({0, layout.pp_size - 1}):
         params = rank_params(model, layout, r)
         mb = MemoryBreakdown(
@@ -241,7 +246,8 @@ def predict_memory(model: ModelSpec, layout: Layout, precision: Precision) -> Me
             activation_bytes=_activation_bytes(model, layout, precision, r),
             buffer_bytes=buffer_bytes(model, layout, params, precision),
         )
+        max_state = max(max_state, mb.model_state_bytes)
         if best is None or mb.total_bytes > best.total_bytes:
             best = mb
     assert best is not None
-    return best
+    return dataclasses.replace(best, max_model_state_bytes=max_state)

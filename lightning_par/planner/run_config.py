@@ -117,7 +117,8 @@ def predict_run(
     Returns:
         ``{"layout", "device", "step_time_s", "tokens_per_s", "model_state_bytes", "bytes_per_device",
         "activation_bytes", "fits", "mfu", "compute_s", "overhead_s", "tp_comm_s", "pp_comm_s", "bubble_s",
-        "dp_comm_s", "optimizer_s"}``: bytes are per device (the fullest), times in seconds per optimizer step.
+        "dp_comm_s", "optimizer_s"}``: ``model_state_bytes`` is the largest of any rank (parameters + gradients +
+        optimizer state), the other bytes those of the fullest device; times in seconds per optimizer step.
 
     Raises:
         ValueError: a config the planner cannot read, an accelerator without ``device=``, or no CPU calibration.
@@ -143,7 +144,7 @@ def predict_run(
         "device": device if isinstance(device, str) else device.name,
         "step_time_s": t.step_time_s,
         "tokens_per_s": pred.tokens_per_s,
-        "model_state_bytes": pred.memory.model_state_bytes,
+        "model_state_bytes": pred.memory.max_model_state_bytes,
         "bytes_per_device": pred.bytes_per_device,
         "activation_bytes": pred.memory.activation_bytes,
         "fits": pred.fits,

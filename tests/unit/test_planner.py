@@ -461,3 +461,13 @@ def test_plan_config_composes_and_rejects_bad_overrides():
         assert cfg.planner.device == "cpu" and cfg.planner.checkpointing == ["none"] and cfg.parallel.world_size == 4
         with pytest.raises((ValidationError, ConfigCompositionException), match="top_k"):
             compose(config_name="plan", overrides=["planner.top_k=two"])
+
+
+def test_largest_model_state_is_reported_even_when_another_rank_is_fuller():
+    # GPipe with one micro-batch: the last rank (logits) is the fullest, the first (embeddings) holds more state
+    lay = Layout(4, 1, 2, "ddp", 8, 1, "gpipe")
+    spec = model_spec(SMALL)
+    pred = predict(SMALL, lay, device="a100-80gb", precision="fp32")
+    first, last = (rank_params(spec, lay, r) * 16 for r in (0, 1))
+    assert first > last and pred.memory.pp_rank == 1
+    assert pred.memory.max_model_state_bytes == pytest.approx(first)
