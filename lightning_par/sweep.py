@@ -13,6 +13,8 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
+from lightning_par.planner.run_config import predicted_columns
+
 __all__ = ["SweepReportCallback", "collect_summaries", "write_sweep_report"]
 
 _MiB = 1024 * 1024
@@ -51,6 +53,7 @@ def _row(name: str, s: dict[str, Any]) -> dict[str, Any]:
         "bubble": s.get("pp_bubble"),
         "final_train_loss": s.get("final_train_loss"),
         "final_val_loss": s.get("final_val_loss"),
+        **predicted_columns(s),  # the layout planner's prediction for this job's config (n/a if it has none)
     }
 
 
@@ -66,13 +69,15 @@ def write_sweep_report(sweep_dir: str | Path) -> tuple[Path, Path | None]:
     lines = [
         f"# Sweep report: {sweep_dir}",
         "",
-        "| job | strategy | layout | world | tokens/s | peak MiB/rank | state MiB/rank | bubble | train loss | val loss |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| job | strategy | layout | world | tokens/s | predicted tokens/s | peak MiB/rank | state MiB/rank | predicted "
+        "state MiB | bubble | train loss | val loss |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['job']} | {r['strategy']} | {r['layout']} | {r['world_size']} | {_fmt(r['tokens_per_s'], '.0f')} | "
-            f"{_fmt(r['peak_mib'], '.0f')} | {_fmt(r['state_mib'], '.2f')} | {_fmt(r['bubble'], '.3f')} | "
+            f"{_fmt(r['pred_tokens_per_s'], '.0f')} | {_fmt(r['peak_mib'], '.0f')} | {_fmt(r['state_mib'], '.2f')} | "
+            f"{_fmt(r['pred_state_mib'], '.2f')} | {_fmt(r['bubble'], '.3f')} | "
             f"{_fmt(r['final_train_loss'], '.4f')} | {_fmt(r['final_val_loss'], '.4f')} |"
         )
     if not rows:

@@ -1,0 +1,253 @@
+"""Predicted memory per device: model state, activations and buffers, per pipeline rank.
+
+* **Parameters per rank** (:func:`rank_params`): the rank's ``L / p`` blocks, their matrices and column-parallel biases
+  split over ``tp``, norms and row-parallel biases replicated; the vocab-parallel token embedding (and position table)
+  on the first rank, the final norm and vocab-parallel head on the last (Megatron-LM, Shoeybi et al. 2019, §3;
+  Narayanan et al. 2021, §2.2). An untied head on one rank is not shared.
+* **Model state** (:func:`model_state_bytes`): the ZeRO paper's per-stage formulas (Rajbhandari et al. 2020, §5.1 and
+  Figure 1) over the dp axis, with the precision's bytes per parameter, gradient and optimizer state:
+  ddp ``(P+G+K) Psi``, zero1 ``(P+G) Psi + K Psi / d``, zero2 ``P Psi + (G+K) Psi / d``, zero3 ``(P+G+K) Psi / d``.
+* **Activations** (:func:`activation_bytes_per_layer`): Korthikanti et al. 2022, Table 2, per layer and micro-batch,
+  generalised to any activation element size (the paper counts 2-byte activations and 1-byte dropout masks), times
+  the micro-batches a rank holds at once under its schedule (:func:`microbatches_in_flight`; §4.2.3 for 1F1B and the
+  interleaved schedule), plus the last rank's logits.
+* **Buffers** (:func:`buffer_bytes`): the dp reducer's gradient buckets, ZeRO-3's gathered blocks, pipeline send and
+  receive buffers.
+
+All in bytes. Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from lightning_par.planner.layouts import Layout
+from lightning_par.planner.model import ModelSpec
+from lightning_par.planner.precision import Precision
+
+__all__ = [
+    "MemoryBreakdown",
+    "activation_bytes_per_layer",
+    "buffer_bytes",
+    "microbatches_in_flight",
+    "model_state_bytes",
+    "predict_memory",
+    "rank_params",
+]
+
+#: Bucket size of the dp reducers (``bucket_cap_mb`` default, 25 MiB).
+BUCKET_BYTES = 25 * (1 << 20)
+
+
+def rank_params(model: ModelSpec, layout: Layout, pp_rank: int) -> float:
+    """Parameters held by one rank of pipeline rank ``pp_rank`` (any of its tp ranks; before dp sharding).
+
+    Args:
+        model: the model.
+        layout: gives ``tp_size``, ``pp_size`` and the even split ``L / pp_size`` layers per rank.
+        pp_rank: ``0 <= pp_rank < pp_size``.
+
+    Returns:
+        Parameter count (a float: vocab padding rounds ``V / t`` up).
+
+    Raises:
+        ValueError: ``pp_rank`` out of range.
+    """
+    p, t = layout.pp_size, layout.tp_size
+    if not 0 <= pp_rank < p:
+        raise ValueError(f"pp_rank={pp_rank!r} is not valid: expected 0 <= pp_rank < pp_size={p}.")
+    split, replicated = model.layer_params()
+    n = model.num_layers / p * (split / t + replicated)
+    vocab_shard = math.ceil(model.vocab_size / t) * model.hidden_size
+    last = pp_rank == p - 1
+    if pp_rank == 0:
+        n += model.embedding_params() - model.vocab_size * model.hidden_size + vocab_shard  # position table whole
+    if last:
+        n += model.head_params() - model.vocab_size * model.hidden_size
+        if not (model.tied_embeddings and p == 1):  # a tied head on the embedding's rank is the same tensor
+            n += vocab_shard
+    return n
+
+
+def model_state_bytes(params: float, dp_mode: str, dp_size: int, precision: Precision) -> float:
+    """Bytes of parameters, gradients and optimizer state per rank (Rajbhandari et al. 2020, §5.1).
+
+    Args:
+        params: parameters ``Psi`` of the rank before dp sharding (:func:`rank_params`).
+        dp_mode: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"zero3"``.
+        dp_size: ``d``.
+        precision: bytes per parameter ``P``, gradient ``G`` and optimizer state ``K``.
+
+    Returns:
+        ddp ``(P+G+K) Psi``; zero1 ``(P+G) Psi + K Psi/d``; zero2 ``P Psi + (G+K) Psi/d``; zero3 ``(P+G+K) Psi/d``.
+
+    Raises:
+        ValueError: an unknown ``dp_mode``.
+    """
+    pb, gb, ob, d = precision.param_bytes, precision.grad_bytes, precision.optimizer_bytes, dp_size
+    per_param = {
+        "ddp": pb + gb + ob,
+        "zero1": pb + gb + ob / d,
+        "zero2": pb + (gb + ob) / d,
+        "zero3": (pb + gb + ob) / d,
+    }
+    if dp_mode not in per_param:
+        raise ValueError(f"dp_mode={dp_mode!r} is not valid: expected one of {sorted(per_param)}.")
+    return params * per_param[dp_mode]
+
+
+def activation_bytes_per_layer(
+    seq_len: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    num_heads: int,
+    tp_size: int = 1,
+    sequence_parallel: bool = False,
+    checkpointing: str = "none",
+    element_bytes: int = 2,
+) -> float:
+    """Activation bytes one transformer layer keeps for backward, per micro-batch, on one rank.
+
+    Korthikanti et al. 2022, Table 2 (with ``s`` sequence, ``b`` micro-batch, ``h`` hidden, ``a`` heads, ``t`` tp):
+
+    * no recomputation: ``s b h (34 + 5 a s / h)`` at ``t = 1``; with TP ``s b h (10 + 24/t + 5 a s / (h t))``; with
+      TP and sequence parallelism ``s b h / t (34 + 5 a s / h)``;
+    * selective recomputation (attention scores, softmax and its dropout recomputed): the ``a s`` terms vanish:
+      ``s b h (10 + 24/t)``, with sequence parallelism ``34 s b h / t``;
+    * full recomputation: only the layer input, ``2 s b h`` (sharded ``/ t`` under sequence parallelism).
+
+    The paper's coefficients count 2-byte elements and 1-byte dropout masks: per layer, ``16 s b h + 2 a s^2 b``
+    elements (``12 s b h + 2 a s^2 b`` of them split by TP) and ``2 s b h + a s^2 b`` mask bytes (``a s^2 b`` split).
+    Here elements take ``element_bytes``, so ``element_bytes=2`` gives the table exactly.
+
+    Returns:
+        Bytes.
+
+    Raises:
+        ValueError: an unknown ``checkpointing``.
+    """
+    s, b, h, a, t, e = seq_len, micro_batch_size, hidden_size, num_heads, tp_size, element_bytes
+    sbh = s * b * h
+    if checkpointing == "full":
+        return sbh * e / (t if sequence_parallel else 1)
+    if checkpointing not in ("none", "selective"):
+        raise ValueError(f"checkpointing={checkpointing!r} is not valid: expected 'none', 'selective' or 'full'.")
+    attn_core = 0.0 if checkpointing == "selective" else a * s * s * b * (2 * e + 1)
+    split = 12 * sbh * e + attn_core
+    replicated = 4 * sbh * e + 2 * sbh  # norm and matmul inputs, two dropout masks
+    if sequence_parallel:
+        return (split + replicated) / t
+    return split / t + replicated
+
+
+def microbatches_in_flight(layout: Layout, pp_rank: int) -> float:
+    """Micro-batches whose activations rank ``pp_rank`` holds at its peak, in units of *its whole share of layers*.
+
+    * ``pp_size == 1`` (gradient accumulation): 1;
+    * GPipe: all ``m`` forwards before any backward: ``m``;
+    * 1F1B: rank ``r`` runs ``p - r`` warm-up forwards: ``min(m, p - r)`` (rank 0 holds ``p`` micro-batches of
+      ``L / p`` layers, i.e. ``L`` layers' worth: Korthikanti et al. 2022, §4.2.3);
+    * interleaved 1F1B with ``v`` chunks: rank ``r`` holds ``2 (p - r - 1) + (v - 1) p + 1`` chunk-micro-batches of
+      ``L / (p v)`` layers, i.e. ``1 + (p - 1)/(p v)`` times 1F1B's for rank 0 (§4.2.3); at most ``m v`` of them.
+    """
+    p, m, v = layout.pp_size, layout.num_microbatches, layout.virtual_stages
+    if p == 1:
+        return 1.0
+    if layout.schedule == "gpipe":
+        return float(m)
+    if layout.schedule == "interleaved_1f1b":
+        chunks = min(m * v, 2 * (p - pp_rank - 1) + (v - 1) * p + 1)
+        return chunks / v
+    return float(min(m, p - pp_rank))
+
+
+def buffer_bytes(model: ModelSpec, layout: Layout, params: float, precision: Precision) -> float:
+    """Communication and working buffers of one rank, in bytes.
+
+    * ddp: the reducer's buckets, a second copy of the gradients (``gradient_as_bucket_view=False``, the default);
+      zero1 and zero2: two buckets in flight (``2 x 25 MiB``);
+    * zero3: two gathered blocks (current and prefetched) and one block's full gradients;
+    * pipelining: a send and a receive buffer of one micro-batch's activations per chunk boundary.
+    """
+    out = 0.0
+    if layout.dp_size > 1:
+        if layout.dp_mode == "ddp":
+            out += params * precision.grad_bytes
+        elif layout.dp_mode in ("zero1", "zero2"):
+            out += 2 * min(BUCKET_BYTES, params * precision.grad_bytes)
+        else:
+            split, replicated = model.layer_params()
+            block = split / layout.tp_size + replicated
+            out += block * (2 * precision.param_bytes + precision.grad_bytes)
+    if layout.pp_size > 1:
+        sbh = model.seq_len * layout.micro_batch_size * model.hidden_size
+        shard = layout.tp_size if layout.sequence_parallel else 1
+        out += 2 * sbh * precision.activation_bytes / shard
+    return out
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Predicted bytes on the fullest rank.
+
+    Attributes:
+        pp_rank: the pipeline rank with the largest total.
+        params: its parameters (before dp sharding).
+        model_state_bytes: parameters + gradients + optimizer state.
+        activation_bytes: activations held for backward at the schedule's peak, plus the last rank's logits.
+        buffer_bytes: see :func:`buffer_bytes`.
+        max_model_state_bytes: the largest model state of any pipeline rank (the fullest rank may hold less state
+            and more activations than another).
+    """
+
+    pp_rank: int
+    params: float
+    model_state_bytes: float
+    activation_bytes: float
+    buffer_bytes: float
+    max_model_state_bytes: float = 0.0
+
+    @property
+    def total_bytes(self) -> float:
+        """``model_state_bytes + activation_bytes + buffer_bytes``."""
+        return self.model_state_bytes + self.activation_bytes + self.buffer_bytes
+
+
+def _activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, pp_rank: int) -> float:
+    e = precision.activation_bytes
+    args = (model.seq_len, layout.micro_batch_size, model.hidden_size, model.num_heads, layout.tp_size,
+            layout.sequence_parallel)
+    per_layer = activation_bytes_per_layer(*args, checkpointing=layout.activation_checkpointing, element_bytes=e)
+    layers = model.num_layers / layout.pp_size
+    held = per_layer * layers * microbatches_in_flight(layout, pp_rank)
+    if layout.activation_checkpointing == "full":  # one layer recomputed in full during its backward
+        held += activation_bytes_per_layer(*args, checkpointing="none", element_bytes=e)
+    if pp_rank == layout.pp_size - 1:  # one micro-batch's logits and their fp32 softmax for the loss
+        held += model.seq_len * layout.micro_batch_size * math.ceil(model.vocab_size / layout.tp_size) * (e + 4)
+    return held
+
+
+def predict_memory(model: ModelSpec, layout: Layout, precision: Precision) -> MemoryBreakdown:
+    """The :class:`MemoryBreakdown` of the pipeline rank that needs the most memory.
+
+    Only the first and the last rank are candidates: a middle rank holds the same blocks without the embedding or
+    the head, and no more micro-batches in flight than the first.
+    """
+    best: MemoryBreakdown | None = None
+    max_state = 0.0
+    for r in sorted({0, layout.pp_size - 1}):
+        params = rank_params(model, layout, r)
+        mb = MemoryBreakdown(
+            pp_rank=r,
+            params=params,
+            model_state_bytes=model_state_bytes(params, layout.dp_mode, layout.dp_size, precision),
+            activation_bytes=_activation_bytes(model, layout, precision, r),
+            buffer_bytes=buffer_bytes(model, layout, params, precision),
+        )
+        max_state = max(max_state, mb.model_state_bytes)
+        if best is None or mb.total_bytes > best.total_bytes:
+            best = mb
+    assert best is not None
+    return dataclasses.replace(best, max_model_state_bytes=max_state)

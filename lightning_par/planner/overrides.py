@@ -1,0 +1,105 @@
+"""A planned layout as Hydra overrides of ``recipes/train.py``: ``parallel=``/``strategy=`` options and their fields.
+
+Each layout maps to the simplest registry name that runs it (``ddp_overlap``, ``zero1``-``zero3``,
+``tensor_parallel``, ``gpipe``/``1f1b``/``pipeline``) and to ``parallel_3d`` otherwise, with the per-replica batch
+``data.batch_size = micro_batch_size * num_microbatches`` (the pipeline strategies cut it into ``num_microbatches``
+micro-batches; the others take one micro-batch per step) and, with pipelining, the even layer split the planner
+assumed (``strategy.split``). Activation checkpointing is not a strategy option: a layout that plans it says so in
+:func:`layout_notes`.
+
+The strategy field names live in :data:`STRATEGY_FIELDS`, in one place, so a rename of the strategy schema is a
+one-line change here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from lightning_par.planner.layouts import Layout
+
+__all__ = ["STRATEGY_FIELDS", "layout_notes", "layout_overrides", "parallel_option_name", "strategy_name"]
+
+#: Planner choice -> key under ``strategy.`` in the run config (conf/strategy/*.yaml).
+STRATEGY_FIELDS: dict[str, str] = {
+    "dp_mode": "dp_mode",
+    "schedule": "pipeline.schedule",
+    "num_microbatches": "pipeline.num_microbatches",
+    "virtual_stages": "pipeline.virtual_stages",
+    "split": "pipeline.split",
+    "sequence_parallel": "tensor_parallel.sequence_parallel",
+}
+
+
+#: Registry names that cut the per-replica batch into ``num_microbatches`` micro-batches.
+_PIPELINED = ("parallel_3d", "pipeline", "gpipe", "1f1b")
+
+
+def parallel_option_name(layout: Layout) -> str:
+    """The conf/parallel option name this layout would have by the existing convention (``tp2_pp2_dp2``,
+    ``tp2_dp4``, ``pp2``, ``dp8``): the axes of size > 1 in the order tp, pp, dp; ``dp1`` for one device."""
+    parts = [f"{axis}{size}" for axis, size in (("tp", layout.tp_size), ("pp", layout.pp_size), ("dp", layout.dp_size))
+             if size > 1]
+    return "_".join(parts) or "dp1"
+
+
+def strategy_name(layout: Layout) -> str:
+    """The registry name that runs ``layout`` most simply."""
+    single_step = layout.num_microbatches == 1
+    if layout.pp_size == 1 and layout.tp_size == 1 and single_step:
+        return "ddp_overlap" if layout.dp_mode == "ddp" else layout.dp_mode
+    if layout.pp_size == 1 and layout.tp_size > 1 and single_step and layout.dp_mode == "ddp":
+        return "tensor_parallel"
+    if layout.pp_size > 1 and layout.tp_size == 1 and layout.dp_mode == "ddp":
+        return layout.schedule if layout.schedule in ("gpipe", "1f1b") else "pipeline"
+    return "parallel_3d"
+
+
+def layout_overrides(
+    layout: Layout, parallel_options: Collection[str] | None = None, num_layers: int | None = None
+) -> list[str]:
+    """Hydra overrides that run ``layout`` with ``recipes/train.py``.
+
+    Args:
+        layout: the layout.
+        parallel_options: option names of the ``parallel`` config group (``conf/parallel/*.yaml``); a layout whose
+            conventional name is among them is given as ``parallel=<name>``, any other as its four fields.
+        num_layers: the model's layers; with pipelining, the even split ``strategy.split=[L/(p v), ...]`` is added.
+
+    Returns:
+        Overrides such as ``["parallel=tp2_pp2_dp2", "strategy=parallel_3d", "strategy.dp_mode=zero1", ...]``.
+    """
+    out: list[str] = []
+    name = parallel_option_name(layout)
+    if parallel_options is not None and name in parallel_options:
+        out.append(f"parallel={name}")
+    else:
+        out += [f"parallel.world_size={layout.world_size}", f"parallel.dp_size={layout.dp_size}",
+                f"parallel.tp_size={layout.tp_size}", f"parallel.pp_size={layout.pp_size}"]
+    strategy = strategy_name(layout)
+    out.append(f"strategy={strategy}")
+    f = STRATEGY_FIELDS
+    if strategy == "parallel_3d":
+        out.append(f"strategy.{f['dp_mode']}={layout.dp_mode}")
+    if strategy in ("parallel_3d", "pipeline") and layout.pp_size > 1:
+        out.append(f"strategy.{f['schedule']}={layout.schedule}")
+    if strategy in _PIPELINED:
+        out.append(f"strategy.{f['num_microbatches']}={layout.num_microbatches}")
+        if layout.virtual_stages > 1:
+            out.append(f"strategy.{f['virtual_stages']}={layout.virtual_stages}")
+    if layout.pp_size > 1 and num_layers is not None:
+        stages = layout.pp_size * layout.virtual_stages  # the even split the planner assumed
+        out.append(f"strategy.{f['split']}=[{','.join([str(num_layers // stages)] * stages)}]")
+    if layout.sequence_parallel:
+        out.append(f"strategy.{f['sequence_parallel']}=true")
+    pipelined = strategy in _PIPELINED
+    out.append(f"data.batch_size={layout.micro_batch_size * (layout.num_microbatches if pipelined else 1)}")
+    return out
+
+
+def layout_notes(layout: Layout) -> list[str]:
+    """What the emitted overrides cannot express for ``layout`` (the user must do it in the model)."""
+    notes = []
+    if layout.activation_checkpointing != "none":
+        where = "blocks" if layout.activation_checkpointing == "full" else "attention cores"
+        notes.append(f"ckpt={layout.activation_checkpointing}: no strategy option, checkpoint the model's {where}")
+    return notes

@@ -1,0 +1,121 @@
+"""Tables of predictions: rows of plain values, a fixed-width text table, markdown and CSV.
+
+Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_par.planner.plan import Prediction
+
+__all__ = ["COLUMNS", "format_table", "to_csv", "to_markdown", "to_rows"]
+
+_GiB = 1 << 30
+
+#: Column key -> header, in table order.
+COLUMNS: dict[str, str] = {
+    "rank": "#",
+    "dp_size": "dp",
+    "tp_size": "tp",
+    "pp_size": "pp",
+    "dp_mode": "dp mode",
+    "schedule": "schedule",
+    "num_microbatches": "m",
+    "micro_batch_size": "b",
+    "activation_checkpointing": "ckpt",
+    "sequence_parallel": "sp",
+    "memory_gib": "GiB/dev",
+    "state_gib": "state GiB",
+    "activation_gib": "act GiB",
+    "fits": "fits",
+    "step_time_s": "step s",
+    "tokens_per_s": "tokens/s",
+    "mfu": "MFU",
+    "bubble": "bubble",
+    "dp_comm_s": "dp comm s",
+    "tp_comm_s": "tp comm s",
+    "reason": "why not / notes",
+}
+
+
+def to_rows(predictions: Sequence[Prediction]) -> list[dict[str, Any]]:
+    """One dict of plain values per prediction, keyed by :data:`COLUMNS` (bytes in GiB, times in seconds)."""
+    rows = []
+    for i, p in enumerate(predictions, 1):
+        lay = p.layout
+        schedule = lay.schedule if lay.virtual_stages == 1 else f"{lay.schedule}(v={lay.virtual_stages})"
+        rows.append({
+            "rank": i,
+            "dp_size": lay.dp_size,
+            "tp_size": lay.tp_size,
+            "pp_size": lay.pp_size,
+            "dp_mode": lay.dp_mode,
+            "schedule": schedule,
+            "num_microbatches": lay.num_microbatches,
+            "micro_batch_size": lay.micro_batch_size,
+            "activation_checkpointing": lay.activation_checkpointing,
+            "sequence_parallel": lay.sequence_parallel,
+            "memory_gib": p.bytes_per_device / _GiB,
+            "state_gib": p.memory.model_state_bytes / _GiB,
+            "activation_gib": p.memory.activation_bytes / _GiB,
+            "fits": p.fits,
+            "step_time_s": p.step_time_s,
+            "tokens_per_s": p.tokens_per_s,
+            "mfu": p.mfu,
+            "bubble": p.bubble,
+            "dp_comm_s": p.time.dp_comm_s,
+            "tp_comm_s": p.time.tp_comm_s,
+            "reason": p.reason or "; ".join(p.notes),
+        })
+    return rows
+
+
+def _fmt(key: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if key in ("mfu", "bubble"):
+            return f"{100 * value:.1f}%"
+        if key == "tokens_per_s":
+            return f"{value:,.0f}"
+        if key.endswith("_s"):
+            return f"{value:.4g}"
+        return f"{value:.2f}"
+    return str(value)
+
+
+def _cells(predictions: Sequence[Prediction], top: int | None) -> tuple[list[str], list[list[str]]]:
+    rows = to_rows(predictions[:top] if top else predictions)
+    headers = list(COLUMNS.values())
+    return headers, [[_fmt(k, r[k]) for k in COLUMNS] for r in rows]
+
+
+def format_table(predictions: Sequence[Prediction], top: int | None = None) -> str:
+    """A fixed-width text table of the first ``top`` predictions (all if None)."""
+    headers, body = _cells(predictions, top)
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in body])
+
+
+def to_markdown(predictions: Sequence[Prediction], top: int | None = None) -> str:
+    """A markdown table of the first ``top`` predictions (all if None)."""
+    headers, body = _cells(predictions, top)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in body]
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(predictions: Sequence[Prediction], path: str | Path) -> Path:
+    """Write every prediction as a CSV row (raw values, columns keyed as :data:`COLUMNS`); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(COLUMNS))
+        writer.writeheader()
+        writer.writerows(to_rows(predictions))
+    return path

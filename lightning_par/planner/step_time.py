@@ -1,0 +1,202 @@
+"""Predicted time of one optimizer step: compute, exposed communication, pipeline bubble, optimizer.
+
+Per pipeline rank and micro-batch (``b`` sequences of ``s`` tokens), the rank's ``L / p`` layers cost
+
+* **compute**: ``b s (L/p) (f_layer + f_recompute) / t`` FLOPs, plus the head's ``6 V h b s / t`` on the last rank,
+  at ``peak_flops * matmul_efficiency`` (model FLOPs per token from :class:`~lightning_par.planner.model.ModelSpec`;
+  full recomputation adds one forward, ``f_layer / 3``; selective adds the attention scores' forward, ``4 s h``:
+  Korthikanti et al. 2022, §5);
+* **framework overhead**: ``layer_ops * op_overhead_s`` per layer (kernel launches, dispatch), plus
+  ``tp_layer_overhead_s`` per tensor-parallel layer (DTensor dispatch);
+* **tensor-parallel communication**: four all-reduces of ``b s h`` elements per layer (six with full recomputation),
+  ``8 b s h (t-1)/t`` elements sent (Narayanan et al. 2021, §3.2), not overlapped;
+* **pipeline point-to-point**: one activation send forward and one gradient send backward per chunk, ``b s h``
+  elements each (``/ t`` with sequence parallelism, Megatron's scatter-gather).
+
+A step of a pipeline runs ``m + (p-1)/v`` such slots on the slowest rank (GPipe and 1F1B: ``v = 1``): the bubble is
+``(p-1)/v`` slots, i.e. a fraction ``(p-1) / (v m + p - 1)`` of the pipeline time (Narayanan et al. 2021, §2.2).
+Without pipelining it runs ``m`` slots. Then the dp axis (:func:`~lightning_par.planner.comm.zero_step_comm_bytes`):
+the gradient reduction overlaps the last micro-batch's backward only in the single-micro-batch, unpipelined layouts
+whose strategy reduces during backward (``ddp_overlap``, ``zero1``, ``zero2``); the other layouts reduce once after
+the schedule; ZeRO-3's gathers overlap compute (prefetch); ``comm_overlap`` of the overlappable part is hidden. Last,
+the optimizer reads and writes its shard of parameters, gradients and state at ``memory_bandwidth``, plus
+``optimizer_tensor_overhead_s`` per parameter tensor it steps (``sharded_optimizer_tensor_overhead_s`` for the
+sharded, DTensor-held tensors of the ZeRO modes).
+
+On devices that share compute units (``idle_speedup > 1``: CPU processes on the same cores), rates are those measured
+with every device busy; a rank waiting in the bubble frees its share, so the step is the larger of the busiest
+rank's busy time and the critical path run ``idle_speedup`` times faster.
+
+MFU is model FLOPs per second over peak (PaLM, Chowdhery et al. 2022, App. B); HFU counts recomputation too.
+All times in seconds. Pure Python: no torch import.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lightning_par.planner.comm import (
+    collective_time,
+    group_link,
+    ring_steps,
+    tp_layer_comm_bytes,
+    zero_step_comm_bytes,
+)
+from lightning_par.planner.devices import DeviceSpec
+from lightning_par.planner.layouts import Layout
+from lightning_par.planner.memory import rank_params
+from lightning_par.planner.model import ModelSpec
+from lightning_par.planner.precision import Precision
+
+__all__ = ["TimeBreakdown", "bubble_fraction", "predict_step_time", "recompute_flops_per_token"]
+
+
+def bubble_fraction(pp_size: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle fraction of a pipeline step: ``(p-1) / (v m + p - 1)`` (GPipe/1F1B with ``v = 1``; interleaved 1F1B
+    with ``v`` chunks per rank: Narayanan et al. 2021, §2.2)."""
+    p, m, v = pp_size, num_microbatches, virtual_stages
+    return (p - 1) / (v * m + p - 1)
+
+
+def recompute_flops_per_token(model: ModelSpec, checkpointing: str) -> float:
+    """Extra FLOPs per token and layer that activation checkpointing recomputes: full, one forward of the layer
+    (``f_layer / 3``); selective, the attention scores' forward ``4 s h``; none, 0."""
+    if checkpointing == "full":
+        return model.layer_flops_per_token() / 3.0
+    if checkpointing == "selective":
+        return model.attention_score_flops_per_token()
+    return 0.0
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    """Predicted seconds of one optimizer step.
+
+    Attributes:
+        step_time_s: the whole step.
+        compute_s: matmul time of the slowest rank over the step (all its micro-batches), recomputation included.
+        overhead_s: framework overhead over the step (per-layer dispatch).
+        tp_comm_s: tensor-parallel collectives over the step.
+        pp_comm_s: pipeline sends over the step.
+        bubble_s: idle pipeline time (its slots), after what a shared-compute device recovers.
+        dp_comm_s: exposed dp-axis communication.
+        optimizer_s: the optimizer step.
+        model_flops: model FLOPs of the whole step over all devices (no recomputation).
+        hardware_flops: the same with recomputation.
+    """
+
+    step_time_s: float
+    compute_s: float
+    overhead_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    bubble_s: float
+    dp_comm_s: float
+    optimizer_s: float
+    model_flops: float
+    hardware_flops: float
+
+
+def predict_step_time(
+    model: ModelSpec,
+    layout: Layout,
+    device: DeviceSpec,
+    precision: Precision,
+    devices_per_node: int,
+) -> TimeBreakdown:
+    """Predict one optimizer step of ``model`` under ``layout`` (see the module docstring for the model).
+
+    Args:
+        model: the model (its ``seq_len`` is the training sequence length).
+        layout: the layout.
+        device: the device spec.
+        precision: bytes per element of parameters, gradients and activations.
+        devices_per_node: devices sharing fast links (NVLink) in one node.
+
+    Returns:
+        The :class:`TimeBreakdown`.
+    """
+    p, t, d, m, v = layout.pp_size, layout.tp_size, layout.dp_size, layout.num_microbatches, layout.virtual_stages
+    b, s, h = layout.micro_batch_size, model.seq_len, model.hidden_size
+    e = precision.activation_bytes
+    tokens_mb = b * s
+    layers = model.num_layers / p
+    flops = device.achieved_flops
+
+    # --- one micro-batch on the slowest pipeline rank: compute, overhead, tp and pp communication
+    f_layer = model.layer_flops_per_token()
+    f_extra = recompute_flops_per_token(model, layout.activation_checkpointing)
+    layer_compute = tokens_mb * (f_layer + f_extra) / t / flops
+    head_compute = tokens_mb * model.head_flops_per_token() / t / flops
+    slot_compute = layers * layer_compute + head_compute  # the last rank, which also runs the head
+    overhead = layers * (model.layer_ops * device.op_overhead_s + (device.tp_layer_overhead_s if t > 1 else 0.0))
+    tp_comm = 0.0
+    if t > 1:
+        bw, lat = group_link(device, layout, "tp", devices_per_node)
+        recompute = layout.activation_checkpointing == "full"
+        n_ops = 6 if recompute else 4  # all-reduces (with sp: as many all-gather + reduce-scatter pairs, same steps)
+        sent = tp_layer_comm_bytes(b, s, h, t, e, recompute_forward=recompute)
+        tp_comm = layers * collective_time(sent, bw, lat, n_ops, ring_steps("all_reduce", t))
+    pp_comm = 0.0
+    if p > 1:
+        bw, lat = group_link(device, layout, "pp", devices_per_node)
+        message = tokens_mb * h * e / (t if layout.sequence_parallel else 1)
+        pp_comm = 2 * v * collective_time(message, bw, lat, 1, ring_steps("p2p", 2))
+    slot = slot_compute + overhead + tp_comm + pp_comm
+    slots = m + (p - 1) / v if p > 1 else float(m)
+    pipeline = slots * slot
+    busy = m * slot  # a rank's own work, without waiting
+
+    # --- dp axis
+    params = max(rank_params(model, layout, 0), rank_params(model, layout, p - 1))
+    dp_comm = 0.0
+    if d > 1:
+        bw, lat = group_link(device, layout, "dp", devices_per_node)
+        sent = zero_step_comm_bytes(layout.dp_mode, params, d, precision.param_bytes, precision.grad_bytes, m)
+        buckets = max(1, math.ceil(params * precision.grad_bytes / (25 * (1 << 20))))  # 25 MiB buckets
+        steps = {  # ring steps per step: reductions and gathers over the buckets, or per block for zero3
+            "ddp": buckets * ring_steps("all_reduce", d),
+            "zero1": buckets * (ring_steps("all_reduce", d) + ring_steps("all_gather", d)),
+            "zero2": buckets * (ring_steps("reduce_scatter", d) + ring_steps("all_gather", d)),
+            "zero3": math.ceil(m * model.num_layers / p) * 3 * ring_steps("all_gather", d),
+        }[layout.dp_mode]
+        total = collective_time(sent, bw, lat, 1, steps)
+        if layout.dp_mode == "zero3":
+            window = m * slot_compute
+        elif p == 1 and m == 1:
+            window = slot_compute * 2.0 / 3.0  # the backward of the only micro-batch
+        else:
+            window = 0.0
+        dp_comm = total - device.comm_overlap * min(total, window)
+
+    # --- optimizer: its shard of parameters, gradients and state, read and written once
+    opt_params = params / d if layout.dp_mode != "ddp" else params
+    traffic = precision.param_bytes + precision.grad_bytes + 2 * precision.optimizer_bytes
+    tensors = model.layer_tensors * layers + 4
+    per_tensor = device.sharded_optimizer_tensor_overhead_s if layout.dp_mode != "ddp" and d > 1 else (
+        device.optimizer_tensor_overhead_s)
+    optimizer = opt_params * traffic / device.memory_bandwidth + tensors * per_tensor
+
+    critical = pipeline
+    bubble = pipeline - busy
+    if device.idle_speedup > 1.0:  # shared compute: the bubble's idle share goes to the busy ranks
+        critical = max(busy, pipeline / device.idle_speedup)
+        bubble = critical - busy
+    step = critical + dp_comm + optimizer
+
+    tokens_step = layout.global_batch_size * s
+    model_flops = tokens_step * model.model_flops_per_token()
+    hardware_flops = model_flops + tokens_step * model.num_layers * f_extra
+    return TimeBreakdown(
+        step_time_s=step,
+        compute_s=m * slot_compute,
+        overhead_s=m * overhead,
+        tp_comm_s=m * tp_comm,
+        pp_comm_s=m * pp_comm,
+        bubble_s=bubble,
+        dp_comm_s=dp_comm,
+        optimizer_s=optimizer,
+        model_flops=model_flops,
+        hardware_flops=hardware_flops,
+    )
