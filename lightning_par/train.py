@@ -121,6 +121,7 @@ def validate_run(cfg: DictConfig) -> None:
     import torch
 
     from lightning_par.lr_scaling import check_lr_scaling
+    from lightning_par.precision import check_precision
     from lightning_par.validation import check_int
 
     if cfg.get("profile"):
@@ -139,7 +140,9 @@ def validate_run(cfg: DictConfig) -> None:
             f"per sample, or lr_scaling.warmup_samples=0."
         )
     strategy.connect(module)
-    strategy.validate_model(build_parallel_dims(cfg))
+    dims = build_parallel_dims(cfg)
+    check_precision(str(cfg.trainer.precision), dims.pp_size)
+    strategy.validate_model(dims)
 
 
 def launch_job(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any] | None:

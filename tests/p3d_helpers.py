@@ -80,6 +80,16 @@ def _model(step: dict[str, Any]) -> Any:
     return make_mlp(optimizer=name.rsplit("-", 1)[1], depth=6 if "deep" in name else 3)
 
 
+def _precision(precision: str) -> dict[str, Any]:
+    """Trainer arguments for ``precision``. Lightning turns ``"16-mixed"`` on CPU into ``"bf16-mixed"``; tests of fp16
+    loss scaling pass the plugin themselves (CPU autocast supports fp16, ``torch.amp.GradScaler("cpu")`` exists)."""
+    if precision != "16-mixed":
+        return {"precision": precision}
+    from lightning.pytorch.plugins import MixedPrecision
+
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]}
+
+
 def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, Any]:
     """Run one step of the plan on this rank (see the module docstring)."""
     from lightning_par.checkpoint import sharded
@@ -104,8 +114,8 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
         val_check_interval=step.get("val_every", step.get("steps", 1)),
         gradient_clip_val=step.get("clip"),
         accumulate_grad_batches=step.get("accumulate", 1),
-        precision=step.get("precision", "32-true"),
         callbacks=[recorder],
+        **_precision(step.get("precision", "32-true")),
     )
     module = _model(step)
     out: dict[str, Any] = {"name": step["name"], "rank": rank, "dp_rank": dp_rank}
@@ -119,6 +129,10 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
     out["losses"] = recorder.losses
     out["state"] = strategy.full_state_dict()
     out["extras"] = strategy.summary_extras()
+    out["optimizer_state_dtypes"] = sorted({
+        str(v.dtype) for o in trainer.optimizers for s in o.state.values() for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    })
     if step.get("val"):
         out["val_loss"] = float(trainer.callback_metrics["val_loss"])
     if step.get("save"):
