@@ -1,7 +1,7 @@
 """Which checkpoint a run resumes from: ``ckpt_path`` null / ``"last"`` / a path, and the latest complete one.
 
-Checkpoints are the ones Lightning's ``ModelCheckpoint`` writes with ``filename="step={step}"``: ``step=<N>.ckpt``
-(``step=<N>-v<K>.ckpt`` when the name was taken), a file (``torch.save``) or a directory (sharded strategies). The
+Checkpoints are the ones Lightning's ``ModelCheckpoint`` writes with ``filename="step-{step}"``: ``step-<N>.ckpt``
+(``step-<N>-v<K>.ckpt`` when the name was taken), a file (``torch.save``) or a directory (sharded strategies). The
 latest *complete* one is the highest ``(N, K)`` that is whole:
 
 * a file: a complete zip archive (``torch.save``'s format ends with the zip central directory, which a write cut
@@ -22,12 +22,12 @@ from pathlib import Path
 __all__ = ["CHECKPOINT_FILENAME", "checkpoint_step", "is_complete_checkpoint", "latest_checkpoint", "resolve_ckpt_path"]
 
 #: ``ModelCheckpoint(filename=...)`` of the recipes (with ``auto_insert_metric_name=False``).
-CHECKPOINT_FILENAME = "step={step}"
-_STEP_NAME = re.compile(r"^step=(\d+)(?:-v(\d+))?\.ckpt$")
+CHECKPOINT_FILENAME = "step-{step}"
+_STEP_NAME = re.compile(r"^step-(\d+)(?:-v(\d+))?\.ckpt$")
 
 
 def checkpoint_step(path: str | Path) -> tuple[int, int] | None:
-    """``(step, version)`` from a ``step=<N>[-v<K>].ckpt`` name, or ``None`` for any other name."""
+    """``(step, version)`` from a ``step-<N>[-v<K>].ckpt`` name, or ``None`` for any other name."""
     m = _STEP_NAME.match(Path(path).name)
     return (int(m.group(1)), int(m.group(2) or 0)) if m else None
 
@@ -43,7 +43,7 @@ def is_complete_checkpoint(path: str | Path) -> bool:
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The latest complete ``step=<N>.ckpt`` in ``directory``, or ``None`` (no directory, or nothing complete)."""
+    """The latest complete ``step-<N>.ckpt`` in ``directory``, or ``None`` (no directory, or nothing complete)."""
     directory = Path(directory)
     if not directory.is_dir():
         return None
@@ -80,7 +80,7 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: str | Path) -> Path
         found = latest_checkpoint(checkpoint_dir)
         if found is None:
             raise ValueError(
-                f"ckpt_path='last' is not valid here: there is no complete checkpoint (step=<N>.ckpt) in "
+                f"ckpt_path='last' is not valid here: there is no complete checkpoint (step-<N>.ckpt) in "
                 f"{str(checkpoint_dir)!r}. Expected a run directory with checkpoints (hydra.run.dir=<that run>), the "
                 f"path of a checkpoint, or ckpt_path=null to start from scratch."
             )

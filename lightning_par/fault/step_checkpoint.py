@@ -14,7 +14,7 @@ __all__ = ["StepCheckpoint"]
 
 
 class StepCheckpoint(ModelCheckpoint):
-    """Save ``<dirpath>/step=<N>.ckpt`` every ``every_n_steps`` optimizer steps and at the end of ``fit``; keep the
+    """Save ``<dirpath>/step-<N>.ckpt`` every ``every_n_steps`` optimizer steps and at the end of ``fit``; keep the
     latest ``keep_last_k``; ``last.ckpt`` links to the newest.
 
     A Lightning ``ModelCheckpoint`` with ``monitor="step", mode="max"`` (so "top k" means "latest k"), independent of

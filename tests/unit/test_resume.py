@@ -28,27 +28,27 @@ def _dir_ckpt(path, complete: bool = True) -> None:
 
 
 def test_step_names_parse_with_versions():
-    assert checkpoint_step("step=12.ckpt") == (12, 0)
-    assert checkpoint_step("/x/step=12-v3.ckpt") == (12, 3)
-    for other in ("last.ckpt", "epoch=0-step=12.ckpt", "step=12.ckpt.tmp-staging", "step=x.ckpt"):
+    assert checkpoint_step("step-12.ckpt") == (12, 0)
+    assert checkpoint_step("/x/step-12-v3.ckpt") == (12, 3)
+    for other in ("last.ckpt", "epoch=0-step=12.ckpt", "step-12.ckpt.tmp-staging", "step-x.ckpt"):
         assert checkpoint_step(other) is None
 
 
 def test_the_latest_complete_checkpoint_wins(tmp_path):
-    _file_ckpt(tmp_path / "step=2.ckpt", 2)
-    _dir_ckpt(tmp_path / "step=4.ckpt")
-    _file_ckpt(tmp_path / "step=4-v1.ckpt", 4)
-    assert latest_checkpoint(tmp_path) == tmp_path / "step=4-v1.ckpt"
+    _file_ckpt(tmp_path / "step-2.ckpt", 2)
+    _dir_ckpt(tmp_path / "step-4.ckpt")
+    _file_ckpt(tmp_path / "step-4-v1.ckpt", 4)
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-4-v1.ckpt"
     # Newer but torn: a file cut short (no zip central directory), a directory without DCP's .metadata, a staging dir.
-    (tmp_path / "step=6.ckpt").write_bytes((tmp_path / "step=2.ckpt").read_bytes()[:100])
-    _dir_ckpt(tmp_path / "step=8.ckpt", complete=False)
-    _dir_ckpt(tmp_path / "step=10.ckpt.tmp-staging")
-    os.symlink("step=2.ckpt", tmp_path / "last.ckpt")
-    assert not is_complete_checkpoint(tmp_path / "step=6.ckpt") and not zipfile.is_zipfile(tmp_path / "step=6.ckpt")
-    assert not is_complete_checkpoint(tmp_path / "step=8.ckpt")
-    assert latest_checkpoint(tmp_path) == tmp_path / "step=4-v1.ckpt"
-    _dir_ckpt(tmp_path / "step=12.ckpt")
-    assert latest_checkpoint(tmp_path) == tmp_path / "step=12.ckpt"
+    (tmp_path / "step-6.ckpt").write_bytes((tmp_path / "step-2.ckpt").read_bytes()[:100])
+    _dir_ckpt(tmp_path / "step-8.ckpt", complete=False)
+    _dir_ckpt(tmp_path / "step-10.ckpt.tmp-staging")
+    os.symlink("step-2.ckpt", tmp_path / "last.ckpt")
+    assert not is_complete_checkpoint(tmp_path / "step-6.ckpt") and not zipfile.is_zipfile(tmp_path / "step-6.ckpt")
+    assert not is_complete_checkpoint(tmp_path / "step-8.ckpt")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-4-v1.ckpt"
+    _dir_ckpt(tmp_path / "step-12.ckpt")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-12.ckpt"
 
 
 def test_resolve_null_last_and_path(tmp_path):
@@ -57,10 +57,10 @@ def test_resolve_null_last_and_path(tmp_path):
     with pytest.raises(ValueError, match=re.escape("ckpt_path='last' is not valid here: there is no complete checkpoint")):
         resolve_ckpt_path("last", ckpts)
     ckpts.mkdir()
-    _file_ckpt(ckpts / "step=3.ckpt", 3)
-    assert resolve_ckpt_path(None, ckpts) == ckpts / "step=3.ckpt"
-    assert resolve_ckpt_path("last", ckpts) == ckpts / "step=3.ckpt"
-    assert resolve_ckpt_path(str(ckpts / "step=3.ckpt"), tmp_path / "elsewhere") == (ckpts / "step=3.ckpt").resolve()
+    _file_ckpt(ckpts / "step-3.ckpt", 3)
+    assert resolve_ckpt_path(None, ckpts) == ckpts / "step-3.ckpt"
+    assert resolve_ckpt_path("last", ckpts) == ckpts / "step-3.ckpt"
+    assert resolve_ckpt_path(str(ckpts / "step-3.ckpt"), tmp_path / "elsewhere") == (ckpts / "step-3.ckpt").resolve()
     with pytest.raises(ValueError, match=re.escape("ckpt_path='/no/such.ckpt' is not valid: it does not exist")):
         resolve_ckpt_path("/no/such.ckpt", ckpts)
 
