@@ -66,7 +66,8 @@ def _external_rank() -> int:
 def _loggers(run_dir: Path) -> list[Any]:
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-    loggers: list[Any] = [CSVLogger(save_dir=str(run_dir), name=LOG_DIR, version="")]
+    # Flushed at every logged step (an append): the default, every 100 steps, loses them when a rank is killed.
+    loggers: list[Any] = [CSVLogger(save_dir=str(run_dir), name=LOG_DIR, version="", flush_logs_every_n_steps=1)]
     try:
         import tensorboard  # noqa: F401
     except ImportError:
@@ -108,9 +109,11 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
         The contents of ``summary.json`` on rank 0, ``None`` on other ranks.
     """
     import lightning as L
+    import torch
     from lightning.pytorch.callbacks import LearningRateMonitor
 
     from lightning_par.callbacks import ParallelMetricsCallback, RunSummaryCallback
+    from lightning_par.fault.elastic import init_process_group_per_attempt
     from lightning_par.fault.heartbeat import HeartbeatCallback
     from lightning_par.fault.nonfinite import NonFiniteGuard
     from lightning_par.fault.step_checkpoint import StepCheckpoint
@@ -157,7 +160,12 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
         callbacks=callbacks,
         default_root_dir=str(out),
     )
+    # Under torchrun --max-restarts, every attempt gets a group of its own (see lightning_par.fault.elastic).
+    started_here = init_process_group_per_attempt(_accelerator(cfg), float(cfg.strategy.get("timeout_s", 1800.0)))
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    if started_here:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     if trainer.global_rank != 0:
         return None
     return json.loads(summary_path.read_text())

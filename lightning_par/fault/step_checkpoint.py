@@ -51,6 +51,13 @@ class StepCheckpoint(ModelCheckpoint):
             save_on_exception=False,
         )
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """A ``last.ckpt`` link left by an earlier attempt is ours to replace (not a reason for ``last-v1.ckpt``)."""
+        super().on_train_start(trainer, pl_module)
+        link = Path(str(self.dirpath)) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
+        if link.is_symlink():
+            self.last_model_path = str(link)
+
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Nothing: saves follow optimizer steps only (``ModelCheckpoint`` would also save after each validation)."""
 
