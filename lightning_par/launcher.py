@@ -39,6 +39,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from lightning_par.fault.heartbeat import HEARTBEAT_DIR_ENV, LAUNCHER_WATCHDOG_ENV, stalled_ranks
@@ -277,6 +278,8 @@ def run_distributed(
         heartbeat_dir = own_dir = tempfile.mkdtemp(prefix="lightning_par-heartbeat-")
     if heartbeat_dir is not None:
         os.makedirs(heartbeat_dir, exist_ok=True)
+        for stale in Path(heartbeat_dir).glob("rank-*.json"):  # an earlier run's, in a reused run directory
+            stale.unlink(missing_ok=True)
         child_env[HEARTBEAT_DIR_ENV] = str(heartbeat_dir)
     if watchdog_s is not None:
         child_env[LAUNCHER_WATCHDOG_ENV] = "1"

@@ -154,8 +154,9 @@ def stalled_ranks(
 ) -> list[Stall]:
     """The ranks of ``ranks`` over their progress limit, most likely culprit first.
 
-    A rank is over its limit when ``now`` minus its last heartbeat (``started_at`` if none) exceeds
-    ``startup_grace_s`` before its first optimizer step and ``watchdog_s`` after. Ranks waiting in a collective for a
+    A rank is over its limit when ``now`` minus its last heartbeat (``started_at`` if none, or if the file is older
+    than ``started_at``: a previous run's, in a reused directory) exceeds ``startup_grace_s`` before its first
+    optimizer step and ``watchdog_s`` after. Ranks waiting in a collective for a
     stuck peer go stale too, so the culprit is ordered first: a stopped process, then the rank whose heartbeat is
     oldest (the others kept going until they had to wait for it).
 
@@ -176,6 +177,8 @@ def stalled_ranks(
     stalls = []
     for rank in ranks:
         b = beats.get(rank)
+        if b is not None and b.time < started_at:
+            b = None  # left by an earlier run in this directory
         last = b.time if b is not None else started_at
         limit = watchdog_s if (b is not None and b.warm) else startup_grace_s
         idle = now - last
@@ -222,6 +225,7 @@ class HeartbeatCallback(L.Callback):
         self.startup_grace_s = startup_grace_s if startup_grace_s is not None else watchdog_s
         self.min_interval_s = min_interval_s
         self._rank = 0
+        self._created = time.time()
         self._last_write = 0.0
         self._last_progress = time.time()
         self._warm = False
@@ -307,7 +311,7 @@ class HeartbeatCallback(L.Callback):
                 continue
             lines = [f"lightning_par watchdog: rank {self._rank} made no progress for {idle:.0f} s (limit {limit:g} s)."]
             if self.directory is not None:
-                beats = read_beats(self.directory)
+                beats = {r: b for r, b in read_beats(self.directory).items() if b.time >= self._created}
                 if beats:
                     behind = min(beats.values(), key=lambda b: (b.step, b.time))
                     lines.append(

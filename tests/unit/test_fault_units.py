@@ -55,7 +55,7 @@ def test_the_oldest_heartbeat_is_the_culprit(tmp_path):
     data = json.loads(p.read_text())
     data["time"] = t0 - 3
     p.write_text(json.dumps(data))
-    stalls = stalled_ranks(tmp_path, [0, 1], started_at=t0, watchdog_s=1, startup_grace_s=1, now=t0 + 10)
+    stalls = stalled_ranks(tmp_path, [0, 1], started_at=t0 - 10, watchdog_s=1, startup_grace_s=1, now=t0 + 10)
     assert stalls[0].rank == 1
 
 
@@ -105,3 +105,12 @@ def test_nonfinite_guard_rejects_bad_options(kwargs, message):
 def test_heartbeat_callback_rejects_bad_limits():
     with pytest.raises(ValueError, match=re.escape("HeartbeatCallback watchdog_s=0 is not valid")):
         HeartbeatCallback(watchdog_s=0)
+
+
+def test_a_heartbeat_left_by_an_earlier_run_does_not_count(tmp_path):
+    """A resumed job reuses its run directory: the previous attempt's heartbeats are older than this start."""
+    write_beat(tmp_path, 0, step=40, phase="train_batch_end", warm=True)
+    later = time.time() + 3600
+    assert stalled_ranks(tmp_path, [0], started_at=later, watchdog_s=5, startup_grace_s=60, now=later + 10) == []
+    stalls = stalled_ranks(tmp_path, [0], started_at=later, watchdog_s=5, startup_grace_s=60, now=later + 61)
+    assert stalls[0].beat is None and stalls[0].limit_s == 60
