@@ -101,18 +101,25 @@ def test_a_stopped_rank_is_ended_by_the_watchdog_and_named(tmp_path):
     _assert_all_gone([b.pid for b in read_beats(tmp_path).values()])
 
 
-def test_killing_the_launcher_leaves_no_rank(tmp_path):
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_killing_the_launcher_leaves_no_rank(tmp_path, sig):
+    """SIGKILL: no clean-up can run in the launcher, the kernel ends the ranks (PR_SET_PDEATHSIG). SIGTERM: the
+    launcher stops its ranks, then exits non-zero saying why."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    launcher = subprocess.Popen([sys.executable, str(VICTIM), str(tmp_path)], env=env, cwd=tmp_path)
+    launcher = subprocess.Popen([sys.executable, str(VICTIM), str(tmp_path)], env=env, cwd=tmp_path,
+                                stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while len(read_beats(tmp_path)) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
         pids = [b.pid for b in read_beats(tmp_path).values()]
         assert len(pids) == 2 and all(not _gone(p) for p in pids)
-        launcher.send_signal(signal.SIGKILL)  # no clean-up can run in the launcher
-        launcher.wait(timeout=10)
-        _assert_all_gone(pids)  # PR_SET_PDEATHSIG took them
+        launcher.send_signal(getattr(signal, sig))
+        _, err = launcher.communicate(timeout=30)
+        _assert_all_gone(pids)
+        assert launcher.returncode != 0
+        if sig == "SIGTERM":
+            assert "the launcher received SIGTERM: every rank was stopped" in err, err[-2000:]
     finally:
         if launcher.poll() is None:
             launcher.kill()

@@ -144,3 +144,11 @@ def test_skipped_batches_are_never_loaded():
     loader.load_state_dict({"batches": 8, "generator": None, "epoch": None})
     assert _take(iter(loader), 10) == [32, 36]
     assert sorted(loaded) == list(range(32, 40))
+
+
+def test_skipping_works_with_persistent_workers():
+    """With worker processes the indices are still skipped in the main process; a persistent iterator is rebuilt."""
+    loader = ResumableDataLoader(_dataset(), batch_size=4, shuffle=False, num_workers=1, persistent_workers=True)
+    assert _take(iter(loader), 2) == [0, 4]
+    loader.load_state_dict({"batches": 7, "generator": None, "epoch": None})
+    assert _take(iter(loader), 10) == [28, 32, 36]
