@@ -6,8 +6,9 @@ latest *complete* one is the highest ``(N, K)`` that is whole:
 
 * a file: a complete zip archive (``torch.save``'s format ends with the zip central directory, which a write cut
   short lacks);
-* a directory: it holds ``torch.distributed.checkpoint``'s ``.metadata`` (written last, by the coordinator, once
-  every rank's shards are written) and Lightning's ``meta.pt``.
+* a directory: it holds ``torch.distributed.checkpoint``'s ``.metadata`` (written by the coordinator once every
+  rank's shards are written) and passes :func:`lightning_par.checkpoint.is_sharded_checkpoint` (``meta.pt`` and the
+  record of what wrote it).
 
 Names with ``.tmp`` (staging directories, temporary files) and ``last.ckpt`` (a link to one of the step checkpoints)
 are never candidates.
@@ -38,7 +39,9 @@ def is_complete_checkpoint(path: str | Path) -> bool:
     if path.is_file():
         return zipfile.is_zipfile(path)
     if path.is_dir():
-        return (path / ".metadata").is_file() and (path / "meta.pt").is_file()
+        from lightning_par.checkpoint import is_sharded_checkpoint  # the checkpoint format's own completeness check
+
+        return (path / ".metadata").is_file() and is_sharded_checkpoint(path)
     return False
 
 

@@ -66,6 +66,18 @@ def _losses(run_dir: Path) -> dict[int, list[float]]:
     return out
 
 
+def _checkpoint_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The model weights of a checkpoint: a file (``torch.save``) or a sharded directory, read in this process."""
+    if path.is_file():
+        return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    from lightning_par.checkpoint import load_model_weights
+    from lightning_par.config.build import build_module
+
+    module = build_module(_cfg())
+    load_model_weights(path, module)
+    return dict(module.state_dict())
+
+
 # --------------------------------------------------------------------------------------------- launcher-level faults
 def _collective_loop(fault: str) -> None:
     init_process_group_from_env(timeout_s=60)
@@ -138,8 +150,7 @@ def test_a_nan_stops_the_recipe_and_the_last_good_checkpoint_stays(tmp_path):
     ckpts = sorted((run_dir / "checkpoints").glob("step-*.ckpt"))
     assert [p.name for p in ckpts] == ["step-1.ckpt"]  # saved after step 0; nothing after the non-finite step 1
     assert os.readlink(run_dir / "checkpoints" / "last.ckpt") == "step-1.ckpt"
-    state = torch.load(ckpts[0], map_location="cpu", weights_only=False)["state_dict"]
-    assert all(torch.isfinite(t).all() for t in state.values())
+    assert all(torch.isfinite(t).all() for t in _checkpoint_weights(ckpts[0]).values())
     assert not (run_dir / "summary.json").exists()
 
 

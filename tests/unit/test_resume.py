@@ -23,8 +23,15 @@ def _dir_ckpt(path, complete: bool = True) -> None:
     path.mkdir()
     (path / "__0_0.distcp").write_bytes(b"shard")
     if complete:
+        from lightning_par.checkpoint import METADATA_FILENAME
+
         (path / ".metadata").write_bytes(b"meta")
-        torch.save({}, path / "meta.pt")
+        torch.save({}, path / METADATA_FILENAME)
+        try:
+            from lightning_par.checkpoint import RECORD_FILENAME
+        except ImportError:  # before the checkpoint format had a record
+            return
+        (path / RECORD_FILENAME).write_text("{}")
 
 
 def test_step_names_parse_with_versions():
