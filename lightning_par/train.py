@@ -109,11 +109,9 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
         The contents of ``summary.json`` on rank 0, ``None`` on other ranks.
     """
     import lightning as L
-    import torch
     from lightning.pytorch.callbacks import LearningRateMonitor
 
     from lightning_par.callbacks import ParallelMetricsCallback, RunSummaryCallback
-    from lightning_par.fault.elastic import init_process_group_per_attempt
     from lightning_par.fault.heartbeat import HeartbeatCallback
     from lightning_par.fault.nonfinite import NonFiniteGuard
     from lightning_par.fault.step_checkpoint import StepCheckpoint
@@ -160,12 +158,9 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
         callbacks=callbacks,
         default_root_dir=str(out),
     )
-    # Under torchrun --max-restarts, every attempt gets a group of its own (see lightning_par.fault.elastic).
-    started_here = init_process_group_per_attempt(_accelerator(cfg), float(cfg.strategy.get("timeout_s", 1800.0)))
+    # Under torchrun --max-restarts every attempt gets a process group of its own: the strategy starts it (see
+    # lightning_par.fault.elastic).
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    if started_here:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
     if trainer.global_rank != 0:
         return None
     return json.loads(summary_path.read_text())

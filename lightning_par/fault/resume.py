@@ -1,14 +1,10 @@
 """Which checkpoint a run resumes from: ``ckpt_path`` null / ``"last"`` / a path, and the latest complete one.
 
 Checkpoints are the ones Lightning's ``ModelCheckpoint`` writes with ``filename="step-{step}"``: ``step-<N>.ckpt``
-(``step-<N>-v<K>.ckpt`` when the name was taken), a file (``torch.save``) or a directory (sharded strategies). The
-latest *complete* one is the highest ``(N, K)`` that is whole:
-
-* a file: a complete zip archive (``torch.save``'s format ends with the zip central directory, which a write cut
-  short lacks);
-* a directory: it holds ``torch.distributed.checkpoint``'s ``.metadata`` (written by the coordinator once every
-  rank's shards are written) and passes :func:`lightning_par.checkpoint.is_sharded_checkpoint` (``meta.pt`` and the
-  record of what wrote it).
+(``step-<N>-v<K>.ckpt`` when the name was taken), each a sharded directory (every lightning_par strategy writes one).
+The latest *complete* one is the highest ``(N, K)`` that the format's own check accepts
+(:func:`lightning_par.checkpoint.read_record`: DCP's ``.metadata``, written by the coordinator once every rank's shards
+are written, ``meta.pt``, and a readable record of what wrote it, of a format this version reads).
 
 Names with ``.tmp`` (staging directories, temporary files) and ``last.ckpt`` (a link to one of the step checkpoints)
 are never candidates.
@@ -17,7 +13,6 @@ are never candidates.
 from __future__ import annotations
 
 import re
-import zipfile
 from pathlib import Path
 
 __all__ = ["CHECKPOINT_FILENAME", "checkpoint_step", "is_complete_checkpoint", "latest_checkpoint", "resolve_ckpt_path"]
@@ -34,15 +29,14 @@ def checkpoint_step(path: str | Path) -> tuple[int, int] | None:
 
 
 def is_complete_checkpoint(path: str | Path) -> bool:
-    """Whether ``path`` is a whole checkpoint file or directory (see the module docstring)."""
-    path = Path(path)
-    if path.is_file():
-        return zipfile.is_zipfile(path)
-    if path.is_dir():
-        from lightning_par.checkpoint import is_sharded_checkpoint  # the checkpoint format's own completeness check
+    """Whether ``path`` is a whole checkpoint this version can load (see the module docstring)."""
+    from lightning_par.checkpoint import read_record
 
-        return (path / ".metadata").is_file() and is_sharded_checkpoint(path)
-    return False
+    try:
+        read_record(path)
+    except (FileNotFoundError, ValueError):
+        return False
+    return True
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
@@ -94,4 +88,10 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: str | Path) -> Path
             f"ckpt_path={ckpt_path!r} is not valid: it does not exist. Expected null, 'last' or the path of a "
             f"checkpoint (a .ckpt file or a sharded checkpoint directory)."
         )
+    from lightning_par.checkpoint import read_record  # the format's own check: torn, damaged, a file, too new
+
+    try:
+        read_record(path)
+    except (FileNotFoundError, ValueError) as err:
+        raise ValueError(f"ckpt_path={ckpt_path!r} is not valid: {err}") from None
     return path.resolve()

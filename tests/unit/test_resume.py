@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import zipfile
 
 import pytest
 import torch
@@ -27,11 +26,9 @@ def _dir_ckpt(path, complete: bool = True) -> None:
 
         (path / ".metadata").write_bytes(b"meta")
         torch.save({}, path / METADATA_FILENAME)
-        try:
-            from lightning_par.checkpoint import RECORD_FILENAME
-        except ImportError:  # before the checkpoint format had a record
-            return
-        (path / RECORD_FILENAME).write_text("{}")
+        from lightning_par.checkpoint import FORMAT_VERSION, RECORD_FILENAME
+
+        (path / RECORD_FILENAME).write_text(f'{{"format_version": {FORMAT_VERSION}}}')
 
 
 def test_step_names_parse_with_versions():
@@ -42,16 +39,17 @@ def test_step_names_parse_with_versions():
 
 
 def test_the_latest_complete_checkpoint_wins(tmp_path):
-    _file_ckpt(tmp_path / "step-2.ckpt", 2)
+    _dir_ckpt(tmp_path / "step-2.ckpt")
     _dir_ckpt(tmp_path / "step-4.ckpt")
-    _file_ckpt(tmp_path / "step-4-v1.ckpt", 4)
+    _dir_ckpt(tmp_path / "step-4-v1.ckpt")
     assert latest_checkpoint(tmp_path) == tmp_path / "step-4-v1.ckpt"
-    # Newer but torn: a file cut short (no zip central directory), a directory without DCP's .metadata, a staging dir.
-    (tmp_path / "step-6.ckpt").write_bytes((tmp_path / "step-2.ckpt").read_bytes()[:100])
+    # Newer but not loadable: a single file (not a lightning_par checkpoint), a directory without DCP's .metadata, a
+    # staging directory, a link.
+    _file_ckpt(tmp_path / "step-6.ckpt", 6)
     _dir_ckpt(tmp_path / "step-8.ckpt", complete=False)
     _dir_ckpt(tmp_path / "step-10.ckpt.tmp-staging")
     os.symlink("step-2.ckpt", tmp_path / "last.ckpt")
-    assert not is_complete_checkpoint(tmp_path / "step-6.ckpt") and not zipfile.is_zipfile(tmp_path / "step-6.ckpt")
+    assert not is_complete_checkpoint(tmp_path / "step-6.ckpt")
     assert not is_complete_checkpoint(tmp_path / "step-8.ckpt")
     assert latest_checkpoint(tmp_path) == tmp_path / "step-4-v1.ckpt"
     _dir_ckpt(tmp_path / "step-12.ckpt")
@@ -64,7 +62,7 @@ def test_resolve_null_last_and_path(tmp_path):
     with pytest.raises(ValueError, match=re.escape("ckpt_path='last' is not valid here: there is no complete checkpoint")):
         resolve_ckpt_path("last", ckpts)
     ckpts.mkdir()
-    _file_ckpt(ckpts / "step-3.ckpt", 3)
+    _dir_ckpt(ckpts / "step-3.ckpt")
     assert resolve_ckpt_path(None, ckpts) == ckpts / "step-3.ckpt"
     assert resolve_ckpt_path("last", ckpts) == ckpts / "step-3.ckpt"
     assert resolve_ckpt_path(str(ckpts / "step-3.ckpt"), tmp_path / "elsewhere") == (ckpts / "step-3.ckpt").resolve()
