@@ -1,33 +1,69 @@
-"""Start a multi-process world on one machine, run a function on every rank, and never hang.
+"""Start a multi-process world on one machine, run a function on every rank, and never hang or leave orphans.
 
 Used by the recipes (one Hydra job = one world, so a multirun sweep never re-runs itself in the children: the
 children run a function, not the command line) and by every distributed test.
 
 Each child gets the environment variables that torchrun would set (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``), so Lightning's ``LightningEnvironment`` treats the processes as created
-externally and does not launch again. The parent watches the children: the first rank that raises or dies ends the
-whole world, and a world that outlives ``timeout_s`` is killed; both raise :class:`DistributedRunError` in the parent.
+externally and does not launch again. The parent watches the children:
+
+* the first rank that raises or dies ends the whole world; the parent then waits a moment (``settle_s``) for the
+  whole picture and names the *cause*: a rank killed by a signal (by name, e.g. SIGKILL) or that exited without a
+  result comes before a rank that raised, and a rank that raised its own error comes before the peers that only lost
+  their connection to it ("Connection reset by peer");
+* a world that outlives ``timeout_s`` is killed; with ``watchdog_s``, so is a world where a rank stops making
+  progress (heartbeats, :mod:`lightning_par.fault.heartbeat`), naming that rank and its process state;
+* the children die with the parent: each asks the kernel for SIGKILL when its parent exits (``PR_SET_PDEATHSIG``),
+  so even a launcher killed with SIGKILL leaves no rank running, and each child leads its own process group, which
+  the parent signals as a whole (DataLoader workers included) when it stops the world. SIGTERM and SIGHUP to the
+  parent stop the world cleanly before the parent exits.
+
+All of these raise :class:`DistributedRunError` in the parent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import re
+import shutil
 import signal
 import socket
+import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
+
+from lightning_par.fault.heartbeat import HEARTBEAT_DIR_ENV, LAUNCHER_WATCHDOG_ENV, stalled_ranks
+from lightning_par.fault.process import describe_exit, die_with_parent, process_state
 
 __all__ = ["DistributedRunError", "find_free_port", "init_process_group_from_env", "run_distributed"]
 
+#: Seconds a rank that ended may take for its result to come through the queue before it counts as lost.
+_REPORT_GRACE_S = 1.0
+#: Seconds between two heartbeat checks.
+_WATCHDOG_POLL_S = 1.0
+
+#: Errors a rank raises when a *peer* failed (closed sockets, a collective that timed out waiting): a consequence.
+_PEER_FAILURE = re.compile(
+    r"Connection reset by peer|Connection closed by peer|Broken pipe|ECONNRESET|EPIPE|Connection refused|"
+    r"DistNetworkError|DistBackendError|Timed out waiting|timed out|Socket Timeout|NCCL communicator was aborted|"
+    r"ProcessGroupGloo|gloo/transport",
+    re.IGNORECASE,
+)
+
 
 class DistributedRunError(RuntimeError):
-    """A rank raised, died, or the world ran past its timeout. The message holds the first failure."""
+    """A rank raised, died, stalled, or the world ran past its timeout. The message names the rank and the cause
+    first, then what the other ranks reported."""
 
 
 def find_free_port() -> int:
@@ -59,7 +95,12 @@ def _child(
     env: dict[str, str],
     threads: int | None,
     results: mp.Queue,
+    parent_pid: int,
 ) -> None:
+    # Die with the launcher, even one killed with SIGKILL; lead a process group the launcher can signal as a whole.
+    die_with_parent(signal.SIGKILL, expected_parent=parent_pid)
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -91,17 +132,88 @@ def _child(
             pass
 
 
-def _stop(procs: list[mp.process.BaseProcess]) -> None:
+def _signal_group(p: mp.process.BaseProcess, sig: int) -> None:
+    """Send ``sig`` to the child's process group (the child and its own children), or to the child alone."""
+    if p.pid is None:
+        return
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, sig)
+
+
+def _stop(procs: list[mp.process.BaseProcess], grace_s: float = 5.0) -> None:
+    """SIGTERM every child's group, SIGKILL what is left after ``grace_s`` (a stopped process only dies that way)."""
     for p in procs:
         if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + 5
+            _signal_group(p, signal.SIGTERM)
+            _signal_group(p, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
+    deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
     for p in procs:
-        if p.is_alive() and p.pid is not None:
-            os.kill(p.pid, signal.SIGKILL)
-            p.join(timeout=5)
+        # The group even when the child is gone: its DataLoader workers may still be running.
+        _signal_group(p, signal.SIGKILL)
+        p.join(timeout=5)
+
+
+@dataclass
+class _Outcome:
+    ok: bool
+    value: Any = None  # the result (ok) or the traceback text (raised)
+    exitcode: int | None = None  # set when the rank ended without reporting
+
+
+def _last_line(tb: str) -> str:
+    lines = [ln.strip() for ln in tb.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "an exception"
+
+
+def _describe_failure(outcomes: dict[int, _Outcome], procs: list[mp.process.BaseProcess]) -> str:
+    """The cause first (a lost rank, then an error of its own, then a peer failure), then the other ranks."""
+    lost = sorted(r for r, o in outcomes.items() if not o.ok and o.exitcode is not None)
+    raised = sorted(r for r, o in outcomes.items() if not o.ok and o.exitcode is None)
+    own = [r for r in raised if not _PEER_FAILURE.search(_last_line(outcomes[r].value))]
+    primary = (lost or own or raised)[0]
+    o = outcomes[primary]
+    if o.exitcode is not None:
+        head = f"rank {primary} (pid {procs[primary].pid}) {describe_exit(o.exitcode)} without reporting a result"
+    else:
+        head = f"rank {primary} raised:\n{o.value}"
+    others = []
+    for r in sorted(outcomes):
+        if r == primary or outcomes[r].ok:
+            continue
+        if outcomes[r].exitcode is not None:
+            others.append(f"rank {r} {describe_exit(outcomes[r].exitcode)} without reporting a result")
+        elif o.exitcode is None and _last_line(outcomes[r].value) == _last_line(o.value):
+            others.append(f"rank {r} raised the same error")
+        else:
+            consequence = " (a consequence: it lost a peer)" if _PEER_FAILURE.search(_last_line(outcomes[r].value)) else ""
+            others.append(f"rank {r} raised {_last_line(outcomes[r].value)}{consequence}")
+    return head + ("\nOther ranks: " + "; ".join(others) if others else "")
+
+
+@contextlib.contextmanager
+def _stop_on_termination() -> Iterator[None]:
+    """In the main thread: turn SIGTERM/SIGHUP into an exception, so that the ``finally`` that stops the ranks runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise DistributedRunError(f"the launcher received {signal.Signals(signum).name}: every rank was stopped")
+
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) in (signal.SIG_DFL, None):
+            previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def run_distributed(
@@ -109,10 +221,14 @@ def run_distributed(
     world_size: int,
     args: tuple = (),
     *,
-    timeout_s: float = 300.0,
+    timeout_s: float | None = 300.0,
     start_method: str | None = None,
     threads_per_rank: int | None = 1,
     env: dict[str, str] | None = None,
+    watchdog_s: float | None = None,
+    startup_grace_s: float | None = None,
+    heartbeat_dir: str | os.PathLike | None = None,
+    settle_s: float = 3.0,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` local processes and return each rank's return value, by rank.
 
@@ -124,77 +240,124 @@ def run_distributed(
         fn: a module-level function (it must be picklable under ``spawn``).
         world_size: number of processes.
         args: positional arguments, the same for every rank.
-        timeout_s: wall-clock seconds for the whole world; past it every process is killed.
+        timeout_s: wall-clock seconds for the whole world; past it every process is killed. ``None``: no limit.
         start_method: ``"fork"`` (fast: imports are inherited; the default on CPU, or ``$LP_START_METHOD``) or
             ``"spawn"`` (needed once CUDA is initialised in the parent).
         threads_per_rank: ``torch.set_num_threads`` in each child (1 keeps 8 ranks on 2 cores from thrashing);
             ``None`` leaves torch's default.
         env: extra environment variables for the children.
+        watchdog_s: end the world when a rank has recorded no progress for this many seconds after its first step
+            (the ranks record it with :class:`~lightning_par.fault.heartbeat.HeartbeatCallback` or
+            :func:`~lightning_par.fault.heartbeat.beat`). ``None``: no watchdog.
+        startup_grace_s: the limit before a rank's first step is done (default ``max(watchdog_s, 600)``).
+        heartbeat_dir: where the ranks record progress (``$LP_HEARTBEAT_DIR`` in the children); a temporary directory,
+            removed at the end, when ``None`` and ``watchdog_s`` is set.
+        settle_s: after the first failure, seconds to wait for the other ranks' outcomes before naming the cause.
 
     Returns:
         ``[fn's return value on rank 0, ..., on rank world_size - 1]``.
 
     Raises:
-        ValueError: ``world_size < 1``.
-        DistributedRunError: a rank raised (its traceback is in the message), a rank exited without reporting
-            (killed, crashed), or the world ran past ``timeout_s``.
+        ValueError: ``world_size < 1``, or a limit that is not a positive number.
+        DistributedRunError: a rank raised (its traceback is in the message), a rank ended without reporting (the
+            exit code or the signal by name), a rank stopped progressing for ``watchdog_s``, the world ran past
+            ``timeout_s``, or the launcher received SIGTERM/SIGHUP. The cause comes first in the message.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} is not valid: expected an integer >= 1.")
+    for name, value in (("timeout_s", timeout_s), ("watchdog_s", watchdog_s), ("startup_grace_s", startup_grace_s)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ValueError(f"{name}={value!r} is not valid: expected a number of seconds > 0, or None.")
     method = start_method or os.environ.get("LP_START_METHOD", "fork")
     ctx = mp.get_context(method)
     results: mp.Queue = ctx.Queue()
     port = find_free_port()
+    child_env = dict(env or {})
+    own_dir = None
+    if watchdog_s is not None and heartbeat_dir is None:
+        heartbeat_dir = own_dir = tempfile.mkdtemp(prefix="lightning_par-heartbeat-")
+    if heartbeat_dir is not None:
+        os.makedirs(heartbeat_dir, exist_ok=True)
+        for stale in Path(heartbeat_dir).glob("rank-*.json"):  # an earlier run's, in a reused run directory
+            stale.unlink(missing_ok=True)
+        child_env[HEARTBEAT_DIR_ENV] = str(heartbeat_dir)
+    if watchdog_s is not None:
+        child_env[LAUNCHER_WATCHDOG_ENV] = "1"
+    grace = startup_grace_s if startup_grace_s is not None else max(watchdog_s or 0.0, 600.0)
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, args, rank, world_size, port, dict(env or {}), threads_per_rank, results),
+            args=(fn, args, rank, world_size, port, child_env, threads_per_rank, results, os.getpid()),
             name=f"lightning_par-rank{rank}",
             daemon=False,
         )
         for rank in range(world_size)
     ]
-    for p in procs:
-        p.start()
 
-    values: dict[int, Any] = {}
+    outcomes: dict[int, _Outcome] = {}
     failure: str | None = None
-    deadline = time.monotonic() + timeout_s
+    started_wall = time.time()
+    deadline = time.monotonic() + timeout_s if timeout_s is not None else float("inf")
+    ended_at: dict[int, float] = {}
+    first_failure: float | None = None
+    next_watch = time.monotonic() + _WATCHDOG_POLL_S
     try:
-        while len(values) < world_size and failure is None:
-            try:
-                rank, ok, value = results.get(timeout=0.2)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(world_size)) - set(values))
-                    failure = f"timed out after {timeout_s:.0f} s; ranks {missing} had not finished"
-                    break
+        with _stop_on_termination():
+            for p in procs:
+                p.start()
+                with contextlib.suppress(OSError):  # the child does it too; whichever runs first wins
+                    os.setpgid(p.pid, p.pid)
+            while failure is None:
+                try:
+                    rank, ok, value = results.get(timeout=0.2)
+                    outcomes[rank] = _Outcome(True, pickle.loads(value)) if ok else _Outcome(False, value)
+                except queue.Empty:
+                    pass
+                now = time.monotonic()
                 for rank, p in enumerate(procs):
-                    if rank not in values and p.exitcode is not None:
-                        # The process ended without reporting: give its queue message a moment to arrive.
-                        try:
-                            r, ok, value = results.get(timeout=2.0)
-                        except queue.Empty:
-                            failure = f"rank {rank} exited with code {p.exitcode} without reporting a result"
-                            break
-                        if ok:
-                            values[r] = pickle.loads(value)
-                        else:
-                            failure = f"rank {r} raised:\n{value}"
-                            break
-                continue
-            if ok:
-                values[rank] = pickle.loads(value)
-            else:
-                failure = f"rank {rank} raised:\n{value}"
+                    if rank in outcomes or p.exitcode is None:
+                        continue
+                    # Ended without a result: give its message a moment to come through the queue.
+                    ended_at.setdefault(rank, now)
+                    if now - ended_at[rank] > _REPORT_GRACE_S:
+                        outcomes[rank] = _Outcome(False, exitcode=p.exitcode)
+                failed = [o for o in outcomes.values() if not o.ok]
+                if failed:
+                    first_failure = first_failure if first_failure is not None else now
+                    # A peer failure ("Connection reset by peer") is a consequence: wait for its cause to show.
+                    only_consequences = all(o.exitcode is None and _PEER_FAILURE.search(_last_line(o.value)) for o in failed)
+                    wait = settle_s if only_consequences else min(settle_s, 0.5)
+                    if len(outcomes) == world_size or now - first_failure > wait:
+                        failure = _describe_failure(outcomes, procs)
+                    continue
+                if len(outcomes) == world_size:
+                    break
+                if now > deadline:
+                    missing = sorted(set(range(world_size)) - set(outcomes))
+                    states = ", ".join(f"rank {r}: {process_state(procs[r].pid) or 'unknown'}" for r in missing)
+                    failure = f"timed out after {timeout_s:.0f} s; ranks {missing} had not finished ({states})"
+                elif watchdog_s is not None and now >= next_watch:
+                    next_watch = now + _WATCHDOG_POLL_S
+                    running = [r for r in range(world_size) if r not in outcomes]
+                    pids = {r: procs[r].pid for r in running if procs[r].pid is not None}
+                    stalls = stalled_ranks(heartbeat_dir, running, started_wall, watchdog_s, grace, pids)  # type: ignore[arg-type]
+                    if stalls:
+                        failure = (
+                            f"watchdog: {stalls[0].describe()}.\n"
+                            + "".join(f"Also idle: {s.describe()}.\n" for s in stalls[1:])
+                            + "Every rank was stopped. If a step, a validation or a checkpoint legitimately takes "
+                            "longer, raise the limit (trainer.watchdog_s / run_distributed(watchdog_s=...))."
+                        )
     finally:
-        if failure is not None:
+        if failure is not None or len(outcomes) < world_size:
             _stop(procs)
         else:
             for p in procs:
                 p.join(timeout=30)
             _stop(procs)
         results.close()
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)
     if failure is not None:
         raise DistributedRunError(failure)
-    return [values[r] for r in range(world_size)]
+    return [outcomes[r].value for r in range(world_size)]

@@ -1,28 +1,52 @@
 """The training job behind ``recipes/train.py``: one Hydra job = one multi-process world.
 
-The Hydra process never trains. It validates the config, then starts ``parallel.world_size`` worker processes that
-each run :func:`train_worker` (a function, not the command line), waits for them, and returns rank 0's summary. So a
-multirun sweep (``-m``) runs its jobs one after another, each in a fresh world, and no child ever re-runs the sweep:
-the failure that made Lightning drop its Hydra support (Lightning #18175, Hydra #2070) cannot happen.
+The Hydra process never trains. It checks the whole config (:func:`preflight`: every field, the strategy's options,
+the model against the layout and the data, the corpus size, the checkpoint to resume from), then starts
+``parallel.world_size`` worker processes that each run :func:`train_worker` (a function, not the command line), waits
+for them under a watchdog, and returns rank 0's summary. So a multirun sweep (``-m``) runs its jobs one after
+another, each in a fresh world, and no child ever re-runs the sweep: the failure that made Lightning drop its Hydra
+support (Lightning #18175, Hydra #2070) cannot happen.
 
 When the processes are created by someone else (``torchrun``: ``RANK`` and ``WORLD_SIZE`` are set; SLURM's ``srun`` or
 Hydra's submitit launcher: ``SLURM_PROCID`` and ``SLURM_NTASKS`` are set), the job runs :func:`train_worker` in place
-instead, so the same recipe runs on a cluster.
+instead, so the same recipe runs on a cluster; each rank then watches its own progress (the heartbeat thread).
+
+Reliability (README "Reliability and resuming"): a non-finite loss or gradient stops the run before the optimizer step
+(or skips it, ``trainer.on_nonfinite=skip``); checkpoints every ``trainer.checkpoint_every_n_steps`` steps, the latest
+``trainer.keep_last_k`` kept; ``ckpt_path`` null resumes from the latest complete checkpoint of the run directory
+(a restart or a requeue), with the data position restored; a rank that stops progressing for ``trainer.watchdog_s``
+ends the job, named.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_par.config.build import build_datamodule, build_module, build_parallel_dims, build_strategy
+from lightning_par.config.schema import check_run_config
+from lightning_par.fault.heartbeat import HEARTBEAT_DIR_ENV
+from lightning_par.fault.resume import resolve_ckpt_path
 from lightning_par.launcher import run_distributed
+from lightning_par.parallel_dims import ParallelDims
 
-__all__ = ["launch_job", "train_worker", "validate_run"]
+__all__ = ["Plan", "launch_job", "preflight", "train_worker", "validate_run"]
+
+log = logging.getLogger(__name__)
+
+#: Sub-directories of a run directory.
+CHECKPOINT_DIR = "checkpoints"
+HEARTBEAT_DIR = ".heartbeat"
+LOG_DIR = "logs"
 
 
 def _external_world_size() -> int | None:
@@ -35,10 +59,15 @@ def _external_world_size() -> int | None:
     return None
 
 
+def _external_rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
 def _loggers(run_dir: Path) -> list[Any]:
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-    loggers: list[Any] = [CSVLogger(save_dir=str(run_dir), name="logs", version="")]
+    # Flushed at every logged step (an append): the default, every 100 steps, loses them when a rank is killed.
+    loggers: list[Any] = [CSVLogger(save_dir=str(run_dir), name=LOG_DIR, version="", flush_logs_every_n_steps=1)]
     try:
         import tensorboard  # noqa: F401
     except ImportError:
@@ -47,29 +76,54 @@ def _loggers(run_dir: Path) -> list[Any]:
     return loggers
 
 
-def train_worker(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
+def _keep_previous_logs(run_dir: Path) -> None:
+    """Move an earlier attempt's ``logs/metrics.csv`` to ``logs/metrics-<k>.csv`` (k = 1, 2, ... in order of attempts):
+    Lightning's CSV logger deletes the file it finds, and a resumed run must not lose the steps before the restart."""
+    current = run_dir / LOG_DIR / "metrics.csv"
+    if not current.is_file():
+        return
+    k = 1
+    while (current.with_name(f"metrics-{k}.csv")).exists():
+        k += 1
+    current.rename(current.with_name(f"metrics-{k}.csv"))
+
+
+def _accelerator(cfg: Any) -> str:
+    import torch
+
+    accelerator = cfg.trainer.accelerator
+    if accelerator == "auto":
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    return "gpu" if accelerator == "cuda" else accelerator
+
+
+def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None = None) -> dict[str, Any] | None:
     """Train on this rank (the torchrun environment variables must be set); rank 0 returns the run summary.
 
     Args:
         cfg_dict: the resolved run config as plain containers.
         run_dir: where logs, checkpoints and ``summary.json`` go.
+        ckpt_path: the checkpoint to resume from (already resolved by :func:`preflight`), or ``None``.
 
     Returns:
         The contents of ``summary.json`` on rank 0, ``None`` on other ranks.
     """
     import lightning as L
-    import torch
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.callbacks import LearningRateMonitor
 
     from lightning_par.callbacks import LRScalingCallback, ParallelMetricsCallback, RunSummaryCallback, TimelineCallback
+    from lightning_par.fault.heartbeat import HeartbeatCallback
+    from lightning_par.fault.nonfinite import NonFiniteGuard
+    from lightning_par.fault.step_checkpoint import StepCheckpoint
 
     cfg = OmegaConf.create(cfg_dict)
     out = Path(run_dir)
+    t = cfg.trainer
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module = build_module(cfg)
     datamodule = build_datamodule(cfg, module.config.block_size)
     strategy = build_strategy(cfg)
-    metrics = ParallelMetricsCallback(peak_flops_per_device=cfg.trainer.peak_flops_per_device)
+    metrics = ParallelMetricsCallback(peak_flops_per_device=t.peak_flops_per_device)
     summary_path = out / "summary.json"
     sources: list[Any] = [LRScalingCallback(**OmegaConf.to_container(cfg.lr_scaling))]
     if cfg.get("profile"):
@@ -77,48 +131,57 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
     callbacks: list[Any] = [
         metrics,
         *sources,
-        RunSummaryCallback(summary_path, metrics, extra={"config": cfg_dict}, sources=sources),
+        RunSummaryCallback(summary_path, metrics, extra={"config": cfg_dict, "resumed_from": ckpt_path},
+                           sources=sources),
         LearningRateMonitor(logging_interval="step"),
+        NonFiniteGuard(action=t.on_nonfinite, max_consecutive_skips=t.max_consecutive_skips),
+        # Under our launcher it watches the heartbeats itself; under torchrun/SLURM each rank runs the thread.
+        HeartbeatCallback(
+            os.environ.get(HEARTBEAT_DIR_ENV) or out / HEARTBEAT_DIR,
+            watchdog_s=t.watchdog_s,
+            startup_grace_s=t.watchdog_startup_s,
+        ),
     ]
-    if cfg.trainer.checkpoint:
-        callbacks.append(ModelCheckpoint(dirpath=str(out / "checkpoints"), save_last=True, every_n_train_steps=cfg.trainer.val_check_interval))
-    accelerator = cfg.trainer.accelerator
-    if accelerator == "auto":
-        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    if t.checkpoint:
+        callbacks.append(StepCheckpoint(out / CHECKPOINT_DIR, t.checkpoint_every_n_steps, t.keep_last_k))
     trainer = L.Trainer(
-        accelerator=accelerator,
+        accelerator=_accelerator(cfg),
         devices=cfg.parallel.world_size,
         num_nodes=1,
         strategy=strategy,
-        precision=cfg.trainer.precision,
-        max_steps=cfg.trainer.max_steps,
-        val_check_interval=cfg.trainer.val_check_interval,
+        precision=t.precision,
+        max_steps=t.max_steps,
+        val_check_interval=t.val_check_interval,
         check_val_every_n_epoch=None,
-        log_every_n_steps=cfg.trainer.log_every_n_steps,
-        accumulate_grad_batches=cfg.trainer.accumulate_grad_batches,
-        gradient_clip_val=cfg.trainer.gradient_clip_val,
-        enable_progress_bar=cfg.trainer.enable_progress_bar,
-        enable_checkpointing=bool(cfg.trainer.checkpoint),
+        log_every_n_steps=t.log_every_n_steps,
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        gradient_clip_val=t.gradient_clip_val,
+        enable_progress_bar=t.enable_progress_bar,
+        enable_checkpointing=bool(t.checkpoint),
         enable_model_summary=False,
         logger=_loggers(out),
         callbacks=callbacks,
         default_root_dir=str(out),
     )
-    trainer.fit(module, datamodule=datamodule)
+    # Under torchrun --max-restarts every attempt gets a process group of its own: the strategy starts it (see
+    # lightning_par.fault.elastic).
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if trainer.global_rank != 0:
         return None
     return json.loads(summary_path.read_text())
 
 
 def validate_run(cfg: DictConfig) -> None:
-    """Check the strategy's options and the model against the layout in this process, before any rank starts.
+    """Check the strategy's options, the model against the layout and against the data, in this process.
 
-    The model is built on the ``meta`` device (no memory, no initialisation), so this is cheap for any preset.
+    The model is built on the ``meta`` device (no memory, no initialisation), so this is cheap for any preset. The
+    strategy gets the accelerator and devices a ``Trainer`` would give it, so its device-dependent checks run too.
 
     Raises:
         ValueError: the first problem found, naming the field, the value and what would be valid.
     """
     import torch
+    from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 
     from lightning_par.lr_scaling import check_lr_scaling
     from lightning_par.precision import check_precision
@@ -129,7 +192,12 @@ def validate_run(cfg: DictConfig) -> None:
         check_int("profile_steps", cfg.profile_steps, 1)
     scaling = cfg.lr_scaling
     check_lr_scaling(scaling.rule, scaling.reference_batch, scaling.warmup_samples, prefix="lr_scaling.")
+    dims = build_parallel_dims(cfg)
+    gpu = _accelerator(cfg) == "gpu"
     strategy = build_strategy(cfg)
+    # What the Trainer's accelerator connector would set (device objects only: no GPU is needed to validate).
+    strategy.accelerator = CUDAAccelerator() if gpu else CPUAccelerator()
+    strategy.parallel_devices = [torch.device("cuda", i) if gpu else torch.device("cpu") for i in range(dims.world_size)]
     with torch.device("meta"):
         module = build_module(cfg)
     own_warmup = getattr(module, "hparams", {}).get("warmup_steps")
@@ -140,42 +208,130 @@ def validate_run(cfg: DictConfig) -> None:
             f"per sample, or lr_scaling.warmup_samples=0."
         )
     strategy.connect(module)
-    dims = build_parallel_dims(cfg)
     check_precision(str(cfg.trainer.precision), dims.pp_size)
     strategy.validate_model(dims)
+    datamodule = build_datamodule(cfg, module.config.block_size)
+    if module.config.vocab_size < datamodule.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={module.config.vocab_size} is not valid for this data: its token ids go up to "
+            f"{datamodule.vocab_size - 1} (one token per byte). Expected model.vocab_size >= {datamodule.vocab_size}."
+        )
+    datamodule.check_corpus()
+
+
+def _check_machine(cfg: Any, dims: ParallelDims, external: int | None) -> None:
+    """The accelerator the config asks for exists here, with enough devices for the processes started here."""
+    import torch
+
+    if _accelerator(cfg) != "gpu":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"trainer.accelerator={cfg.trainer.accelerator!r} is not valid on this machine: torch finds no CUDA GPU "
+            f"(torch.cuda.is_available() is False). Expected trainer.accelerator=cpu or auto."
+        )
+    if external is None and torch.cuda.device_count() < dims.world_size:
+        raise ValueError(
+            f"parallel.world_size={dims.world_size} is not valid on this machine: it has {torch.cuda.device_count()} "
+            f"GPUs and the recipe starts one process per GPU. Expected parallel.world_size <= "
+            f"{torch.cuda.device_count()}, or several nodes under torchrun/SLURM."
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :func:`preflight` settled: the layout, the checkpoint to resume from, whether ranks are started here."""
+
+    dims: ParallelDims
+    ckpt_path: Path | None
+    external_world_size: int | None
+
+
+def preflight(cfg: DictConfig, run_dir: str | Path) -> Plan:
+    """Every check that can run before a process starts, in the order a user would fix them.
+
+    Raises:
+        ValueError: a field out of range (``trainer.*``, ``seed``, ``ckpt_path``), an impossible layout, an option the
+            strategy rejects, a model that does not fit the layout or the data, a corpus too small, a checkpoint that
+            does not exist, a world size that does not match an outside launcher. The message names the field, the
+            value and what would be valid.
+    """
+    check_run_config(cfg)
+    dims = build_parallel_dims(cfg)
+    external = _external_world_size()
+    if external is not None and external != dims.world_size:
+        raise ValueError(
+            f"parallel.world_size={dims.world_size} does not match the {external} processes started by the "
+            f"launcher (WORLD_SIZE / SLURM_NTASKS): set parallel.world_size={external}."
+        )
+    _check_machine(cfg, dims, external)
+    validate_run(cfg)
+    ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), Path(run_dir) / CHECKPOINT_DIR)
+    return Plan(dims, ckpt, external)
+
+
+@contextlib.contextmanager
+def _claim(run_dir: Path) -> Iterator[None]:
+    """Hold ``<run_dir>/.lock`` while the job runs: a second job given the same directory fails at once instead of
+    mixing its logs and checkpoints with ours. The lock dies with the process (``flock``), so a restart can take it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise RuntimeError(
+                f"the run directory {str(run_dir)!r} is in use by another job (pid {holder}): give each job its own "
+                f"hydra.run.dir (the default, outputs/${{lp_run_id:}}, is unique per job)."
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def launch_job(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any] | None:
-    """Validate ``cfg``, then run the whole world for it and return rank 0's summary.
+    """Check ``cfg`` (:func:`preflight`), then run the whole world for it and return rank 0's summary.
 
     Raises:
-        ValueError: an impossible layout or an invalid strategy option, before any process starts.
-        lightning_par.launcher.DistributedRunError: a rank failed, died or the job ran past
-            ``trainer.job_timeout_s``; the message holds the first failure.
+        ValueError: see :func:`preflight`; before any process starts.
+        RuntimeError: another job holds the run directory.
+        lightning_par.launcher.DistributedRunError: a rank failed (a non-finite step included), died, stopped making
+            progress for ``trainer.watchdog_s``, or the job ran past ``trainer.job_timeout_s``; the message names the
+            rank and the cause first.
     """
-    dims = build_parallel_dims(cfg)  # raises before anything starts
-    validate_run(cfg)
+    run_dir = Path(run_dir)
+    plan = preflight(cfg, run_dir)
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    run_dir = str(run_dir)
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    external = _external_world_size()
-    if external is not None:
-        if external != dims.world_size:
-            raise ValueError(
-                f"parallel.world_size={dims.world_size} does not match the {external} processes started by the "
-                f"launcher (WORLD_SIZE / SLURM_NTASKS): set parallel.world_size={external}."
-            )
-        return train_worker(cfg_dict, run_dir)
+    ckpt = str(plan.ckpt_path) if plan.ckpt_path is not None else None
+    if ckpt is not None:
+        log.info("Resuming from %s", ckpt)
+    if plan.external_world_size is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if _external_rank() == 0:
+            _keep_previous_logs(run_dir)
+        return train_worker(cfg_dict, str(run_dir), ckpt)
     import torch
 
-    gpu = cfg.trainer.accelerator in ("gpu", "cuda") or (cfg.trainer.accelerator == "auto" and torch.cuda.is_available())
-    threads = None if gpu else max(1, (os.cpu_count() or 1) // dims.world_size)
-    results = run_distributed(
-        train_worker,
-        dims.world_size,
-        (cfg_dict, run_dir),
-        timeout_s=cfg.trainer.job_timeout_s,
-        start_method="spawn" if gpu else None,
-        threads_per_rank=threads,
-    )
+    t = cfg.trainer
+    gpu = _accelerator(cfg) == "gpu"
+    threads = None if gpu else max(1, (os.cpu_count() or 1) // plan.dims.world_size)
+    with _claim(run_dir):
+        _keep_previous_logs(run_dir)
+        results = run_distributed(
+            train_worker,
+            plan.dims.world_size,
+            (cfg_dict, str(run_dir), ckpt),
+            timeout_s=t.job_timeout_s,
+            start_method="spawn" if gpu or torch.cuda.is_initialized() else None,
+            threads_per_rank=threads,
+            watchdog_s=t.watchdog_s,
+            startup_grace_s=t.watchdog_startup_s,
+            heartbeat_dir=run_dir / HEARTBEAT_DIR,
+        )
     return results[0]

@@ -32,6 +32,7 @@ __all__ = [
     "TensorParallelConfig",
     "TrainerConfig",
     "ZeroConfig",
+    "check_run_config",
     "register_configs",
 ]
 
@@ -200,24 +201,100 @@ class DataConfig:
     cache_dir: Optional[str] = None
 
 
+#: Precision strings Lightning's ``Trainer(precision=...)`` accepts.
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "64-true", "transformer-engine",
+              "transformer-engine-float16")
+#: Accelerators the recipes run on.
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda")
+#: What the run does about a non-finite loss or gradient (:class:`lightning_par.fault.NonFiniteGuard`).
+NONFINITE_ACTIONS = ("stop", "skip")
+_UINT32_MAX = 2**32 - 1
+
+
+def _invalid(field_name: str, value: Any, valid: str) -> ValueError:
+    return ValueError(f"{field_name}={value!r} is not valid: expected {valid}.")
+
+
+def _int_at_least(field_name: str, value: Any, minimum: int, none_ok: bool = False, extra: str = "") -> None:
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _invalid(field_name, value, f"an integer >= {minimum}" + (" or null" if none_ok else "") + extra)
+
+
+def _seconds(field_name: str, value: Any, none_ok: bool) -> None:
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise _invalid(field_name, value, "a number of seconds > 0" + (" or null (no limit)" if none_ok else ""))
+
+
 @dataclass
 class TrainerConfig:
-    """Lightning ``Trainer`` settings used by the recipes."""
+    """Lightning ``Trainer`` settings used by the recipes, and the run's reliability settings.
+
+    Checked when built (``__post_init__``, called by :func:`check_run_config` before any process starts).
+
+    Raises:
+        ValueError: a field out of range, naming ``trainer.<field>``, the value and what is valid.
+    """
 
     accelerator: str = "auto"
     precision: str = "32-true"
+    #: optimizer steps to train (>= 1: a run without end is not supported, it could never finish).
     max_steps: int = 400
+    #: validate every this many training batches.
     val_check_interval: int = 100
     log_every_n_steps: int = 10
     accumulate_grad_batches: int = 1
+    #: clip the gradient norm (of the whole model) to this; null or 0: no clipping.
     gradient_clip_val: Optional[float] = 1.0
     enable_progress_bar: bool = True
     #: FLOP/s of one device at the training dtype, for MFU; None looks it up on GPUs (none on CPU).
     peak_flops_per_device: Optional[float] = None
-    #: save a checkpoint at the end (and every ``val_check_interval`` steps).
+    #: write checkpoints (into ``<run dir>/checkpoints``).
     checkpoint: bool = True
-    #: wall-clock limit of the whole multi-process job, in seconds.
-    job_timeout_s: float = 3600.0
+    #: save a checkpoint every this many optimizer steps, independent of validation (and always at the end of the
+    #: run); null: at the end only.
+    checkpoint_every_n_steps: Optional[int] = 100
+    #: step checkpoints kept on disk, the latest ones (``step-N.ckpt``); -1 keeps all.
+    keep_last_k: int = 2
+    #: a non-finite loss or gradient: "stop" the run (before the step, nothing non-finite is saved) or "skip" the step
+    #: on every rank (counted, logged as ``nonfinite_skipped``).
+    on_nonfinite: str = "stop"
+    #: with on_nonfinite=skip: stop after this many non-finite steps in a row.
+    max_consecutive_skips: int = 10
+    #: end the job when a rank makes no progress for this many seconds (a stopped or stuck rank); null: no watchdog.
+    watchdog_s: Optional[float] = 300.0
+    #: the watchdog's limit before a rank's first optimizer step (imports, data, process group, first step).
+    watchdog_startup_s: float = 900.0
+    #: wall-clock limit of the whole multi-process job, in seconds; null: no limit.
+    job_timeout_s: Optional[float] = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.accelerator not in ACCELERATORS:
+            raise _invalid("trainer.accelerator", self.accelerator, f"one of {list(ACCELERATORS)}")
+        if self.precision not in PRECISIONS:
+            raise _invalid("trainer.precision", self.precision, f"one of {list(PRECISIONS)}")
+        _int_at_least("trainer.max_steps", self.max_steps, 1, extra=" (-1, Lightning's \"no limit\", would never finish)")
+        _int_at_least("trainer.val_check_interval", self.val_check_interval, 1, extra=" (training batches)")
+        _int_at_least("trainer.log_every_n_steps", self.log_every_n_steps, 1)
+        _int_at_least("trainer.accumulate_grad_batches", self.accumulate_grad_batches, 1)
+        clip = self.gradient_clip_val
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
+            raise _invalid("trainer.gradient_clip_val", clip, "a norm >= 0, or null (no clipping)")
+        flops = self.peak_flops_per_device
+        if flops is not None and (isinstance(flops, bool) or not isinstance(flops, (int, float)) or flops <= 0):
+            raise _invalid("trainer.peak_flops_per_device", flops, "FLOP/s > 0, or null")
+        _int_at_least("trainer.checkpoint_every_n_steps", self.checkpoint_every_n_steps, 1, none_ok=True)
+        if self.keep_last_k != -1:
+            _int_at_least("trainer.keep_last_k", self.keep_last_k, 1, extra=", or -1 (keep all)")
+        if self.on_nonfinite not in NONFINITE_ACTIONS:
+            raise _invalid("trainer.on_nonfinite", self.on_nonfinite, f"one of {list(NONFINITE_ACTIONS)}")
+        _int_at_least("trainer.max_consecutive_skips", self.max_consecutive_skips, 1)
+        _seconds("trainer.watchdog_s", self.watchdog_s, none_ok=True)
+        _seconds("trainer.watchdog_startup_s", self.watchdog_startup_s, none_ok=False)
+        _seconds("trainer.job_timeout_s", self.job_timeout_s, none_ok=True)
 
 
 @dataclass
@@ -244,6 +321,9 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     lr_scaling: LRScalingConfig = field(default_factory=LRScalingConfig)
     seed: int = 1234
+    #: resume: null (from the latest complete checkpoint of this run directory if there is one: restarts under
+    #: torchrun/SLURM requeue), "last" (the same, but an error if there is none) or the path of a checkpoint.
+    ckpt_path: Optional[str] = None
     #: record a per-rank timeline of a few steps (lightning_par.callbacks.TimelineCallback): Chrome traces per rank and
     #: timeline.png in <run dir>/timeline/.
     profile: bool = False
@@ -251,6 +331,35 @@ class RunConfig:
     profile_start_step: int = 2
     #: optimizer steps to record.
     profile_steps: int = 2
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= _UINT32_MAX:
+            raise _invalid("seed", self.seed, f"an integer in [0, {_UINT32_MAX}]")
+        if self.ckpt_path is not None and (not isinstance(self.ckpt_path, str) or not self.ckpt_path.strip()):
+            raise _invalid("ckpt_path", self.ckpt_path, 'null, "last" or the path of a checkpoint')
+
+
+def check_run_config(cfg: Any) -> None:
+    """Check the ``trainer`` group and the run-wide fields of a composed config (their ``__post_init__``).
+
+    Works on any mapping with those keys (keys the schemas do not know are left to Hydra/OmegaConf).
+
+    Raises:
+        ValueError: the first invalid field, named as ``trainer.<field>`` / ``seed`` / ``ckpt_path``.
+    """
+    from dataclasses import fields
+
+    from omegaconf import DictConfig, OmegaConf
+
+    def plain(node: Any) -> dict[str, Any]:
+        return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+
+    trainer = plain(cfg["trainer"])
+    TrainerConfig(**{f.name: trainer[f.name] for f in fields(TrainerConfig) if f.name in trainer})
+    RunConfig(
+        parallel=ParallelConfig(), strategy=None, model=ModelConfig(), data=DataConfig(), trainer=TrainerConfig(),
+        seed=cfg.get("seed", 1234), ckpt_path=cfg.get("ckpt_path"),
+    )
 
 
 #: Schema of each strategy registry name; a strategy YAML extends ``schema_<name>``.
@@ -268,7 +377,10 @@ STRATEGY_SCHEMAS: dict[str, type[StrategyConfig]] = {
 
 
 def register_configs(cs: ConfigStore | None = None) -> None:
-    """Store every schema in Hydra's ConfigStore (call before composing)."""
+    """Store every schema in Hydra's ConfigStore and register the resolvers the configs use (call before composing)."""
+    from lightning_par.config.run_id import register_resolvers
+
+    register_resolvers()
     cs = cs or ConfigStore.instance()
     cs.store(name="schema_run", node=RunConfig)
     cs.store(group="parallel", name="schema_parallel", node=ParallelConfig)

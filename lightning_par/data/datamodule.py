@@ -15,8 +15,16 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from lightning_par.data.corpus import build_token_file, load_tokens
+from lightning_par.data.resumable import ResumableDataLoader
 
-__all__ = ["VOCAB_SIZE", "ByteCorpusDataModule", "TokenWindowDataset", "make_synthetic_tokens", "split_tokens"]
+__all__ = [
+    "VOCAB_SIZE",
+    "ByteCorpusDataModule",
+    "TokenWindowDataset",
+    "make_synthetic_tokens",
+    "split_lengths",
+    "split_tokens",
+]
 
 #: Byte-level vocabulary: one token per byte value.
 VOCAB_SIZE = 256
@@ -53,6 +61,15 @@ def split_tokens(tokens: np.ndarray, val_every: int = 20, chunk: int = 65536) ->
     train = np.concatenate([p for p, v in zip(pieces, is_val) if not v] or [empty])
     val = np.concatenate([p for p, v in zip(pieces, is_val) if v] or [empty])
     return train, val
+
+
+def split_lengths(n_tokens: int, val_every: int = 20, chunk: int = 65536) -> tuple[int, int]:
+    """``(len(train), len(val))`` of :func:`split_tokens` for a stream of ``n_tokens``, without the tokens."""
+    n_chunks = -(-n_tokens // chunk)
+    val = 0
+    for i in range(val_every - 1, n_chunks, val_every):
+        val += min(chunk, n_tokens - i * chunk)
+    return n_tokens - val, val
 
 
 def make_synthetic_tokens(n_tokens: int, seed: int = 1234, alphabet_size: int = 64, noise: float = 0.1) -> np.ndarray:
@@ -165,7 +182,12 @@ class ByteCorpusDataModule(L.LightningDataModule):
         _check_int("seed", seed, 0)
         if val_batches is not None:
             _check_int("val_batches", val_batches, 1)
-        if path is not None and not synthetic and not Path(path).expanduser().exists():
+        if path is not None and synthetic:
+            raise ValueError(
+                f"ByteCorpusDataModule path={path!r} is not valid with synthetic=True: the synthetic stream ignores it. "
+                f"Expected path=None with synthetic=True, or synthetic=False to train on {path!r}."
+            )
+        if path is not None and not Path(path).expanduser().exists():
             raise ValueError(
                 f"ByteCorpusDataModule path={path!r} is not valid: it does not exist. Expected an existing file or "
                 f"directory, or None for the Python standard library."
@@ -198,6 +220,32 @@ class ByteCorpusDataModule(L.LightningDataModule):
             return make_synthetic_tokens(self.synthetic_tokens, seed=self.seed)
         return load_tokens(build_token_file(self.path, self.cache_dir))
 
+    def _chunk(self, n_tokens: int) -> int:
+        return min(65536, max(self.block_size + 1, n_tokens // 20))
+
+    def _check_size(self, n_tokens: int) -> None:
+        train, val = split_lengths(n_tokens, val_every=20, chunk=self._chunk(n_tokens))
+        n_train, n_val = max(0, (train - 1) // self.block_size), max(0, (val - 1) // self.block_size)
+        if n_train < self.batch_size or n_val < 1:
+            source = "synthetic=True" if self.synthetic else ("the standard library" if self.path is None else f"path={self.path!r}")
+            raise ValueError(
+                f"corpus ({source}) of {n_tokens} tokens is too small for block_size={self.block_size} and "
+                f"batch_size={self.batch_size}: it gives {n_train} training and {n_val} validation "
+                f"windows. Expected at least {self.batch_size} and 1; use a larger corpus or smaller sizes."
+            )
+
+    def check_corpus(self) -> None:
+        """Build the token cache if needed and check that the corpus gives one training batch and one validation
+        window, from its length only (no tokens are read): what :meth:`setup` checks, before any process starts.
+
+        Raises:
+            ValueError: the corpus is too small for ``block_size`` and ``batch_size``.
+        """
+        if self.synthetic:
+            self._check_size(self.synthetic_tokens)
+        else:
+            self._check_size(Path(build_token_file(self.path, self.cache_dir)).stat().st_size)
+
     def setup(self, stage: str | None = None) -> None:
         """Load the tokens, split them (see the module docstring) and make the window datasets; idempotent.
 
@@ -207,16 +255,10 @@ class ByteCorpusDataModule(L.LightningDataModule):
         if self.train_dataset is not None:
             return
         tokens = self._tokens()
-        chunk = min(65536, max(self.block_size + 1, len(tokens) // 20))
-        train, val = split_tokens(tokens, val_every=20, chunk=chunk)
+        self._check_size(len(tokens))
+        train, val = split_tokens(tokens, val_every=20, chunk=self._chunk(len(tokens)))
         train_ds = TokenWindowDataset(train, self.block_size)
         val_ds: Dataset = TokenWindowDataset(val, self.block_size)
-        if len(train_ds) < self.batch_size or len(val_ds) < 1:
-            raise ValueError(
-                f"corpus of {len(tokens)} tokens is too small for block_size={self.block_size} and "
-                f"batch_size={self.batch_size}: it gives {len(train_ds)} training and {len(val_ds)} validation "
-                f"windows. Expected at least {self.batch_size} and 1; use a larger corpus or smaller sizes."
-            )
         if self.val_batches is not None:
             val_ds = Subset(val_ds, range(min(len(val_ds), self.val_batches * self.batch_size)))
         self.train_dataset, self.val_dataset = train_ds, val_ds
@@ -225,11 +267,13 @@ class ByteCorpusDataModule(L.LightningDataModule):
         """Shuffled, ``drop_last`` batches ``(x, y)`` of shape ``(batch_size, block_size)`` each.
 
         Under a distributed strategy Lightning swaps the sampler for a ``DistributedSampler`` over the data-parallel
-        ranks; in a single process the shuffle is seeded by ``seed``.
+        ranks; in a single process the shuffle is seeded by ``seed``. The loader is a
+        :class:`~lightning_par.data.resumable.ResumableDataLoader`: a run resumed from a mid-epoch checkpoint
+        continues with the batch that followed it.
         """
         if self.train_dataset is None:
             self.setup("fit")
-        return DataLoader(
+        return ResumableDataLoader(
             self.train_dataset,
             batch_size=self.batch_size,
             shuffle=True,

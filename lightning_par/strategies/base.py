@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_par.checkpoint.sharded import load_sharded, save_sharded
+from lightning_par.fault.elastic import init_process_group_per_attempt
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.parallelize import OPTION_GROUPS, ParallelModel, ParallelOptions, parallelize, validate
 from lightning_par.precision import check_precision, distributed_scaler, fsdp_mixed_precision
@@ -263,6 +264,9 @@ class MeshStrategy(ParallelStrategy):
         )
         assert self.cluster_environment is not None
         started = not dist.is_initialized()
+        if started:  # under torchrun --max-restarts: a group in a store namespace of this attempt (no-op otherwise)
+            accelerator = "gpu" if self.root_device.type == "cuda" else "cpu"
+            init_process_group_per_attempt(accelerator, self._timeout_s)
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=timedelta(seconds=self._timeout_s)
         )

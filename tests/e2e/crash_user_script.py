@@ -1,8 +1,7 @@
 """A user script whose rank 1 raises in its third training step, launched by Lightning itself."""
 
-import os, sys
+import sys
 import lightning as L
-import torch
 import lightning_par  # noqa: F401
 from lightning_par.models import GPTConfig, GPTLightningModule
 from lightning_par.data import ByteCorpusDataModule

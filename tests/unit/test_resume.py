@@ -1,0 +1,159 @@
+"""Which checkpoint a run resumes from, and the DataLoader that resumes mid-epoch (no processes)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler, TensorDataset
+
+from lightning_par.data import ResumableDataLoader
+from lightning_par.fault.resume import checkpoint_step, is_complete_checkpoint, latest_checkpoint, resolve_ckpt_path
+from lightning_par.fault.step_checkpoint import StepCheckpoint
+
+
+def _file_ckpt(path, step: int) -> None:
+    torch.save({"global_step": step}, path)
+
+
+def _dir_ckpt(path, complete: bool = True) -> None:
+    path.mkdir()
+    (path / "__0_0.distcp").write_bytes(b"shard")
+    if complete:
+        from lightning_par.checkpoint import METADATA_FILENAME
+
+        (path / ".metadata").write_bytes(b"meta")
+        torch.save({}, path / METADATA_FILENAME)
+        from lightning_par.checkpoint import FORMAT_VERSION, RECORD_FILENAME
+
+        (path / RECORD_FILENAME).write_text(f'{{"format_version": {FORMAT_VERSION}}}')
+
+
+def test_step_names_parse_with_versions():
+    assert checkpoint_step("step-12.ckpt") == (12, 0)
+    assert checkpoint_step("/x/step-12-v3.ckpt") == (12, 3)
+    for other in ("last.ckpt", "epoch=0-step=12.ckpt", "step-12.ckpt.tmp-staging", "step-x.ckpt"):
+        assert checkpoint_step(other) is None
+
+
+def test_the_latest_complete_checkpoint_wins(tmp_path):
+    _dir_ckpt(tmp_path / "step-2.ckpt")
+    _dir_ckpt(tmp_path / "step-4.ckpt")
+    _dir_ckpt(tmp_path / "step-4-v1.ckpt")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-4-v1.ckpt"
+    # Newer but not loadable: a single file (not a lightning_par checkpoint), a directory without DCP's .metadata, a
+    # staging directory, a link.
+    _file_ckpt(tmp_path / "step-6.ckpt", 6)
+    _dir_ckpt(tmp_path / "step-8.ckpt", complete=False)
+    _dir_ckpt(tmp_path / "step-10.ckpt.tmp-staging")
+    os.symlink("step-2.ckpt", tmp_path / "last.ckpt")
+    assert not is_complete_checkpoint(tmp_path / "step-6.ckpt")
+    assert not is_complete_checkpoint(tmp_path / "step-8.ckpt")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-4-v1.ckpt"
+    _dir_ckpt(tmp_path / "step-12.ckpt")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-12.ckpt"
+
+
+def test_resolve_null_last_and_path(tmp_path):
+    ckpts = tmp_path / "checkpoints"
+    assert resolve_ckpt_path(None, ckpts) is None  # nothing yet: a fresh start
+    with pytest.raises(ValueError, match=re.escape("ckpt_path='last' is not valid here: there is no complete checkpoint")):
+        resolve_ckpt_path("last", ckpts)
+    ckpts.mkdir()
+    _dir_ckpt(ckpts / "step-3.ckpt")
+    assert resolve_ckpt_path(None, ckpts) == ckpts / "step-3.ckpt"
+    assert resolve_ckpt_path("last", ckpts) == ckpts / "step-3.ckpt"
+    assert resolve_ckpt_path(str(ckpts / "step-3.ckpt"), tmp_path / "elsewhere") == (ckpts / "step-3.ckpt").resolve()
+    with pytest.raises(ValueError, match=re.escape("ckpt_path='/no/such.ckpt' is not valid: it does not exist")):
+        resolve_ckpt_path("/no/such.ckpt", ckpts)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"every_n_steps": 0}, "every_n_steps=0 is not valid"),
+    ({"keep_last_k": 0}, "keep_last_k=0 is not valid"),
+])
+def test_step_checkpoint_rejects_bad_options(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        StepCheckpoint(tmp_path, **kwargs)
+
+
+def _dataset(n: int = 40) -> TensorDataset:
+    return TensorDataset(torch.arange(n))
+
+
+def _take(it, k):
+    return [int(b[0][0]) for _, b in zip(range(k), it)]
+
+
+@pytest.mark.parametrize("kind", ["generator", "distributed"])
+def test_a_resumed_loader_continues_with_the_next_batch(kind):
+    """Stop a pass after k batches, save, load into a fresh loader: the rest of the pass and the next pass are what
+    the uninterrupted loader yields."""
+
+    def make():
+        if kind == "generator":
+            return ResumableDataLoader(_dataset(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7))
+        sampler = DistributedSampler(_dataset(), num_replicas=2, rank=1, shuffle=True, seed=3)
+        return ResumableDataLoader(_dataset(), batch_size=4, sampler=sampler)
+
+    def set_epoch(loader, epoch):
+        if isinstance(loader.sampler, DistributedSampler):
+            loader.sampler.set_epoch(epoch)
+
+    ref = make()
+    passes = []
+    for epoch in range(2):
+        set_epoch(ref, epoch)
+        passes.append(_take(iter(ref), len(ref)))
+    assert passes[0] != passes[1]  # the order changes between passes
+
+    first = make()
+    set_epoch(first, 0)
+    assert _take(iter(first), 3) == passes[0][:3]
+    state = first.state_dict()
+    assert state["batches"] == 3
+
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert len(resumed) == len(ref)
+    set_epoch(resumed, 0)
+    # Take what Lightning takes (it counts the skipped batches as fetched and never asks for one past the end).
+    assert _take(iter(resumed), len(ref) - 3) == passes[0][3:]  # the skipped batches are not yielded again
+    set_epoch(resumed, 1)
+    assert _take(iter(resumed), len(ref)) == passes[1]
+
+
+def test_a_finished_pass_resumes_at_the_next_one():
+    ref = ResumableDataLoader(_dataset(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7))
+    passes = [_take(iter(ref), len(ref)) for _ in range(2)]
+    first = ResumableDataLoader(_dataset(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7))
+    _take(iter(first), len(first))
+    state = first.state_dict()
+    assert state["batches"] == 0
+    resumed = ResumableDataLoader(_dataset(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7))
+    resumed.load_state_dict(state)
+    assert _take(iter(resumed), len(resumed)) == passes[1]
+
+
+def test_skipped_batches_are_never_loaded():
+    loaded = []
+
+    class Recording(TensorDataset):
+        def __getitem__(self, i):
+            loaded.append(i)
+            return super().__getitem__(i)
+
+    loader = ResumableDataLoader(Recording(torch.arange(40)), batch_size=4, shuffle=False)
+    loader.load_state_dict({"batches": 8, "generator": None, "epoch": None})
+    assert _take(iter(loader), 10) == [32, 36]
+    assert sorted(loaded) == list(range(32, 40))
+
+
+def test_skipping_works_with_persistent_workers():
+    """With worker processes the indices are still skipped in the main process; a persistent iterator is rebuilt."""
+    loader = ResumableDataLoader(_dataset(), batch_size=4, shuffle=False, num_workers=1, persistent_workers=True)
+    assert _take(iter(loader), 2) == [0, 4]
+    loader.load_state_dict({"batches": 7, "generator": None, "epoch": None})
+    assert _take(iter(loader), 10) == [28, 32, 36]
