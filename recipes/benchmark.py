@@ -21,6 +21,7 @@ SECTIONS = {
     "zero": "lightning_par.benchmarks.zero",
     "pp": "lightning_par.benchmarks.pipeline",
     "ac": "lightning_par.benchmarks.activation_checkpointing",
+    "gpu": "lightning_par.benchmarks.single_gpu",
 }
 
 

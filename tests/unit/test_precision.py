@@ -79,3 +79,13 @@ def test_the_recipe_refuses_fp16_with_pipelining(tmp_path):
                                                        "trainer.precision=16-mixed"])
     with pytest.raises(ValueError, match="not valid with pipelining"):
         validate_run(cfg)
+
+
+def test_the_single_gpu_benchmark_harness_runs_and_says_when_nothing_was_measured():
+    from lightning_par.benchmarks import single_gpu
+
+    r = single_gpu.measure("tiny", False, "cpu", batch=2, steps=2, warmup=1)
+    assert r["tokens_per_s"] == pytest.approx(2 * 32 * 2 / (2 * r["step_s"]))
+    assert r["mfu"] is None and r["peak_mem_bytes"] is None and r["params"] > 0 and r["loss"] > 0
+    if not torch.cuda.is_available():
+        assert single_gpu.run(quick=True).startswith("Single GPU: not measured (no CUDA device")
