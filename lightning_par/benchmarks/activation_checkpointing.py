@@ -11,9 +11,10 @@ world on CPU: one process, tp 2 with sequence parallelism, pp 2 with 1F1B), with
   ``-`` there;
 * **activation peak**: the most bytes of storages created during the step alive at once, from the start of forward
   to the end of backward (model state left out; gradients of the parameters included, the same in every row of a
-  layout);
+  layout); measured on a step after the first, whose one-off set-up is left out;
 * **step time**: median seconds of forward + backward (no optimizer step, no counting mode), relative to ``none`` in
-  the same layout: the price of recomputation (about one more forward for ``full``).
+  the same layout: the price of recomputation (about one more forward for ``full``). The three modes run in turns,
+  step by step, so that a change of load on a shared machine falls on all three alike.
 
 Korthikanti et al. 2022 (§5, Table 2) give, per transformer layer, ``sbh(34 + 5as/h)`` bytes of activations without
 recomputation (fp16, with dropout masks), ``2sbh`` with full recomputation and ``34sbh`` with selective; this run is
@@ -30,8 +31,8 @@ from typing import Any
 
 __all__ = ["LiveBytes", "run"]
 
-_FULL = dict(model=dict(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=256), batch=8, steps=5)
-_QUICK = dict(model=dict(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=256), batch=8, steps=3)
+_FULL = dict(model=dict(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=256), batch=8, steps=15)
+_QUICK = dict(model=_FULL["model"], batch=8, steps=5)
 #: label -> (world size, strategy options)
 LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "1 process": (1, {}),
@@ -113,51 +114,51 @@ def _worker(model_cfg: dict, batch: int, steps: int, options: dict) -> dict[str,
     y = torch.randint(0, model_cfg["vocab_size"], (batch, model_cfg["block_size"]), generator=g)
     sizes = {k: options[k] for k in ("tp_size", "pp_size") if k in options}
     rest = {k: v for k, v in options.items() if k not in sizes}
-    out: dict[str, Any] = {}
+    built: dict[str, Any] = {}
     for mode in MODES:
         torch.manual_seed(0)
         module = GPTLightningModule(GPTConfig(**model_cfg))
         dims = ParallelDims(world_size=world, dp_size=1, **sizes)
         parallel = parallelize(module, dims, ParallelOptions.build("ddp", activation_checkpointing=mode, **rest),
                                device=torch.device("cpu"))
-        network = parallel.network
+        built[mode] = (module, parallel)
 
-        def forward() -> Any:
-            with vocab_parallel_loss() if parallel.loss_parallel else torch.enable_grad():
-                loss = module.loss_fn(network(x), y)
-            return loss
-
-        def step(measure: LiveBytes | None = None) -> int | None:
-            if parallel.pipeline is not None:
-                with measure if measure is not None else torch.enable_grad():
-                    parallel.pipeline.train_step((x,), y)
-                return None
-            kept = None
-            with measure if measure is not None else torch.enable_grad() as counter:
-                loss = forward()
-                if measure is not None:
-                    kept = counter.live
-                with vocab_parallel_loss() if parallel.loss_parallel else torch.enable_grad():
-                    loss.backward()
-            return kept
-
-        for p in network.parameters():
+    def step(mode: str, measure: LiveBytes | None = None) -> int | None:
+        """Forward and backward of one batch; with ``measure``, the bytes alive when forward returned."""
+        module, parallel = built[mode]
+        for p in parallel.network.parameters():
             p.grad = None
+        loss_context = vocab_parallel_loss if parallel.loss_parallel else torch.enable_grad
+        if parallel.pipeline is not None:
+            with measure if measure is not None else torch.enable_grad():
+                parallel.pipeline.train_step((x,), y)
+            return None
+        kept = None
+        with measure if measure is not None else torch.enable_grad() as counter:
+            with loss_context():
+                loss = module.loss_fn(parallel.network(x), y)
+            if measure is not None:
+                kept = counter.live
+            with loss_context():
+                loss.backward()
+        return kept
+
+    out: dict[str, Any] = {}
+    for mode in MODES:
+        step(mode)  # one-off set-up (the pipeline infers its shapes on its first step) is not measured
         measure = LiveBytes()
-        kept = step(measure)
-        peak = measure._mode.peak
-        times = []
-        for i in range(steps + 1):
-            for p in network.parameters():
-                p.grad = None
+        kept = step(mode, measure)
+        out[mode] = {"kept": kept, "peak": measure._mode.peak, "checkpointed": len(built[mode][1].checkpointed)}
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for _ in range(steps):
+        for mode in MODES:  # in turns
             dist.barrier()
             t0 = time.perf_counter()
-            step()
-            if i:  # the first step includes one-off set-up
-                times.append(time.perf_counter() - t0)
-        out[mode] = {"kept": kept, "peak": peak, "step_s": statistics.median(times),
-                     "checkpointed": len(parallel.checkpointed)}
-        parallel.engine.remove()
+            step(mode)
+            times[mode].append(time.perf_counter() - t0)
+    for mode in MODES:
+        out[mode]["step_s"] = statistics.median(times[mode])
+        built[mode][1].engine.remove()
     return out
 
 
