@@ -19,10 +19,19 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_par.config.build import build_datamodule, build_module, build_parallel_dims, build_strategy
+from lightning_par.config.build import (
+    build_datamodule,
+    build_loggers,
+    build_module,
+    build_parallel_dims,
+    build_strategy,
+    build_trainer_kwargs,
+    check_loggers,
+)
+from lightning_par.job_logging import JOB_LOG_ENV, attach_job_log, job_log_file
 from lightning_par.launcher import run_distributed
 
-__all__ = ["launch_job", "train_worker", "validate_run"]
+__all__ = ["launch_job", "main", "run_recipe", "train_worker", "validate_run"]
 
 
 def _external_world_size() -> int | None:
@@ -33,18 +42,6 @@ def _external_world_size() -> int | None:
     if "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
         return int(os.environ["SLURM_NTASKS"])  # Lightning's SLURMEnvironment reads the rest
     return None
-
-
-def _loggers(run_dir: Path) -> list[Any]:
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-
-    loggers: list[Any] = [CSVLogger(save_dir=str(run_dir), name="logs", version="")]
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        return loggers
-    loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tb", version=""))
-    return loggers
 
 
 def train_worker(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any] | None:
@@ -58,45 +55,31 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str) -> dict[str, Any] | Non
         The contents of ``summary.json`` on rank 0, ``None`` on other ranks.
     """
     import lightning as L
-    import torch
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 
     from lightning_par.callbacks import ParallelMetricsCallback, RunSummaryCallback
 
+    attach_job_log(os.environ.get(JOB_LOG_ENV))
     cfg = OmegaConf.create(cfg_dict)
     out = Path(run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module = build_module(cfg)
-    datamodule = build_datamodule(cfg, module.config.block_size)
+    datamodule = build_datamodule(cfg, module)
     strategy = build_strategy(cfg)
     metrics = ParallelMetricsCallback(peak_flops_per_device=cfg.trainer.peak_flops_per_device)
     summary_path = out / "summary.json"
+    trainer_kwargs = build_trainer_kwargs(cfg)
     callbacks: list[Any] = [
         metrics,
-        RunSummaryCallback(summary_path, metrics, extra={"config": cfg_dict}),
+        RunSummaryCallback(summary_path, metrics, extra={"config": cfg_dict, "accelerator": trainer_kwargs["accelerator"]}),
         LearningRateMonitor(logging_interval="step"),
     ]
     if cfg.trainer.checkpoint:
         callbacks.append(ModelCheckpoint(dirpath=str(out / "checkpoints"), save_last=True, every_n_train_steps=cfg.trainer.val_check_interval))
-    accelerator = cfg.trainer.accelerator
-    if accelerator == "auto":
-        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     trainer = L.Trainer(
-        accelerator=accelerator,
-        devices=cfg.parallel.world_size,
-        num_nodes=1,
+        **trainer_kwargs,
         strategy=strategy,
-        precision=cfg.trainer.precision,
-        max_steps=cfg.trainer.max_steps,
-        val_check_interval=cfg.trainer.val_check_interval,
-        check_val_every_n_epoch=None,
-        log_every_n_steps=cfg.trainer.log_every_n_steps,
-        accumulate_grad_batches=cfg.trainer.accumulate_grad_batches,
-        gradient_clip_val=cfg.trainer.gradient_clip_val,
-        enable_progress_bar=cfg.trainer.enable_progress_bar,
-        enable_checkpointing=bool(cfg.trainer.checkpoint),
-        enable_model_summary=False,
-        logger=_loggers(out),
+        logger=build_loggers(cfg, out),
         callbacks=callbacks,
         default_root_dir=str(out),
     )
@@ -117,6 +100,8 @@ def validate_run(cfg: DictConfig) -> None:
     import torch
 
     strategy = build_strategy(cfg)
+    build_trainer_kwargs(cfg)
+    check_loggers(cfg)
     with torch.device("meta"):
         module = build_module(cfg)
     strategy.connect(module)
@@ -155,5 +140,39 @@ def launch_job(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any] | None:
         timeout_s=cfg.trainer.job_timeout_s,
         start_method="spawn" if gpu else None,
         threads_per_rank=threads,
+        env={JOB_LOG_ENV: log_file} if (log_file := job_log_file()) else None,
     )
     return results[0]
+
+
+#: Summary fields the recipe prints at the end of a job.
+_PRINTED = ("strategy", "world_size", "dp_size", "tp_size", "pp_size", "steps", "initial_train_loss",
+            "final_train_loss", "final_val_loss", "tokens_per_s")
+
+
+def run_recipe(cfg: DictConfig) -> float | None:
+    """The recipe's Hydra task: run the job of ``cfg`` in the Hydra output directory, print the main figures and
+    return the final validation loss (``None`` on ranks other than 0 under torchrun/SLURM)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    summary = launch_job(cfg, HydraConfig.get().runtime.output_dir)
+    if summary is None:
+        return None
+    print(json.dumps({k: summary.get(k) for k in _PRINTED}, indent=2))
+    return summary.get("final_val_loss")
+
+
+def main() -> None:
+    """``python -m lightning_par.train [overrides]``: the recipe on the packaged config (``conf/``, found through the
+    ``lightning_par`` Hydra search-path plugin), from any directory."""
+    import hydra
+
+    import lightning_par  # noqa: F401  (registers the strategies)
+    from lightning_par.config.schema import register_configs
+
+    register_configs()
+    hydra.main(version_base=None, config_path=None, config_name="config")(run_recipe)()
+
+
+if __name__ == "__main__":
+    main()
