@@ -266,6 +266,10 @@ _LOGGER_PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
+#: Optional loggers already reported missing in this process (forked ranks inherit it: one warning per job).
+_WARNED: set[str] = set()
+
+
 def check_loggers(cfg: Any) -> list[str]:
     """The names of the ``logger`` entries that will be built, after checking that their packages are installed.
 
@@ -286,13 +290,15 @@ def check_loggers(cfg: Any) -> list[str]:
             raise ValueError(f"logger.{name} has no _target_: expected a Lightning logger config such as logger=csv.")
         modules, extra = _LOGGER_PACKAGES.get(str(target).rsplit(".", 1)[-1], ((), ""))
         if modules and not any(importlib.util.find_spec(m) is not None for m in modules):
-            hint = f"pip install 'lightning-par[{extra}]' (or pip install {modules[0]})"
+            hint = f"pip install 'lightning-par[{extra}]' or pip install {modules[0]}"
             if node.get("required", True):
                 raise ModuleNotFoundError(
                     f"logger.{name} ({target}) needs the {modules[0]!r} package, which is not installed: {hint}, or "
                     f"leave it out of the logger list (logger=[csv])."
                 )
-            log.warning("logger.%s skipped: %s is not installed (%s).", name, " or ".join(modules), hint)
+            if name not in _WARNED:
+                _WARNED.add(name)
+                log.warning("logger.%s skipped: %s is not installed; %s.", name, " or ".join(modules), hint)
             continue
         names.append(name)
     return names
