@@ -33,6 +33,8 @@ __all__ = [
     "SweepReportCallback",
     "collect_jobs",
     "collect_summaries",
+    "loss_axis_limits",
+    "plot_panels",
     "register_column",
     "write_sweep_report",
 ]
@@ -263,6 +265,19 @@ def _bar_labels(ax: Any, xs: Sequence[int], values: Sequence[float | None], fmt:
             ax.annotate(format(v, fmt), (x, v), textcoords="offset points", xytext=(0, 2), ha="center", fontsize=7)
 
 
+def plot_panels(jobs: Sequence[JobResult]) -> list[str]:
+    """The panels of ``report.png``: ``tokens``, ``state``, ``bubble`` (only when a job pipelines) and ``loss``."""
+    pipelined = any((j.get("pp_size") or 1) > 1 or j.get("pp_bubble") is not None for j in jobs)
+    return ["tokens", "state"] + (["bubble"] if pipelined else []) + ["loss"]
+
+
+def loss_axis_limits(values: Sequence[float]) -> tuple[float, float]:
+    """Y limits that show the differences between losses: the values' range plus a margin (never from 0)."""
+    lo, hi = min(values), max(values)
+    pad = max((hi - lo) * 0.25, abs(hi) * 1e-4, 1e-6)
+    return lo - pad, hi + 2 * pad
+
+
 def _plot(jobs: list[JobResult], path: Path, title: str) -> Path:
     import matplotlib
 
@@ -271,8 +286,7 @@ def _plot(jobs: list[JobResult], path: Path, title: str) -> Path:
 
     xs = list(range(len(jobs)))
     labels = [j.label for j in jobs]
-    pipelined = any((j.get("pp_size") or 1) > 1 or j.get("pp_bubble") is not None for j in jobs)
-    panels = ["tokens", "state"] + (["bubble"] if pipelined else []) + ["loss"]
+    panels = plot_panels(jobs)
     ncols = 2
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(max(10, 1.6 * len(jobs) * ncols), 3.6 * nrows), constrained_layout=True, squeeze=False)
@@ -314,9 +328,7 @@ def _plot(jobs: list[JobResult], path: Path, title: str) -> Path:
             digits = min(7, max(4, 1 - math.floor(math.log10(spread)))) if spread > 0 else 4
             _bar_labels(ax, [x for x, v in zip(xs, values) if v is not None], known, f".{digits}f")
             if known:
-                lo, hi = min(known), max(known)
-                pad = max((hi - lo) * 0.25, abs(hi) * 1e-4, 1e-6)
-                ax.set_ylim(lo - pad, hi + 2 * pad)
+                ax.set_ylim(*loss_axis_limits(known))
             ax.grid(axis="y", alpha=0.3)
             ax.set_title("final validation loss (nats; axis fitted to the values)", fontsize=10)
             ax.ticklabel_format(axis="y", useOffset=False)
