@@ -14,7 +14,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from lightning_par.config import build
+from lightning_par.config import loggers as logger_config
 from lightning_par.config.build import (
     build_datamodule,
     build_loggers,
@@ -183,9 +183,9 @@ def test_missing_optional_logger_fails_with_an_install_hint(name):
 
 def test_missing_tensorboard_is_skipped_with_a_warning(monkeypatch, caplog):
     real = importlib.util.find_spec
-    monkeypatch.setattr(build.importlib.util, "find_spec",
+    monkeypatch.setattr(logger_config.importlib.util, "find_spec",
                         lambda name, *a: None if name in ("tensorboard", "tensorboardX") else real(name, *a))
-    monkeypatch.setattr(build, "_WARNED", set())
+    monkeypatch.setattr(logger_config, "_WARNED", set())
     with caplog.at_level(logging.WARNING):
         assert check_loggers(_compose()) == ["csv"]
     assert "logger.tensorboard skipped" in caplog.text
