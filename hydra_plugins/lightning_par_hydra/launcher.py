@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hydra.core.singleton import Singleton
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
@@ -64,13 +64,17 @@ class TaskRef:
         return inspect.unwrap(obj)
 
 
-def _rank_main(task: TaskFunction | TaskRef, cfg: DictConfig, singletons: dict[Any, Any] | None) -> Any:
-    """What each rank runs: the task function on the job's config (Hydra's state restored under ``spawn``)."""
-    if singletons is not None:
-        from hydra.core.hydra_config import HydraConfig
+def _rank_main(task: TaskFunction | TaskRef, cfg: DictConfig, hydra_cfg: DictConfig | None) -> Any:
+    """What each rank runs: the task function on the job's config. Under ``spawn`` the child starts bare: Hydra's
+    resolvers, ``HydraConfig`` (the job's ``hydra`` node) and job logging are set up again from ``hydra_cfg``.
+    Lightning's loggers are re-attached to the job's log file."""
+    from lightning_par.job_logging import attach_job_log
 
-        Singleton.set_state(singletons)
+    if hydra_cfg is not None:
+        setup_globals()
+        HydraConfig.instance().set_config(hydra_cfg)
         configure_log(HydraConfig.get().job_logging, HydraConfig.get().verbose)
+    attach_job_log(None)
     fn = task.resolve() if isinstance(task, TaskRef) else task
     return fn(cfg)
 
@@ -118,7 +122,7 @@ class _WorldTask:
         results = run_distributed(
             _rank_main,
             nprocs,
-            (task, cfg, Singleton.get_state() if spawn else None),
+            (task, cfg, HydraConfig.instance().cfg if spawn else None),
             timeout_s=self.timeout_s,
             start_method=self.start_method,
             threads_per_rank=threads,

@@ -4,6 +4,7 @@ recipe, and the search path that finds conf/ from any directory. No processes.""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,24 @@ decorated = _decorate(_undecorated)
 
 def test_conf_is_found_from_the_checkout():
     assert conf_search_path() == f"file://{CONF}"
+
+
+def test_search_path_is_appended_only_for_lightning_pars_entry_point(monkeypatch):
+    """Appended to any app, our groups would turn the app's own ``strategy``/``model`` keys into group selections."""
+    import types
+
+    from hydra._internal.config_search_path_impl import ConfigSearchPathImpl
+
+    from hydra_plugins.lightning_par_hydra.searchpath import LightningParSearchPathPlugin
+
+    def providers(main_name):
+        monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__spec__=types.SimpleNamespace(name=main_name)))
+        path = ConfigSearchPathImpl()
+        LightningParSearchPathPlugin().manipulate_search_path(path)
+        return [(e.provider, e.path) for e in path.get_path()]
+
+    assert providers("lightning_par.train") == [("lightning_par", f"file://{CONF}")]
+    assert providers("my_app") == []
 
 
 def test_submitit_slurm_launcher_composes_with_a_multi_node_recipe():

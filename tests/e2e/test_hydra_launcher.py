@@ -23,14 +23,15 @@ fail_rank: -1
 @pytest.mark.slow
 def test_user_app_sweep_runs_each_job_once_as_its_own_world(tmp_path):
     """Four jobs (world 1 and 2, with and without rank 1 raising): a child never re-runs the sweep, each rank runs the
-    task once, and the failing job is reported while the others complete."""
+    task once, and the failing job is reported while the others complete. The app's own ``strategy`` key stays a
+    plain value (lightning_par's config groups are not put on its search path)."""
     app = tmp_path / "app"
     (app / "conf").mkdir(parents=True)
     shutil.copy(APP, app / "app.py")
     (app / "conf" / "config.yaml").write_text(CONFIG)
     sweep = tmp_path / "sweep"
     proc = run([sys.executable, "app.py", "-m", "hydra/launcher=lightning_par", "hydra.launcher.nprocs=${devices}",
-                "devices=1,2", "fail_rank=-1,1", f"hydra.sweep.dir={sweep}"], app)
+                "devices=1,2", "fail_rank=-1,1", "strategy=ddp_overlap", f"hydra.sweep.dir={sweep}"], app)
     assert proc.returncode != 0, tail(proc)  # Hydra re-raises the failed job's error after running every job
     out = proc.stdout + proc.stderr
     assert out.count("Launching 4 jobs locally") == 1, tail(proc)
@@ -46,6 +47,7 @@ def test_user_app_sweep_runs_each_job_once_as_its_own_world(tmp_path):
         else:
             assert json.loads((job / "result.json").read_text())["world_size"] == world
     assert "#3 failed" in out and "rank 1 fails on purpose" in out, tail(proc)
+    assert "`Trainer.fit` stopped" in (sweep / "2" / "app.log").read_text()  # Lightning's log in the job's log file
 
 
 @pytest.mark.slow
