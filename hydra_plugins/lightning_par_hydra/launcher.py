@@ -108,7 +108,7 @@ class _WorldTask:
         self.timeout_s = timeout_s
         self.start_method = start_method
         self.threads_per_rank = threads_per_rank
-        # Hydra's callbacks and job name read the task function's module and name.
+        # Hydra callbacks receive this object as the task function: show the wrapped one's module and name.
         self.__module__ = getattr(task_function, "__module__", __name__)
         self.__name__ = getattr(task_function, "__name__", "task")
 
