@@ -23,6 +23,17 @@ from tests.e2e._run import ROOT, tail
 SOURCES = ("lightning_par", "hydra_plugins", "conf", "setup.py", "pyproject.toml", "README.md")
 
 
+def _can_build_here() -> bool:
+    """This environment can build the wheel itself: setuptools >= 70.1 (bdist_wheel built in), or older with ``wheel``."""
+    try:
+        from importlib.metadata import version
+
+        major, minor = (int(x) for x in version("setuptools").split(".")[:2])
+    except Exception:  # noqa: BLE001 - not installed, or an odd version string
+        return False
+    return (major, minor) >= (70, 1) or importlib.util.find_spec("wheel") is not None
+
+
 def _build_wheel(tmp_path: Path) -> Path:
     src = tmp_path / "src"
     src.mkdir()
@@ -32,7 +43,7 @@ def _build_wheel(tmp_path: Path) -> Path:
             shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         else:
             shutil.copy(path, src / name)
-    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    isolation = ["--no-build-isolation"] if _can_build_here() else []  # else pip fetches setuptools for the build
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", str(tmp_path / "dist"), str(src)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, tail(proc)
