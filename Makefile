@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml .ci/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c .ci/constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c .ci/constraints.txt -e '.[dev]' --config-settings editable_mode=compat
 	touch $@
 
 .PHONY: install train test benchmark

@@ -32,14 +32,23 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_par.config.build import build_datamodule, build_module, build_parallel_dims, build_strategy
+from lightning_par.config.build import (
+    build_datamodule,
+    build_loggers,
+    build_module,
+    build_parallel_dims,
+    build_strategy,
+    build_trainer_kwargs,
+    check_loggers,
+)
 from lightning_par.config.schema import check_run_config
 from lightning_par.fault.heartbeat import HEARTBEAT_DIR_ENV
 from lightning_par.fault.resume import resolve_ckpt_path
+from lightning_par.job_logging import JOB_LOG_ENV, attach_job_log, job_log_file
 from lightning_par.launcher import run_distributed
 from lightning_par.parallel_dims import ParallelDims
 
-__all__ = ["Plan", "launch_job", "preflight", "train_worker", "validate_run"]
+__all__ = ["Plan", "launch_job", "main", "preflight", "run_recipe", "train_worker", "validate_run"]
 
 log = logging.getLogger(__name__)
 
@@ -61,19 +70,6 @@ def _external_world_size() -> int | None:
 
 def _external_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-
-
-def _loggers(run_dir: Path) -> list[Any]:
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-
-    # Flushed at every logged step (an append): the default, every 100 steps, loses them when a rank is killed.
-    loggers: list[Any] = [CSVLogger(save_dir=str(run_dir), name=LOG_DIR, version="", flush_logs_every_n_steps=1)]
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        return loggers
-    loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tb", version=""))
-    return loggers
 
 
 def _keep_previous_logs(run_dir: Path) -> None:
@@ -116,23 +112,29 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
     from lightning_par.fault.nonfinite import NonFiniteGuard
     from lightning_par.fault.step_checkpoint import StepCheckpoint
 
+    attach_job_log(os.environ.get(JOB_LOG_ENV))
     cfg = OmegaConf.create(cfg_dict)
     out = Path(run_dir)
     t = cfg.trainer
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module = build_module(cfg)
-    datamodule = build_datamodule(cfg, module.config.block_size)
+    datamodule = build_datamodule(cfg, module)
     strategy = build_strategy(cfg)
     metrics = ParallelMetricsCallback(peak_flops_per_device=t.peak_flops_per_device)
     summary_path = out / "summary.json"
     sources: list[Any] = [LRScalingCallback(**OmegaConf.to_container(cfg.lr_scaling))]
     if cfg.get("profile"):
         sources.append(TimelineCallback(out / "timeline", cfg.profile_start_step, cfg.profile_steps))
+    trainer_kwargs = build_trainer_kwargs(cfg)
     callbacks: list[Any] = [
         metrics,
         *sources,
-        RunSummaryCallback(summary_path, metrics, extra={"config": cfg_dict, "resumed_from": ckpt_path},
-                           sources=sources),
+        RunSummaryCallback(
+            summary_path,
+            metrics,
+            extra={"config": cfg_dict, "resumed_from": ckpt_path, "accelerator": trainer_kwargs["accelerator"]},
+            sources=sources,
+        ),
         LearningRateMonitor(logging_interval="step"),
         NonFiniteGuard(action=t.on_nonfinite, max_consecutive_skips=t.max_consecutive_skips),
         # Under our launcher it watches the heartbeats itself; under torchrun/SLURM each rank runs the thread.
@@ -145,21 +147,9 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
     if t.checkpoint:
         callbacks.append(StepCheckpoint(out / CHECKPOINT_DIR, t.checkpoint_every_n_steps, t.keep_last_k))
     trainer = L.Trainer(
-        accelerator=_accelerator(cfg),
-        devices=cfg.parallel.world_size,
-        num_nodes=1,
+        **trainer_kwargs,
         strategy=strategy,
-        precision=t.precision,
-        max_steps=t.max_steps,
-        val_check_interval=t.val_check_interval,
-        check_val_every_n_epoch=None,
-        log_every_n_steps=t.log_every_n_steps,
-        accumulate_grad_batches=t.accumulate_grad_batches,
-        gradient_clip_val=t.gradient_clip_val,
-        enable_progress_bar=t.enable_progress_bar,
-        enable_checkpointing=bool(t.checkpoint),
-        enable_model_summary=False,
-        logger=_loggers(out),
+        logger=build_loggers(cfg, out),
         callbacks=callbacks,
         default_root_dir=str(out),
     )
@@ -198,6 +188,8 @@ def validate_run(cfg: DictConfig) -> None:
     # What the Trainer's accelerator connector would set (device objects only: no GPU is needed to validate).
     strategy.accelerator = CUDAAccelerator() if gpu else CPUAccelerator()
     strategy.parallel_devices = [torch.device("cuda", i) if gpu else torch.device("cpu") for i in range(dims.world_size)]
+    build_trainer_kwargs(cfg)
+    check_loggers(cfg)
     with torch.device("meta"):
         module = build_module(cfg)
     own_warmup = getattr(module, "hparams", {}).get("warmup_steps")
@@ -210,13 +202,17 @@ def validate_run(cfg: DictConfig) -> None:
     strategy.connect(module)
     check_precision(str(cfg.trainer.precision), dims.pp_size)
     strategy.validate_model(dims)
-    datamodule = build_datamodule(cfg, module.config.block_size)
-    if module.config.vocab_size < datamodule.vocab_size:
+    datamodule = build_datamodule(cfg, module)
+    # Token ids against the model's vocabulary, where both are known (the reference GPT on a byte corpus).
+    model_vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+    data_vocab = getattr(datamodule, "vocab_size", None)
+    if isinstance(model_vocab, int) and isinstance(data_vocab, int) and model_vocab < data_vocab:
         raise ValueError(
-            f"model.vocab_size={module.config.vocab_size} is not valid for this data: its token ids go up to "
-            f"{datamodule.vocab_size - 1} (one token per byte). Expected model.vocab_size >= {datamodule.vocab_size}."
+            f"model.vocab_size={model_vocab} is not valid for this data: its token ids go up to {data_vocab - 1} "
+            f"(one token per byte). Expected model.vocab_size >= {data_vocab}."
         )
-    datamodule.check_corpus()
+    if callable(getattr(datamodule, "check_corpus", None)):
+        datamodule.check_corpus()
 
 
 def _check_machine(cfg: Any, dims: ParallelDims, external: int | None) -> None:
@@ -333,5 +329,39 @@ def launch_job(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any] | None:
             watchdog_s=t.watchdog_s,
             startup_grace_s=t.watchdog_startup_s,
             heartbeat_dir=run_dir / HEARTBEAT_DIR,
+            env={JOB_LOG_ENV: log_file} if (log_file := job_log_file()) else None,
         )
     return results[0]
+
+
+#: Summary fields the recipe prints at the end of a job.
+_PRINTED = ("strategy", "world_size", "dp_size", "tp_size", "pp_size", "steps", "initial_train_loss",
+            "final_train_loss", "final_val_loss", "tokens_per_s")
+
+
+def run_recipe(cfg: DictConfig) -> float | None:
+    """The recipe's Hydra task: run the job of ``cfg`` in the Hydra output directory, print the main figures and
+    return the final validation loss (``None`` on ranks other than 0 under torchrun/SLURM)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    summary = launch_job(cfg, HydraConfig.get().runtime.output_dir)
+    if summary is None:
+        return None
+    print(json.dumps({k: summary.get(k) for k in _PRINTED}, indent=2))
+    return summary.get("final_val_loss")
+
+
+def main() -> None:
+    """``python -m lightning_par.train [overrides]``: the recipe on the packaged config (``conf/``, found through the
+    ``lightning_par`` Hydra search-path plugin), from any directory."""
+    import hydra
+
+    import lightning_par  # noqa: F401  (registers the strategies)
+    from lightning_par.config.schema import register_configs
+
+    register_configs()
+    hydra.main(version_base=None, config_path=None, config_name="config")(run_recipe)()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,25 +1,41 @@
-"""Turn a composed run config into the objects of a run: strategy, model, data module.
+"""Turn a composed run config into the objects of a run: strategy, model, data module, loggers, Trainer arguments.
 
-Runtime objects (process groups, meshes) are never built through Hydra's recursive ``_target_``: the strategy builds
-them in ``setup_environment``, after its process group exists. Here only plain values are passed on.
+``model``, ``data`` and ``logger`` entries are built with ``hydra.utils.instantiate`` from their ``_target_`` (our
+reference GPT and corpora are ordinary entries of those groups), after their keys were checked against the target's
+signature, so a typo fails before any process starts (:mod:`lightning_par.config.instantiate`). The loggers
+(:mod:`lightning_par.config.loggers`) and the Trainer arguments (:mod:`lightning_par.config.trainer`) have their own
+modules, re-exported here. Runtime objects (process groups, meshes) are never built
+through Hydra's recursive ``_target_``: the strategy builds them in ``setup_environment``, after its process group
+exists.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
-from lightning_par.data import ByteCorpusDataModule
+from lightning_par.config.instantiate import instantiate_entry, plain
+from lightning_par.config.loggers import build_loggers, check_loggers
+from lightning_par.config.trainer import build_trainer_kwargs, cluster_nodes_and_devices
 from lightning_par.models import GPTConfig, GPTLightningModule
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.parallelize import OPTION_GROUPS
 
-__all__ = ["build_datamodule", "build_module", "build_parallel_dims", "build_strategy", "strategy_classes"]
+__all__ = [
+    "build_datamodule",
+    "build_loggers",
+    "build_module",
+    "build_parallel_dims",
+    "build_strategy",
+    "build_trainer_kwargs",
+    "check_loggers",
+    "cluster_nodes_and_devices",
+    "gpt_lightning_module",
+    "instantiate_entry",
+    "model_block_size",
+    "strategy_classes",
+]
 
-
-def _plain(cfg: Any) -> dict[str, Any]:
-    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+_plain = plain
 
 
 def strategy_classes() -> dict[str, type]:
@@ -85,38 +101,93 @@ def build_strategy(cfg: Any) -> Any:
     return cls(**{**preset, **options, **layout})
 
 
-def build_module(cfg: Any) -> GPTLightningModule:
-    """The reference GPT LightningModule from the ``model`` group (preset + overrides).
+def gpt_lightning_module(
+    preset: str = "small",
+    n_layer: int | None = None,
+    n_head: int | None = None,
+    n_embd: int | None = None,
+    block_size: int | None = None,
+    vocab_size: int = 256,
+    dropout: float = 0.0,
+    bias: bool = True,
+    learning_rate: float = 1e-3,
+    weight_decay: float = 0.1,
+    warmup_steps: int = 20,
+    min_lr_ratio: float = 0.1,
+    adam_eps: float = 1e-8,
+    max_steps: int | None = None,
+) -> GPTLightningModule:
+    """The reference GPT LightningModule from a preset plus overrides: the ``_target_`` of ``model=tiny|small|...``.
+
+    Args:
+        preset: a key of :data:`lightning_par.models.GPT_PRESETS`.
+        n_layer, n_head, n_embd, block_size: replace the preset's value when not None.
+        vocab_size, dropout, bias: :class:`~lightning_par.models.GPTConfig` fields.
+        learning_rate, weight_decay, warmup_steps, min_lr_ratio, adam_eps: AdamW and its warmup + cosine schedule.
+        max_steps: optimizer step where the cosine ends (raised to ``max(warmup_steps, 1)``); None keeps the rate flat
+            after warmup.
 
     Raises:
-        ValueError: an unknown preset or an invalid field.
+        ValueError: an unknown preset or an invalid field (named, with what is valid).
     """
-    m = _plain(cfg.model)
-    overrides = {k: m[k] for k in ("n_layer", "n_head", "n_embd", "block_size") if m.get(k) is not None}
+    shape = {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "block_size": block_size}
     config = GPTConfig.from_preset(
-        m["preset"], vocab_size=m["vocab_size"], dropout=m["dropout"], bias=m["bias"], **overrides
+        preset, vocab_size=vocab_size, dropout=dropout, bias=bias, **{k: v for k, v in shape.items() if v is not None}
     )
     return GPTLightningModule(
         config,
-        learning_rate=m["learning_rate"],
-        weight_decay=m["weight_decay"],
-        warmup_steps=m["warmup_steps"],
-        min_lr_ratio=m["min_lr_ratio"],
-        max_steps=max(cfg.trainer.max_steps, m["warmup_steps"], 1),
-        adam_eps=m["adam_eps"],
+        learning_rate=learning_rate,
+        weight_decay=weight_decay,
+        warmup_steps=warmup_steps,
+        min_lr_ratio=min_lr_ratio,
+        max_steps=None if max_steps is None else max(max_steps, warmup_steps, 1),
+        adam_eps=adam_eps,
     )
 
 
-def build_datamodule(cfg: Any, block_size: int) -> ByteCorpusDataModule:
-    """The byte-corpus data module from the ``data`` group; ``block_size`` comes from the model."""
-    d = _plain(cfg.data)
-    return ByteCorpusDataModule(
-        path=d["path"],
-        block_size=block_size,
-        batch_size=d["batch_size"],
-        num_workers=d["num_workers"],
-        synthetic=d["synthetic"],
-        seed=cfg.seed,
-        cache_dir=d["cache_dir"],
-        val_batches=d["val_batches"],
-    )
+def build_module(cfg: Any) -> Any:
+    """The LightningModule of the ``model`` group entry (the reference GPT's presets or any ``_target_``).
+
+    Raises:
+        ValueError: a missing or unimportable ``_target_``, an argument the target does not take, or (for the GPT) an
+            unknown preset or invalid field.
+    """
+    return instantiate_entry("model", cfg.model)
+
+
+def model_block_size(module: Any) -> int | None:
+    """The sequence length a module was built for: ``module.config.block_size``, ``module.block_size`` or the same on
+    its network ``module.model``; ``None`` when it declares none."""
+    for owner in (module, getattr(module, "model", None)):
+        for holder in (getattr(owner, "config", None), owner):
+            value = getattr(holder, "block_size", None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
+
+
+def build_datamodule(cfg: Any, module: Any = None) -> Any:
+    """The LightningDataModule of the ``data`` group entry (a byte corpus or any ``_target_``).
+
+    A ``data.block_size`` left ``null`` is taken from the model (:func:`model_block_size`).
+
+    Args:
+        cfg: the run config.
+        module: the LightningModule being trained (or an ``int`` block size).
+
+    Raises:
+        ValueError: as :func:`instantiate_entry`, or ``data.block_size`` is null and the model declares none.
+    """
+    plain = _plain(cfg.data)
+    extra: dict[str, Any] = {}
+    if "block_size" in plain and plain["block_size"] is None:
+        block = module if isinstance(module, int) else model_block_size(module)
+        if block is None:
+            raise ValueError(
+                f"data.block_size=None is not valid for {type(module).__name__}, which declares no block_size "
+                f"(module.config.block_size or module.block_size): set data.block_size=N."
+            )
+        extra["block_size"] = block
+    return instantiate_entry("data", plain, **extra)
+
+

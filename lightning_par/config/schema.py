@@ -1,10 +1,14 @@
 """Structured-config schemas for the Hydra recipes: a bad override fails when the config is composed.
 
-Each config group under ``conf/`` (``parallel``, ``strategy``, ``model``, ``data``, ``trainer``) has a dataclass here,
-stored in Hydra's ConfigStore as ``<group>/schema_<name>`` so that the YAML options extend it
-(``defaults: [schema_ddp_overlap, _self_]``). A type error (``parallel.dp_size=two``) or an unknown key is then
-reported by OmegaConf at compose time; an unknown option of a group (``strategy=foo``) by Hydra, which lists the
+Each config group under ``conf/`` (``parallel``, ``strategy``, ``model``, ``data``, ``trainer``, ``logger``) has a
+dataclass per kind of entry here, stored in Hydra's ConfigStore as ``<group>/schema_<name>`` so that the YAML options
+extend it (``defaults: [schema_ddp_overlap, _self_]``). A type error (``parallel.dp_size=two``) or an unknown key is
+then reported by OmegaConf at compose time; an unknown option of a group (``strategy=foo``) by Hydra, which lists the
 options it has.
+
+``model``, ``data`` and ``logger`` entries carry a ``_target_`` and are built with ``hydra.utils.instantiate``: our
+entries (the reference GPT, the byte corpora, Lightning's loggers) have closed schemas, ``model=custom`` and
+``data=custom`` an open one for any user class.
 """
 
 from __future__ import annotations
@@ -12,15 +16,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from omegaconf import II, MISSING
+
 from hydra.core.config_store import ConfigStore
 
 __all__ = [
+    "BYTE_CORPUS_TARGET",
+    "ByteCorpusDataConfig",
+    "CSVLoggerConfig",
+    "CustomDataConfig",
+    "CustomModelConfig",
     "DataConfig",
     "LRScalingConfig",
     "PipelineGroup",
     "ReducerGroup",
     "TensorParallelGroup",
     "ZeroGroup",
+    "GPT_TARGET",
+    "GPTModelConfig",
+    "LOGGER_SCHEMAS",
+    "MLFlowLoggerConfig",
+    "TensorBoardLoggerConfig",
+    "TRAINER_RECIPE_KEYS",
+    "WandbLoggerConfig",
     "DDPOverlapConfig",
     "ModelConfig",
     "Parallel3DConfig",
@@ -84,8 +102,9 @@ class TensorParallelGroup:
     """``strategy.tensor_parallel``: the tp axis's options."""
 
     sequence_parallel: bool = False
-    #: module path (relative to the network) -> style name; None uses the model's own tp_plan().
-    plan: Optional[dict[str, str]] = None
+    #: module path (relative to the network) -> style name; None uses the model's own tp_plan(). Typed Any so that a
+    #: command-line dict works (``strategy.tensor_parallel.plan={up:colwise,down:rowwise}``).
+    plan: Any = None
 
 
 @dataclass
@@ -168,10 +187,21 @@ class Parallel3DConfig(StrategyConfig):
     pipeline: PipelineGroup = field(default_factory=PipelineGroup)
 
 
-@dataclass
-class ModelConfig:
-    """The reference GPT: a preset plus optional overrides, and its optimiser."""
+#: The GPT factory that model entries with the reference GPT instantiate.
+GPT_TARGET = "lightning_par.config.build.gpt_lightning_module"
+#: The byte-corpus data module that the corpus entries instantiate.
+BYTE_CORPUS_TARGET = "lightning_par.data.ByteCorpusDataModule"
 
+
+@dataclass
+class GPTModelConfig:
+    """The reference GPT (``model=tiny|small|gpt2|gpt2-medium``): a preset plus optional overrides, and its optimiser.
+
+    Built with ``hydra.utils.instantiate`` like any other ``model`` entry: ``_target_`` is
+    :func:`lightning_par.config.build.gpt_lightning_module`.
+    """
+
+    _target_: str = GPT_TARGET
     preset: str = "small"
     n_layer: Optional[int] = None
     n_head: Optional[int] = None
@@ -185,20 +215,117 @@ class ModelConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     adam_eps: float = 1e-8
+    #: optimizer step where the cosine schedule ends; the trainer's ``max_steps`` by default.
+    max_steps: Optional[int] = II("trainer.max_steps")
+
+
+#: Kept for code that imports the old name: the reference GPT's schema.
+ModelConfig = GPTModelConfig
 
 
 @dataclass
-class DataConfig:
+class CustomModelConfig:
+    """Any LightningModule: ``model=custom model._target_=my_pkg.MyModule +model.hidden=512``.
+
+    Open: every key added with ``+model.KEY=VALUE`` is passed to ``_target_`` as a keyword argument (nested entries
+    with their own ``_target_`` are instantiated too). The module brings its tensor-parallel plan and pipeline split
+    through the model contract (``tp_plan()``, ``pipeline_layers()``; README "Bring your own model").
+    """
+
+    _target_: str = MISSING
+
+
+@dataclass
+class ByteCorpusDataConfig:
     """Byte-level text: the interpreter's standard library by default, or ``path`` (a file or directory)."""
 
+    _target_: str = BYTE_CORPUS_TARGET
     path: Optional[str] = None
     synthetic: bool = False
+    #: tokens per sample; None takes the model's ``block_size`` (``module.config.block_size`` or ``module.block_size``).
+    block_size: Optional[int] = None
     #: micro-batch per data-parallel replica, in sequences.
     batch_size: int = 16
     num_workers: int = 0
     #: validation batches per replica at each validation.
     val_batches: int = 20
     cache_dir: Optional[str] = None
+    seed: int = II("seed")
+
+
+#: Kept for code that imports the old name: the byte corpus's schema.
+DataConfig = ByteCorpusDataConfig
+
+
+@dataclass
+class CustomDataConfig:
+    """Any LightningDataModule: ``data=custom data._target_=my_pkg.MyData +data.batch_size=8`` (open, as
+    :class:`CustomModelConfig`)."""
+
+    _target_: str = MISSING
+
+
+@dataclass
+class CSVLoggerConfig:
+    """Lightning's ``CSVLogger``; ``save_dir: null`` writes into the run directory."""
+
+    _target_: str = "lightning.pytorch.loggers.CSVLogger"
+    save_dir: Optional[str] = None
+    name: str = "logs"
+    version: Any = ""
+    #: write at every logged step (Lightning's default, every 100 steps, loses them when a rank is killed).
+    flush_logs_every_n_steps: int = 1
+    #: False: skip this logger with a warning when its package is missing, instead of failing.
+    required: bool = True
+
+
+@dataclass
+class TensorBoardLoggerConfig:
+    """Lightning's ``TensorBoardLogger`` (needs ``tensorboard`` or ``tensorboardX``; skipped with a warning when
+    neither is installed, unless ``required: true``)."""
+
+    _target_: str = "lightning.pytorch.loggers.TensorBoardLogger"
+    save_dir: Optional[str] = None
+    name: str = "tb"
+    version: Any = ""
+    required: bool = False
+
+
+@dataclass
+class WandbLoggerConfig:
+    """Lightning's ``WandbLogger`` (extra: ``pip install 'lightning-par[wandb]'``); more ``wandb.init`` arguments
+    with ``+logger.wandb.KEY=VALUE``."""
+
+    _target_: str = "lightning.pytorch.loggers.WandbLogger"
+    save_dir: Optional[str] = None
+    project: Optional[str] = "lightning_par"
+    name: Optional[str] = None
+    offline: bool = False
+    log_model: Any = False
+    required: bool = True
+
+
+@dataclass
+class MLFlowLoggerConfig:
+    """Lightning's ``MLFlowLogger`` (extra: ``pip install 'lightning-par[mlflow]'``); ``tracking_uri: null`` uses
+    ``$MLFLOW_TRACKING_URI`` or a local ``./mlruns`` store."""
+
+    _target_: str = "lightning.pytorch.loggers.MLFlowLogger"
+    experiment_name: str = "lightning_par"
+    run_name: Optional[str] = None
+    tracking_uri: Optional[str] = None
+    save_dir: Optional[str] = "./mlruns"
+    log_model: Any = False
+    required: bool = True
+
+
+#: Schema of each ``logger`` group entry; ``conf/logger/<name>.yaml`` extends ``schema_<name>``.
+LOGGER_SCHEMAS: dict[str, type] = {
+    "csv": CSVLoggerConfig,
+    "tensorboard": TensorBoardLoggerConfig,
+    "wandb": WandbLoggerConfig,
+    "mlflow": MLFlowLoggerConfig,
+}
 
 
 #: Precision strings Lightning's ``Trainer(precision=...)`` accepts.
@@ -233,13 +360,21 @@ def _seconds(field_name: str, value: Any, none_ok: bool) -> None:
 class TrainerConfig:
     """Lightning ``Trainer`` settings used by the recipes, and the run's reliability settings.
 
-    Checked when built (``__post_init__``, called by :func:`check_run_config` before any process starts).
+    Every key is passed to ``lightning.Trainer`` except those in :data:`TRAINER_RECIPE_KEYS`, which the recipe uses
+    itself. Another ``Trainer`` argument can be added with ``+trainer.KEY=VALUE`` (e.g. ``+trainer.limit_val_batches=2``);
+    a key that is neither is refused before any process starts
+    (:func:`lightning_par.config.build.build_trainer_kwargs`). Checked when built (``__post_init__``, called by
+    :func:`check_run_config` before any process starts).
 
     Raises:
         ValueError: a field out of range, naming ``trainer.<field>``, the value and what is valid.
     """
 
     accelerator: str = "auto"
+    #: machines; None: from the environment (SLURM ``SLURM_NNODES``, torchrun ``WORLD_SIZE // LOCAL_WORLD_SIZE``), else 1.
+    num_nodes: Optional[int] = None
+    #: processes (devices) per machine; None: ``parallel.world_size // num_nodes``.
+    devices: Optional[int] = None
     precision: str = "32-true"
     #: optimizer steps to train (>= 1: a run without end is not supported, it could never finish).
     max_steps: int = 400
@@ -297,6 +432,13 @@ class TrainerConfig:
         _seconds("trainer.job_timeout_s", self.job_timeout_s, none_ok=True)
 
 
+#: ``trainer.*`` keys the recipe uses itself; every other ``trainer`` key is a ``lightning.Trainer`` argument.
+TRAINER_RECIPE_KEYS: frozenset[str] = frozenset({
+    "peak_flops_per_device", "checkpoint", "job_timeout_s", "checkpoint_every_n_steps", "keep_last_k", "on_nonfinite",
+    "max_consecutive_skips", "watchdog_s", "watchdog_startup_s",
+})
+
+
 @dataclass
 class LRScalingConfig:
     """``lr_scaling``: the learning rate scaled with the global batch (Goyal et al. 2017), with a warm-up counted in
@@ -316,10 +458,14 @@ class RunConfig:
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     strategy: Any = field(default_factory=StrategyConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    #: a ``model`` group entry: the reference GPT (``tiny``, ``small``, ...) or ``custom`` (any ``_target_``).
+    model: Any = MISSING
+    #: a ``data`` group entry: a byte corpus (``stdlib``, ``synthetic``) or ``custom`` (any ``_target_``).
+    data: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     lr_scaling: LRScalingConfig = field(default_factory=LRScalingConfig)
+    #: the ``logger`` group: logger name -> a Lightning logger config with ``_target_`` (empty: no logger).
+    logger: dict[str, Any] = field(default_factory=dict)
     seed: int = 1234
     #: resume: null (from the latest complete checkpoint of this run directory if there is one: restarts under
     #: torchrun/SLURM requeue), "last" (the same, but an error if there is none) or the path of a checkpoint.
@@ -384,8 +530,12 @@ def register_configs(cs: ConfigStore | None = None) -> None:
     cs = cs or ConfigStore.instance()
     cs.store(name="schema_run", node=RunConfig)
     cs.store(group="parallel", name="schema_parallel", node=ParallelConfig)
-    cs.store(group="model", name="schema_model", node=ModelConfig)
-    cs.store(group="data", name="schema_data", node=DataConfig)
+    cs.store(group="model", name="schema_gpt", node=GPTModelConfig)
+    cs.store(group="model", name="schema_custom", node=CustomModelConfig)
+    cs.store(group="data", name="schema_byte_corpus", node=ByteCorpusDataConfig)
+    cs.store(group="data", name="schema_custom", node=CustomDataConfig)
+    for name, schema in LOGGER_SCHEMAS.items():
+        cs.store(group="logger", name=f"schema_{name}", node=schema)
     cs.store(group="trainer", name="schema_trainer", node=TrainerConfig)
     for name, schema in STRATEGY_SCHEMAS.items():
         cs.store(group="strategy", name=f"schema_{name}", node=schema)

@@ -434,7 +434,7 @@ def test_sweep_report_sets_predicted_next_to_measured(tmp_path, monkeypatch):
     assert "predicted tokens/s" in lines[2] and "predicted state MiB" in lines[2]
     predicted = predict_run(config, calibration=_cpu_calibration())
     assert f"| {predicted['tokens_per_s']:.0f} |" in lines[4]
-    assert f"| {predicted['model_state_bytes'] / 2**20:.2f} |" in lines[4]
+    assert f"| {predicted['model_state_bytes'] / 2**20:.3f} |" in lines[4]
     assert lines[5].count("n/a") >= 2
 
 

@@ -1,0 +1,17 @@
+"""Packaging beyond what pyproject.toml can say: the repository's top-level ``conf/`` ships inside the package as
+``lightning_par.conf`` (one package per config group, found by the Hydra search-path plugin), and the
+``hydra_plugins`` namespace package holds the Hydra plugins. Everything else is in pyproject.toml."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+conf = Path(__file__).resolve().parent / "conf"
+conf_packages = ["lightning_par.conf", *(f"lightning_par.conf.{d.name}" for d in sorted(conf.iterdir()) if d.is_dir())]
+
+setup(
+    packages=[*find_packages(include=["lightning_par", "lightning_par.*"]), *conf_packages,
+              "hydra_plugins.lightning_par_hydra"],
+    package_dir={"lightning_par.conf": "conf"},
+    package_data={name: ["*.yaml"] for name in conf_packages},
+)
