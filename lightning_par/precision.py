@@ -18,18 +18,29 @@ of that, per dp mode (:class:`~lightning_par.strategies.base.MeshStrategy` appli
   fp32. The residual stream is then bf16 too, so pipeline stages send bf16 activations.
 * ``"16-mixed"`` scales the loss (``torch.amp.GradScaler``). A step is skipped when any gradient is not finite; with
   sharded gradients (ZeRO, tensor parallelism) each rank sees only its shard, so the decision must be taken over the
-  whole world: :func:`distributed_scaler` replaces the plugin's scaler by torch's ``ShardedGradScaler``, which
-  all-reduces the "found inf" flag, so every rank skips or steps together. Pipelining cannot scale the loss inside
+  whole world: :func:`distributed_scaler` replaces the plugin's scaler by a :class:`DistributedGradScaler` (torch's
+  ``ShardedGradScaler``, which all-reduces the "found inf" flag, so every rank skips or steps together; it unscales
+  DTensor and plain gradients alike). Pipelining cannot scale the loss inside
   its schedule: it refuses ``"16-mixed"`` (use ``"bf16-mixed"``, which needs no scaling).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 import torch
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler, _GeneralMultiDeviceReplicator
+from torch.distributed.tensor import DTensor
 
-__all__ = ["MIXED_PRECISIONS", "check_precision", "compute_dtype", "distributed_scaler", "fsdp_mixed_precision"]
+__all__ = [
+    "DistributedGradScaler",
+    "MIXED_PRECISIONS",
+    "check_precision",
+    "compute_dtype",
+    "distributed_scaler",
+    "fsdp_mixed_precision",
+]
 
 #: Lightning precisions that autocast with fp32 parameters, and their compute dtype.
 MIXED_PRECISIONS: dict[str, torch.dtype] = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -71,9 +82,48 @@ def fsdp_mixed_precision(precision: str) -> tuple[torch.dtype, torch.dtype] | No
     return (dtype, torch.float32) if dtype is not None else None
 
 
+class DistributedGradScaler(ShardedGradScaler):
+    """torch's ``ShardedGradScaler`` (the "found inf" flag all-reduced over ``process_group`` before a step is taken or
+    skipped) that also unscales a mix of DTensor and plain gradients.
+
+    An optimizer here may hold both: tensor-parallel DTensor parameters beside replicated ones kept plain, or ZeRO-1/2's
+    plain local shards. One ``torch._amp_foreach_non_finite_check_and_unscale_`` call cannot take both ("got mixed
+    torch.Tensor and DTensor", measured with torch 2.13), so every gradient is unscaled through its local tensor; the
+    flag is then all-reduced over the whole process group, which covers the tensor-parallel ranks too.
+    """
+
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool = True
+    ) -> dict[torch.device, torch.Tensor]:
+        per_device_inv_scale = _GeneralMultiDeviceReplicator(inv_scale)
+        per_device_found_inf = _GeneralMultiDeviceReplicator(found_inf)
+        grads: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    grad = param.grad
+                    if grad is None:
+                        continue
+                    grad = grad._local_tensor if isinstance(grad, DTensor) else grad
+                    if not allow_fp16 and grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    if grad.is_sparse:
+                        grad = grad.coalesce()._values()
+                    grads[grad.device][grad.dtype].append(grad)
+            for device, per_dtype in grads.items():
+                for tensors in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(
+                        tensors, per_device_found_inf.get(device), per_device_inv_scale.get(device)
+                    )
+        if not per_device_found_inf._per_device_tensors:  # a rank with no gradient still takes part in the all-reduce
+            assert self._scale is not None
+            per_device_found_inf.get(self._scale.device)
+        return per_device_found_inf._per_device_tensors
+
+
 def distributed_scaler(scaler: Any, process_group: Any = None) -> Any:
-    """A ``ShardedGradScaler`` with ``scaler``'s settings (scale, growth and back-off factors, growth interval), whose
-    "found inf" flag is all-reduced over ``process_group`` (default: the world) before each step.
+    """A :class:`DistributedGradScaler` with ``scaler``'s settings (scale, growth and back-off factors, growth
+    interval), whose "found inf" flag is all-reduced over ``process_group`` (default: the world) before each step.
 
     Args:
         scaler: the precision plugin's ``torch.amp.GradScaler`` (its state, if any, is carried over).
@@ -83,11 +133,10 @@ def distributed_scaler(scaler: Any, process_group: Any = None) -> Any:
         The new scaler (``scaler`` itself if it already is one).
     """
     import torch.distributed as dist
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     if isinstance(scaler, ShardedGradScaler):
         return scaler
-    new = ShardedGradScaler(
+    new = DistributedGradScaler(
         device=getattr(scaler, "_device", "cuda"),
         init_scale=getattr(scaler, "_init_scale", 2.0**16),
         growth_factor=scaler.get_growth_factor(),

@@ -257,4 +257,4 @@ def test_fp16_overflow_on_one_ranks_shard_skips_the_step_everywhere(stage):
     for r in results:
         assert r["moved"] == 0.0  # no rank stepped: the parameters are the initial ones everywhere
         assert r["scale"] == 2.0**9  # and every rank backed its scale off
-        assert r["scaler"] == "ShardedGradScaler"
+        assert r["scaler"] == "DistributedGradScaler"

@@ -60,7 +60,7 @@ def test_pipelining_refuses_fp16_loss_scaling_before_any_process_starts():
 def test_the_distributed_scaler_keeps_the_settings():
     scaler = torch.amp.GradScaler("cpu", init_scale=128.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=7)
     new = distributed_scaler(scaler, process_group=object())
-    assert type(new).__name__ == "ShardedGradScaler"
+    assert type(new).__name__ == "DistributedGradScaler"
     assert (new._init_scale, new.get_growth_factor(), new.get_backoff_factor(), new.get_growth_interval()) == (
         128.0, 4.0, 0.25, 7)
     assert distributed_scaler(new) is new
