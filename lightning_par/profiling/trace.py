@@ -158,7 +158,12 @@ class RankTimeline:
     def figures(self) -> dict[str, float]:
         """Seconds summed over the profiled steps: ``window_s`` (the steps), ``compute_s`` (union of compute),
         ``idle_s`` (window minus compute), ``comm_s`` (union of communication), ``comm_hidden_s`` (communication
-        while computing) and ``comm_overlap`` (``comm_hidden_s / comm_s``, 0 without communication)."""
+        inside the compute segments) and ``comm_overlap`` (``comm_hidden_s / comm_s``, 0 without communication).
+
+        The compute segments are the ranges the callback and the pipeline engine mark, so a collective the rank blocks
+        on *inside* them (FSDP2's parameter gathers in forward, tensor parallelism's all-reduces) counts as inside:
+        ``comm_overlap`` measures what it says for asynchronous communication (the dp reducer's buckets during
+        backward, pipeline sends), and is an upper bound otherwise."""
         compute = [(s.start, s.end) for s in self.row("compute")]
         comm = [(s.start, s.end) for s in self.row("comm")]
         window = sum(e - s for s, e in self.steps)
@@ -305,7 +310,8 @@ def align_timelines(timelines: Sequence[RankTimeline]) -> list[RankTimeline]:
 
 def timeline_figures(timelines: Sequence[RankTimeline]) -> dict[str, Any]:
     """Figures of a profiled run, per rank (lists in rank order): ``timeline_compute_s``, ``timeline_idle_s``,
-    ``timeline_comm_s``, ``timeline_comm_overlap`` (share of communication time spent while computing); and with
+    ``timeline_comm_s``, ``timeline_comm_overlap`` (share of communication time inside the compute segments, see
+    :meth:`RankTimeline.figures`); and with
     pipelining ``timeline_pp_idle_fraction``: per rank, the share of each step's common schedule window (first rank in
     to last rank out) in which that rank did not compute, the bubble as the picture shows it (compare ``pp_bubble``,
     measured by the engine from its own timers)."""
