@@ -89,9 +89,13 @@ class CommStats:
     """Timings of one synchronised backward, in seconds of ``time.perf_counter``.
 
     ``backward_end`` is when the last gradient hook of the step ran (the end of backward's computation).
-    ``overlap_fraction`` is the share of all-reduce time (launch to completion, summed over buckets) that lay before
-    the end of backward, i.e. was hidden behind computation. ``bytes_sent`` counts the payload handed to the
-    all-reduce (wire dtype), per rank.
+    ``exposed_s`` is how long the step waited for communication after backward (``finish()``: launching what was
+    left, waiting for every bucket and writing the results back): the communication time overlap did *not* hide.
+    ``latency_share_before_backward_end`` is the share of the buckets' latency (launch to completion, summed over
+    buckets) that elapsed before backward ended. It is *not* the time overlap saved: a collective that runs while
+    backward computes may slow backward down as much (on a CPU the two share the cores), which only an A/B
+    measurement shows (``lightning_par.benchmarks.ddp``). ``overlap_fraction`` is its old name. ``bytes_sent`` counts
+    the payload handed to the collectives (wire dtype), per rank.
     """
 
     backward_start: float = 0.0
@@ -99,6 +103,7 @@ class CommStats:
     launches: list[float] = field(default_factory=list)
     completions: list[float] = field(default_factory=list)
     bytes_sent: int = 0
+    exposed_s: float = 0.0
 
     @property
     def comm_time_s(self) -> float:
@@ -109,9 +114,14 @@ class CommStats:
         return sum(max(0.0, min(d, self.backward_end) - s) for s, d in zip(self.launches, self.completions))
 
     @property
-    def overlap_fraction(self) -> float:
+    def latency_share_before_backward_end(self) -> float:
         total = self.comm_time_s
         return self.hidden_time_s / total if total > 0 else 0.0
+
+    @property
+    def overlap_fraction(self) -> float:
+        """Old name of :attr:`latency_share_before_backward_end`."""
+        return self.latency_share_before_backward_end
 
     @property
     def first_launch_before_backward_end(self) -> bool:
@@ -216,14 +226,26 @@ class GradientReducer:
 
     def overlap_summary(self) -> dict[str, Any]:
         """Figures of the synchronised backwards so far (the first, with its one-off set-up, left out when there are
-        others): ``comm_overlap_fraction``, ``first_bucket_launched_before_backward_end``, ``comm_bytes_per_step``,
-        ``num_buckets``, ``synchronised_backwards``, ``comm_hook``. Empty before the first one."""
+        others), empty before the first one:
+
+        * ``comm_latency_share_before_backward_end``: share of the buckets' latency that elapsed before backward
+          ended (see :class:`CommStats`; ``comm_overlap_fraction`` is its old name, kept for readers of old
+          summaries);
+        * ``comm_exposed_s``: median seconds per synchronised backward spent waiting for communication after
+          backward (the communication overlap did not hide);
+        * ``first_bucket_launched_before_backward_end``, ``comm_bytes_per_step``, ``num_buckets``,
+          ``synchronised_backwards``, ``comm_hook``.
+        """
         if not self.history:
             return {}
         history = self.history[1:] or self.history
         comm = sum(s.comm_time_s for s in history)
+        share = sum(s.hidden_time_s for s in history) / comm if comm > 0 else 0.0
+        exposed = sorted(s.exposed_s for s in history)
         return {
-            "comm_overlap_fraction": sum(s.hidden_time_s for s in history) / comm if comm > 0 else 0.0,
+            "comm_latency_share_before_backward_end": share,
+            "comm_overlap_fraction": share,
+            "comm_exposed_s": exposed[len(exposed) // 2],
             "first_bucket_launched_before_backward_end": all(s.first_launch_before_backward_end for s in history),
             "comm_bytes_per_step": history[-1].bytes_sent,
             "num_buckets": len(self.buckets),
@@ -287,9 +309,10 @@ class GradientReducer:
         """
         if not self.require_sync:
             return None
+        start = time.perf_counter()
         stats = self._stats
         if stats.backward_end == 0.0:  # no gradient hook ran on this rank
-            stats.backward_end = time.perf_counter()
+            stats.backward_end = start
         self._launch_ready(force=True)
         for bucket in self.buckets:
             if self.powersgd is not None:
@@ -304,6 +327,7 @@ class GradientReducer:
             bucket.arrived, bucket.launched, bucket.work, bucket.wire = set(), False, None, None
         if self.powersgd is not None:
             self.powersgd.iteration += 1
+        stats.exposed_s = time.perf_counter() - start
         self.history.append(stats)
         if self.static_graph and not self._rebuilt:
             self._rebuilt = True
@@ -318,6 +342,7 @@ class GradientReducer:
         pipeline schedule, and synchronise once at the end)."""
         sync = self.require_sync
         self.require_sync = True
+        start = time.perf_counter()
         self.start_backward()
         for p in self.params:
             if p.grad is not None:
@@ -325,6 +350,7 @@ class GradientReducer:
         stats = self.finish()
         self.require_sync = sync
         assert stats is not None
+        stats.exposed_s = time.perf_counter() - start  # nothing overlapped: all of it is exposed
         return stats
 
     def _powersgd_bucket(self, bucket: Bucket, stats: CommStats) -> None:

@@ -290,6 +290,15 @@ class Parallel3DStrategy(PipelineStrategy):
             for optimizer in self.optimizers:
                 self.engine.shard_optimizer(getattr(optimizer, "_optimizer", optimizer))
 
+    @override
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        if self.engine is None:
+            super()._clip_grad_by_norm(optimizer, clip_val)
+            return
+        # ZeRO-1/2 optimizers step plain local shards: the engine knows how they add up (issue 11).
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.engine.clip_grad_norm_(params, float(clip_val), groups=[self.group("pp")])
+
     # ------------------------------------------------------------------ steps
     def loss_context(self) -> Any:
         """The vocab-parallel loss context when the plan has a ``vocab_head`` (both the forward and the backward of

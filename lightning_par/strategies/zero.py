@@ -138,6 +138,17 @@ class ZeroStrategy(MeshStrategy):
         for optimizer in self.optimizers:
             self.engine.shard_optimizer(optimizer)
 
+    @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        # Norm clipping must see the whole model's norm: the optimizer steps this rank's shards (issue 11).
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        assert self.engine is not None
+        self.engine.clip_grad_norm_(params, float(clip_val))
+
     # ------------------------------------------------------------------ backward
     @contextmanager
     @override
