@@ -49,18 +49,27 @@ class Contender:
     Attributes:
         name: the row label.
         step: the step function.
-        times: seconds of each measured step, filled by :func:`run_in_turns`.
+        times: wall seconds of each measured step (the slowest rank's), filled by :func:`run_in_turns`.
+        cpu_times: CPU seconds the calling thread spent in each measured step (the largest over ranks): blind to
+            time spent waiting (for peers, for collectives, for a core another process holds), so it moves much
+            less than wall time on a shared machine; it misses work on other threads (the backends' communication
+            threads).
         extra: anything the contender wants to report.
     """
 
     name: str
     step: Callable[[int], Any]
     times: list[float] = field(default_factory=list)
+    cpu_times: list[float] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def median_s(self) -> float:
         return statistics.median(self.times)
+
+    @property
+    def median_cpu_s(self) -> float:
+        return statistics.median(self.cpu_times)
 
 
 def run_in_turns(contenders: Sequence[Contender], steps: int, warmup: int, group: Any = None) -> None:
@@ -72,12 +81,13 @@ def run_in_turns(contenders: Sequence[Contender], steps: int, warmup: int, group
     for i in range(warmup + steps):
         for c in contenders:
             dist.barrier(group=group)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             c.step(i)
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            elapsed = torch.tensor([time.perf_counter() - start, time.thread_time() - cpu_start], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
             if i >= warmup:
-                c.times.append(float(elapsed))
+                c.times.append(float(elapsed[0]))
+                c.cpu_times.append(float(elapsed[1]))
 
 
 def median_ratio(a: Contender, b: Contender) -> float:

@@ -72,6 +72,10 @@ class Bucket:
     params: list[nn.Parameter]
     offsets: list[int]
     buffer: Tensor
+    #: each parameter's slot in ``buffer``, shaped like its local tensor (built once: the buffer lives as long).
+    views: list[Tensor] = field(default_factory=list)
+    #: whether each parameter is a DTensor (its gradient's local tensor is what travels).
+    is_dtensor: list[bool] = field(default_factory=list)
     arrived: set[int] = field(default_factory=set)
     launched: bool = False
     work: object | None = None
@@ -205,10 +209,14 @@ class GradientReducer:
             offsets.append(total)
             total += _local(p).numel()
         dtype = _local(params[0]).dtype
-        bucket = Bucket(len(self.buckets), params, offsets, torch.zeros(total, dtype=dtype, device=_local(params[0]).device))
+        buffer = torch.zeros(total, dtype=dtype, device=_local(params[0]).device)
+        views = [buffer[o : o + _local(p).numel()].view(_local(p).shape) for o, p in zip(offsets, params)]
+        is_dtensor = [hasattr(p, "_local_tensor") for p in params]
+        bucket = Bucket(len(self.buckets), params, offsets, buffer, views, is_dtensor)
         for i, p in enumerate(params):
             self._where[id(p)] = (bucket, i)
         self.buckets.append(bucket)
+        self._next_launch = 0
 
     def bucket_sizes_bytes(self) -> list[int]:
         """Size of each bucket's buffer in bytes, in launch order."""
@@ -258,13 +266,19 @@ class GradientReducer:
         if self.require_sync:
             self._stats = CommStats(backward_start=time.perf_counter())
 
+    @torch.no_grad()
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if not self.require_sync or param.grad is None:
+        # The hot path: one call per parameter per backward, so kept to one copy and a few lookups.
+        grad = param.grad
+        if grad is None or not self.require_sync:
             return
         bucket, i = self._where[id(param)]
-        if not self._rebuilt:
+        if self.static_graph and not self._rebuilt:
             self._arrival.append(param)
-        self._slice(bucket, i).copy_(_local(param.grad).reshape(-1))
+        view = bucket.views[i]
+        local = grad._local_tensor if bucket.is_dtensor[i] else grad
+        if local.data_ptr() != view.data_ptr():  # not already the bucket view (gradient_as_bucket_view, kept grads)
+            view.copy_(local)
         self._stats.backward_end = time.perf_counter()
         bucket.arrived.add(i)
         if len(bucket.arrived) == len(bucket.params):
@@ -272,17 +286,19 @@ class GradientReducer:
 
     def _launch_ready(self, force: bool = False) -> None:
         """Launch buckets in index order, up to the first one that is not complete (all of them if ``force``)."""
-        for bucket in self.buckets:
-            if bucket.launched:
-                continue
+        buckets = self.buckets
+        while self._next_launch < len(buckets):
+            bucket = buckets[self._next_launch]
             if not force and len(bucket.arrived) < len(bucket.params):
                 return
             self._launch(bucket)
+            self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        for i in range(len(bucket.params)):
-            if i not in bucket.arrived:  # no gradient this step on this rank: contribute zeros
-                self._slice(bucket, i).zero_()
+        if len(bucket.arrived) < len(bucket.params):
+            for i, view in enumerate(bucket.views):
+                if i not in bucket.arrived:  # no gradient this step on this rank: contribute zeros
+                    view.zero_()
         bucket.launched = True
         bucket.launch_time = time.perf_counter()
         bucket.done_time = None
@@ -325,6 +341,7 @@ class GradientReducer:
             stats.completions.append(bucket.done_time if bucket.done_time is not None else time.perf_counter())
             self._write_back(bucket)
             bucket.arrived, bucket.launched, bucket.work, bucket.wire = set(), False, None, None
+        self._next_launch = 0
         if self.powersgd is not None:
             self.powersgd.iteration += 1
         stats.exposed_s = time.perf_counter() - start
@@ -379,19 +396,19 @@ class GradientReducer:
         n = _local(bucket.params[i]).numel()
         return bucket.buffer[bucket.offsets[i] : bucket.offsets[i] + n]
 
+    @torch.no_grad()
     def _write_back(self, bucket: Bucket) -> None:
-        for i, p in enumerate(bucket.params):
-            reduced = self._slice(bucket, i).view(_local(p).shape)
-            if p.grad is None:
-                if self.gradient_as_bucket_view and not hasattr(p, "_local_tensor"):
+        as_view = self.gradient_as_bucket_view
+        for p, reduced, is_dtensor in zip(bucket.params, bucket.views, bucket.is_dtensor):
+            grad = p.grad
+            if as_view and not is_dtensor:
+                if grad is not reduced:
                     p.grad = reduced
-                else:
-                    p.grad = torch.zeros_like(p)
-                    _local(p.grad).copy_(reduced)
-            elif self.gradient_as_bucket_view and not hasattr(p, "_local_tensor"):
-                p.grad = reduced
-            else:
+            elif grad is None:
+                p.grad = torch.zeros_like(p)
                 _local(p.grad).copy_(reduced)
+            else:
+                _local(grad).copy_(reduced)
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (the reducer is then inert)."""

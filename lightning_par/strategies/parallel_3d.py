@@ -56,6 +56,7 @@ from lightning_par.tensor_parallel import (
     VOCAB_SIZE_ATTR,
     apply_tensor_parallel,
     check_plan_styles,
+    sync_tp_partial_grads,
     uses_vocab_parallel_loss,
     validate_plan,
     vocab_parallel_loss,
@@ -321,6 +322,10 @@ class Parallel3DStrategy(PipelineStrategy):
         out = super().backward(closure_loss, optimizer, *args, **kwargs)
         if self.engine is not None and not self._sync_blocked:
             self.engine.reduce_now()
+        dims = self.parallel_dims
+        if not self._sync_blocked and dims is not None and dims.tp_size > 1:
+            # Replicated parameters on sequence shards hold partial gradients: sum them over tp once (issue 11).
+            sync_tp_partial_grads(self._holder, self.group("tp"), self.engine)
         return out
 
     @override

@@ -15,6 +15,7 @@ from lightning_par.memory import model_state_bytes
 from lightning_par.models.gpt import GPT
 from lightning_par.models.gpt_tp_plan import gpt_tp_plan, validate_gpt_tp
 from lightning_par.parallel_dims import ParallelDims
+from lightning_par.pipeline_parallel.clip import clip_grad_norm_across_ranks
 from lightning_par.strategies.base import MeshStrategy
 from lightning_par.strategies.ddp_overlap import broadcast_from_dp_rank0
 from lightning_par.strategies.reducer_hooks import ReducerHooks
@@ -26,6 +27,7 @@ from lightning_par.tensor_parallel import (
     full_state_dict,
     load_full_optimizer_state,
     load_full_state_dict,
+    sync_tp_partial_grads,
     uses_vocab_parallel_loss,
     validate_plan,
     vocab_parallel_loss,
@@ -177,6 +179,30 @@ class TensorParallelStrategy(ReducerHooks, MeshStrategy):
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.loss_context():
             return super().test_step(*args, **kwargs)
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        # Split parameters are DTensors, replicated ones plain (issue 11): torch's clip_grad_norm_ stacks the norms of
+        # one kind only; this one makes each DTensor norm whole and counts plain gradients once.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm_across_ranks(params, float(clip_val), [])
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Replicated parameters on sequence shards hold partial gradients: once the last backward of the step and
+        the dp reduction are done (inside ``closure``), sum them over tp, before clipping and the step (issue 11)."""
+
+        def closure_then_sync() -> Any:
+            out = closure()
+            if self.parallel_dims is not None and self.parallel_dims.tp_size > 1:
+                sync_tp_partial_grads(self.plan_target()[0], self.group("tp"))
+            return out
+
+        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:

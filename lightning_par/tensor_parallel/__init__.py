@@ -30,7 +30,13 @@ from lightning_par.tensor_parallel.state_dict import (
     load_full_optimizer_state,
     load_full_state_dict,
 )
-from lightning_par.tensor_parallel.styles import ReplicateParallel, VocabParallelEmbedding, VocabParallelHead
+from lightning_par.tensor_parallel.styles import (
+    PlainSequenceParallel,
+    ReplicateParallel,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    sync_tp_partial_grads,
+)
 from lightning_par.tensor_parallel.vocab import (
     VOCAB_SIZE_ATTR,
     padded_vocab_size,
@@ -39,6 +45,8 @@ from lightning_par.tensor_parallel.vocab import (
 )
 
 __all__ = [
+    "PlainSequenceParallel",
+    "sync_tp_partial_grads",
     "STYLE_NAMES",
     "VOCAB_SIZE_ATTR",
     "CommVolume",

@@ -18,7 +18,7 @@ name                  meaning (Megatron-LM, Shoeybi et al. 2019, §3; sequence p
                       — Megatron's ``f`` (identity forward, all-reduce backward), or with sequence parallelism ``g``
                       (all-gather forward, reduce-scatter backward). Holds no parameters.
 ``sequence_parallel`` a per-token module on the residual stream (``LayerNorm``, ``RMSNorm``, ``Dropout``): runs on the
-                      sequence shard with sequence parallelism, replicated otherwise. Parameters replicated.
+                      sequence shard with sequence parallelism, replicated otherwise. Parameters replicated (plain).
 ``position_embedding`` an ``nn.Embedding`` of positions ``(seq, n_embd)``: replicated table; with sequence parallelism
                       its output is cut to this rank's positions.
 ``replicate``         any module that runs on replicated activations; parameters replicated, no communication.
@@ -27,10 +27,14 @@ name                  meaning (Megatron-LM, Shoeybi et al. 2019, §3; sequence p
                       cross-entropy never gathers them.
 ===================== ================================================================================================
 
-Every parameter of the model must end up a DTensor on the tp mesh, so every parameter must be owned by a planned
-module (or lie under a ``replicate``/``sequence_parallel``/``position_embedding`` one): mixing plain tensors and
-DTensors breaks ``clip_grad_norm_`` and the optimizers, and under sequence parallelism a parameter outside the plan
-would silently get the gradient of its sequence shard only.
+Every parameter must be owned by a planned module (or lie under a ``replicate``/``sequence_parallel``/
+``position_embedding`` one): under sequence parallelism a parameter outside the plan would silently get the gradient
+of its sequence shard only. Split parameters become DTensors on the tp mesh; replicated ones stay plain tensors
+(:mod:`lightning_par.tensor_parallel.styles`), and those whose gradient is a partial sum over the tp ranks are summed
+by :func:`~lightning_par.tensor_parallel.styles.sync_tp_partial_grads`. With both kinds in one model, norm clipping
+must count each kind correctly (:func:`lightning_par.pipeline_parallel.clip.clip_grad_norm_across_ranks`) and a
+``foreach`` optimizer step must run under ``torch.distributed.tensor.experimental.implicit_replication()`` (torch's
+default on CPU is the per-tensor loop, which mixes them fine).
 """
 
 from __future__ import annotations
@@ -46,10 +50,14 @@ from torch.distributed.tensor.parallel import (
     ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
-    SequenceParallel,
 )
 
-from lightning_par.tensor_parallel.styles import ReplicateParallel, VocabParallelEmbedding, VocabParallelHead
+from lightning_par.tensor_parallel.styles import (
+    PlainSequenceParallel,
+    ReplicateParallel,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
 
 __all__ = [
     "STYLE_NAMES",
@@ -116,7 +124,7 @@ def resolve_style(style: str | ParallelStyle, sequence_parallel: bool) -> Parall
     if style == "colwise_input":
         return PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=False)
     if style == "sequence_parallel":
-        return SequenceParallel(use_local_output=True) if sequence_parallel else ReplicateParallel()
+        return PlainSequenceParallel() if sequence_parallel else ReplicateParallel()
     if style == "position_embedding":
         return ReplicateParallel(output_shard_dim=-2 if sequence_parallel else None)
     if style == "replicate":

@@ -50,7 +50,7 @@ def test_gpt_plan_resolves_per_mode():
         styles = gpt_tp_plan(sp)
         assert styles.keys() == names.keys()
         assert type(styles["lm_head"]).__name__ == "VocabParallelHead"
-    assert type(gpt_tp_plan(True)["ln_f"]).__name__ == "SequenceParallel"
+    assert type(gpt_tp_plan(True)["ln_f"]).__name__ == "PlainSequenceParallel"
     assert type(gpt_tp_plan(False)["ln_f"]).__name__ == "ReplicateParallel"
 
 
