@@ -195,8 +195,10 @@ class LiveStorageBytes:
     """Bytes of the distinct storages registered with :meth:`add` that are still alive, and their peak.
 
     A storage is counted from its registration until it is freed: a weak reference on the ``UntypedStorage`` (whose
-    Python object lives as long as the storage does) subtracts it when the last tensor using it goes. Views of a
-    registered storage add nothing. ``DTensor``\ s count their local shard; meta tensors count nothing.
+    Python object lives exactly as long as the storage, and is the same object for every tensor viewing it)
+    subtracts it when the last tensor using it goes; :meth:`resized` follows a storage resized in place (FSDP2 frees
+    and re-allocates its unsharded parameters that way). Views of a registered storage add nothing. ``DTensor``\ s
+    count their local shard; meta tensors count nothing.
 
     Attributes:
         live: bytes registered and not yet freed.
@@ -206,25 +208,24 @@ class LiveStorageBytes:
     def __init__(self) -> None:
         self.live = 0
         self.peak = 0
-        self._refs: dict[tuple[str, int | None, int], tuple[weakref.ref, int]] = {}
+        self._refs: dict[int, tuple[weakref.ref, int]] = {}
 
     def add(self, tensor: Tensor) -> None:
         """Count ``tensor``'s storage if it is not counted yet."""
         local = _local(tensor)
         if local.device.type == "meta":
             return
-        storage = local.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes == 0:
+        try:
+            storage = local.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor without a real storage (functional/fake wrappers)
             return
-        key = (local.device.type, local.device.index, storage.data_ptr())
+        key = id(storage)
         known = self._refs.get(key)
-        if known is not None and known[0]() is not None:
+        if known is not None and known[0]() is storage:
             return
+        nbytes = storage.nbytes()
         self._refs[key] = (weakref.ref(storage, lambda _ref, key=key: self._free(key)), nbytes)
-        self.live += nbytes
-        if self.live > self.peak:
-            self.peak = self.live
+        self._change(nbytes)
 
     def add_all(self, tensors: Iterable[Tensor | None]) -> None:
         """:meth:`add` every tensor (``None`` entries skipped)."""
@@ -232,7 +233,24 @@ class LiveStorageBytes:
             if t is not None:
                 self.add(t)
 
-    def _free(self, key: tuple[str, int | None, int]) -> None:
+    def resized(self, storage: Any) -> None:
+        """Account for ``storage`` (an ``UntypedStorage``) having been resized in place; counts it if it is new."""
+        key = id(storage)
+        known = self._refs.get(key)
+        nbytes = storage.nbytes()
+        if known is None or known[0]() is not storage:
+            self._refs[key] = (weakref.ref(storage, lambda _ref, key=key: self._free(key)), nbytes)
+            self._change(nbytes)
+            return
+        self._refs[key] = (known[0], nbytes)
+        self._change(nbytes - known[1])
+
+    def _change(self, delta: int) -> None:
+        self.live += delta
+        if self.live > self.peak:
+            self.peak = self.live
+
+    def _free(self, key: int) -> None:
         entry = self._refs.pop(key, None)
         if entry is not None:
             self.live -= entry[1]
@@ -247,8 +265,8 @@ class StepMemoryTracker(TorchDispatchMode):
 
     On entry it counts the storages of ``tensors`` (the model state: :func:`model_state_tensors`); while active,
     every storage created by an operator (forward, backward, optimizer, collectives' buffers) is counted until it is
-    freed. :attr:`peak_bytes` is then the most storage bytes alive at once. ``DTensor`` operators are let through to
-    their local operators, which are counted. Not counted: tensors alive before entry that are not in ``tensors``
+    freed, and storages resized in place are followed. :attr:`peak_bytes` is then the most storage bytes alive at
+    once. ``DTensor`` operators are let through to their local operators, which are counted. Not counted: tensors alive before entry that are not in ``tensors``
     (a data batch, a reducer's persistent buffers), and memory outside tensors (the backends' own buffers).
 
     The mode costs one Python call per operator: measure a few steps, not the whole run.
@@ -266,7 +284,21 @@ class StepMemoryTracker(TorchDispatchMode):
         self.live.add_all(self._initial)
         self._initial = []
         self.start_bytes = self.live.live
+        # Storages resized in place (FSDP2 unshards and reshards its parameters so) are not operators: follow them.
+        self._resize = torch.UntypedStorage.resize_
+        live, resize = self.live, self._resize
+
+        def tracked_resize(storage: Any, size: int) -> Any:
+            out = resize(storage, size)
+            live.resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = tracked_resize  # type: ignore[method-assign]
         return super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        super().__exit__(*args)
 
     @property
     def peak_bytes(self) -> int:

@@ -80,6 +80,13 @@ def test_run_summary_json(tmp_path: Path) -> None:
     assert data["param_bytes"] == [param_bytes] and data["grad_bytes"] == [param_bytes]
     assert data["optimizer_state_bytes"] == [2 * param_bytes + 3 * 4]  # + one 4-byte Adam step per param
     assert data["peak_memory_bytes"][0] > 0
+    # The second step's peak, counted tensor by tensor: the model state plus the activations and temporaries, which
+    # for this model include at least the (batch, seq, vocab) logits and their gradient.
+    state = data["step_model_state_bytes"][0]
+    assert state == data["param_bytes"][0] + data["grad_bytes"][0] + data["optimizer_state_bytes"][0]
+    assert data["step_peak_bytes"][0] == state + data["step_other_bytes"][0]
+    assert data["step_other_bytes"][0] >= 2 * MICRO_BATCH * SEQ * VOCAB * 4
+    assert data["step_peak_bytes"][0] < 100 * state  # not the process's RSS
     s = metrics.summary()
     assert s["measured_steps"] == 4  # 6 steps - 2 warm-up
     assert not list((tmp_path / "out").glob("*.tmp"))
@@ -128,3 +135,5 @@ def test_invalid_arguments() -> None:
         ParallelMetricsCallback(window=0)
     with pytest.raises(ValueError, match="peak_flops_per_device"):
         ParallelMetricsCallback(peak_flops_per_device=0.0)
+    with pytest.raises(ValueError, match="memory_step"):
+        ParallelMetricsCallback(memory_step=-1)
