@@ -14,7 +14,9 @@ and bubble accounting (:func:`~lightning_par.pipeline_parallel.summarize_bubble`
    would measure that job).
 2. **Step time.** GPipe vs 1F1B vs interleaved 1F1B (2 chunks per rank, each half a stage's time) at ``m = 8``: step
    time relative to GPipe, bubble, and the most micro-batches whose activations one stage held. Then the same three
-   schedules on the reference GPT with real arithmetic at ``pp = 2``.
+   schedules on the reference GPT with real arithmetic at ``pp = 2``, each also run by torch's own
+   ``torch.distributed.pipelining`` schedule (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``) on
+   the same stage modules and batch, taking turns with ours.
 """
 
 from __future__ import annotations
@@ -105,33 +107,73 @@ def _fixed_worker(configs: list[tuple[str, int, int]], steps: int) -> list[dict[
     return rows
 
 
-def _gpt_worker(schedules: list[tuple[str, int]], m: int, steps: int) -> list[dict[str, Any]]:
+def _torch_schedule(chunks: list[nn.Module], ids: list[int], p: int, v: int, schedule: str, m: int) -> Any:
+    """torch.distributed.pipelining's own schedule over the same stage modules."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    from lightning_par.models import GPTLightningModule
+
+    stages = [PipelineStage(chunk, sid, p * v, torch.device("cpu")) for chunk, sid in zip(chunks, ids)]
+    loss = GPTLightningModule.loss_fn
+    if schedule == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss)
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    return cls(stages[0], n_microbatches=m, loss_fn=loss)
+
+
+def _gpt_worker(schedules: list[tuple[str, int]], m: int, steps: int) -> dict[str, list[dict[str, Any]]]:
+    """The GPT at pp ``p`` with real arithmetic: this project's runner and torch's own schedules, taking turns."""
     from lightning_par.models import GPT, GPTConfig, GPTLightningModule
     from lightning_par.pipeline_parallel.split import cut_network, plan_split
 
-    init_process_group_from_env(timeout_s=120)
+    init_process_group_from_env(timeout_s=300)
     rank, p = dist.get_rank(), dist.get_world_size()
     config = GPTConfig(n_layer=8, n_head=4, n_embd=128, block_size=64, vocab_size=256)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (4 * m, config.block_size), generator=g)
     y = torch.randint(0, 256, (4 * m, config.block_size), generator=g)
-    runners = []
+    runners, torch_steps = [], []
     for schedule, v in schedules:
-        torch.manual_seed(0)
-        gpt = GPT(config)
-        _, chunks = cut_network(gpt, plan_split(gpt, p * v), stage_ids(rank, p, v))
-        runners.append(PipelineRunner(chunks, rank, p, None, schedule, m, GPTLightningModule.loss_fn))
+        for own in (True, False):
+            torch.manual_seed(0)
+            gpt = GPT(config)
+            ids = stage_ids(rank, p, v)
+            _, chunks = cut_network(gpt, plan_split(gpt, p * v), ids)
+            if own:
+                runners.append(PipelineRunner(chunks, rank, p, None, schedule, m, GPTLightningModule.loss_fn))
+                continue
+            sched = _torch_schedule(chunks, ids, p, v, schedule, m)
+            params = [q for c in chunks for q in c.parameters()]
+            first, last = 0 in ids, p * v - 1 in ids
+
+            def step(sched: Any = sched, params: list = params, first: bool = first, last: bool = last) -> None:
+                args = (x,) if first else ()
+                sched.step(*args, **({"target": y} if last else {}))
+                for q in params:
+                    q.grad = None
+
+            torch_steps.append(step)
     times: list[list[float]] = [[] for _ in runners]
+    torch_times: list[list[float]] = [[] for _ in torch_steps]
     for _ in range(steps):  # round-robin, so that a change in the machine's load hits every schedule alike
-        for runner, t in zip(runners, times):
+        for runner, t, tstep, tt in zip(runners, times, torch_steps, torch_times):
             start = time.perf_counter()
             runner.train_step(x, y)
             dist.barrier()
             t.append(time.perf_counter() - start)
-    return [
+            start = time.perf_counter()
+            tstep()
+            dist.barrier()
+            tt.append(time.perf_counter() - start)
+    ours = [
         {"schedule": schedule, "pp": p, "m": m, "v": v, **_summarize(runner, t)}
         for (schedule, v), runner, t in zip(schedules, runners, times)
     ]
+    theirs = [
+        {"schedule": schedule, "pp": p, "m": m, "v": v, "step_s": statistics.median(t[1:])}
+        for (schedule, v), t in zip(schedules, torch_times)
+    ]
+    return {"ours": ours, "torch": theirs}
 
 
 def _row(cells: list[Any]) -> str:
@@ -149,9 +191,10 @@ def run(quick: bool = False) -> str:
         rows = run_distributed(_fixed_worker, p, (configs, steps), timeout_s=600)[0]
         bubble_rows += rows[:-1]
         time_rows += [r for r in rows if r["m"] == 8]
-    gpt_rows = run_distributed(
-        _gpt_worker, 2, ([("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)], 8, steps + 1), timeout_s=600
+    gpt = run_distributed(
+        _gpt_worker, 2, ([("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)], 8, steps + 1), timeout_s=900
     )[0]
+    gpt_rows = gpt["ours"]
 
     lines = [
         f"### Pipeline bubble: measured vs (p-1)/(m+p-1) (fixed-compute stages: forward {T_FORWARD_S * 1e3:.0f} ms, "
@@ -187,7 +230,16 @@ def run(quick: bool = False) -> str:
         "GPT: 8 blocks, n_embd 128, seq 64, 32 sequences per step, pp = 2 (one process per stage on this CPU), the "
         "three schedules taking turns step by step. Its bubble includes unequal stages (embedding first, head last) "
         "and contention for the CPU, and its ratios move with the machine's load.",
+        "",
+        "### Pipeline step time against torch.distributed.pipelining's own schedules (same GPT, stages and batch, "
+        "pp = 2, m = 8, taking turns step by step)",
+        "",
+        _row(["schedule", "chunks/rank", "this project's runner (ms)", "torch's schedule (ms)", "ours / torch"]),
+        _row(["---"] * 5),
     ]
+    for ours, theirs in zip(gpt["ours"], gpt["torch"]):
+        lines.append(_row([ours["schedule"], ours["v"], f"{ours['step_s'] * 1e3:.1f}", f"{theirs['step_s'] * 1e3:.1f}",
+                           f"{ours['step_s'] / theirs['step_s']:.3f}"]))
     return "\n".join(lines)
 
 
