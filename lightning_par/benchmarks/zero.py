@@ -5,7 +5,8 @@ One process-group launch of 2 ranks (CPU, gloo, fp32 AdamW, the reference GPT) m
 * **step time** (forward, backward, optimizer step) of ``zero1``, ``zero2``, ``zero3`` (this project's engines, the
   code the strategies run) against torch DDP, torch ``ZeroRedundancyOptimizer`` + DDP, and plain FSDP2
   ``fully_shard``, all taking turns step by step (:func:`~lightning_par.benchmarks.common.run_in_turns`) on the same
-  data. ``dp 2`` uses both ranks; ``dp 1`` gives each rank its own one-rank group, so every contender runs with the
+  data: wall time (the slowest rank's) and the training thread's CPU time (blind to waiting, so steadier on a shared
+  machine, but it misses the communication threads' work). ``dp 2`` uses both ranks; ``dp 1`` gives each rank its own one-rank group, so every contender runs with the
   same load on the machine and no communication at all: what is left over torch DDP there is per-step overhead.
 * **memory** per rank, for one step of each contender after the timed ones: the model state (parameters, gradients,
   optimizer state; bytes of distinct storages, :func:`lightning_par.data_parallel.zero_memory.zero_state_bytes`) at
@@ -168,7 +169,7 @@ def _worker(setup: dict[str, Any]) -> dict[str, Any]:
     init_process_group_from_env(timeout_s=600)
     world, rank = dist.get_world_size(), dist.get_rank()
     meshes = _meshes(world)
-    out: dict[str, Any] = {"timing": {}, "memory": {}, "scaling": {}}
+    out: dict[str, Any] = {"timing": {}, "timing_cpu": {}, "memory": {}, "scaling": {}}
     shape = GPT_SHAPES["small"]
     total = setup["warmup"] + setup["steps"] + 1
     for dp in (world, 1):
@@ -178,6 +179,7 @@ def _worker(setup: dict[str, Any]) -> dict[str, Any]:
         contenders = [Contender(r.name, r.step) for r in runs]
         run_in_turns(contenders, setup["steps"], setup["warmup"])
         out["timing"][dp] = {c.name: c.times for c in contenders}
+        out["timing_cpu"][dp] = {c.name: c.cpu_times for c in contenders}
         out["memory"][dp] = {r.name: _memory(r, total) for r in runs}
         out["numel"], out["num_tensors"] = runs[0].numel, runs[0].num_tensors
         del runs, contenders
@@ -218,14 +220,18 @@ def run(quick: bool = False, world_size: int = 2) -> str:
         f"{tensors} tensors), micro-batch {setup['micro_batch']}x{shape['block_size']} per rank, "
         f"bucket_cap_mb={_BUCKET_CAP_MB}; median of {setup['steps']} steps, contenders in turns",
         "",
-        "| dp | engine | median step (ms) | / torch DDP | / ZeroRedundancyOptimizer + DDP | / FSDP2 |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| dp | engine | median step, wall (ms) | / torch DDP | / ZeroRedundancyOptimizer + DDP | / FSDP2 | "
+        "median step, CPU (ms) | CPU / torch DDP | CPU / ZeroRedundancyOptimizer + DDP |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for dp in (world_size, 1):
         med = {n: _median(t) for n, t in r0["timing"][dp].items()}
+        cpu = {n: _median(t) for n, t in r0["timing_cpu"][dp].items()}
         for n in _NAMES:
             lines.append(f"| {dp} | {n} | {med[n] * 1e3:.1f} | {med[n] / med['torch DDP']:.3f} | "
-                         f"{med[n] / med['ZeroRedundancyOptimizer + DDP']:.3f} | {med[n] / med['FSDP2']:.3f} |")
+                         f"{med[n] / med['ZeroRedundancyOptimizer + DDP']:.3f} | {med[n] / med['FSDP2']:.3f} | "
+                         f"{cpu[n] * 1e3:.1f} | {cpu[n] / cpu['torch DDP']:.3f} | "
+                         f"{cpu[n] / cpu['ZeroRedundancyOptimizer + DDP']:.3f} |")
     lines += [
         "",
         "### ZeRO memory per rank vs the paper (§5), same run, one step after the timed ones (max over ranks)",

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_par.memory import StepMemoryTracker, model_state_bytes, model_state_tensors, peak_memory_bytes
 
-__all__ = ["ParallelMetricsCallback", "parallel_sizes"]
+__all__ = ["ParallelMetricsCallback", "log_comm_stats", "parallel_sizes"]
 
 #: optimizer steps during which the model-state bytes are measured (see ``on_before_optimizer_step``).
 _STATE_MEASURE_STEPS = 3
@@ -360,3 +360,27 @@ def _persistent_buffers(strategy: Any) -> list[torch.Tensor]:
             if isinstance(buffer, torch.Tensor):
                 out.append(buffer)
     return out
+
+
+def log_comm_stats(pl_module: L.LightningModule | None, stats: Any) -> None:
+    """Log one synchronised backward's exposed communication time as ``comm_exposed_ms``, every
+    ``trainer.log_every_n_steps`` optimizer steps (a ``self.log`` call costs about 0.25 ms of Python here: not on
+    every step).
+
+    ``comm_exposed_ms`` is the time the step waited for the gradient reduction after backward, i.e. the communication
+    that overlap did not hide (:class:`~lightning_par.data_parallel.reducer.CommStats` ``exposed_s``). It replaces
+    the old ``comm_overlap`` (share of the buckets' latency that elapsed before backward ended), which read as the
+    share of time saved and was not: see ``lightning_par.benchmarks.ddp`` for the A/B measurement of what overlap
+    hides.
+
+    Args:
+        pl_module: the LightningModule (nothing is logged without one attached to a trainer).
+        stats: the backward's ``CommStats`` (``None``: nothing to log, e.g. an accumulation micro-batch).
+    """
+    trainer = getattr(pl_module, "_trainer", None)
+    if stats is None or trainer is None:
+        return
+    every = max(1, int(getattr(trainer, "log_every_n_steps", 1) or 1))
+    if trainer.global_step % every:
+        return
+    pl_module.log("comm_exposed_ms", stats.exposed_s * 1e3, on_step=True, on_epoch=False, batch_size=1)

@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
+from lightning_par.callbacks.metrics import log_comm_stats
 from lightning_par.data_parallel.reducer import GradientReducer
 
 __all__ = ["ReducerHooks"]
@@ -16,7 +17,7 @@ __all__ = ["ReducerHooks"]
 class ReducerHooks:
     """Mix-in for a ``MeshStrategy`` with ``self.reducer`` (or ``None`` when dp is 1): skips the all-reduce while
     gradients accumulate, brackets each backward for the overlap measurement, waits for the buckets after backward and
-    logs ``comm_overlap`` (share of this step's all-reduce time hidden behind backward) in the progress bar."""
+    logs ``comm_exposed_ms`` (the step's wait for the all-reduce after backward) every ``log_every_n_steps``."""
 
     reducer: GradientReducer | None = None
 
@@ -33,10 +34,7 @@ class ReducerHooks:
     def post_backward(self, closure_loss: Tensor) -> None:
         if self.reducer is None:
             return
-        stats = self.reducer.finish()
-        module = self.lightning_module  # type: ignore[attr-defined]
-        if stats is not None and module is not None and module._trainer is not None:
-            module.log("comm_overlap", stats.overlap_fraction, prog_bar=True, on_step=True)
+        log_comm_stats(self.lightning_module, self.reducer.finish())  # type: ignore[attr-defined]
 
     def reducer_extras(self, prefix: str = "") -> dict[str, Any]:
         """:meth:`GradientReducer.overlap_summary` with each key prefixed (e.g. ``"dp_"``)."""

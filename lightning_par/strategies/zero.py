@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_par.callbacks.metrics import log_comm_stats
 from lightning_par.checkpoint.sharded import load_sharded, save_sharded
 from lightning_par.data_parallel.zero import ZeroEngine, apply_zero
 from lightning_par.data_parallel.zero_options import ZeroOptions, resolve_zero_options
@@ -168,9 +169,7 @@ class ZeroStrategy(MeshStrategy):
     def post_backward(self, closure_loss: Tensor) -> None:
         if self.engine is None:
             return
-        stats = self.engine.post_backward()
-        if stats is not None and self.lightning_module is not None and self.lightning_module._trainer is not None:
-            self.lightning_module.log("comm_overlap", stats.overlap_fraction, prog_bar=True, on_step=True)
+        log_comm_stats(self.lightning_module, self.engine.post_backward())
 
     @override
     def on_validation_end(self) -> None:
