@@ -319,3 +319,41 @@ def grad_memory_worker() -> dict[str, Any]:
         out["full_grad_bytes"] = sum(p.numel() for p in module.parameters()) * 4
         engine.remove()
     return out
+
+
+def overlap_gather_worker(steps: int = 3) -> dict[str, Any]:
+    """dp 2: :class:`TokenMLP` (SGD with momentum; a parameter owned by the LightningModule itself) under ZeRO-1 and
+    ZeRO-2 with and without ``overlap_param_gather``; returns the full parameters after ``steps`` steps and whether
+    all-gathers were still pending when the next step began."""
+    from lightning_par.data_parallel.zero import ZeroShardedDataParallel
+    from lightning_par.data_parallel.zero_options import resolve_zero_options
+    from lightning_par.launcher import init_process_group_from_env
+    from lightning_par.parallel_dims import ParallelDims
+
+    init_process_group_from_env(timeout_s=60)
+    dims = ParallelDims(dp_size=2, world_size=2)
+    dims.build_mesh()
+    rank = int(os.environ["RANK"])
+    data = token_dataset(4 * 2 * steps)
+    out: dict[str, Any] = {}
+    for stage in (1, 2):
+        for overlap in (False, True):
+            module = make_mlp()
+            options = resolve_zero_options(stage, bucket_cap_mb=0.005)
+            engine = ZeroShardedDataParallel(module, dims.get_mesh("dp"), options, overlap_param_gather=overlap)
+            (opt,) = module.configure_optimizers()
+            engine.shard_optimizer(opt)
+            pending = []
+            for step in range(steps):
+                start = (step * 2 + rank) * 4
+                batch = tuple(torch.stack([data[i][k] for i in range(start, start + 4)]) for k in (0, 1))
+                pending.append(engine.gather.pending)
+                loss = module.training_step(batch, step)
+                engine.pre_backward()
+                loss.backward()
+                engine.post_backward()
+                opt.step()
+                opt.zero_grad()
+            out[f"z{stage}-overlap{int(overlap)}"] = {"state": engine.full_state_dict(), "pending": pending}
+            engine.remove()
+    return out

@@ -304,11 +304,20 @@ class ParamGather:
     def wait(self, buckets: Iterable[LayoutBucket] | None = None) -> None:
         """Wait for the all-gathers of ``buckets`` (default: every pending one) and write them into the parameters."""
         indices = list(self._pending) if buckets is None else [b.index for b in buckets if b.index in self._pending]
+        layout = self.layout
         for index in indices:
             out, work = self._pending.pop(index)
             work.wait()
-            for s in self.layout.buckets[index].shards:
-                self.layout.copy_out(out, s, local_tensor(s.param).data)
+            dsts, srcs = [], []
+            for s in layout.buckets[index].shards:
+                full = local_tensor(s.param).data
+                if s.rows == layout.world * s.chunk_rows:  # no padding: one copy per tensor, all in one call
+                    dsts.append(s.rows_view(full).view(layout.world, s.chunk_rows, s.row_numel))
+                    srcs.append(layout.chunk_slot(out, s))
+                else:
+                    layout.copy_out(out, s, full)
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
 
     def gather(self, buckets: Iterable[LayoutBucket] | None = None) -> int:
         """:meth:`launch` then :meth:`wait`; returns :attr:`bytes_per_gather`."""

@@ -316,6 +316,8 @@ class ZeroShardedDataParallel(ZeroEngine):
         self._optimizer_buckets: dict[int, list[LayoutBucket]] = {}
         self._hooks: list[Any] = []
         self._shard_grad_views: list[tuple[nn.Parameter, Tensor]] | None = None
+        # Stage 1 with gradient_as_bucket_view: each full gradient is the same bucket view every step; keep its rows.
+        self._row_views: dict[str, tuple[Tensor, Tensor]] = {}
         self.overlap_param_gather = bool(overlap_param_gather) and self.world > 1
         self._deferred_buckets: set[int] = set()
         if self.overlap_param_gather:
@@ -472,13 +474,20 @@ class ZeroShardedDataParallel(ZeroEngine):
             for lp, grad in self._shard_grad_views:
                 lp.grad = grad
             return
+        cache = self._row_views
         for s in self.layout.shards:
             lp = self.local_params[s.name]
             full = s.param.grad
             if full is None:  # dp 1 and no gradient this step: as in one process, the optimizer skips it
                 lp.grad = None
                 continue
-            grad = s.own_rows(local_tensor(full))
+            cached = cache.get(s.name)
+            if cached is not None and cached[0] is full:  # the same bucket view as last step: reuse its rows
+                grad = cached[1]
+            else:
+                grad = s.own_rows(local_tensor(full))
+                if full._base is not None:  # a view of a persistent bucket: caching keeps nothing extra alive
+                    cache[s.name] = (full, grad)
             lp.grad = grad if grad.dtype == lp.dtype else grad.to(lp.dtype)
 
     # ------------------------------------------------------------------ clipping

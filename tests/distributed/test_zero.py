@@ -237,3 +237,21 @@ def test_stage2_gradient_memory_stays_within_two_buckets():
             assert r["shard_bytes"] < peak <= bound, (in_flight, peak, bound)
             assert peak < 0.75 * r["full_grad_bytes"]
         assert r["peaks"][0] < r["peaks"][1]
+
+
+def test_parameter_gather_overlapped_with_the_next_forward():
+    """``overlap_param_gather``: the all-gathers are still in flight when the next step begins and each bucket is
+    waited for by the first module that uses it; the parameters match the synchronous gather exactly, and one
+    process."""
+    from lightning_par.launcher import run_distributed
+    from tests.zero_helpers import overlap_gather_worker
+
+    dataset = token_dataset(4 * 2 * 3)
+    _, expected = reference_fit(make_mlp, dataset, 8, 3)
+    for r in run_distributed(overlap_gather_worker, 2, (3,), timeout_s=120):
+        for stage in (1, 2):
+            sync, deferred = r[f"z{stage}-overlap0"], r[f"z{stage}-overlap1"]
+            assert sync["pending"] == [False, False, False]
+            assert deferred["pending"] == [False, True, True]
+            torch.testing.assert_close(deferred["state"], sync["state"], rtol=0, atol=0)
+            assert_params_close(deferred["state"], expected)
