@@ -75,7 +75,6 @@ class _Run:
 
         self.name, self.batches, self.probe = name, batches, None
         self.engine: Any = None
-        self.persistent: list[torch.Tensor] = []  # buffers alive across steps that no model-state walk finds
         group = mesh.get_group()
         model = _gpt(shape)
         self.numel = sum(p.numel() for p in model.parameters())
@@ -99,8 +98,6 @@ class _Run:
             self.engine = apply_zero(model, mesh, options)
             self.model, self.opt = model, _adamw(model.parameters())
             self.engine.shard_optimizer(self.opt)
-            reducer = getattr(self.engine, "reducer", None)
-            self.persistent = [b.buffer for b in getattr(reducer, "buckets", [])]
 
     @property
     def inner(self) -> nn.Module:
@@ -142,7 +139,10 @@ def _memory(run: _Run, step: int) -> dict[str, Any]:
         reducer.grad_memory = LiveStorageBytes()
         if reducer.grad_shard is not None:
             reducer.grad_memory.add(reducer.grad_shard)
-    tracker = StepMemoryTracker(model_state_tensors(run.inner, run.optimizers()) + run.persistent)
+    from lightning_par.callbacks.metrics import persistent_comm_buffers
+
+    # Buffers alive across steps that no model-state walk finds (the reducer's buckets, the all-gather send buffers).
+    tracker = StepMemoryTracker(model_state_tensors(run.inner, run.optimizers()) + persistent_comm_buffers(run))
     with tracker:
         run.step(step)
     run.probe = None

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_par.memory import StepMemoryTracker, model_state_bytes, model_state_tensors, peak_memory_bytes
 
-__all__ = ["ParallelMetricsCallback", "log_comm_stats", "parallel_sizes"]
+__all__ = ["ParallelMetricsCallback", "log_comm_stats", "parallel_sizes", "persistent_comm_buffers"]
 
 #: optimizer steps during which the model-state bytes are measured (see ``on_before_optimizer_step``).
 _STATE_MEASURE_STEPS = 3
@@ -271,7 +271,7 @@ class ParallelMetricsCallback(L.Callback):
             self._tracker = None
             self._cuda_measuring = True
             return
-        tensors = model_state_tensors(pl_module, trainer.optimizers) + _persistent_buffers(trainer.strategy)
+        tensors = model_state_tensors(pl_module, trainer.optimizers) + persistent_comm_buffers(trainer.strategy)
         self._tracker = StepMemoryTracker(tensors)
         self._tracker.__enter__()
 
@@ -349,9 +349,9 @@ class ParallelMetricsCallback(L.Callback):
         }
 
 
-def _persistent_buffers(strategy: Any) -> list[torch.Tensor]:
+def persistent_comm_buffers(strategy: Any) -> list[torch.Tensor]:
     """Communication buffers a strategy keeps across steps that no walk over the model state finds (the gradient
-    reducer's buckets), so that the step's peak counts them from the start."""
+    reducer's buckets, ZeRO's all-gather send buffers), so that the step's peak counts them from the start."""
     out: list[torch.Tensor] = []
     for owner in (strategy, getattr(strategy, "engine", None)):
         reducer = getattr(owner, "reducer", None)
@@ -359,6 +359,9 @@ def _persistent_buffers(strategy: Any) -> list[torch.Tensor]:
             buffer = getattr(bucket, "buffer", None)
             if isinstance(buffer, torch.Tensor):
                 out.append(buffer)
+        buffers = getattr(getattr(owner, "gather", None), "buffers", None)  # ZeRO-1/2's parameter all-gather
+        if callable(buffers):
+            out.extend(buffers())
     return out
 
 

@@ -271,11 +271,22 @@ class ParamGather:
         self.source = source
         self.bytes_per_gather = 0
         self._pending: dict[int, tuple[Tensor, object]] = {}
+        self._plans: dict[int, _GatherPlan] = {}
 
     @property
     def pending(self) -> bool:
         """Whether some launched bucket has not been copied out yet."""
         return bool(self._pending)
+
+    def buffers(self) -> list[Tensor]:
+        """The persistent per-bucket send buffers (this rank's chunks, ``Psi / N`` elements in all)."""
+        return [plan.chunk for plan in self._plans.values()]
+
+    def _plan(self, bucket: LayoutBucket) -> _GatherPlan:
+        plan = self._plans.get(bucket.index)
+        if plan is None or not plan.valid():
+            plan = self._plans[bucket.index] = _GatherPlan(self.layout, bucket, self.source)
+        return plan
 
     @torch.no_grad()
     def launch(self, buckets: Iterable[LayoutBucket] | None = None) -> None:
@@ -285,18 +296,11 @@ class ParamGather:
         for bucket in layout.buckets if buckets is None else buckets:
             if bucket.index in self._pending:
                 self.wait([bucket])
-            chunk = torch.empty(bucket.chunk_numel, dtype=bucket.dtype, device=bucket.device)
-            if any(s.num_rows < s.chunk_rows for s in bucket.shards):
-                chunk.zero_()  # padding rows of a short last chunk
-            dsts, srcs = [], []
-            for s in bucket.shards:
-                if s.num_rows:
-                    dsts.append(layout.own_chunk(chunk, s))
-                    srcs.append(self.source(s))
-            if dsts:
-                torch._foreach_copy_(dsts, srcs)
+            plan = self._plan(bucket)
+            if plan.in_dsts:
+                torch._foreach_copy_(plan.in_dsts, plan.in_srcs)
             out = torch.empty(layout.world * bucket.chunk_numel, dtype=bucket.dtype, device=bucket.device)
-            work = _all_gather_tensor(out, chunk, group=layout.group, async_op=True)
+            work = _all_gather_tensor(out, plan.chunk, group=layout.group, async_op=True)
             self.bytes_per_gather += out.numel() * out.element_size()
             self._pending[bucket.index] = (out, work)
 
@@ -308,16 +312,13 @@ class ParamGather:
         for index in indices:
             out, work = self._pending.pop(index)
             work.wait()
-            dsts, srcs = [], []
-            for s in layout.buckets[index].shards:
-                full = local_tensor(s.param).data
-                if s.rows == layout.world * s.chunk_rows:  # no padding: one copy per tensor, all in one call
-                    dsts.append(s.rows_view(full).view(layout.world, s.chunk_rows, s.row_numel))
-                    srcs.append(layout.chunk_slot(out, s))
-                else:
-                    layout.copy_out(out, s, full)
-            if dsts:
-                torch._foreach_copy_(dsts, srcs)
+            plan = self._plan(layout.buckets[index])
+            slots = out.view(layout.world, -1).split(plan.sizes, dim=1)  # (N, chunk_numel of each tensor)
+            if plan.out_dsts:
+                torch._foreach_copy_(plan.out_dsts, [slots[i] for i in plan.even])
+            for i in plan.uneven:
+                s = plan.shards[i]
+                layout.copy_out(out, s, local_tensor(s.param).data)
 
     def gather(self, buckets: Iterable[LayoutBucket] | None = None) -> int:
         """:meth:`launch` then :meth:`wait`; returns :attr:`bytes_per_gather`."""
@@ -326,6 +327,31 @@ class ParamGather:
         self.wait(buckets)
         return self.bytes_per_gather
 
+
+class _GatherPlan:
+    """What one bucket's gather touches, computed once: the persistent send buffer and its views (copy-in), and the
+    parameters' storage seen as ``(N, chunk_numel)`` (copy-out), so a step costs one call per bucket for each copy.
+    Rebuilt if a parameter's storage moved (:meth:`valid`)."""
+
+    def __init__(self, layout: ShardLayout, bucket: LayoutBucket, source: Callable[[ParamShard], Tensor]) -> None:
+        self.shards = list(bucket.shards)
+        self.chunk = torch.zeros(bucket.chunk_numel, dtype=bucket.dtype, device=bucket.device)  # padding stays 0
+        self.in_dsts = [layout.own_chunk(self.chunk, s) for s in self.shards if s.num_rows]
+        self.in_srcs = [source(s) for s in self.shards if s.num_rows]
+        self.sizes = [s.chunk_numel for s in self.shards]
+        self.even = [i for i, s in enumerate(self.shards) if s.rows == layout.world * s.chunk_rows]
+        self.uneven = [i for i, s in enumerate(self.shards) if s.rows != layout.world * s.chunk_rows]
+        self.out_dsts = [
+            s.rows_view(local_tensor(s.param).detach()).view(layout.world, s.chunk_numel)
+            for s in (self.shards[i] for i in self.even)
+        ]
+        self._ptrs = self._pointers()
+
+    def _pointers(self) -> list[int]:
+        return [local_tensor(s.param).data_ptr() for s in self.shards]
+
+    def valid(self) -> bool:
+        return self._pointers() == self._ptrs
 
 def all_gather_params(
     layout: ShardLayout, source: Callable[[ParamShard], Tensor], buckets: Iterable[LayoutBucket] | None = None
