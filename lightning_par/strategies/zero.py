@@ -37,8 +37,8 @@ class ZeroStrategy(MeshStrategy):
     * stage 3: FSDP2 ``fully_shard`` per block; parameters gathered just in time (the next block prefetched) and freed
       after use. See :mod:`lightning_par.data_parallel.fsdp` for how this differs from the paper.
 
-    Gradient clipping by norm (``Trainer(gradient_clip_val=...)``) is global: the optimizer's parameters are DTensor
-    shards, whose norm sums the squares over dp. Gradient accumulation works at every stage: stage 1 skips the
+    Gradient clipping by norm (``Trainer(gradient_clip_val=...)``) is global: the engine's ``clip_grad_norm_`` sums the
+    squares of the optimizer's local shards over dp. Gradient accumulation works at every stage: stage 1 skips the
     all-reduce until the last micro-batch, stages 2 and 3 reduce-scatter every micro-batch and accumulate the shard.
     Checkpoints are sharded directories (``torch.distributed.checkpoint``) that load into another stage, dp size or a
     single process (:func:`lightning_par.checkpoint.load_model_weights`).
