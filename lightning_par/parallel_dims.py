@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lightning_par.validation import check_int
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -18,15 +20,6 @@ __all__ = ["MESH_AXES", "ParallelDims"]
 
 #: Names of the mesh axes, outermost first.
 MESH_AXES: tuple[str, str, str] = ("pp", "dp", "tp")
-
-
-def _check_int(name: str, value: object, minimum: int, allow_infer: bool = False) -> int:
-    valid = f"an integer >= {minimum}" + (" or -1 (infer from world_size)" if allow_infer else "")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}={value!r} is not valid: expected {valid}.")
-    if value < minimum and not (allow_infer and value == -1):
-        raise ValueError(f"{name}={value} is not valid: expected {valid}.")
-    return value
 
 
 @dataclass
@@ -52,10 +45,10 @@ class ParallelDims:
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_int("world_size", self.world_size, 1)
-        _check_int("tp_size", self.tp_size, 1)
-        _check_int("pp_size", self.pp_size, 1)
-        _check_int("dp_size", self.dp_size, 1, allow_infer=True)
+        check_int("world_size", self.world_size, 1)
+        check_int("tp_size", self.tp_size, 1)
+        check_int("pp_size", self.pp_size, 1)
+        check_int("dp_size", self.dp_size, 1, allow_infer=True)
         model_parallel = self.tp_size * self.pp_size
         if self.dp_size == -1:
             if self.world_size % model_parallel != 0:

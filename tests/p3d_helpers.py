@@ -2,7 +2,9 @@
 
 A *step* of the worker's plan is a picklable dict with ``"kind"``:
 
-* ``"fit"``: ``{"kind": "fit", "name", "options" (Parallel3DStrategy kwargs), "steps", "micro_batch", "clip",
+* every step may name ``"strategy"`` (a registry name, default ``parallel_3d``; ``"options"`` are its keyword
+  arguments) and ``"model"`` (``"gpt"``, the default, ``"gpt8"`` with 8 blocks, or a user's MLP: see :func:`_model`);
+* ``"fit"``: ``{"kind": "fit", "name", "options" (the strategy's kwargs), "steps", "micro_batch", "clip",
   "accumulate": int (``accumulate_grad_batches``, default 1), "resume": path | None, "save": path | None, "val": bool,
   "crash_save": path | None}`` — fit ``steps`` optimizer steps from scratch (or resume from ``resume``); with ``val``
   a validation runs at the end (``val_loss``); ``save`` writes a checkpoint after the fit; ``crash_save`` then starts
@@ -26,10 +28,11 @@ from tests.helpers import TIMEOUT_S, LossRecorder, TokenDataset, quiet_trainer
 CONFIG = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=256, dropout=0.0)
 
 
-def make_gpt() -> GPTLightningModule:
+def make_gpt(n_layer: int = CONFIG.n_layer) -> GPTLightningModule:
     """The tiny GPT, seeded: every rank and the reference build the same initial model."""
     torch.manual_seed(0)
-    return GPTLightningModule(CONFIG, learning_rate=3e-3, adam_eps=1e-6)
+    config = CONFIG if n_layer == CONFIG.n_layer else GPTConfig(**{**CONFIG.__dict__, "n_layer": n_layer})
+    return GPTLightningModule(config, learning_rate=3e-3, adam_eps=1e-6)
 
 
 def _loader(dataset: Dataset, micro_batch: int, dp_size: int, dp_rank: int) -> DataLoader:
@@ -41,25 +44,51 @@ class SimulatedCrash(RuntimeError):
     """Raised by the crashing save of the tests."""
 
 
-def _crashing_save(path: Any, checkpoint: dict[str, Any], is_rank0: bool) -> None:
-    from lightning_par.checkpoint.sharded import save_sharded
-
-    save_sharded(path, checkpoint, is_rank0)  # the shards are on disk (in the staging directory) ...
+def _crashing_write(path: Any, checkpoint: dict[str, Any], record: dict[str, Any], is_rank0: bool) -> None:
+    _ORIGINAL_WRITE(path, checkpoint, record, is_rank0)  # the shards are on disk (in the staging directory) ...
     raise SimulatedCrash("simulated crash during a checkpoint save")  # ... but the save never commits
 
 
-def _strategy(options: dict[str, Any]) -> Any:
-    from lightning_par.strategies.parallel_3d import Parallel3DStrategy
+def _original_write() -> Any:
+    from lightning_par.checkpoint import sharded
 
-    return Parallel3DStrategy(timeout_s=90, **options)
+    return sharded._write
+
+
+_ORIGINAL_WRITE = _original_write()
+
+
+def _strategy(step: dict[str, Any]) -> Any:
+    """The step's strategy: a Lightning registry name (``"strategy"``, default ``parallel_3d``) with its preset and
+    the step's ``options``."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    entry = StrategyRegistry[step.get("strategy", "parallel_3d")]
+    return entry["strategy"](**{**entry["init_params"], "timeout_s": 90, **step["options"]})
+
+
+def _model(step: dict[str, Any]) -> Any:
+    """The step's model: ``"gpt"`` (default, the tiny GPT), ``"mlp-sgd"`` or ``"mlp-adamw"`` (a user's
+    ``nn.Sequential`` network with its own plan, :class:`tests.user_models.ResidualMLP`), ``"mlp-deep-..."`` (6 blocks,
+    for 8 virtual stages)."""
+    name = step.get("model", "gpt")
+    if name.startswith("gpt"):
+        return make_gpt(int(name[3:] or CONFIG.n_layer))
+    from tests.user_models import make_mlp
+
+    return make_mlp(optimizer=name.rsplit("-", 1)[1], depth=6 if "deep" in name else 3)
 
 
 def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, Any]:
     """Run one step of the plan on this rank (see the module docstring)."""
-    import lightning_par.strategies.parallel_3d as p3d
+    from lightning_par.checkpoint import sharded
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    strategy = _strategy(step["options"])
+    if not step.get("model", "gpt").startswith("gpt"):  # the user MLP learns a regression
+        from tests.pp_helpers import RegressionDataset
+
+        train, val = RegressionDataset(n=len(train)), RegressionDataset(n=len(val), seed=1)
+    strategy = _strategy(step)
     dims = strategy.resolve_parallel_dims(world)
     dp_rank = dims.coordinates(rank)["dp"]
     micro = step["micro_batch"]
@@ -76,7 +105,7 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
         accumulate_grad_batches=step.get("accumulate", 1),
         callbacks=[recorder],
     )
-    module = make_gpt()
+    module = _model(step)
     out: dict[str, Any] = {"name": step["name"], "rank": rank, "dp_rank": dp_rank}
     val_loader = _loader(val, micro, dims.dp_size, dp_rank)
     if validate_only:
@@ -92,14 +121,13 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
     if step.get("save"):
         trainer.save_checkpoint(step["save"])
     if step.get("crash_save"):
-        original = p3d.save_sharded
-        p3d.save_sharded = _crashing_save
+        sharded._write = _crashing_write
         try:
             trainer.save_checkpoint(step["crash_save"])
         except SimulatedCrash:
             out["crashed"] = True
         finally:
-            p3d.save_sharded = original
+            sharded._write = _ORIGINAL_WRITE
     return out
 
 

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_par.launcher import run_distributed
-from lightning_par.pipeline_parallel.checkpoint import gather_state_dicts
 from tests.helpers import TIMEOUT_S, fit_worker, quiet_trainer
 
 
@@ -33,8 +32,7 @@ def one_thread() -> Iterator[None]:
 
 def gathered_params(module: L.LightningModule, strategy: Any) -> dict[str, torch.Tensor]:
     """Every parameter of the whole model, gathered over the pp group (a ``state_fn`` for ``fit_worker``)."""
-    local = {name: p.detach().clone() for name, p in module.named_parameters()}
-    return gather_state_dicts(local, strategy.group("pp"))
+    return strategy.full_state_dict()
 
 
 def _cases_worker(cases: list[tuple]) -> list[dict]:

@@ -22,12 +22,7 @@ from lightning_par.tensor_parallel import (
     sync_tp_partial_grads,
     vocab_parallel_loss,
 )
-from lightning_par.tensor_parallel.state_dict import (
-    full_optimizer_state,
-    full_state_dict,
-    load_full_optimizer_state,
-    load_full_state_dict,
-)
+from lightning_par.tensor_parallel.state_dict import unpad_vocab_state
 
 
 class ToyLM(L.LightningModule):
@@ -194,32 +189,58 @@ def _gpt_comm_case(n_layer: int, sp: bool, mesh: Any, batch: int, seq: int, d: i
 
 
 def _state_dict_case(mesh: Any) -> dict[str, float]:
-    """Full state dicts round-trip through a tp model: model and AdamW state, padding removed and restored."""
+    """A padded tp model's checkpoint state (model and AdamW state, padding cut off as views) round-trips through
+    ``torch.distributed.checkpoint``: into one process (plain tensors) and into another tp model."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
     cfg = GPTConfig(n_layer=1, n_head=4, n_embd=16, block_size=8, vocab_size=30)
     torch.manual_seed(0)
-    ref = GPT(cfg)
-    torch.manual_seed(1)
     par = GPT(cfg)
     apply_tensor_parallel(par, mesh, gpt_tp_plan(), False)
-    load_full_state_dict(par, ref.state_dict())
-    back = full_state_dict(par)
-    model_err = max(_err(back[k], v) for k, v in ref.state_dict().items())
-    keys_match = float(back.keys() == ref.state_dict().keys())
     opt = torch.optim.AdamW(par.parameters(), lr=1e-3)
     x = torch.randint(0, 30, (2, 8))
     with vocab_parallel_loss():
         logits = par(x)
         F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x.reshape(-1)).backward()
     opt.step()
-    saved = full_optimizer_state(par, opt)
-    shapes_unpadded = float(saved["state"][0]["exp_avg"].shape[0] == 30)  # wte is the first parameter
-    opt2 = torch.optim.AdamW(par.parameters(), lr=1e-3)
-    load_full_optimizer_state(par, opt2, saved)
-    again = full_optimizer_state(par, opt2)
-    opt_err = max(
-        float((again["state"][i][k] - v).abs().max()) for i, s in saved["state"].items() for k, v in s.items()
-    )
-    return {"model": model_err, "keys_match": keys_match, "optimizer": opt_err, "unpadded": shapes_unpadded}
+    model_state, opt_state = par.state_dict(), get_optimizer_state_dict(par, opt)
+    unpad_vocab_state(par, model_state, [opt_state])
+    unpadded = float(model_state["wte.weight"].shape[0] == 30 and opt_state["state"]["wte.weight"]["exp_avg"].shape[0] == 30)
+    box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    dcp.save({"model": model_state, "optim": opt_state}, checkpoint_id=box[0])
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v)[:30] if k in ("wte.weight", "lm_head.weight")
+            else (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in par.state_dict().items()}
+    # into one process: plain tensors of the unpadded shapes
+    torch.manual_seed(2)
+    plain = GPT(cfg).state_dict()
+    dcp.load({"model": plain}, checkpoint_id=box[0], no_dist=True)
+    model_err = max(_err(plain[k], v) if v.abs().max() > 0 else float((plain[k] - v).abs().max()) for k, v in full.items())
+    keys_match = float(plain.keys() == full.keys())
+    # into another tp model (another seed): parameters and optimizer state equal the saved ones
+    torch.manual_seed(1)
+    par2 = GPT(cfg)
+    apply_tensor_parallel(par2, mesh, gpt_tp_plan(), False)
+    opt2 = torch.optim.AdamW(par2.parameters(), lr=1e-3)
+    state2, opt_state2 = par2.state_dict(), get_optimizer_state_dict(par2, opt2)
+    unpad_vocab_state(par2, state2, [opt_state2])
+    dcp.load({"model": state2, "optim": opt_state2}, checkpoint_id=box[0])
+    set_optimizer_state_dict(par2, opt2, opt_state2)
+    for k, v in par2.state_dict().items():
+        got = (v.full_tensor() if hasattr(v, "full_tensor") else v)
+        model_err = max(model_err, float((got[: full[k].shape[0]] - full[k]).abs().max()))
+    a, b = get_optimizer_state_dict(par, opt)["state"], get_optimizer_state_dict(par2, opt2)["state"]
+    opt_err = 0.0
+    for name, per_param in a.items():
+        rows = 30 if name in ("wte.weight", "lm_head.weight") else None
+        for key, value in per_param.items():
+            va = value.full_tensor() if hasattr(value, "full_tensor") else value
+            vb = b[name][key].full_tensor() if hasattr(b[name][key], "full_tensor") else b[name][key]
+            opt_err = max(opt_err, float((va[:rows] - vb[:rows]).abs().max()) if va.dim() else float((va - vb).abs()))
+    return {"model": model_err, "keys_match": keys_match, "optimizer": opt_err, "unpadded": unpadded}
 
 
 def layer_checks_worker() -> dict[str, Any]:

@@ -1,22 +1,22 @@
-"""Pipeline benchmark: the measured bubble against ``(p - 1) / (m + p - 1)``, and the step time of the schedules.
+"""Pipeline benchmark: the bubble of every schedule measured on torch's engine, against the schedule's formula.
 
     python -m lightning_par.benchmarks.pipeline [--quick]
 
-Two tables, each from one run of the project's own runner (:class:`~lightning_par.pipeline_parallel.PipelineRunner`)
-and bubble accounting (:func:`~lightning_par.pipeline_parallel.summarize_bubble`), the code the strategy uses:
+Two tables, from the engine the strategies use (:class:`~lightning_par.pipeline_parallel.PipelineEngine` on
+``torch.distributed.pipelining``) and its per-rank busy/idle accounting:
 
-1. **Bubble.** Every stage has the same, fixed compute: its forward takes ``T_FORWARD_S`` and its backward
-   ``T_BACKWARD_S`` (the stage waits that long: several pipeline processes share this machine's two cores, so real
-   arithmetic would measure CPU contention, not the schedule). For ``pp`` in {2, 4} and ``m`` in {1, 2, 4, 8}, GPipe
-   and 1F1B, the idle share of each step (mean over stages, over the measured steps) is set beside the formula.
-   What remains between the two is communication latency and Python overhead on the critical path. Each figure
-   is the median over the measured steps of the step's bubble (the machine is shared; a step delayed by another job
-   would measure that job).
-2. **Step time.** GPipe vs 1F1B vs interleaved 1F1B (2 chunks per rank, each half a stage's time) at ``m = 8``: step
-   time relative to GPipe, bubble, and the most micro-batches whose activations one stage held. Then the same three
-   schedules on the reference GPT with real arithmetic at ``pp = 2``, each also run by torch's own
-   ``torch.distributed.pipelining`` schedule (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``) on
-   the same stage modules and batch, taking turns with ours.
+1. **Bubble.** Every rank's share of the model has the same fixed compute per micro-batch: forward ``T_F``, the
+   input-gradient half of the backward ``T_I`` and its weight-gradient half ``T_W`` (each a wait, so that several
+   pipeline processes sharing this machine's two cores measure the schedule, not CPU contention; sleep-based stages
+   check ordering and idle time, not speed). A chunk of a rank with ``v`` chunks takes ``1/v`` of each. For
+   ``pp`` in {2, 4} and ``m`` in {4, 8}, each schedule's measured idle share (mean over ranks, median over the
+   measured steps) is set beside its formula: the closed form ``(p - 1) / (v m + p - 1)`` for GPipe, 1F1B and
+   interleaved 1F1B (Huang et al. 2019; Narayanan et al. 2021, §2.2), and for every schedule the replay of its own
+   action lists with these costs (:func:`~lightning_par.pipeline_parallel.simulate.simulate_actions`; for the
+   zero-bubble schedules of Qi et al. 2024 and DualPipeV there is no closed form for torch's exact orders). What
+   remains between measured and formula is communication and Python overhead on the critical path.
+2. **Step time.** All schedules on the reference GPT with real arithmetic at ``pp = 2``, ``m = 8``, taking turns step
+   by step: step time relative to GPipe, measured bubble, and the most micro-batches whose activations a rank held.
 """
 
 from __future__ import annotations
@@ -31,20 +31,21 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_par.launcher import init_process_group_from_env, run_distributed
-from lightning_par.pipeline_parallel.bubble import summarize_bubble
-from lightning_par.pipeline_parallel.runner import PipelineRunner
-from lightning_par.pipeline_parallel.schedules import bubble_formula, stage_ids
+from lightning_par.pipeline_parallel.engine import PipelineEngine
+from lightning_par.pipeline_parallel.options import SCHEDULES, PipelineOptions
+from lightning_par.pipeline_parallel.schedules import bubble_formula, build_order
+from lightning_par.pipeline_parallel.simulate import Op, simulate_actions
 
-__all__ = ["FixedTimeStage", "run"]
+__all__ = ["FixedTimeStage", "expected_bubble", "run", "torch_orders"]
 
-#: Seconds of one stage's forward / backward for one micro-batch in the fixed-compute runs.
-T_FORWARD_S = 0.040
-T_BACKWARD_S = 0.080
-_WIDTH = 64
+#: Seconds of one rank's share of the model per micro-batch: forward, input-gradient and weight-gradient halves of
+#: the backward (equal: the case the zero-bubble schedules are built for, Qi et al. 2024, §3).
+T_F, T_I, T_W = 0.030, 0.030, 0.030
+_WIDTH = 16
 
 
 class _WaitInBackward(torch.autograd.Function):
-    """Identity whose backward takes ``seconds`` (the backward half of :class:`FixedTimeStage`)."""
+    """Identity whose backward takes ``seconds``."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, seconds: float) -> Tensor:
@@ -58,122 +59,129 @@ class _WaitInBackward(torch.autograd.Function):
 
 
 class FixedTimeStage(nn.Module):
-    """A stage whose forward takes ``t_forward`` and whose backward takes ``t_backward`` seconds, whatever the CPU
-    load: ``x -> x * w`` plus a wait. Input and output ``(batch, width)``."""
+    """A stage whose forward takes ``t_f`` seconds and whose backward ``t_i`` (input gradient) plus ``t_w`` (weight
+    gradient): ``x + w`` with a wait on each branch, so the two halves of a split backward share no computation (the
+    input half runs the ``x`` branch, the weight half the ``w`` branch). Input and output ``(batch, width)``.
 
-    def __init__(self, t_forward: float, t_backward: float, width: int = _WIDTH) -> None:
+    On the first stage the input needs no gradient, so both waits sit on the weight branch: its backward still takes
+    ``t_i + t_w``, all of it in the weight-gradient half (torch runs stage 0's split backward whole in its ``W``).
+    """
+
+    def __init__(self, t_f: float, t_i: float, t_w: float, first: bool, width: int = _WIDTH) -> None:
         super().__init__()
-        self.t_forward, self.t_backward = t_forward, t_backward
+        self.t_f, self.t_i, self.t_w, self.first = t_f, t_i, t_w, first
         self.w = nn.Parameter(torch.ones(width))
 
     def forward(self, x: Tensor) -> Tensor:
-        time.sleep(self.t_forward)
-        return _WaitInBackward.apply(x * self.w, self.t_backward)
+        time.sleep(self.t_f)
+        w = _WaitInBackward.apply(self.w, self.t_w)
+        if self.first:
+            return x + _WaitInBackward.apply(w, self.t_i)
+        return _WaitInBackward.apply(x, self.t_i) + w
 
 
-def _mean_loss(out: Tensor, target: Tensor) -> Tensor:
+def _mean(out: Tensor, target: Tensor) -> Tensor:
     return out.mean()
 
 
-def _summarize(runner: PipelineRunner, step_times: list[float]) -> dict[str, Any]:
-    """Gather every stage's step records (first step left out) and summarise them on every rank."""
-    records = [r.compact() for r in runner.history[1:]]
-    per_stage: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(per_stage, records)
-    out = summarize_bubble(per_stage)
-    # Median over steps: this machine is shared, and a step that another job delays says nothing about the schedule.
-    out["pp_bubble"] = statistics.median(
-        summarize_bubble([[stage[i]] for stage in per_stage])["pp_bubble"] for i in range(len(records))
-    )
-    out["step_s"] = statistics.median(step_times[1:])
+def torch_orders(engine: PipelineEngine) -> list[list[Op]] | None:
+    """Every pp rank's compute operations, in order, as torch's schedule runs them (the ``pipeline_order`` its runtime
+    executes); ``None`` for the single-stage schedules, GPipe and 1F1B, which run :func:`build_order`'s orders (their
+    ``pipeline_order`` is only a picture: torch 2.13's Schedule1F1B lists ``F1`` first on rank 1 of 2 and an ``F4`` of
+    4 micro-batches)."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    schedule = next(s for k, s in engine._schedules.items() if k[0] == "train")
+    if isinstance(schedule, PipelineScheduleSingle):
+        return None
+    order = schedule.pipeline_order
+    out: list[list[Op]] = []
+    for rank in sorted(order):
+        ops: list[Op] = []
+        for action in order[rank]:
+            subs = action.sub_actions if action is not None and action.sub_actions else [action]
+            for a in subs:
+                if a is not None and a.computation_type.value in ("F", "B", "I", "W"):
+                    ops.append((a.computation_type.value, a.stage_index, a.microbatch_index))
+        out.append(ops)
     return out
 
 
-def _fixed_worker(configs: list[tuple[str, int, int]], steps: int) -> list[dict[str, Any]]:
-    init_process_group_from_env(timeout_s=120)
-    rank, p = dist.get_rank(), dist.get_world_size()
+def expected_bubble(options: PipelineOptions, pp: int, orders: list[list[Op]] | None) -> float:
+    """The schedule's idle share for these stage costs: its action lists replayed on a clock (mean over ranks)."""
+    v = int(options.virtual_stages)  # type: ignore[arg-type]
+    if orders is None:
+        orders = [[(a.kind, r, a.microbatch) for a in build_order(options.schedule, r, pp, options.num_microbatches)]
+                  for r in range(pp)]
+
+    def cost(kind: str, stage: int) -> float:
+        first = stage == 0
+        t = {"F": T_F, "B": T_I + T_W, "I": 0.0 if first else T_I, "W": T_I + T_W if first else T_W}[kind]
+        return t / v
+
+    return simulate_actions(orders, options.num_stages(pp), cost).mean_bubble
+
+
+def _one_step(engine: PipelineEngine, x: Tensor, y: Tensor, group: dist.ProcessGroup) -> tuple[float, float, list[int]]:
+    """One step: its measured bubble (mean over the pp ranks of idle / window), its time in seconds, and the most
+    micro-batches each rank held."""
+    start = time.perf_counter()
+    engine.train_step((x,), y)
+    elapsed = time.perf_counter() - start
+    mine = torch.tensor(engine.history[-1].compact(), dtype=torch.float64)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    window = max(float(p[0]) for p in parts)
+    return sum(1.0 - float(p[1]) / window for p in parts) / len(parts), elapsed, [int(p[2]) for p in parts]
+
+
+def _summary(steps: list[tuple[float, float, list[int]]]) -> dict[str, Any]:
+    """Medians over the steps after the first (which infers the stages' shapes)."""
+    return {"bubble": statistics.median(s[0] for s in steps[1:]), "step_s": statistics.median(s[1] for s in steps[1:]),
+            "peaks": steps[-1][2]}
+
+
+def _fixed_worker(configs: list[tuple[str, int]], steps: int) -> list[dict[str, Any]]:
+    init_process_group_from_env(timeout_s=300)
+    p, rank = dist.get_world_size(), dist.get_rank()
     rows = []
-    for schedule, m, v in configs:
-        chunks = [FixedTimeStage(T_FORWARD_S / v, T_BACKWARD_S / v) for _ in range(v)]
-        runner = PipelineRunner(chunks, rank, p, None, schedule, m, _mean_loss)
-        x, y = torch.ones(2 * m, _WIDTH), torch.zeros(2 * m, 1)
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            runner.train_step(x, y)
-            dist.barrier()
-            times.append(time.perf_counter() - start)
-        rows.append({"schedule": schedule, "pp": p, "m": m, "v": v, **_summarize(runner, times)})
+    for schedule, m in configs:
+        options = PipelineOptions(schedule=schedule, num_microbatches=m)
+        v = int(options.virtual_stages)  # type: ignore[arg-type]
+        ids = options.stage_ids(rank, p)
+        modules = [FixedTimeStage(T_F / v, T_I / v, T_W / v, first=s == 0) for s in ids]
+        engine = PipelineEngine(modules, ids, options, dist.group.WORLD, p, torch.device("cpu"), _mean)
+        x = torch.ones(2 * m, _WIDTH)
+        out = _summary([_one_step(engine, x, x, dist.group.WORLD) for _ in range(steps)])
+        orders = torch_orders(engine)
+        rows.append({"schedule": schedule, "pp": p, "m": m, "v": v, **out,
+                     "simulated": expected_bubble(options, p, orders),
+                     "closed": bubble_formula(p, m, v) if not SCHEDULES[schedule].splits_backward else None})
     return rows
 
 
-def _torch_schedule(chunks: list[nn.Module], ids: list[int], p: int, v: int, schedule: str, m: int) -> Any:
-    """torch.distributed.pipelining's own schedule over the same stage modules."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
-    from lightning_par.models import GPTLightningModule
-
-    stages = [PipelineStage(chunk, sid, p * v, torch.device("cpu")) for chunk, sid in zip(chunks, ids)]
-    loss = GPTLightningModule.loss_fn
-    if schedule == "interleaved_1f1b":
-        return ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss)
-    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    return cls(stages[0], n_microbatches=m, loss_fn=loss)
-
-
-def _gpt_worker(schedules: list[tuple[str, int]], m: int, steps: int) -> dict[str, list[dict[str, Any]]]:
-    """The GPT at pp ``p`` with real arithmetic: this project's runner and torch's own schedules, taking turns."""
+def _gpt_worker(schedules: list[str], m: int, steps: int) -> list[dict[str, Any]]:
     from lightning_par.models import GPT, GPTConfig, GPTLightningModule
     from lightning_par.pipeline_parallel.split import cut_network, plan_split
 
     init_process_group_from_env(timeout_s=300)
-    rank, p = dist.get_rank(), dist.get_world_size()
+    p, rank = dist.get_world_size(), dist.get_rank()
     config = GPTConfig(n_layer=8, n_head=4, n_embd=128, block_size=64, vocab_size=256)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 256, (4 * m, config.block_size), generator=g)
-    y = torch.randint(0, 256, (4 * m, config.block_size), generator=g)
-    runners, torch_steps = [], []
-    for schedule, v in schedules:
-        for own in (True, False):
-            torch.manual_seed(0)
-            gpt = GPT(config)
-            ids = stage_ids(rank, p, v)
-            _, chunks = cut_network(gpt, plan_split(gpt, p * v), ids)
-            if own:
-                runners.append(PipelineRunner(chunks, rank, p, None, schedule, m, GPTLightningModule.loss_fn))
-                continue
-            sched = _torch_schedule(chunks, ids, p, v, schedule, m)
-            params = [q for c in chunks for q in c.parameters()]
-            first, last = 0 in ids, p * v - 1 in ids
-
-            def step(sched: Any = sched, params: list = params, first: bool = first, last: bool = last) -> None:
-                args = (x,) if first else ()
-                sched.step(*args, **({"target": y} if last else {}))
-                for q in params:
-                    q.grad = None
-
-            torch_steps.append(step)
-    times: list[list[float]] = [[] for _ in runners]
-    torch_times: list[list[float]] = [[] for _ in torch_steps]
+    engines, measured = [], []
+    for schedule in schedules:
+        options = PipelineOptions(schedule=schedule, num_microbatches=m)
+        torch.manual_seed(0)
+        network = GPT(config)
+        ids = options.stage_ids(rank, p)
+        _, modules = cut_network(network, plan_split(network, options.num_stages(p)), ids)
+        engines.append(PipelineEngine(modules, ids, options, dist.group.WORLD, p, torch.device("cpu"),
+                                      GPTLightningModule.loss_fn))
+        measured.append([])
+    x = torch.randint(0, 256, (4 * m, config.block_size), generator=torch.Generator().manual_seed(0))
     for _ in range(steps):  # round-robin, so that a change in the machine's load hits every schedule alike
-        for runner, t, tstep, tt in zip(runners, times, torch_steps, torch_times):
-            start = time.perf_counter()
-            runner.train_step(x, y)
-            dist.barrier()
-            t.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            tstep()
-            dist.barrier()
-            tt.append(time.perf_counter() - start)
-    ours = [
-        {"schedule": schedule, "pp": p, "m": m, "v": v, **_summarize(runner, t)}
-        for (schedule, v), runner, t in zip(schedules, runners, times)
-    ]
-    theirs = [
-        {"schedule": schedule, "pp": p, "m": m, "v": v, "step_s": statistics.median(t[1:])}
-        for (schedule, v), t in zip(schedules, torch_times)
-    ]
-    return {"ours": ours, "torch": theirs}
+        for engine, out in zip(engines, measured):
+            out.append(_one_step(engine, x, x, dist.group.WORLD))
+    return [{"schedule": s, "pp": p, "m": m, **_summary(out)} for s, out in zip(schedules, measured)]
 
 
 def _row(cells: list[Any]) -> str:
@@ -181,65 +189,52 @@ def _row(cells: list[Any]) -> str:
 
 
 def run(quick: bool = False) -> str:
-    """Measure and return the two markdown tables (about a minute with ``quick``, 3 minutes without)."""
-    steps = 4 if quick else 10
-    ms = (1, 2, 4, 8)
-    bubble_rows: list[dict[str, Any]] = []
-    time_rows: list[dict[str, Any]] = []
+    """Measure and return the two markdown tables (about 2 minutes with ``quick``, 5 without)."""
+    steps = 4 if quick else 8
+    rows: list[dict[str, Any]] = []
     for p in (2, 4):
-        configs = [(s, m, 1) for m in ms for s in ("gpipe", "1f1b")] + [("interleaved_1f1b", 8, 2)]
-        rows = run_distributed(_fixed_worker, p, (configs, steps), timeout_s=600)[0]
-        bubble_rows += rows[:-1]
-        time_rows += [r for r in rows if r["m"] == 8]
-    gpt = run_distributed(
-        _gpt_worker, 2, ([("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)], 8, steps + 1), timeout_s=900
-    )[0]
-    gpt_rows = gpt["ours"]
+        configs = [(s, m) for m in (4, 8) for s in SCHEDULES
+                   if not (s == "dualpipev" and m < 2 * p) and not (s == "1f1b" and m < p)]
+        rows += run_distributed(_fixed_worker, p, (configs, steps), timeout_s=900)[0]
+    gpt_rows = run_distributed(_gpt_worker, 2, (list(SCHEDULES), 8, steps + 1), timeout_s=900)[0]
 
     lines = [
-        f"### Pipeline bubble: measured vs (p-1)/(m+p-1) (fixed-compute stages: forward {T_FORWARD_S * 1e3:.0f} ms, "
-        f"backward {T_BACKWARD_S * 1e3:.0f} ms; median of {steps - 1} measured steps)",
+        f"### Pipeline bubble on torch's engine: measured vs the schedule's formula (fixed-compute stages: per rank "
+        f"and micro-batch F {T_F * 1e3:.0f} ms, I {T_I * 1e3:.0f} ms, W {T_W * 1e3:.0f} ms; median of {steps - 1} "
+        f"steps)",
         "",
-        _row(["schedule", "pp", "m", "measured bubble", "formula", "measured - formula", "peak micro-batches held"]),
-        _row(["---"] * 7),
+        _row(["schedule", "pp", "m", "chunks/rank", "measured bubble", "formula (replay)", "closed form",
+              "measured - formula", "peak micro-batches held"]),
+        _row(["---"] * 9),
     ]
     worst = 0.0
-    for r in bubble_rows:
-        f = bubble_formula(r["pp"], r["m"], r["v"])
-        worst = max(worst, abs(r["pp_bubble"] - f))
-        peaks = "/".join(str(k) for k in r["pp_peak_microbatches_in_flight"])
-        lines.append(_row([r["schedule"], r["pp"], r["m"], f"{r['pp_bubble']:.3f}", f"{f:.3f}",
-                           f"{r['pp_bubble'] - f:+.3f}", peaks]))
-    lines += ["", f"Largest |measured - formula|: {worst:.3f}.", ""]
+    for r in rows:
+        diff = r["bubble"] - r["simulated"]
+        worst = max(worst, abs(diff))
+        closed = f"{r['closed']:.3f}" if r["closed"] is not None else "-"
+        lines.append(_row([r["schedule"], r["pp"], r["m"], r["v"], f"{r['bubble']:.3f}", f"{r['simulated']:.3f}",
+                           closed, f"{diff:+.3f}", "/".join(str(k) for k in r["peaks"])]))
+    by = {(r["schedule"], r["pp"], r["m"]): r["bubble"] for r in rows}
+    zb_below = [f"{s} pp{p} m{m}: {by[(s, p, m)]:.3f} < 1f1b {by[('1f1b', p, m)]:.3f}"
+                for (s, p, m) in by if SCHEDULES[s].splits_backward and ("1f1b", p, m) in by]
+    lines += ["", f"Largest |measured - formula|: {worst:.3f}. Zero-bubble schedules vs 1F1B at the same pp and m: "
+              + "; ".join(zb_below) + ".", ""]
     lines += [
-        "### Pipeline step time: gpipe vs 1f1b vs interleaved_1f1b (m = 8)",
+        "### Pipeline step time on the reference GPT (real arithmetic, pp = 2, m = 8)",
         "",
-        _row(["stages", "schedule", "pp", "chunks/rank", "step time / gpipe", "measured bubble", "formula",
-              "peak micro-batches held"]),
-        _row(["---"] * 8),
+        _row(["schedule", "step time / gpipe", "measured bubble", "peak micro-batches held"]),
+        _row(["---"] * 4),
     ]
-    for label, rows in (("fixed compute", time_rows), ("GPT, real compute", gpt_rows)):
-        base = {r["pp"]: r["step_s"] for r in rows if r["schedule"] == "gpipe"}
-        for r in rows:
-            f = bubble_formula(r["pp"], r["m"], r["v"])
-            peaks = "/".join(str(k) for k in r["pp_peak_microbatches_in_flight"])
-            lines.append(_row([label, r["schedule"], r["pp"], r["v"], f"{r['step_s'] / base[r['pp']]:.2f}",
-                               f"{r['pp_bubble']:.3f}", f"{f:.3f}", peaks]))
+    base = next(r["step_s"] for r in gpt_rows if r["schedule"] == "gpipe")
+    for r in gpt_rows:
+        lines.append(_row([r["schedule"], f"{r['step_s'] / base:.2f}", f"{r['bubble']:.3f}",
+                           "/".join(str(k) for k in r["peaks"])]))
     lines += [
         "",
-        "GPT: 8 blocks, n_embd 128, seq 64, 32 sequences per step, pp = 2 (one process per stage on this CPU), the "
-        "three schedules taking turns step by step. Its bubble includes unequal stages (embedding first, head last) "
-        "and contention for the CPU, and its ratios move with the machine's load.",
-        "",
-        "### Pipeline step time against torch.distributed.pipelining's own schedules (same GPT, stages and batch, "
-        "pp = 2, m = 8, taking turns step by step)",
-        "",
-        _row(["schedule", "chunks/rank", "this project's runner (ms)", "torch's schedule (ms)", "ours / torch"]),
-        _row(["---"] * 5),
+        "GPT: 8 blocks, n_embd 128, seq 64, 32 sequences per step, one process per stage on this CPU, the schedules "
+        "taking turns step by step. Its bubble includes unequal stages (embedding first, head last) and contention "
+        "for the CPU, and its ratios move with the machine's load.",
     ]
-    for ours, theirs in zip(gpt["ours"], gpt["torch"]):
-        lines.append(_row([ours["schedule"], ours["v"], f"{ours['step_s'] * 1e3:.1f}", f"{theirs['step_s'] * 1e3:.1f}",
-                           f"{ours['step_s'] / theirs['step_s']:.3f}"]))
     return "\n".join(lines)
 
 

@@ -1,60 +1,150 @@
-"""Sharded checkpoints that reshard: save at any ZeRO stage and dp size, load into any other or into one process.
+"""The one checkpoint format of every lightning_par strategy: a sharded, atomically committed, self-describing directory.
 
-Format (a directory, written with ``torch.distributed.checkpoint`` (DCP), the layout of Lightning's
-``ModelParallelStrategy``): the tensors ``{"state_dict": {name: tensor}, "optimizer_0": {"state": {name: {key:
-tensor}}, "param_groups": [...]}, ...}`` as DCP shards (each rank writes the parts it owns; a tensor replicated on
-several ranks is written once), plus ``meta.pt``, rank 0's ``torch.save`` of everything else Lightning puts in a
-checkpoint (loops, LR schedulers, callbacks, hyper-parameters).
+Layout (Lightning ``ModelParallelStrategy``'s, written with ``torch.distributed.checkpoint`` (DCP)):
 
-Every stage keys tensors by parameter name and keeps sharded tensors as ``Shard(0)`` DTensors of their full shape
-(FSDP2's layout, which stages 1 and 2 share, see :mod:`lightning_par.data_parallel.shard_layout`), so DCP reads any
-saved layout into any requested one: another dp size, another stage, or plain full tensors in a single process.
+* the tensors ``{"state_dict": {name: tensor}, "optimizer_0": {"state": {name: {key: tensor}}, "param_groups": [...]},
+  ...}`` as DCP shards: each rank writes the parts it owns, a tensor replicated on several ranks is written once, and
+  no rank ever gathers the model;
+* ``meta.pt``: rank 0's ``torch.save`` of everything else Lightning puts in a checkpoint (loops, LR schedulers,
+  callbacks, hyper-parameters);
+* ``lightning_par.json``: what wrote it (format version, strategy, layout, dp mode, step), written last.
+
+Every engine keys tensors by parameter name and gives sharded tensors as DTensors of their global shape, so DCP reads
+any saved layout into any requested one: another dp, tp or pp size, another dp mode or strategy, or plain full
+tensors in one process (:func:`load_model_weights`). A save goes into a staging directory that replaces the target
+only when every rank has finished (:mod:`lightning_par.checkpoint.atomic`), so a crash mid-save leaves the previous
+checkpoint whole. Loading checks the directory first (:func:`read_record`) and says what is wrong and what to do.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["METADATA_FILENAME", "is_sharded_checkpoint", "load_model_weights", "load_sharded", "save_sharded"]
+from lightning_par.checkpoint.atomic import commit_checkpoint_dir, staging_dir
+
+__all__ = [
+    "FORMAT_VERSION",
+    "METADATA_FILENAME",
+    "RECORD_FILENAME",
+    "consolidate_checkpoint",
+    "is_sharded_checkpoint",
+    "load_model_weights",
+    "load_sharded",
+    "read_record",
+    "save_sharded",
+]
 
 #: Name of the non-tensor part of a checkpoint (the name Lightning's ``ModelParallelStrategy`` uses).
 METADATA_FILENAME = "meta.pt"
+#: Name of the record of what wrote a checkpoint.
+RECORD_FILENAME = "lightning_par.json"
+#: Version of this format; a checkpoint of a newer version is refused.
+FORMAT_VERSION = 1
+_DCP_METADATA = ".metadata"
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
-    """Whether ``path`` is a directory written by :func:`save_sharded`."""
+    """Whether ``path`` is a complete directory written by :func:`save_sharded`."""
     path = Path(path)
-    return path.is_dir() and (path / METADATA_FILENAME).is_file()
+    return path.is_dir() and all((path / f).is_file() for f in (METADATA_FILENAME, RECORD_FILENAME, _DCP_METADATA))
 
 
-def save_sharded(path: str | Path, checkpoint: dict[str, Any], is_rank0: bool) -> None:
-    """Write a Lightning checkpoint dict whose ``"state_dict"`` and ``"optimizer_states"`` hold sharded tensors.
+def read_record(path: str | Path) -> dict[str, Any]:
+    """The record of a checkpoint directory, after checking that the directory is a complete checkpoint.
 
-    Collective: every rank of the default group calls it with its own shards. ``checkpoint`` is consumed (its
-    ``state_dict`` and ``optimizer_states`` entries are popped).
-
-    Args:
-        path: the checkpoint directory (created; a file of that name is replaced).
-        checkpoint: ``{"state_dict": ..., "optimizer_states": [...], **metadata}``.
-        is_rank0: whether this rank writes ``meta.pt``.
+    Raises:
+        FileNotFoundError: nothing at ``path`` (the message says if an interrupted save left a staging directory).
+        ValueError: ``path`` is a file (a single-file Lightning checkpoint), a directory missing parts (a torn save or
+            not a lightning_par checkpoint), an unreadable record (garbage), or a newer format version.
     """
+    path = Path(path)
+    if not path.exists():
+        staged = staging_dir(path)
+        hint = (
+            f" {str(staged)!r} exists: a save to it was interrupted before it committed, so it is incomplete and "
+            f"not loadable."
+            if staged.exists()
+            else ""
+        )
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist.{hint}")
+    if path.is_file():
+        raise ValueError(
+            f"checkpoint {str(path)!r} is a file, not a lightning_par checkpoint: every lightning_par strategy writes a "
+            f"sharded directory. A single-file Lightning checkpoint (from Lightning's own strategies) holds whole "
+            f"weights: load them with module.load_state_dict(torch.load(path)['state_dict']) before fit instead of "
+            f"ckpt_path=."
+        )
+    missing = [f for f in (_DCP_METADATA, METADATA_FILENAME, RECORD_FILENAME) if not (path / f).is_file()]
+    if missing:
+        raise ValueError(
+            f"checkpoint {str(path)!r} is incomplete or not a lightning_par checkpoint: it lacks {missing}. A "
+            f"lightning_par save commits a directory only once every rank has written it, so this one was written by "
+            f"something else or copied partially; resume from another checkpoint."
+        )
+    try:
+        record = json.loads((path / RECORD_FILENAME).read_text())
+        version = int(record["format_version"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(
+            f"checkpoint {str(path)!r} has an unreadable {RECORD_FILENAME} ({err}): the file is damaged. Resume from "
+            f"another checkpoint."
+        ) from err
+    if version > FORMAT_VERSION:
+        raise ValueError(
+            f"checkpoint {str(path)!r} has format_version={version}, newer than this lightning_par's "
+            f"{FORMAT_VERSION}: upgrade lightning_par to load it."
+        )
+    return record
+
+
+def _write(path: Path, checkpoint: dict[str, Any], record: dict[str, Any], is_rank0: bool) -> None:
+    """Write the shards (collective), then on rank 0 ``meta.pt`` and the record, into ``path``."""
     import torch.distributed.checkpoint as dcp
 
-    path = Path(path)
-    if path.is_file():
-        path.unlink()
     path.mkdir(parents=True, exist_ok=True)
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
         tensors[f"optimizer_{i}"] = state
-    # An explicit writer: replacing an older checkpoint of the same name (``last.ckpt``) is intended.
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path, overwrite=True))
     if is_rank0:
         torch.save(checkpoint, path / METADATA_FILENAME)
+        full = {"format_version": FORMAT_VERSION, "format": "lightning_par sharded (torch.distributed.checkpoint)"}
+        (path / RECORD_FILENAME).write_text(json.dumps({**full, **record}, indent=2, default=str))
+
+
+def save_sharded(
+    path: str | Path,
+    checkpoint: dict[str, Any],
+    record: dict[str, Any],
+    *,
+    is_rank0: bool,
+    barrier: Callable[[], None],
+) -> None:
+    """Write a Lightning checkpoint dict whose ``"state_dict"`` and ``"optimizer_states"`` hold this rank's shards,
+    atomically. Collective: every rank of the default group calls it.
+
+    Args:
+        path: the checkpoint directory (replaced, file or directory, once the new one is whole).
+        checkpoint: ``{"state_dict": ..., "optimizer_states": [...], **metadata}``; consumed (the tensor parts are
+            popped).
+        record: what wrote it (strategy, layout, step, ...), stored in ``lightning_par.json``.
+        is_rank0: whether this rank writes ``meta.pt`` and the record and commits.
+        barrier: waits for every rank.
+    """
+    path = Path(path)
+    staged = staging_dir(path)
+    if is_rank0 and staged.exists():
+        shutil.rmtree(staged)  # a save that crashed earlier
+    barrier()
+    _write(staged, checkpoint, record, is_rank0)
+    commit_checkpoint_dir(path, barrier, is_rank0)
 
 
 def load_sharded(
@@ -62,12 +152,12 @@ def load_sharded(
 ) -> dict[str, Any]:
     """Fill ``model_state`` (and ``optimizer_states``) in place from a :func:`save_sharded` directory.
 
-    The requested tensors may be laid out differently from the saved ones (another dp size or stage): DCP reads the
-    overlapping pieces of every saved shard. Collective when a process group exists.
+    The requested tensors may be laid out differently from the saved ones (another layout, dp mode or strategy): DCP
+    reads the overlapping pieces of every saved shard. Collective when a process group exists.
 
     Args:
         path: the checkpoint directory.
-        model_state: ``{name: tensor}`` with the tensors to fill (plain or DTensor), e.g. a ZeRO engine's
+        model_state: ``{name: tensor}`` with the tensors to fill (plain or DTensor), e.g. an engine's
             ``model_state_dict()`` or a plain ``module.state_dict()``.
         optimizer_states: per optimizer, a ``get_optimizer_state_dict``-format dict with its state already created.
 
@@ -75,20 +165,38 @@ def load_sharded(
         The metadata (``meta.pt``): everything else the checkpoint holds.
 
     Raises:
-        FileNotFoundError: ``path`` is not a sharded checkpoint directory.
+        FileNotFoundError, ValueError: see :func:`read_record`; and ``ValueError`` when the checkpoint does not fit
+            the model or optimizers (a missing parameter, another shape), naming what wrote the checkpoint.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
-    if not is_sharded_checkpoint(path):
-        raise FileNotFoundError(f"{str(path)!r} is not a sharded checkpoint directory (no {METADATA_FILENAME}).")
+    record = read_record(path)
     request: dict[str, Any] = {"state_dict": model_state}
     for i, state in enumerate(optimizer_states or []):
         request[f"optimizer_{i}"] = state
-    dcp.load(request, checkpoint_id=path)
+    try:
+        dcp.load(request, checkpoint_id=path)
+    except (CheckpointException, RuntimeError, KeyError) as err:
+        wrote = ", ".join(f"{k}={record[k]}" for k in ("strategy", "layout", "dp_mode", "global_step") if k in record)
+        raise ValueError(
+            f"checkpoint {str(path)!r} does not fit this model or optimizer ({_first_line(err)}). It was written by "
+            f"{wrote or 'an unknown strategy'}; the model and optimizer must have the same parameter names and shapes "
+            f"(a layout, dp mode or strategy may differ)."
+        ) from None
     for i in range(len(optimizer_states or [])):
         optimizer_states[i] = request[f"optimizer_{i}"]  # type: ignore[index]
     return torch.load(path / METADATA_FILENAME, weights_only=False)
+
+
+def _first_line(err: BaseException) -> str:
+    failures = getattr(err, "_failures", None)
+    if failures:
+        err = next(iter(failures.values()))
+        err = getattr(err, "exc", err)
+    text = str(err).strip().splitlines()
+    return text[0][:300] if text else type(err).__name__
 
 
 def load_model_weights(path: str | Path, module: nn.Module, strict: bool = True) -> dict[str, Any]:
@@ -106,3 +214,30 @@ def load_model_weights(path: str | Path, module: nn.Module, strict: bool = True)
     meta = load_sharded(path, state)
     module.load_state_dict(state, strict=strict)
     return meta
+
+
+def consolidate_checkpoint(path: str | Path, output: str | Path) -> Path:
+    """Write a single-file Lightning checkpoint (weights, hyper-parameters, loop state; no optimizer state) from a
+    sharded one, for ``LightningModule.load_from_checkpoint(output)``. One process; memory for the whole model.
+
+    Also a command: ``python -m lightning_par.checkpoint.consolidate CHECKPOINT_DIR OUTPUT_FILE``.
+
+    Raises:
+        FileNotFoundError, ValueError: see :func:`read_record`.
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path, output = Path(path), Path(output)
+    read_record(path)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".tensors")
+    dcp_to_torch_save(path, tmp)
+    try:
+        tensors = torch.load(tmp, weights_only=False)
+    finally:
+        tmp.unlink(missing_ok=True)
+    checkpoint = torch.load(path / METADATA_FILENAME, weights_only=False)
+    checkpoint["state_dict"] = tensors["state_dict"]
+    checkpoint.pop("optimizer_states", None)
+    torch.save(checkpoint, output)
+    return output

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_par.data import ByteCorpusDataModule
 from lightning_par.models import GPTConfig, GPTLightningModule
 from lightning_par.parallel_dims import ParallelDims
+from lightning_par.parallelize import OPTION_GROUPS
 
 __all__ = ["build_datamodule", "build_module", "build_parallel_dims", "build_strategy", "strategy_classes"]
 
@@ -43,10 +44,13 @@ def build_parallel_dims(cfg: Any) -> ParallelDims:
 
 
 def build_strategy(cfg: Any) -> Any:
-    """The strategy named by ``strategy.name`` with the layout of ``parallel`` and its own options.
+    """The strategy named by ``strategy.name`` with the layout of ``parallel`` and its own options (option groups
+    nested as in the schemas: ``strategy.pipeline.schedule``, ``strategy.reducer.comm_hook``, ...).
 
     Raises:
-        ValueError: an unknown strategy name, an option the strategy rejects, or a layout it cannot run.
+        ValueError: an unknown strategy name; an option that contradicts the name (``strategy=gpipe
+            strategy.pipeline.schedule=1f1b``); a size > 1 on an axis the strategy does not have; an option the
+            strategy rejects.
     """
     options = _plain(cfg.strategy)
     name = options.pop("name")
@@ -54,18 +58,30 @@ def build_strategy(cfg: Any) -> Any:
     if name not in classes:
         raise ValueError(f"strategy.name={name!r} is not valid: expected one of {sorted(classes)}.")
     cls = classes[name]
+    preset = cls.registry_presets.get(name, {})
+    for key, value in preset.items():
+        group = next((g for g, names in OPTION_GROUPS.items() if key in names), None)
+        given = (options.get(group) or {}).get(key) if group else options.get(key)
+        if given is not None and given != value:
+            path = f"strategy.{group}.{key}" if group else f"strategy.{key}"
+            raise ValueError(
+                f"{path}={given!r} contradicts strategy={name!r}, which runs {key}={value!r}: drop the override, or "
+                f"use a strategy name that takes any {key}" + (" (strategy=pipeline)." if key == "schedule" else ".")
+            )
+        if group and given is not None:
+            options[group].pop(key)
     dims = build_parallel_dims(cfg)
     layout = {"dp_size": dims.dp_size}
-    for axis in ("tp_size", "pp_size"):
-        value = getattr(dims, axis)
-        if axis in cls.__init__.__code__.co_varnames:
-            layout[axis] = value
+    for axis in ("tp", "pp"):
+        value = getattr(dims, f"{axis}_size")
+        if axis in cls.axes:
+            layout[f"{axis}_size"] = value
         elif value != 1:
             raise ValueError(
-                f"parallel.{axis}={value} is not valid for strategy {name!r}, which has no {axis.split('_')[0]} axis: "
-                f"use parallel.{axis}=1 or a strategy that supports it."
+                f"parallel.{axis}_size={value} is not valid for strategy {name!r}, which has no {axis} axis: use "
+                f"parallel.{axis}_size=1 or a strategy that has it (parallel_3d has all three)."
             )
-    preset = getattr(cls, "registry_presets", {}).get(name, {})
+    options = {k: v for k, v in options.items() if not (k in OPTION_GROUPS and not v)}
     return cls(**{**preset, **options, **layout})
 
 

@@ -16,11 +16,14 @@ from hydra.core.config_store import ConfigStore
 
 __all__ = [
     "DataConfig",
+    "PipelineGroup",
+    "ReducerGroup",
+    "TensorParallelGroup",
+    "ZeroGroup",
     "DDPOverlapConfig",
     "ModelConfig",
     "Parallel3DConfig",
     "ParallelConfig",
-    "ReducerConfig",
     "PipelineConfig",
     "RunConfig",
     "STRATEGY_SCHEMAS",
@@ -47,98 +50,118 @@ class ParallelConfig:
 
 
 @dataclass
-class StrategyConfig:
-    """Fields every strategy accepts; ``name`` is the Lightning registry name."""
+class ReducerGroup:
+    """``strategy.reducer``: the dp axis's bucketed gradient reducer (:class:`lightning_par.data_parallel.options.
+    ReducerOptions`)."""
 
-    name: str = "ddp_overlap"
-    #: seconds a collective may wait for a peer before it raises (a dead rank ends the job, never hangs it).
-    timeout_s: float = 1800.0
-
-
-@dataclass
-class ReducerConfig(StrategyConfig):
-    """The dp-axis gradient reducer's options (:func:`lightning_par.data_parallel.reducer.reducer_options`), shared
-    by every strategy whose dp axis all-reduces gradients."""
-
-    bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = False
+    #: bucket size in MiB (None: 25; ZeRO-1/2 also bucket their all-gather and reduce-scatter with it; unset at zero3).
+    bucket_cap_mb: Optional[float] = None
+    #: gradients as views of the buckets (None: True for ZeRO modes, False for ddp).
+    gradient_as_bucket_view: Optional[bool] = None
+    static_graph: bool = False
+    #: none | fp16 | bf16 | powersgd (ddp and zero1).
     comm_hook: str = "none"
     powersgd_rank: int = 1
     powersgd_start_iter: int = 2
 
 
 @dataclass
-class DDPOverlapConfig(ReducerConfig):
-    """:class:`lightning_par.strategies.DDPOverlapStrategy` options."""
+class ZeroGroup:
+    """``strategy.zero``: ZeRO's options (the stage comes from the strategy name or ``dp_mode``)."""
 
-    name: str = "ddp_overlap"
-    static_graph: bool = False
-
-
-@dataclass
-class TensorParallelConfig(ReducerConfig):
-    """:class:`lightning_par.strategies.TensorParallelStrategy` options (tp_size/dp_size come from ``parallel``)."""
-
-    name: str = "tensor_parallel"
-    sequence_parallel: bool = False
-    #: a user plan: module path (relative to the LightningModule) -> style name; None uses the model's own plan.
-    plan: Optional[dict[str, str]] = None
-    static_graph: bool = False
-
-
-@dataclass
-class ZeroConfig(StrategyConfig):
-    """:class:`lightning_par.strategies.ZeroStrategy` options; the registry name (``zero1``/``zero2``/``zero3``) sets
-    the stage."""
-
-    name: str = "zero3"
     #: stage 3 only, needs an accelerator: keep the shards in CPU memory and step there.
     cpu_offload: bool = False
     #: None, a dtype name ("bf16", "fp16") or {"param_dtype": ..., "reduce_dtype": ...}.
     mixed_precision: Any = None
     #: stage 3: free gathered parameters after each block's forward.
     reshard_after_forward: bool = True
-    #: stages 1 and 2 (None: 25 MiB); must stay None at stage 3.
-    bucket_cap_mb: Optional[float] = None
-    #: stage 1 reducer options (as ddp_overlap).
-    gradient_as_bucket_view: bool = True
-    static_graph: bool = False
-    comm_hook: str = "none"
 
 
 @dataclass
-class PipelineConfig(ReducerConfig):
-    """:class:`lightning_par.strategies.PipelineStrategy` options (pp_size/dp_size come from ``parallel``)."""
+class TensorParallelGroup:
+    """``strategy.tensor_parallel``: the tp axis's options."""
 
-    name: str = "gpipe"
-    #: gpipe | 1f1b | interleaved_1f1b
-    schedule: str = "gpipe"
+    sequence_parallel: bool = False
+    #: module path (relative to the network) -> style name; None uses the model's own tp_plan().
+    plan: Optional[dict[str, str]] = None
+
+
+@dataclass
+class PipelineGroup:
+    """``strategy.pipeline``: the pp axis's options (:class:`lightning_par.pipeline_parallel.options.
+    PipelineOptions`)."""
+
+    #: gpipe | 1f1b | interleaved_1f1b | interleaved_zero_bubble | zbv_zero_bubble | dualpipev
+    schedule: str = "1f1b"
     num_microbatches: int = 4
-    #: chunks per rank for interleaved_1f1b (None: 2 for interleaved, 1 otherwise).
+    #: model chunks per rank (None: 2 for interleaved and V schedules, else 1).
     virtual_stages: Optional[int] = None
-    #: params | time | size | [layers per (virtual) stage]
+    #: params | time | size | [layers per virtual stage]
     split: Any = "params"
+    split_timeout_s: float = 1.0
     measure_bubble: bool = True
 
 
 @dataclass
-class Parallel3DConfig(ReducerConfig):
-    """:class:`lightning_par.strategies.Parallel3DStrategy` options (the three sizes come from ``parallel``)."""
+class StrategyConfig:
+    """Fields every strategy accepts; ``name`` is the Lightning registry name. The sizes come from ``parallel``."""
+
+    name: str = "ddp_overlap"
+    #: seconds a collective may wait for a peer before it raises (a dead rank ends the job, never hangs it).
+    timeout_s: float = 1800.0
+    #: attribute of the LightningModule holding the network (see lightning_par.contract).
+    module_attr: Optional[str] = "model"
+    #: also show the strategy's own figures (parallel/...) in the progress bar.
+    prog_bar: bool = False
+
+
+@dataclass
+class DDPOverlapConfig(StrategyConfig):
+    """:class:`lightning_par.strategies.DDPOverlapStrategy`."""
+
+    name: str = "ddp_overlap"
+    reducer: ReducerGroup = field(default_factory=ReducerGroup)
+
+
+@dataclass
+class ZeroConfig(StrategyConfig):
+    """:class:`lightning_par.strategies.ZeroStrategy`; the name (``zero1``/``zero2``/``zero3``) sets the stage."""
+
+    name: str = "zero3"
+    zero: ZeroGroup = field(default_factory=ZeroGroup)
+    reducer: ReducerGroup = field(default_factory=ReducerGroup)
+
+
+@dataclass
+class TensorParallelConfig(StrategyConfig):
+    """:class:`lightning_par.strategies.TensorParallelStrategy`."""
+
+    name: str = "tensor_parallel"
+    tensor_parallel: TensorParallelGroup = field(default_factory=TensorParallelGroup)
+    reducer: ReducerGroup = field(default_factory=ReducerGroup)
+
+
+@dataclass
+class PipelineConfig(StrategyConfig):
+    """:class:`lightning_par.strategies.PipelineStrategy` (``gpipe`` and ``1f1b`` fix the schedule; ``pipeline``
+    takes any)."""
+
+    name: str = "pipeline"
+    pipeline: PipelineGroup = field(default_factory=PipelineGroup)
+    reducer: ReducerGroup = field(default_factory=ReducerGroup)
+
+
+@dataclass
+class Parallel3DConfig(StrategyConfig):
+    """:class:`lightning_par.strategies.Parallel3DStrategy`: every axis, every group."""
 
     name: str = "parallel_3d"
     #: ddp | zero1 | zero2 | zero3
     dp_mode: str = "ddp"
-    sequence_parallel: bool = False
-    #: a user TP plan, relative to the network (``.model``); None uses the reference GPT's.
-    plan: Optional[dict[str, str]] = None
-    schedule: str = "1f1b"
-    num_microbatches: int = 4
-    virtual_stages: Optional[int] = None
-    split: Any = "params"
-    reshard_after_forward: bool = True
-    #: zero modes only: None, "bf16", "fp16".
-    mixed_precision: Optional[str] = None
-    measure_bubble: bool = True
+    reducer: ReducerGroup = field(default_factory=ReducerGroup)
+    zero: ZeroGroup = field(default_factory=ZeroGroup)
+    tensor_parallel: TensorParallelGroup = field(default_factory=TensorParallelGroup)
+    pipeline: PipelineGroup = field(default_factory=PipelineGroup)
 
 
 @dataclass
@@ -215,6 +238,7 @@ STRATEGY_SCHEMAS: dict[str, type[StrategyConfig]] = {
     "zero3": ZeroConfig,
     "gpipe": PipelineConfig,
     "1f1b": PipelineConfig,
+    "pipeline": PipelineConfig,
     "parallel_3d": Parallel3DConfig,
 }
 

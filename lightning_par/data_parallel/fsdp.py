@@ -29,16 +29,17 @@ How this differs from the paper's stage 3 (Rajbhandari et al., SC'20, §5.3 and 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_par.data_parallel.zero import ZeroEngine
+from lightning_par.data_parallel.engine import ZeroEngine
 from lightning_par.data_parallel.zero_options import ZeroOptions
 
-__all__ = ["FSDPZero", "find_shard_units"]
+__all__ = ["FSDPZero", "find_shard_units", "fully_shard_roots"]
 
 #: LightningModule methods that run the model outside ``forward``: registered with FSDP2 when the root is the
 #: LightningModule itself.
@@ -60,6 +61,41 @@ def find_shard_units(module: nn.Module) -> list[nn.Module]:
     return units
 
 
+def _fsdp_kwargs(dp_mesh: DeviceMesh, options: ZeroOptions) -> dict[str, Any]:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    return {
+        "mesh": dp_mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype),
+        "offload_policy": CPUOffloadPolicy() if options.cpu_offload else OffloadPolicy(),
+    }
+
+
+def fully_shard_roots(roots: Sequence[nn.Module], dp_mesh: DeviceMesh, options: ZeroOptions) -> None:
+    """FSDP2 on pipeline stage modules: each stage module is a root, its blocks units (in place).
+
+    A pipeline schedule calls the stage modules, not the whole model, so each must be an FSDP2 root that gathers the
+    parameters outside its blocks (embeddings on the first stage, final norm and head on the last); its blocks are
+    units gathered just before their forward (the next one prefetched) and reduce-scattered after their backward.
+    Afterwards :class:`FSDPZero` on the model finds the units in place and only provides its state-dict methods.
+
+    Args:
+        roots: this rank's stage modules (disjoint parameters).
+        dp_mesh: the 1-D dp sub-mesh.
+        options: ZeRO stage 3 options (``reshard_after_forward``, precision, offload).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = _fsdp_kwargs(dp_mesh, options)
+    for root in roots:
+        units = find_shard_units(root)
+        for unit in units:
+            fully_shard(unit, reshard_after_forward=options.reshard_after_forward, **kwargs)
+        for unit, nxt in zip(units, units[1:]):
+            unit.set_modules_to_forward_prefetch([nxt])
+        fully_shard(root, **kwargs)
+
+
 def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
@@ -70,6 +106,7 @@ class FSDPZero(ZeroEngine):
     Args:
         module: the model; its replicas must be equal (FSDP2 keeps each rank's chunk of its own copy).
         dp_mesh: 1-D data-parallel mesh.
+        roots: pipeline stage modules already made FSDP2 roots (:func:`fully_shard_roots`): nothing more is sharded.
         options: stage 3, ``reshard_after_forward``, ``param_dtype`` / ``reduce_dtype`` (FSDP2's
             ``MixedPrecisionPolicy``: the sharded parameters stay in their dtype, fp32, and are cast when gathered)
             and ``cpu_offload`` (FSDP2's ``CPUOffloadPolicy``: shards live in pinned CPU memory, the optimizer steps on
@@ -79,26 +116,21 @@ class FSDPZero(ZeroEngine):
         ValueError: no trainable parameter.
     """
 
-    def __init__(self, module: nn.Module, dp_mesh: DeviceMesh, options: ZeroOptions) -> None:
-        from torch.distributed.fsdp import (
-            CPUOffloadPolicy,
-            FSDPModule,
-            MixedPrecisionPolicy,
-            OffloadPolicy,
-            fully_shard,
-            register_fsdp_forward_method,
-        )
+    def __init__(
+        self, module: nn.Module, dp_mesh: DeviceMesh, options: ZeroOptions, roots: Sequence[nn.Module] | None = None
+    ) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
         super().__init__(module, dp_mesh, options)
         if not any(p.requires_grad for p in module.parameters()):
             raise ValueError("The model has no parameter that requires a gradient: ZeRO has nothing to shard.")
-        kwargs: dict[str, Any] = {
-            "mesh": dp_mesh,
-            "mp_policy": MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype),
-            "offload_policy": CPUOffloadPolicy() if options.cpu_offload else OffloadPolicy(),
-        }
+        kwargs = _fsdp_kwargs(dp_mesh, options)
         self.units: list[nn.Module] = []
         self.roots: list[nn.Module] = []
+        if roots:  # pipeline stages, already sharded by fully_shard_roots (they may lie outside ``module``'s tree)
+            self.roots = list(roots)
+            self.units = [m for r in roots for m in r.modules() if isinstance(m, FSDPModule) and m is not r]
+            return
         if isinstance(module, FSDPModule) or any(isinstance(m, FSDPModule) for m in module.modules()):
             self.units = [m for m in module.modules() if isinstance(m, FSDPModule)]
             return  # already sharded (e.g. validate after fit with the same module)

@@ -59,103 +59,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_par.data_parallel.reducer import CommStats, GradientReducer
 from lightning_par.data_parallel.shard_layout import LayoutBucket, ParamShard, ShardLayout, local_tensor
+from lightning_par.data_parallel.engine import ZeroEngine
 from lightning_par.data_parallel.sharded_comm import ParamGather, ReduceScatterReducer
 from lightning_par.data_parallel.zero_options import ZeroOptions
 
 __all__ = ["ZeroEngine", "ZeroShardedDataParallel", "apply_zero", "init_optimizer_state"]
-
-
-class ZeroEngine:
-    """What a strategy needs from a ZeRO implementation; every method has a do-nothing default.
-
-    Attributes:
-        module: the model (a LightningModule or any ``nn.Module``); parameter names are relative to it.
-        options: the validated :class:`~lightning_par.data_parallel.zero_options.ZeroOptions`.
-        dp_mesh: the 1-D data-parallel mesh.
-    """
-
-    def __init__(self, module: nn.Module, dp_mesh: DeviceMesh, options: ZeroOptions) -> None:
-        self.module = module
-        self.dp_mesh = dp_mesh
-        self.options = options
-
-    @property
-    def stage(self) -> int:
-        return self.options.stage
-
-    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make ``optimizer`` (built on the module's parameters, before its first step) step this rank's shard."""
-
-    @contextmanager
-    def no_sync(self) -> Generator[None, None, None]:
-        """Gradient-accumulation micro-steps that may skip gradient communication."""
-        yield
-
-    def pre_backward(self) -> None:
-        """Called before each backward."""
-
-    def post_backward(self) -> CommStats | None:
-        """Called after each backward; returns the communication statistics of a synchronised backward."""
-        return None
-
-    @contextmanager
-    def defer_sync(self) -> Generator[None, None, None]:
-        """Backward passes inside do not communicate; :meth:`reduce_now` then reduces what they accumulated (for
-        callers that run backward in pieces, e.g. a pipeline schedule's micro-batches)."""
-        yield
-
-    def reduce_now(self) -> CommStats | None:
-        """Reduce the gradients accumulated under :meth:`defer_sync` and make them ready for the optimizer."""
-        return None
-
-    def clip_grad_norm_(
-        self,
-        params: Iterable[Tensor],
-        max_norm: float,
-        norm_type: float = 2.0,
-        groups: Sequence[dist.ProcessGroup | None] = (),
-    ) -> Tensor:
-        """Clip the gradients of ``params`` (the optimizer's parameters) in place by the whole model's norm over
-        every rank, and return that norm (a float32 scalar tensor).
-
-        Default: :func:`~lightning_par.pipeline_parallel.clip.clip_grad_norm_across_ranks`, right when the
-        optimizer's parameters are (DTensor) parameters of the model; an engine whose optimizer steps plain local
-        shards overrides it. ``groups`` are the process groups holding the rest of the model (the pp group).
-        """
-        from lightning_par.pipeline_parallel.clip import clip_grad_norm_across_ranks
-
-        return clip_grad_norm_across_ranks(params, max_norm, [g for g in groups if g is not None], norm_type)
-
-    def model_state_dict(self) -> dict[str, Any]:
-        """Sharded model state keyed by parameter / buffer name (``Shard(0)`` DTensors for sharded parameters)."""
-        raise NotImplementedError
-
-    def load_model_state_dict(self, state: dict[str, Any]) -> None:
-        """Apply a state of :meth:`model_state_dict`'s structure (as filled by ``torch.distributed.checkpoint``)."""
-        raise NotImplementedError
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """``{"state": {name: {key: tensor}}, "param_groups": [{..., "params": [names]}]}``, the format of
-        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` (state created if still empty)."""
-        raise NotImplementedError
-
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Apply a state of :meth:`optimizer_state_dict`'s structure."""
-        raise NotImplementedError
-
-    def full_state_dict(self) -> dict[str, Tensor]:
-        """Every parameter gathered in full (fp32 masters under mixed precision), on every rank; collective."""
-        raise NotImplementedError
-
-    def reshard(self) -> None:
-        """Free any gathered parameters (stage 3 after an evaluation forward, which no backward follows)."""
-
-    def summary(self) -> dict[str, Any]:
-        """Figures for ``summary.json``."""
-        return {"zero_stage": self.stage}
-
-    def remove(self) -> None:
-        """Detach hooks."""
 
 
 def _shard_dtensor(local: Tensor, param: nn.Parameter, dp_mesh: DeviceMesh) -> DTensor:

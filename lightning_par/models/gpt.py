@@ -9,9 +9,12 @@ https://github.com/karpathy/nanoGPT): pre-LayerNorm blocks, learned absolute pos
 * Attention computes its head count from the local tensor width, and no reshape hard-codes ``n_embd``: a rank that
   holds ``1/tp`` of the columns runs ``n_head / tp`` heads.
 * ``lm_head`` is not tied to ``wte``: pipeline parallelism puts them on different stages.
-* ``blocks`` is an ``nn.ModuleDict`` keyed by ``str(layer_index)`` and ``wte``/``wpe``/``ln_f``/``lm_head`` may be set
-  to ``None``: a pipeline stage is the full model with the parts it does not own removed, and its parameter names
-  (``blocks.3.attn.q_proj.weight``) match the full model's, so checkpoints line up.
+* ``blocks`` is an ``nn.ModuleDict`` keyed by ``str(layer_index)`` and ``wte``/``wpe``/``ln_f``/``lm_head`` may be
+  ``None``: a pipeline stage (:meth:`GPT.pipeline_stage`) is the model with the parts it does not run left out, and its
+  parameter names (``blocks.3.attn.q_proj.weight``) match the full model's, so checkpoints line up.
+
+It meets the model contract of :mod:`lightning_par.contract` itself: ``tp_plan()``, ``check_tensor_parallel()``,
+``pipeline_layers()``, ``pipeline_stage()`` and ``example_input()``.
 """
 
 from __future__ import annotations
@@ -294,6 +297,43 @@ class GPT(nn.Module):
                 if table is not None:
                     total -= table.weight.numel()
         return total
+
+    # ------------------------------------------------------------------ the model contract (lightning_par.contract)
+    def tp_plan(self) -> dict[str, str]:
+        """The Megatron tensor-parallel plan, relative to this module (see :mod:`lightning_par.models.gpt_tp_plan`)."""
+        from lightning_par.models.gpt_tp_plan import gpt_tp_plan
+
+        return gpt_tp_plan()
+
+    def check_tensor_parallel(self, tp_size: int, sequence_parallel: bool) -> None:
+        """Raise ``ValueError`` if heads, width or (with sequence parallelism) ``block_size`` do not split over
+        ``tp_size`` (see :func:`lightning_par.models.gpt_tp_plan.validate_gpt_tp`)."""
+        from lightning_par.models.gpt_tp_plan import validate_gpt_tp
+
+        validate_gpt_tp(self.config, tp_size, sequence_parallel)
+
+    def pipeline_layers(self) -> list[str]:
+        """The blocks, in order: pipeline stage boundaries fall between them (``["blocks.0", "blocks.1", ...]``)."""
+        return [f"blocks.{k}" for k in self.blocks.keys()]
+
+    def pipeline_stage(self, layers: list[str], *, first: bool, last: bool) -> GPT:
+        """A :class:`GPT` sharing this one's modules that runs only ``layers`` (``"blocks.<k>"``), plus the embeddings
+        if ``first`` and the final norm and head if ``last``. No parameter is copied; names stay the whole model's."""
+        view = GPT.__new__(GPT)
+        nn.Module.__init__(view)
+        view.config = self.config
+        view.wte = self.wte if first else None
+        view.wpe = self.wpe if first else None
+        view.drop = self.drop
+        view.blocks = nn.ModuleDict({k.split(".", 1)[1]: self.blocks[k.split(".", 1)[1]] for k in layers})
+        view.ln_f = self.ln_f if last else None
+        view.lm_head = self.lm_head if last else None
+        return view
+
+    def example_input(self, batch_size: int = 1) -> torch.Tensor:
+        """Token ids ``(batch_size, block_size)`` to profile the layers with (``split="time"``)."""
+        device = next(self.parameters()).device
+        return torch.randint(0, self.config.vocab_size, (batch_size, self.config.block_size), device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Run the embeddings (if present), the remaining blocks, ``ln_f`` and ``lm_head`` (if present).

@@ -1,31 +1,29 @@
-"""Pipeline parallelism: stage splitting and balancing, schedules as plain lists of operations, the runner that executes
-them between ranks, bubble accounting, and the cross-stage pieces Lightning needs (norm clipping, checkpoints).
+"""Pipeline parallelism: options and schedules (torch's ``torch.distributed.pipelining``), stage splitting and
+balancing for any network meeting :mod:`lightning_par.contract`, the engine that runs torch's schedules inside
+Lightning's step, bubble accounting, and the analysis of schedules (orders, simulation, formulas).
 
-The functions here take the modules and process groups explicitly, so the pipeline strategy and the 3-D strategy
-(tensor parallelism inside each stage) share them.
+Everything here takes modules and process groups explicitly; nothing knows a particular model.
 """
 
 from lightning_par.pipeline_parallel.bubble import OpEvent, StepRecord, StepTimer, summarize_bubble
 from lightning_par.pipeline_parallel.clip import clip_grad_norm_across_ranks, total_grad_norm
-from lightning_par.pipeline_parallel.runner import PipelineRunner, split_microbatches
+from lightning_par.pipeline_parallel.engine import PipelineEngine, split_tree
+from lightning_par.pipeline_parallel.options import SCHEDULES, SPLIT_METHODS, PipelineOptions, ScheduleSpec
 from lightning_par.pipeline_parallel.schedules import (
-    SCHEDULES,
     Action,
     bubble_formula,
     build_order,
     forward_only_order,
     peak_in_flight,
     stage_ids,
-    validate_schedule,
 )
-from lightning_par.pipeline_parallel.simulate import SimulatedStep, simulate
+from lightning_par.pipeline_parallel.simulate import SimulatedStep, simulate, simulate_actions
 from lightning_par.pipeline_parallel.split import (
-    SPLIT_METHODS,
     balance_costs,
     cut_network,
     layer_costs,
-    network_layers,
     plan_split,
+    prune_to,
     validate_split,
 )
 
@@ -34,7 +32,9 @@ __all__ = [
     "SPLIT_METHODS",
     "Action",
     "OpEvent",
-    "PipelineRunner",
+    "PipelineEngine",
+    "PipelineOptions",
+    "ScheduleSpec",
     "SimulatedStep",
     "StepRecord",
     "StepTimer",
@@ -45,14 +45,14 @@ __all__ = [
     "cut_network",
     "forward_only_order",
     "layer_costs",
-    "network_layers",
     "peak_in_flight",
     "plan_split",
+    "prune_to",
     "simulate",
-    "split_microbatches",
+    "simulate_actions",
+    "split_tree",
     "stage_ids",
     "summarize_bubble",
     "total_grad_norm",
-    "validate_schedule",
     "validate_split",
 ]

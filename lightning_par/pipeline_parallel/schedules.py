@@ -1,9 +1,10 @@
-"""Pipeline schedules as plain lists of operations: which micro-batch each rank runs forward or backward, and when.
+"""Analysis of pipeline schedules: their orders of operations, computed without any process, and their bubble.
 
-A schedule is computed without any process: :func:`build_order` returns, for one pipeline rank, the list of
-:class:`Action` it executes in order. The runner (:mod:`lightning_par.pipeline_parallel.runner`) executes such a list
-with blocking receives and non-blocking sends; :mod:`lightning_par.pipeline_parallel.simulate` replays the lists of all
-ranks on a clock to check that they cannot deadlock and to predict the bubble.
+The schedules that train are torch's (:mod:`lightning_par.pipeline_parallel.engine`); this module is their model on
+paper, for tests and benchmarks: :func:`build_order` returns, for one pipeline rank, the list of :class:`Action` the
+classic schedules (GPipe, 1F1B, interleaved 1F1B) execute; :mod:`lightning_par.pipeline_parallel.simulate` replays the
+lists of all ranks on a clock to check that they cannot deadlock and to predict the bubble, which
+:func:`bubble_formula` gives in closed form.
 
 Stages and ranks. With ``pp_size = p`` ranks and ``virtual_stages = v`` model chunks per rank there are ``p * v``
 virtual stages; chunk ``c`` of pipeline rank ``r`` is virtual stage ``c * p + r`` (Narayanan et al. 2021, §2.2), so

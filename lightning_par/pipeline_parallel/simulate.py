@@ -1,19 +1,26 @@
-"""Replay the schedules of all pipeline ranks on a clock, without processes.
+"""Replay the schedules of all pipeline ranks on a clock, without processes: the ideal timeline and its bubble.
 
-The model is the runner's: each rank executes its :class:`~lightning_par.pipeline_parallel.schedules.Action` list in
-order; a forward of virtual stage ``s > 0`` waits for the forward of stage ``s - 1`` on the same micro-batch (a
-blocking receive), a backward of stage ``s < S - 1`` waits for the backward of stage ``s + 1``; sends never block.
-This checks that a schedule cannot deadlock and gives the ideal timeline, whose idle share is the bubble that
-:func:`~lightning_par.pipeline_parallel.schedules.bubble_formula` predicts.
+Each rank executes its list of operations in order. An operation is ``(kind, virtual stage, micro-batch)`` with kind
+``"F"`` (forward), ``"B"`` (full backward), or the two halves of a split backward (zero-bubble schedules, Qi et al.
+2024, §2): ``"I"`` (gradient of the stage's input) and ``"W"`` (gradient of its weights). Dependencies: a forward of
+stage ``s > 0`` waits for the forward of ``s - 1`` on the same micro-batch (a blocking receive); ``B``/``I`` of stage
+``s`` waits for its own forward and for ``B``/``I`` of ``s + 1``; ``W`` waits for the same stage's ``I``. Sends never
+block. This checks that a schedule cannot deadlock and gives the bubble of its ideal timeline:
+:func:`~lightning_par.pipeline_parallel.schedules.bubble_formula` in closed form for GPipe, 1F1B and interleaved 1F1B,
+and for any other schedule (torch's zero-bubble ones) the replay of its own action lists.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lightning_par.pipeline_parallel.schedules import Action, build_order
 
-__all__ = ["SimulatedStep", "simulate"]
+__all__ = ["SimulatedStep", "simulate", "simulate_actions"]
+
+#: One operation of a rank: ``(kind, virtual stage, micro-batch)``.
+Op = tuple[str, int, int]
 
 
 @dataclass
@@ -21,12 +28,12 @@ class SimulatedStep:
     """Timeline of one simulated step.
 
     Attributes:
-        timeline: per rank, ``[(action, start_time, end_time), ...]`` in execution order (time units of the inputs).
+        timeline: per rank, ``[(operation, start_time, end_time), ...]`` in execution order (time units of the costs).
         makespan: end of the last operation on any rank.
-        busy: per rank, total time spent in forward and backward.
+        busy: per rank, total time spent computing.
     """
 
-    timeline: list[list[tuple[Action, float, float]]]
+    timeline: list[list[tuple[Op, float, float]]]
     makespan: float
     busy: list[float]
 
@@ -34,6 +41,79 @@ class SimulatedStep:
     def bubble(self) -> list[float]:
         """Per rank, idle share of the step: ``1 - busy / makespan``."""
         return [1.0 - b / self.makespan for b in self.busy]
+
+    @property
+    def mean_bubble(self) -> float:
+        """Idle share of the step, mean over ranks (what the engine measures as ``pp_bubble``)."""
+        return sum(self.bubble) / len(self.bubble)
+
+
+def simulate_actions(orders: Sequence[Sequence[Op]], num_stages: int, cost: Callable[[str, int], float],
+                     latency: float = 0.0) -> SimulatedStep:
+    """Run every rank's operations on a shared clock.
+
+    Args:
+        orders: per pipeline rank, its operations in execution order.
+        num_stages: virtual stages of the pipeline.
+        cost: ``cost(kind, stage)``: time of one operation on one micro-batch.
+        latency: added between an operation and a dependent one on another rank (a send).
+
+    Returns:
+        The timeline.
+
+    Raises:
+        RuntimeError: the schedules deadlock (every rank waits on another), or an operation repeats; the message
+            shows where each rank is stuck.
+    """
+    ranks = len(orders)
+    owner = {op[1]: r for r, order in enumerate(orders) for op in order}
+    done: dict[Op, float] = {}
+    clock, position, busy = [0.0] * ranks, [0] * ranks, [0.0] * ranks
+    timeline: list[list[tuple[Op, float, float]]] = [[] for _ in range(ranks)]
+    total, finished = sum(len(o) for o in orders), 0
+
+    def finished_at(kinds: str, stage: int, mb: int) -> float | None:
+        ends = [done[(k, stage, mb)] for k in kinds if (k, stage, mb) in done]
+        return min(ends) if ends else None
+
+    while finished < total:
+        progressed = False
+        for r in range(ranks):
+            while position[r] < len(orders[r]):
+                op = orders[r][position[r]]
+                kind, stage, mb = op
+                if op in done:
+                    raise RuntimeError(f"rank {r} runs {op} twice")
+                deps: list[tuple[str, int]] = []  # (kinds that satisfy it, stage)
+                if kind == "F" and stage > 0:
+                    deps.append(("F", stage - 1))
+                elif kind in ("B", "I"):
+                    deps.append(("F", stage))
+                    if stage < num_stages - 1:
+                        deps.append(("BI", stage + 1))
+                elif kind == "W":
+                    deps.append(("I", stage))
+                ready = 0.0
+                for kinds, s in deps:
+                    end = finished_at(kinds, s, mb)
+                    if end is None:
+                        break
+                    ready = max(ready, end + (latency if owner.get(s, r) != r else 0.0))
+                else:
+                    start = max(clock[r], ready)
+                    clock[r] = start + cost(kind, stage)
+                    done[op] = clock[r]
+                    busy[r] += cost(kind, stage)
+                    timeline[r].append((op, start, clock[r]))
+                    position[r] += 1
+                    finished += 1
+                    progressed = True
+                    continue
+                break  # blocked on a receive
+        if not progressed:
+            stuck = {r: orders[r][position[r]] for r in range(ranks) if position[r] < len(orders[r])}
+            raise RuntimeError(f"the schedules deadlock: ranks wait at {stuck}")
+    return SimulatedStep(timeline=timeline, makespan=max(clock), busy=busy)
 
 
 def simulate(
@@ -45,7 +125,8 @@ def simulate(
     t_backward: float = 2.0,
     latency: float = 0.0,
 ) -> SimulatedStep:
-    """Run every rank's schedule on a shared clock with fixed operation times.
+    """Replay one of the classic schedules (:func:`~lightning_par.pipeline_parallel.schedules.build_order`) with
+    fixed operation times.
 
     Args:
         schedule, pp_size, num_microbatches, virtual_stages: as for
@@ -54,53 +135,21 @@ def simulate(
         t_backward: the same for a backward.
         latency: added between an operation and the dependent one on another rank (a send).
 
-    Returns:
-        The timeline.
-
     Raises:
         ValueError: invalid schedule options.
-        RuntimeError: the schedules deadlock (every rank waits on another), or an action repeats or runs a backward
-            before its forward; the message shows where each rank is stuck.
+        RuntimeError: see :func:`simulate_actions`; also an action run before its forward.
     """
-    orders = [build_order(schedule, r, pp_size, num_microbatches, virtual_stages) for r in range(pp_size)]
+    orders: list[list[Action]] = [build_order(schedule, r, pp_size, num_microbatches, virtual_stages)
+                                  for r in range(pp_size)]
     v = max(a.chunk for a in orders[0]) + 1
-    n_stages = pp_size * v
-    done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, micro-batch) -> end time
-    clock = [0.0] * pp_size
-    position = [0] * pp_size
-    timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(pp_size)]
-    busy = [0.0] * pp_size
-    total = sum(len(o) for o in orders)
-    finished = 0
-    while finished < total:
-        progressed = False
-        for r in range(pp_size):
-            while position[r] < len(orders[r]):
-                a = orders[r][position[r]]
-                stage = a.chunk * pp_size + r
-                key = (a.kind, stage, a.microbatch)
-                if key in done:
-                    raise RuntimeError(f"rank {r} runs {a!r} twice")
-                if a.kind == "F":
-                    dep = ("F", stage - 1, a.microbatch) if stage > 0 else None
-                    cost = t_forward / v
-                else:
-                    if ("F", stage, a.microbatch) not in done:
-                        raise RuntimeError(f"rank {r} runs {a!r} before its forward")
-                    dep = ("B", stage + 1, a.microbatch) if stage < n_stages - 1 else None
-                    cost = t_backward / v
-                if dep is not None and dep not in done:
-                    break  # blocked on a receive
-                ready = 0.0 if dep is None else done[dep] + (latency if dep[1] % pp_size != r else 0.0)
-                start = max(clock[r], ready)
-                clock[r] = start + cost
-                done[key] = clock[r]
-                busy[r] += cost
-                timeline[r].append((a, start, clock[r]))
-                position[r] += 1
-                finished += 1
-                progressed = True
-        if not progressed:
-            stuck = {r: orders[r][position[r]] for r in range(pp_size) if position[r] < len(orders[r])}
-            raise RuntimeError(f"schedule {schedule!r} deadlocks: ranks wait at {stuck}")
-    return SimulatedStep(timeline=timeline, makespan=max(clock), busy=busy)
+    ops = [[(a.kind, a.chunk * pp_size + r, a.microbatch) for a in order] for r, order in enumerate(orders)]
+    for r, order in enumerate(ops):
+        seen: set[tuple[int, int]] = set()
+        for kind, stage, mb in order:
+            if kind == "F":
+                seen.add((stage, mb))
+            elif (stage, mb) not in seen:
+                raise RuntimeError(f"rank {r} runs B{mb} of stage {stage} before its forward")
+    step = simulate_actions(ops, pp_size * v, lambda kind, s: (t_forward if kind == "F" else t_backward) / v, latency)
+    step.timeline = [[(Action(op[0], op[1] // pp_size, op[2]), a, b) for op, a, b in line] for line in step.timeline]
+    return step

@@ -1,71 +1,48 @@
-"""Where a network is cut into pipeline stages, and the cutting itself.
+"""Where a network is cut into pipeline stages, and the cutting itself, for any network that meets the model contract
+(:mod:`lightning_par.contract`: ``pipeline_layers()`` / ``pipeline_stage()``, or an ``nn.Sequential``/``nn.ModuleList``).
 
-A *layer* is the unit a stage boundary can fall between: a transformer block of the reference
-:class:`~lightning_par.models.GPT` (whose embeddings always go to the first stage and whose final norm and head go
-to the last), or a child of an ``nn.Sequential`` / ``nn.ModuleList`` network (run in order).
-
-Boundaries (layer counts per virtual stage, in stage order) come from
+A *layer* is the unit a stage boundary can fall between (a transformer block of the reference GPT, a child of an
+``nn.Sequential``). Boundaries (layer counts per virtual stage, in stage order) come from
 
 * ``"params"`` (default): balance the parameter count (memory) of the stages;
 * ``"time"``: balance the measured forward + backward time of each layer, profiled with fairscale's
   ``profile_times`` (the profiler behind ``fairscale.nn.pipe.balance.balance_by_time``, torchgpipe by Kim et al.
-  2020, §3.3);
-* ``"size"``: balance the memory each layer needs in training, profiled with fairscale's ``profile_sizes`` (behind
-  ``balance_by_size``; CUDA only, as fairscale measures CUDA allocations);
+  2020, §3.3) — fairscale is used only for this, behind an import guard: torch has no such profiler;
+* ``"size"``: balance the memory each layer needs in training, fairscale's ``profile_sizes`` (CUDA only);
 * an explicit list of layer counts, as fairscale's ``Pipe(balance=...)``.
 
 Given per-layer costs, :func:`balance_costs` finds the contiguous partition that minimises the costliest stage
-(exactly, by dynamic programming over the cut points), counting the embeddings on the first stage and the head on the
-last. fairscale is imported only for ``"time"`` and ``"size"``.
+(exactly, by dynamic programming over the cut points), counting what the first stage runs before its first layer
+(embeddings) and what the last stage runs after its last (final norm, head).
 
-Cutting (:func:`cut_network`) keeps every parameter's name (FQN) as in the whole model (``blocks.3.attn.q_proj.weight``
-on whichever stage holds block 3), so a checkpoint of the stages is a checkpoint of the whole model.
+Cutting (:func:`cut_network`) builds this rank's stage modules with the contract and a *holder*: a copy of the network's
+module tree pruned to the parameters this rank's stages use, under their whole-model names
+(``blocks.3.attn.q_proj.weight`` on whichever stage holds block 3), so the optimizer, tensor parallelism (whose plan
+paths are relative to the network) and checkpoints see the same names as in one process.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from lightning_par.models.gpt import GPT
+from lightning_par import contract
+from lightning_par.pipeline_parallel.options import SPLIT_METHODS
 
 __all__ = [
     "SPLIT_METHODS",
     "balance_costs",
     "cut_network",
-    "gpt_stage_view",
     "layer_costs",
-    "network_layers",
     "plan_split",
+    "prune_to",
     "validate_split",
 ]
-
-#: Automatic ways of placing the stage boundaries (an explicit list of layer counts is the other way).
-SPLIT_METHODS: tuple[str, ...] = ("params", "time", "size")
-
-
-def network_layers(network: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The layers a pipeline boundary may fall between, with their names, in execution order.
-
-    Args:
-        network: a :class:`~lightning_par.models.GPT` (layers: its blocks; the GPT may already be cut, then only the
-            blocks it holds are listed), an ``nn.Sequential`` or an ``nn.ModuleList`` (layers: its children).
-
-    Raises:
-        ValueError: any other kind of network (the message lists the supported ones).
-    """
-    if isinstance(network, GPT):
-        return [(f"blocks.{k}", block) for k, block in network.blocks.items()]
-    if isinstance(network, (nn.Sequential, nn.ModuleList)):
-        return list(network.named_children())
-    raise ValueError(
-        f"a network of type {type(network).__name__} cannot be split into pipeline stages: expected the reference "
-        f"GPT (lightning_par.models.GPT), an nn.Sequential or an nn.ModuleList of layers run in order."
-    )
 
 
 def validate_split(split: str | Sequence[int], num_layers: int, num_stages: int, pp_size: int | None = None) -> None:
@@ -166,34 +143,22 @@ def balance_costs(
     return counts[::-1]
 
 
-def _gpt_ends(network: GPT) -> tuple[list[nn.Module], list[nn.Module]]:
-    first = [m for m in (network.wte, network.wpe) if m is not None]
-    last = [m for m in (network.ln_f, network.lm_head) if m is not None]
-    return first, last
+def _num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
 
 
-def _num_params(modules: Sequence[nn.Module]) -> int:
-    return sum(p.numel() for m in modules for p in m.parameters())
-
-
-def _profile_modules(network: nn.Module) -> nn.Sequential:
-    """An ``nn.Sequential`` view of the network for fairscale's profilers: for the GPT, ``[embeddings, blocks...,
-    norm + head]``."""
-    if isinstance(network, GPT):
-        keys = list(network.blocks.keys())
-        parts = [gpt_stage_view(network, [], first=True, last=False)]
-        parts += [network.blocks[k] for k in keys]
-        parts.append(gpt_stage_view(network, [], first=False, last=True))
-        return nn.Sequential(*parts)
-    if isinstance(network, nn.ModuleList):
-        return nn.Sequential(*network)
-    return network  # type: ignore[return-value]
+def _ends(network: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """What the first stage runs before its first layer, and the last stage after its last (as stage modules)."""
+    return (
+        contract.pipeline_stage(network, [], first=True, last=False),
+        contract.pipeline_stage(network, [], first=False, last=True),
+    )
 
 
 def layer_costs(
     network: nn.Module,
     method: str = "params",
-    sample: torch.Tensor | None = None,
+    sample: tuple[Tensor, ...] | Tensor | None = None,
     *,
     num_microbatches: int = 1,
     param_scale: float = 2.0,
@@ -203,7 +168,7 @@ def layer_costs(
     """Cost of each layer under ``method``, plus the costs pinned to the first and last stage.
 
     Args:
-        network: see :func:`network_layers`.
+        network: a network meeting the pipeline contract (:func:`lightning_par.contract.pipeline_layers`).
         method: ``"params"`` (parameter count), ``"time"`` (microseconds of forward + backward, fairscale's
             ``profile_times``) or ``"size"`` (bytes of parameters x ``param_scale`` plus activations, fairscale's
             ``profile_sizes``).
@@ -215,16 +180,17 @@ def layer_costs(
         device: where to profile (``"size"`` needs a CUDA device).
 
     Returns:
-        ``(per-layer costs, first-stage extra, last-stage extra)``; the extras are the GPT's embeddings and head
-        (zero for other networks).
+        ``(per-layer costs, first-stage extra, last-stage extra)``; the extras are what the first stage runs before
+        its first layer and the last stage after its last (the GPT's embeddings, and its final norm and head).
 
     Raises:
         ValueError: an unknown method, a missing sample, ``"size"`` without CUDA, or fairscale not installed.
     """
-    layers = network_layers(network)
-    first, last = _gpt_ends(network) if isinstance(network, GPT) else ([], [])
+    names = contract.pipeline_layers(network)
+    first, last = _ends(network)
     if method == "params":
-        return [float(_num_params([m])) for _, m in layers], float(_num_params(first)), float(_num_params(last))
+        layers = [network.get_submodule(n) for n in names]
+        return [float(_num_params(m)) for m in layers], float(_num_params(first)), float(_num_params(last))
     if method not in SPLIT_METHODS:
         raise ValueError(f"split={method!r} is not valid: expected one of {list(SPLIT_METHODS)}.")
     if sample is None:
@@ -239,35 +205,36 @@ def layer_costs(
         from fairscale.nn.pipe.balance.profile import profile_sizes, profile_times
     except ImportError as err:  # pragma: no cover - fairscale is a dependency, but optional at run time
         raise ValueError(f"split={method!r} needs fairscale (pip install fairscale); use split='params'.") from err
-    seq = _profile_modules(network)
+    # fairscale profiles an nn.Sequential whose parts feed each other: the ends and each layer as its own stage.
+    parts = [first] + [contract.pipeline_stage(network, [n], first=False, last=False) for n in names] + [last]
+    seq = nn.Sequential(*parts)
+    batch = sample[0] if isinstance(sample, tuple) else sample
     grads_before = [p.grad for p in seq.parameters()]
     for p in seq.parameters():  # fairscale refuses modules that already hold gradients
         p.grad = None
     try:
         if method == "time":
-            raw = profile_times(seq, sample, timeout_s, device)
+            raw = profile_times(seq, batch, timeout_s, device)
         else:
-            raw = profile_sizes(seq, sample, num_microbatches, param_scale, device)
+            raw = profile_sizes(seq, batch, num_microbatches, param_scale, device)
     finally:
         for p, g in zip(seq.parameters(), grads_before):
             p.grad = g
     costs = [float(c) for c in raw]
-    if isinstance(network, GPT):
-        return costs[1:-1], costs[0], costs[-1]
-    return costs, 0.0, 0.0
+    return costs[1:-1], costs[0], costs[-1]
 
 
 def plan_split(
     network: nn.Module,
     num_stages: int,
     split: str | Sequence[int] = "params",
-    sample: torch.Tensor | None = None,
+    sample: tuple[Tensor, ...] | Tensor | None = None,
     **profile: Any,
 ) -> list[int]:
     """Layer counts per virtual stage.
 
     Args:
-        network: see :func:`network_layers`.
+        network: see :func:`layer_costs`.
         num_stages: virtual stages.
         split: a method of :data:`SPLIT_METHODS` or explicit layer counts.
         sample: input batch for the profiling methods.
@@ -276,68 +243,64 @@ def plan_split(
     Raises:
         ValueError: see :func:`validate_split` and :func:`layer_costs`.
     """
-    layers = network_layers(network)
-    validate_split(split, len(layers), num_stages)
+    names = contract.pipeline_layers(network)
+    validate_split(split, len(names), num_stages)
     if not isinstance(split, str):
         return list(split)
     costs, first, last = layer_costs(network, split, sample, **profile)
     return balance_costs(costs, num_stages, first, last)
 
 
-def gpt_stage_view(network: GPT, block_keys: Sequence[str], first: bool, last: bool) -> GPT:
-    """A :class:`GPT` that shares ``network``'s modules but runs only ``block_keys`` (plus the embeddings if
-    ``first``, and the final norm and head if ``last``). No parameter is copied; names stay those of the whole model."""
-    view = GPT.__new__(GPT)
-    nn.Module.__init__(view)
-    view.config = network.config
-    view.wte = network.wte if first else None
-    view.wpe = network.wpe if first else None
-    view.drop = network.drop
-    view.blocks = nn.ModuleDict({k: network.blocks[k] for k in block_keys})
-    view.ln_f = network.ln_f if last else None
-    view.lm_head = network.lm_head if last else None
-    return view
+def prune_to(module: nn.Module, keep: set[int]) -> nn.Module:
+    """A copy of ``module``'s tree holding only the parameters whose ``id`` is in ``keep``, under the same names.
+
+    A sub-module whose parameters are all kept (or that has none) is shared as is; one with none kept is left out;
+    one with some kept is shallow-copied (same class and attributes) with its children pruned the same way. Buffers
+    of a copied module are kept. Nothing is copied but the containers: the parameters are the same objects.
+    """
+    own = list(module.parameters())
+    if all(id(p) in keep for p in own):
+        return module
+    pruned = copy.copy(module)
+    pruned._parameters = OrderedDict((n, p) for n, p in module._parameters.items() if p is not None and id(p) in keep)
+    pruned._buffers = OrderedDict(module._buffers)
+    pruned._modules = OrderedDict()
+    for name, child in module._modules.items():
+        if child is None:
+            continue
+        child_params = list(child.parameters())
+        if child_params and not any(id(p) in keep for p in child_params):
+            continue
+        pruned._modules[name] = prune_to(child, keep)
+    return pruned
 
 
 def cut_network(network: nn.Module, counts: Sequence[int], stages: Sequence[int]) -> tuple[nn.Module, list[nn.Module]]:
-    """Keep only the virtual stages ``stages`` of ``network``: the module this rank holds, and one runnable module per
-    stage.
+    """This rank's pipeline stages of ``network``, and the module that holds their parameters.
 
     Args:
-        network: the whole network (see :func:`network_layers`); a GPT is cut in place (parts it does not hold are set
-            to ``None`` or deleted), an ``nn.Sequential``/``nn.ModuleList`` is left as it is.
+        network: the whole network (see :func:`lightning_par.contract.pipeline_layers`); left unchanged.
         counts: layers per virtual stage (all stages of the pipeline), e.g. from :func:`plan_split`.
         stages: the virtual stages this rank runs, in chunk order (see
-            :func:`~lightning_par.pipeline_parallel.schedules.stage_ids`).
+            :meth:`~lightning_par.pipeline_parallel.options.PipelineOptions.stage_ids`).
 
     Returns:
-        ``(holder, chunks)``. ``holder`` owns every parameter of this rank under its whole-model name (put it where
-        the network was, so the optimizer and checkpoints see it); ``chunks[c]`` runs virtual stage ``stages[c]``
-        and shares the holder's modules.
+        ``(holder, modules)``. ``holder`` owns every parameter of this rank under its whole-model name (put it where
+        the network was, so the optimizer and checkpoints see it; see :func:`prune_to`); ``modules[c]`` runs virtual
+        stage ``stages[c]`` and shares the holder's parameters.
 
     Raises:
         ValueError: ``counts`` does not cover the network's layers.
     """
-    layers = network_layers(network)
-    validate_split(list(counts), len(layers), len(counts))
+    names = contract.pipeline_layers(network)
+    validate_split(list(counts), len(names), len(counts))
     bounds = [0]
     for n in counts:
         bounds.append(bounds[-1] + n)
-    last_stage = len(counts) - 1
-    if isinstance(network, GPT):
-        keys = [name.split(".", 1)[1] for name, _ in layers]
-        chunks = [
-            gpt_stage_view(network, keys[bounds[s] : bounds[s + 1]], first=s == 0, last=s == last_stage) for s in stages
-        ]
-        kept = {k for chunk in chunks for k in chunk.blocks.keys()}
-        for k in keys:
-            if k not in kept:
-                del network.blocks[k]
-        if 0 not in stages:
-            network.wte = network.wpe = None
-        if last_stage not in stages:
-            network.ln_f = network.lm_head = None
-        return network, chunks
-    chunk_layers = [OrderedDict(layers[bounds[s] : bounds[s + 1]]) for s in stages]
-    holder = nn.Sequential(OrderedDict((name, m) for part in chunk_layers for name, m in part.items()))
-    return holder, [nn.Sequential(part) for part in chunk_layers]
+    last = len(counts) - 1
+    modules = [
+        contract.pipeline_stage(network, names[bounds[s] : bounds[s + 1]], first=s == 0, last=s == last)
+        for s in stages
+    ]
+    keep = {id(p) for m in modules for p in m.parameters()}
+    return prune_to(network, keep), modules

@@ -4,14 +4,15 @@ Built on DTensor (``torch.distributed.tensor.parallel``) so that FSDP2 and ``tor
 a declarative plan (module path -> style name, :mod:`~lightning_par.tensor_parallel.plan`) is applied to a module on
 the tp sub-mesh by :func:`apply_tensor_parallel`. The styles torch lacks (replicated modules, vocab-parallel
 embedding and LM head with padding) are in :mod:`~lightning_par.tensor_parallel.styles`; the vocab-parallel loss and
-padding helpers in :mod:`~lightning_par.tensor_parallel.vocab`; full (gathered, unpadded) state dicts for
-checkpoints in :mod:`~lightning_par.tensor_parallel.state_dict`; communication accounting in
+padding helpers in :mod:`~lightning_par.tensor_parallel.vocab`; unpadded views of padded tables for checkpoints in
+:mod:`~lightning_par.tensor_parallel.state_dict`; communication accounting in
 :mod:`~lightning_par.tensor_parallel.comm_volume`. Nothing here holds a global: the tp sub-mesh is passed in.
 """
 
 from lightning_par.tensor_parallel.apply import (
     apply_tensor_parallel,
     broadcast_from_tp_rank0,
+    reduce_partial_grads,
     reduce_partial_grads_eagerly,
 )
 from lightning_par.tensor_parallel.comm_volume import CommVolume, megatron_layer_comm_bytes
@@ -24,12 +25,7 @@ from lightning_par.tensor_parallel.plan import (
     uses_vocab_parallel_loss,
     validate_plan,
 )
-from lightning_par.tensor_parallel.state_dict import (
-    full_optimizer_state,
-    full_state_dict,
-    load_full_optimizer_state,
-    load_full_state_dict,
-)
+from lightning_par.tensor_parallel.state_dict import padded_parameters, unpad_vocab_state
 from lightning_par.tensor_parallel.styles import (
     PlainSequenceParallel,
     ReplicateParallel,
@@ -58,15 +54,14 @@ __all__ = [
     "broadcast_from_tp_rank0",
     "check_plan_styles",
     "expand_plan",
-    "full_optimizer_state",
-    "full_state_dict",
-    "load_full_optimizer_state",
-    "load_full_state_dict",
     "megatron_layer_comm_bytes",
+    "padded_parameters",
     "padded_vocab_size",
+    "reduce_partial_grads",
     "reduce_partial_grads_eagerly",
     "resolve_style",
     "strip_vocab_padding",
+    "unpad_vocab_state",
     "uses_vocab_parallel_loss",
     "validate_plan",
     "vocab_parallel_loss",

@@ -181,13 +181,12 @@ def _match(root: nn.Module, path: str, skip_absent: bool) -> list[str]:
         for prefix, module in found:
             if any(ch in segment for ch in "*?["):
                 children = [(n, c) for n, c in module.named_children() if fnmatchcase(n, segment)]
+            elif segment in module._modules and module._modules[segment] is not None:
+                children = [(segment, module._modules[segment])]
+            elif skip_absent:  # a part another pipeline stage holds (the plan was checked on the whole network)
+                continue
             elif segment in module._modules:
-                child = module._modules[segment]
-                if child is None:  # removed on purpose (a pipeline stage drops what it does not own)
-                    if skip_absent:
-                        continue
-                    raise ValueError(f"plan path {path!r} names module {prefix + segment!r}, which is None.")
-                children = [(segment, child)]
+                raise ValueError(f"plan path {path!r} names module {prefix + segment!r}, which is None.")
             else:
                 names = sorted(n for n, _ in module.named_children())
                 where = f"module {prefix[:-1]!r}" if prefix else "the model"
@@ -207,8 +206,9 @@ def expand_plan(root: nn.Module, plan: Plan, *, skip_absent: bool = False) -> di
     Args:
         root: the module the plan's paths are relative to.
         plan: see :data:`Plan`.
-        skip_absent: skip paths through a child set to ``None`` and wildcards that match nothing (a pipeline stage
-            that does not own that part of the model); a name that does not exist at all still raises.
+        skip_absent: skip paths through a child that is missing or ``None`` and wildcards that match nothing: the
+            parts of the network another pipeline stage holds. Check the plan against the whole network first
+            (:func:`validate_plan` without ``skip_absent``), since a misspelt path is then skipped too.
 
     Raises:
         ValueError: a path names a missing module (the message lists the children that exist), two entries give one

@@ -1,95 +1,76 @@
-"""Full (gathered, unpadded) state dicts of a tensor-parallel module and its optimizer, and loading them back.
+"""Checkpoint state of vocab-parallel tables without their padding, as views (no gather).
 
-A Lightning checkpoint written by rank 0 must hold whole tensors, not rank 0's shards. These helpers gather every
-DTensor (a collective: call them on *all* ranks), strip the vocabulary padding, and so produce exactly the state dict
-of the one-process model: a checkpoint is portable across tp sizes (and loads into the unsplit model). Loading pads
-again and keeps each rank's shard. For large models prefer ``torch.distributed.checkpoint`` (sharded files), which
-understands the DTensor parameters directly (the padded shapes then tie a checkpoint to the padded layout).
+A vocab-parallel embedding or head whose vocabulary ``V`` does not divide by ``tp_size`` is padded to
+``P = ceil(V / t) * t`` rows (:mod:`lightning_par.tensor_parallel.vocab`): its DTensor's global shape, ``(P, ...)``,
+depends on the tp size, so a sharded checkpoint of it would not load into another tp size or one process. Rank ``r``
+holds rows ``[r P / t, (r + 1) P / t)``, which are exactly the rows ``torch.chunk`` gives rank ``r`` of the *unpadded*
+``V`` rows, plus padding at the end. So the unpadded tensor is a DTensor of global shape ``(V, ...)`` whose local part
+is a view of the first valid rows of the padded local shard: ``torch.distributed.checkpoint`` saves it and loads into it
+in place, with no communication.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
-from lightning_par.tensor_parallel.vocab import VOCAB_SIZE_ATTR, strip_vocab_padding
+from lightning_par.tensor_parallel.vocab import VOCAB_SIZE_ATTR
 
-__all__ = ["full_optimizer_state", "full_state_dict", "load_full_optimizer_state", "load_full_state_dict"]
+__all__ = ["padded_parameters", "unpad_vocab_state"]
 
 
-def _padding(module: nn.Module) -> dict[str, int]:
-    """Parameter name -> real vocab size, for the parameters a vocab-parallel style padded."""
+def padded_parameters(module: nn.Module) -> dict[str, int]:
+    """Parameter name (relative to ``module``) -> real vocabulary size, for the parameters a vocab-parallel style
+    padded (their dim 0 is longer than the vocabulary)."""
     out = {}
     for name, sub in module.named_modules():
         vocab = getattr(sub, VOCAB_SIZE_ATTR, None)
-        if vocab is not None:
-            for pname, _ in sub.named_parameters(recurse=False):
+        if vocab is None:
+            continue
+        for pname, p in sub.named_parameters(recurse=False):
+            if p.shape[0] != vocab:
                 out[f"{name}.{pname}" if name else pname] = vocab
     return out
 
 
-def _gather(value: Any, rows: int | None) -> Any:
-    if not isinstance(value, Tensor):
-        return value
-    full = value.full_tensor() if isinstance(value, DTensor) else value
-    full = full.detach().cpu()
-    return full[:rows].clone() if rows is not None and full.dim() >= 1 else full.clone()
+def _unpadded(t: Any, vocab: int, name: str) -> Any:
+    if not isinstance(t, Tensor) or t.dim() == 0 or t.shape[0] == vocab:
+        return t
+    if not isinstance(t, DTensor) or t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+        raise ValueError(
+            f"{name} has vocab_size={vocab} padded to {t.shape[0]} rows and is sharded beyond the tp axis (ZeRO or "
+            f"FSDP on the dp axis): a checkpoint of it would not load into another layout. Use a vocabulary divisible "
+            f"by every tp size involved (e.g. 256), or dp_mode='ddp'."
+        )
+    local = t._local_tensor
+    rows = local.shape[0]
+    valid = max(0, min(rows, vocab - t.device_mesh.get_local_rank() * rows))
+    shape = torch.Size((vocab, *t.shape[1:]))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local[:valid], t.device_mesh, (Shard(0),), run_check=False, shape=shape, stride=stride)
 
 
-def _shard_like(full: Tensor, like: Tensor) -> Tensor:
-    """``full`` padded to ``like``'s global shape (zeros) and cut to ``like``'s placement on this rank."""
-    if full.dim() >= 1 and full.shape[0] < like.shape[0]:
-        full = torch.cat([full, full.new_zeros((like.shape[0] - full.shape[0], *full.shape[1:]))])
-    full = full.to(device=like.device, dtype=like.dtype)
-    if isinstance(like, DTensor):
-        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
-    return full
+def unpad_vocab_state(module: nn.Module, model_state: dict[str, Any], optimizer_states: list[dict[str, Any]]) -> None:
+    """Replace, in place, every vocab-padded entry of a model state (``{name: tensor}``) and of optimizer states
+    (``get_optimizer_state_dict`` format, keyed by parameter name) by a view of its unpadded rows.
 
-
-def full_state_dict(module: nn.Module) -> dict[str, Tensor]:
-    """``module.state_dict()`` with every DTensor gathered and the vocabulary padding removed (CPU tensors)."""
-    return strip_vocab_padding(module, {k: _gather(v, None) for k, v in module.state_dict().items()})
-
-
-def load_full_state_dict(module: nn.Module, state: Mapping[str, Tensor], strict: bool = True) -> None:
-    """Load a full, unpadded state dict into a tensor-parallel ``module`` (each rank keeps its shard).
+    Args:
+        module: the module the names are relative to (the LightningModule).
+        model_state: e.g. an engine's ``model_state_dict()``.
+        optimizer_states: e.g. an engine's ``optimizer_state_dict(optimizer)`` for each optimizer.
 
     Raises:
-        RuntimeError: as ``nn.Module.load_state_dict`` for missing or unexpected keys when ``strict``.
+        ValueError: a padded tensor that is also sharded over dp (see :func:`_unpadded`).
     """
-    current = module.state_dict()
-    local = {k: _shard_like(v, current[k]) if k in current else v for k, v in state.items()}
-    module.load_state_dict(local, strict=strict)
-
-
-def _param_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    by_id = {id(p): n for n, p in module.named_parameters()}
-    return [by_id.get(id(p), "") for group in optimizer.param_groups for p in group["params"]]
-
-
-def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with DTensor states gathered and vocabulary padding removed."""
-    sd = optimizer.state_dict()
-    names = _param_names(module, optimizer)
-    padding = _padding(module)
-    state = {
-        idx: {k: _gather(v, padding.get(names[idx])) for k, v in per_param.items()}
-        for idx, per_param in sd["state"].items()
-    }
-    return {"state": state, "param_groups": sd["param_groups"]}
-
-
-def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
-    """Load what :func:`full_optimizer_state` produced: each state tensor is padded and sharded like its parameter."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    local = {}
-    for idx, per_param in state["state"].items():
-        param = params[int(idx)]
-        local[idx] = {
-            k: _shard_like(v, param) if isinstance(v, Tensor) and v.dim() >= 1 else v for k, v in per_param.items()
-        }
-    optimizer.load_state_dict({"state": local, "param_groups": state["param_groups"]})
+    padding = padded_parameters(module)
+    for name, vocab in padding.items():
+        if name in model_state:
+            model_state[name] = _unpadded(model_state[name], vocab, name)
+        for state in optimizer_states:
+            per_param = state.get("state", {}).get(name)
+            if per_param is not None:
+                for key, value in per_param.items():
+                    per_param[key] = _unpadded(value, vocab, f"{name} (optimizer state {key!r})")

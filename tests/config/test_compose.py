@@ -96,6 +96,6 @@ def test_layout_the_strategy_cannot_run_is_named():
 
 
 def test_bad_strategy_option_is_named():
-    cfg = _compose("strategy.comm_hook=zip")
+    cfg = _compose("strategy.reducer.comm_hook=zip")
     with pytest.raises(ValueError, match=re.escape("comm_hook='zip' is not valid: expected one of")):
         build_strategy(cfg)

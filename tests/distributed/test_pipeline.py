@@ -12,6 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torch.distributed.checkpoint import FileSystemReader
+
+from lightning_par.checkpoint import consolidate_checkpoint, load_model_weights
 from lightning_par.launcher import run_distributed
 from lightning_par.models import GPTConfig, GPTLightningModule
 from lightning_par.strategies.pipeline import PipelineStrategy
@@ -261,10 +264,14 @@ def test_validation_and_checkpoint_resume(tokens, tmp_path):
         torch.testing.assert_close(resumed, torch.tensor(mb_losses[STEPS:]), rtol=1e-5, atol=0)
         assert_params_close(r["first_state"], params_first)
         assert_params_close(r["resumed_state"], mb_params)
-    # The file is a plain whole-model checkpoint: one process loads it strictly.
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    # The checkpoint is a sharded directory of the whole model under its usual names: one process loads it strictly,
+    # directly and, consolidated into one file, through Lightning's own load_from_checkpoint.
     whole = GPT4()
-    whole.load_state_dict(checkpoint["state_dict"], strict=True)
+    load_model_weights(path, whole, strict=True)
     assert_params_close(dict(whole.named_parameters()), params_first)
-    names = {n for group in checkpoint["optimizer_states"][0]["param_groups"] for n in group["params"]}
+    single = consolidate_checkpoint(path, tmp_path / "pp-single.ckpt")
+    loaded = GPTLightningModule.load_from_checkpoint(single)
+    assert_params_close(dict(loaded.named_parameters()), params_first)
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    names = {k[len("optimizer_0.state."):].rsplit(".", 1)[0] for k in saved if k.startswith("optimizer_0.state.")}
     assert names == set(params_first)

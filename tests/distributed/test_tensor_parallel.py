@@ -91,7 +91,7 @@ def test_bytes_per_layer_match_megatron(layer_results, case):
 
 
 @pytest.mark.parametrize("t", [2, 4])
-def test_full_state_dicts_round_trip(layer_results, t):
+def test_padded_checkpoint_state_round_trips(layer_results, t):
     r = layer_results[f"state_dict-tp{t}"]
     assert r["keys_match"] == 1.0 and r["unpadded"] == 1.0
     assert r["model"] == 0.0 and r["optimizer"] == 0.0, r

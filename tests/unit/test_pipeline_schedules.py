@@ -1,5 +1,5 @@
-"""Pipeline schedules without processes: order of operations, stashed activations, deadlock freedom, the bubble of
-the ideal timeline, the runner on one rank, bubble accounting, and option errors."""
+"""Pipeline schedules: their analysis without processes (order of operations, stashed activations, deadlock freedom,
+the bubble of the ideal timeline), torch's engine on one rank, bubble accounting, and option errors."""
 
 from __future__ import annotations
 
@@ -9,19 +9,21 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_par.launcher import run_distributed
 from lightning_par.models import GPT, GPTConfig
 from lightning_par.pipeline_parallel import (
     Action,
-    PipelineRunner,
+    PipelineEngine,
+    PipelineOptions,
     bubble_formula,
     build_order,
     cut_network,
     peak_in_flight,
     simulate,
-    split_microbatches,
+    split_tree,
     summarize_bubble,
-    validate_schedule,
 )
+from lightning_par.pipeline_parallel.schedules import validate_schedule
 from lightning_par.strategies.pipeline import PipelineStrategy
 
 
@@ -117,10 +119,13 @@ def test_unknown_schedule():
         PipelineStrategy(schedule="zb")
 
 
-def test_interleaved_needs_a_multiple_of_pp_size_microbatches():
-    message = r"num_microbatches=2 is not valid for schedule='interleaved_1f1b' with pp_size=4"
+def test_interleaved_needs_whole_rounds_of_microbatches():
+    # torch's interleaved schedules run micro-batches in rounds of m // max(1, m // p).
+    message = r"num_microbatches=9 is not valid for schedule='interleaved_1f1b' with pp_size=4"
     with pytest.raises(ValueError, match=message):
-        PipelineStrategy(pp_size=4, schedule="interleaved_1f1b", num_microbatches=2)
+        PipelineStrategy(pp_size=4, schedule="interleaved_1f1b", num_microbatches=9)
+    PipelineStrategy(pp_size=4, schedule="interleaved_1f1b", num_microbatches=8)
+    # The analysis model of the schedule (Megatron's order) needs a multiple of pp_size.
     with pytest.raises(ValueError, match=r"expected a multiple of pp_size \(4, 8, 12"):
         validate_schedule("interleaved_1f1b", 4, 6)
 
@@ -128,7 +133,7 @@ def test_interleaved_needs_a_multiple_of_pp_size_microbatches():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(num_microbatches=0), r"num_microbatches=0 is not valid: expected a positive integer"),
+        (dict(num_microbatches=0), r"num_microbatches=0 is not valid: expected an integer >= 1"),
         (dict(schedule="1f1b", virtual_stages=2), r"virtual_stages=2 is not valid for schedule='1f1b'"),
         (dict(schedule="interleaved_1f1b", virtual_stages=1), r"virtual_stages=1 is not valid for schedule='inter"),
         (dict(split="layers"), r"split='layers' is not valid: expected one of \['params', 'time', 'size'\]"),
@@ -142,8 +147,10 @@ def test_strategy_option_errors(kwargs, match):
 
 
 def test_batch_not_divisible_into_microbatches():
-    with pytest.raises(ValueError, match=r"batch size 6 is not valid with num_microbatches=4: expected a batch size"):
-        split_microbatches(torch.zeros(6, 3), 4)
+    with pytest.raises(ValueError, match=r"batch of shape \(6, 3\) is not valid with num_microbatches=4: expected"):
+        split_tree(torch.zeros(6, 3), 4, "the batch")
+    parts = split_tree({"y": torch.arange(8), "mask": (torch.ones(8, 2),)}, 4)
+    assert len(parts) == 4 and parts[1]["y"].tolist() == [2, 3] and parts[3]["mask"][0].shape == (2, 2)
 
 
 def test_registered_names_and_presets():
@@ -154,56 +161,72 @@ def test_registered_names_and_presets():
     for name in ("gpipe", "1f1b"):
         assert registry[name]["strategy"] is PipelineStrategy
         assert registry[name]["init_params"] == {"schedule": name}
-        assert registry.get(name).schedule == name
+        assert registry.get(name).options.pipeline.schedule == name
+        assert registry.get(name).strategy_name == name
+    assert registry["pipeline"]["init_params"] == {}
+    assert registry["pipeline"]["strategy"](schedule="zbv_zero_bubble").strategy_name == "pipeline"
 
 
-# ---------------------------------------------------------------------------------------------------- runner
-@pytest.mark.parametrize(
-    "schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)]
-)
-def test_runner_on_one_rank_matches_the_whole_model(schedule, virtual):
-    """pp_size=1 runs every transfer inside the process: the schedule's gradients equal one backward of the whole
-    batch's mean loss, and the stash peak is the schedule's."""
+# ---------------------------------------------------------------------------------------------------- engine
+def _engine_on_one_rank(schedule: str, virtual: int) -> dict:
+    """pp_size=1: torch's schedule passes every activation inside the process."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
     config = GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=32)
     torch.manual_seed(0)
     whole = GPT(config)
     torch.manual_seed(0)
     staged = GPT(config)
-    x = torch.randint(0, 32, (8, 8))
-    y = torch.randint(0, 32, (8, 8))
+    x = torch.randint(0, 32, (8, 8), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 32, (8, 8), generator=torch.Generator().manual_seed(2))
 
     def loss_fn(logits, targets):
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-    loss_fn(whole(x), y).backward()
-    counts = [4 // virtual] * virtual
-    holder, chunks = cut_network(staged, counts, list(range(virtual)))
-    runner = PipelineRunner(chunks, 0, 1, None, schedule, 4, loss_fn)
-    loss = runner.train_step(x, y)
-    assert loss is not None
-    torch.testing.assert_close(loss, loss_fn(whole(x), y).detach(), rtol=1e-6, atol=0)
-    grads = {n: p.grad for n, p in holder.named_parameters()}
-    for n, p in whole.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7)
-    record = runner.history[-1]
-    assert record.peak_in_flight == peak_in_flight(runner.order)
-    assert sum(e.kind == "F" for e in record.events) == 4 * virtual
-    assert sum(e.kind == "B" for e in record.events) == 4 * virtual
-    with torch.no_grad():
-        assert runner.eval_step(x, y, num_microbatches=2) == pytest.approx(float(loss), rel=1e-6)
+    reference = loss_fn(whole(x), y)
+    reference.backward()
+    options = PipelineOptions(schedule=schedule, num_microbatches=4, virtual_stages=virtual)
+    ids = options.stage_ids(0, 1)
+    holder, modules = cut_network(staged, [4 // virtual] * virtual, ids)
+    engine = PipelineEngine(modules, ids, options, dist.group.WORLD, 1, torch.device("cpu"), loss_fn)
+    loss = engine.train_step((x,), y)
+    record = engine.history[-1]
+    return {
+        "loss": float(loss), "reference": float(reference), "eval": float(engine.eval_step((x,), y)),
+        "grads": {n: (p.grad, dict(whole.named_parameters())[n].grad) for n, p in holder.named_parameters()},
+        "forwards": sum(e.kind == "F" for e in record.events), "backwards": sum(e.kind == "B" for e in record.events),
+        "peak": record.peak_in_flight,
+    }
+
+
+@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)])
+def test_engine_on_one_rank_matches_the_whole_model(schedule, virtual):
+    """The schedule's gradients equal one backward of the whole batch's mean loss; every micro-batch runs forward
+    and backward through every chunk once; GPipe holds all micro-batches, 1F1B on one stage one at a time."""
+    out = run_distributed(_engine_on_one_rank, 1, (schedule, virtual), timeout_s=120)[0]
+    assert out["loss"] == pytest.approx(out["reference"], rel=1e-6)
+    assert out["eval"] == pytest.approx(out["reference"], rel=1e-6)
+    for name, (got, expected) in out["grads"].items():
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7, msg=name)
+    assert out["forwards"] == out["backwards"] == 4 * virtual
+    if schedule == "gpipe":
+        assert out["peak"] == 4
+    if schedule == "1f1b":
+        assert out["peak"] == 1
 
 
 # ---------------------------------------------------------------------------------------------------- accounting
 def test_summarize_bubble_uses_the_common_window():
-    # Two stages, two steps: (span, busy, comm, peak). Stage 1 finishes early in step 0; the window is the longest span.
-    stages = [[(1.0, 0.6, 0.1, 2), (2.0, 1.0, 0.2, 2)], [(0.8, 0.6, 0.3, 1), (1.5, 1.2, 0.1, 1)]]
+    # Two stages, two steps: (span, busy, peak). Stage 1 finishes early in step 0; the window is the longest span.
+    stages = [[(1.0, 0.6, 2), (2.0, 1.0, 2)], [(0.8, 0.6, 1), (1.5, 1.2, 1)]]
     out = summarize_bubble(stages)
     assert out["pp_step_window_s"] == pytest.approx(3.0)
     assert out["pp_busy_s"] == pytest.approx([1.6, 1.8])
     assert out["pp_idle_s"] == pytest.approx([1.4, 1.2])
     assert out["pp_bubble_per_stage"] == pytest.approx([1.4 / 3, 1.2 / 3])
     assert out["pp_bubble"] == pytest.approx(2.6 / 6)
-    assert out["pp_comm_s"] == pytest.approx([0.3, 0.4])
     assert out["pp_peak_microbatches_in_flight"] == [2, 1]
     with pytest.raises(ValueError, match="same steps"):
-        summarize_bubble([[(1.0, 0.5, 0.0, 1)], []])
+        summarize_bubble([[(1.0, 0.5, 1)], []])

@@ -75,7 +75,7 @@ def test_model_with_nothing_to_shard(module):
     strategy = ZeroStrategy(stage=2)
     strategy.parallel_devices = [torch.device("cpu")]
     strategy.connect(module)
-    with pytest.raises(ValueError, match="has no parameter that requires a gradient: ZeRO has nothing to shard"):
+    with pytest.raises(ValueError, match="has no parameter that requires a gradient: dp_mode='zero2' has nothing to shard"):
         strategy.validate_model(ParallelDims(dp_size=2, world_size=2))
 
 
@@ -125,8 +125,8 @@ def test_stage1_reduces_in_the_parameter_dtype():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"stage": 3, "bucket_cap_mb": 10}, r"bucket_cap_mb=10 is not valid with stage=3"),
-        ({"stage": 1, "bucket_cap_mb": 0}, r"bucket_cap_mb=0 is not valid: expected None or a number > 0"),
+        ({"stage": 3, "bucket_cap_mb": 10}, r"bucket_cap_mb=10 is not valid with dp_mode='zero3'"),
+        ({"stage": 1, "bucket_cap_mb": 0}, r"bucket_cap_mb=0 is not valid: expected a number > 0"),
         ({"stage": 2, "bucket_cap_mb": "big"}, r"bucket_cap_mb='big' is not valid"),
         ({"stage": 2, "comm_hook": "fp16"}, r"comm_hook='fp16' is not valid with stage=2"),
         ({"stage": 1, "comm_hook": "zip"}, r"comm_hook='zip' is not valid: expected one of"),
@@ -140,13 +140,13 @@ def test_bad_options(kwargs, match):
 
 
 def test_defaults_and_registry_presets():
-    assert ZeroStrategy().options.stage == 3
-    assert ZeroStrategy(stage=1).options.bucket_cap_mb == 25.0
+    assert ZeroStrategy().options.zero.stage == 3
+    assert ZeroStrategy(stage=1).options.zero.bucket_cap_mb == 25.0
     registry = StrategyRegistry.__class__()
     ZeroStrategy.register_strategies(registry)
     for stage in (1, 2, 3):
         strategy = registry.get(f"zero{stage}")
-        assert isinstance(strategy, ZeroStrategy) and strategy.options.stage == stage
+        assert isinstance(strategy, ZeroStrategy) and strategy.options.zero.stage == stage
         assert strategy.strategy_name == f"zero{stage}"
 
 

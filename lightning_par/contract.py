@@ -1,0 +1,193 @@
+"""The model contract: how a user's LightningModule tells the strategies how it parallelises.
+
+Generic code (``pipeline_parallel/``, ``tensor_parallel/``, ``data_parallel/``, ``strategies/``) knows no model; it asks
+these functions, which read what the model provides and fall back to what a plain ``nn.Sequential`` /
+``nn.ModuleList`` implies. Everything is optional except what the chosen technique needs:
+
+==========================  ==========================================================================================
+the network                 ``lightning_module.<module_attr>`` (``module_attr="model"`` by default); without that
+                            attribute and with ``pp_size == 1``, the LightningModule itself.
+tensor parallelism          a plan ``{module path relative to the network: style}`` from the strategy's ``plan=``,
+                            else ``network.tp_plan()``, else ``lightning_module.tp_plan()``. Optional
+                            ``network.check_tensor_parallel(tp_size, sequence_parallel)`` raises ``ValueError`` for
+                            shapes the plan cannot split (e.g. heads not divisible by ``tp_size``).
+pipeline stages             ``network.pipeline_layers() -> list[str]``: names of the children between which a stage
+                            boundary may fall, in execution order; ``network.pipeline_stage(layers, first=, last=)
+                            -> nn.Module``: a module that runs only those layers (plus what comes before the first
+                            layer when ``first``, after the last when ``last``), sharing the network's parameters.
+                            Fallback: the children of an ``nn.Sequential`` / ``nn.ModuleList``.
+pipeline loss               ``lightning_module.pipeline_loss(outputs, targets)`` or ``lightning_module.loss_fn(outputs,
+                            targets)`` -> the mean loss of one micro-batch (a scalar). Under pipelining the
+                            LightningModule's ``training_step`` is *not* called: the schedule runs forward and
+                            backward itself, micro-batch by micro-batch.
+pipeline batch              ``lightning_module.pipeline_batch(batch) -> (inputs, targets)``; by default a batch is
+                            ``(inputs, targets)``. ``inputs`` is a tensor or a tuple of tensors (the first stage's
+                            positional arguments), split along dim 0; ``targets`` any structure of tensors split along
+                            dim 0. Stages may pass a tuple of tensors to the next stage.
+profiling sample            for ``split="time"``: ``lightning_module.example_input_array`` or
+                            ``network.example_input()``.
+==========================  ==========================================================================================
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+__all__ = [
+    "find_network",
+    "pipeline_batch",
+    "pipeline_layers",
+    "pipeline_loss",
+    "pipeline_sample",
+    "pipeline_stage",
+    "check_tensor_parallel",
+    "tp_plan",
+]
+
+
+def find_network(module: nn.Module, module_attr: str | None, pipelined: bool) -> nn.Module:
+    """The network the strategies parallelise (see the module docstring).
+
+    Raises:
+        ValueError: pipelining a LightningModule that has no network at ``module_attr``, or has parameters outside it
+            (the schedule runs only the network, so they would never train).
+    """
+    network = getattr(module, module_attr, None) if module_attr else None
+    if isinstance(network, nn.Module):
+        if pipelined:
+            inside = {id(p) for p in network.parameters()}
+            outside = [n for n, p in module.named_parameters() if id(p) not in inside]
+            if outside:
+                raise ValueError(
+                    f"{type(module).__name__} has parameters outside its network .{module_attr}: {outside[:5]}. Under "
+                    f"pipelining only the network runs (micro-batch by micro-batch, stage by stage); move them into "
+                    f".{module_attr} or use pp_size=1."
+                )
+        return network
+    if pipelined:
+        raise ValueError(
+            f"module_attr={module_attr!r} is not valid for {type(module).__name__} under pipelining: expected the "
+            f"LightningModule to keep its network at .{module_attr or 'model'} (an nn.Module: an nn.Sequential, an "
+            f"nn.ModuleList, or a module with pipeline_layers()/pipeline_stage())."
+        )
+    return module
+
+
+def tp_plan(module: nn.Module, network: nn.Module, explicit: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The tensor-parallel plan, relative to ``network``: ``explicit``, else ``network.tp_plan()``, else
+    ``module.tp_plan()``.
+
+    Raises:
+        ValueError: none of the three exists.
+    """
+    if explicit is not None:
+        return dict(explicit)
+    for owner in (network, module):
+        method = getattr(owner, "tp_plan", None)
+        if callable(method):
+            return dict(method())
+    where = f"the network ({type(network).__name__}) or on " if network is not module else ""
+    raise ValueError(
+        f"tensor parallelism needs a plan for {type(module).__name__}: pass plan={{module path relative to the "
+        f"network: style}} to the strategy (strategy.tensor_parallel.plan in the recipe), or define tp_plan() on "
+        f"{where}{type(module).__name__}. Styles: colwise, rowwise, colwise_input, sequence_parallel, "
+        f"position_embedding, replicate, vocab_embedding, vocab_head."
+    )
+
+
+def check_tensor_parallel(network: nn.Module, tp_size: int, sequence_parallel: bool) -> None:
+    """Call the network's own ``check_tensor_parallel(tp_size, sequence_parallel)`` if it has one (it raises
+    ``ValueError`` for shapes its plan cannot split)."""
+    method = getattr(network, "check_tensor_parallel", None)
+    if callable(method):
+        method(tp_size, sequence_parallel)
+
+
+def pipeline_layers(network: nn.Module) -> list[str]:
+    """Names of the children a stage boundary may fall between, in execution order.
+
+    Raises:
+        ValueError: the network neither defines ``pipeline_layers()`` nor is an ``nn.Sequential``/``nn.ModuleList``.
+    """
+    method = getattr(network, "pipeline_layers", None)
+    if callable(method):
+        return list(method())
+    if isinstance(network, (nn.Sequential, nn.ModuleList)):
+        return [name for name, _ in network.named_children()]
+    raise ValueError(
+        f"a network of type {type(network).__name__} cannot be split into pipeline stages: expected an "
+        f"nn.Sequential or nn.ModuleList of layers run in order, or a network that defines pipeline_layers() and "
+        f"pipeline_stage(layers, first=, last=) (see lightning_par.contract)."
+    )
+
+
+def pipeline_stage(network: nn.Module, layers: Sequence[str], *, first: bool, last: bool) -> nn.Module:
+    """A module running ``layers`` of ``network`` (see the module docstring); shares the network's parameters."""
+    method = getattr(network, "pipeline_stage", None)
+    if callable(method):
+        return method(list(layers), first=first, last=last)
+    pipeline_layers(network)  # raises for unsupported networks
+    return nn.Sequential(OrderedDict((name, network._modules[name]) for name in layers))
+
+
+def pipeline_loss(module: nn.Module) -> Callable[[Any, Any], Tensor]:
+    """``module.pipeline_loss`` or ``module.loss_fn``: ``(outputs of the last stage, targets) -> scalar loss``.
+
+    Raises:
+        ValueError: neither exists; the message says that ``training_step`` is not called under pipelining.
+    """
+    for name in ("pipeline_loss", "loss_fn"):
+        method = getattr(module, name, None)
+        if callable(method):
+            return method
+    raise ValueError(
+        f"pipelining needs {type(module).__name__}.loss_fn(outputs, targets) (or pipeline_loss) -> the mean loss of "
+        f"one micro-batch: the schedule runs forward and backward itself, micro-batch by micro-batch, so the "
+        f"LightningModule's training_step is not called under pipelining (pp_size > 1)."
+    )
+
+
+def pipeline_batch(module: nn.Module, batch: Any) -> tuple[tuple[Tensor, ...], Any]:
+    """``(inputs as a tuple of tensors, targets)`` of a batch, through ``module.pipeline_batch`` if defined.
+
+    Raises:
+        ValueError: the batch (or what ``pipeline_batch`` returned) is not ``(inputs, targets)`` with ``inputs`` a
+            tensor or a tuple of tensors.
+    """
+    method = getattr(module, "pipeline_batch", None)
+    pair = method(batch) if callable(method) else batch
+    if isinstance(pair, (tuple, list)) and len(pair) == 2:
+        inputs, targets = pair
+        if isinstance(inputs, Tensor):
+            inputs = (inputs,)
+        if isinstance(inputs, (tuple, list)) and inputs and all(isinstance(t, Tensor) for t in inputs):
+            return tuple(inputs), targets
+    source = f"{type(module).__name__}.pipeline_batch(batch)" if callable(method) else "a batch"
+    raise ValueError(
+        f"{source} of type {type(pair).__name__} is not valid under pipelining: expected (inputs, targets), inputs a "
+        f"tensor or a tuple of tensors split along dim 0 into micro-batches. Define "
+        f"{type(module).__name__}.pipeline_batch(batch) -> (inputs, targets) to map another batch structure."
+    )
+
+
+def pipeline_sample(module: nn.Module, network: nn.Module) -> tuple[Tensor, ...]:
+    """One input batch to profile layers with (``split="time"``).
+
+    Raises:
+        ValueError: neither ``module.example_input_array`` nor ``network.example_input()`` gives one.
+    """
+    sample = getattr(module, "example_input_array", None)
+    if sample is None and callable(getattr(network, "example_input", None)):
+        sample = network.example_input()
+    if isinstance(sample, Tensor):
+        return (sample,)
+    if isinstance(sample, (tuple, list)) and sample and all(isinstance(t, Tensor) for t in sample):
+        return tuple(sample)
+    raise ValueError(
+        f"split='time' profiles the layers on a sample input: set {type(module).__name__}.example_input_array to one "
+        f"input batch (or define example_input() on the network), or use split='params'."
+    )

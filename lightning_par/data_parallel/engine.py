@@ -1,0 +1,271 @@
+"""The dp axis behind one interface: what a strategy calls, whatever the dp mode.
+
+:class:`DataParallelEngine` is what the strategy core drives from Lightning's hooks. Its implementations:
+
+* :class:`DDPEngine` (``dp_mode="ddp"``): full replicas; gradients averaged by the bucketed, overlapped
+  :class:`~lightning_par.data_parallel.reducer.GradientReducer` (torch's DDP does not compose with DTensor tensor
+  parallelism or pipelining: see ``NOTES-cpu-distributed.md``);
+* :class:`~lightning_par.data_parallel.zero.ZeroShardedDataParallel` (``"zero1"``, ``"zero2"``);
+* :class:`~lightning_par.data_parallel.fsdp.FSDPZero` (``"zero3"``, FSDP2 ``fully_shard``).
+
+Every engine keys model and optimizer state by parameter name (relative to the module it was applied to), with
+sharded tensors as DTensors of their global shape, so ``torch.distributed.checkpoint`` reshards a checkpoint across
+dp sizes, modes, tensor- and pipeline-parallel layouts and into one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterable, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_par.data_parallel.options import ReducerOptions, ZeroOptions, zero_stage
+from lightning_par.data_parallel.reducer import CommStats, GradientReducer
+
+__all__ = ["DDPEngine", "DataParallelEngine", "ZeroEngine", "apply_data_parallel", "broadcast_from_dp_rank0"]
+
+
+def broadcast_from_dp_rank0(module: nn.Module, dp_group: dist.ProcessGroup) -> None:
+    """Make every replica start from dp rank 0's parameters and buffers (local shards for DTensors)."""
+    if dist.get_world_size(dp_group) == 1:
+        return
+    src = dist.get_global_rank(dp_group, 0)
+    for t in list(module.parameters()) + list(module.buffers()):
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        dist.broadcast(local.data, src=src, group=dp_group)
+
+
+class DataParallelEngine:
+    """What a strategy needs from the dp axis; every method has a default that suits full replicas.
+
+    Attributes:
+        module: the model (a LightningModule or any ``nn.Module``); state keys are relative to it.
+        dp_mesh: the 1-D data-parallel mesh.
+    """
+
+    #: ZeRO stage (0: not sharded).
+    stage: int = 0
+
+    def __init__(self, module: nn.Module, dp_mesh: DeviceMesh) -> None:
+        self.module = module
+        self.dp_mesh = dp_mesh
+
+    # ------------------------------------------------------------------ training
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer`` (built on the module's parameters, before its first step) step this rank's shard."""
+
+    @contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Gradient-accumulation micro-steps that may skip gradient communication."""
+        yield
+
+    def pre_backward(self) -> None:
+        """Called before each backward."""
+
+    def post_backward(self) -> CommStats | None:
+        """Called after each backward; returns the communication statistics of a synchronised backward."""
+        return None
+
+    @contextmanager
+    def defer_sync(self) -> Generator[None, None, None]:
+        """Backward passes inside do not communicate; :meth:`reduce_now` then reduces what they accumulated (for a
+        pipeline schedule, whose micro-batch backwards run outside Lightning's backward)."""
+        yield
+
+    def reduce_now(self) -> CommStats | None:
+        """Reduce the gradients accumulated under :meth:`defer_sync` and make them ready for the optimizer."""
+        return None
+
+    def clip_grad_norm_(
+        self,
+        params: Iterable[nn.Parameter],
+        max_norm: float,
+        norm_type: float = 2.0,
+        groups: Sequence[dist.ProcessGroup | None] = (),
+    ) -> Tensor:
+        """Clip the gradients of ``params`` (the optimizer's) by the norm of the whole model; return that norm.
+
+        Args:
+            params: the parameters the optimizer steps on this rank.
+            max_norm: largest allowed total norm.
+            norm_type: ``q`` of the q-norm.
+            groups: process groups whose ranks hold *other* parameters (the pp group); DTensor gradients count in
+                full over their own meshes.
+        """
+        from lightning_par.pipeline_parallel.clip import clip_grad_norm_across_ranks
+
+        return clip_grad_norm_across_ranks(params, max_norm, groups, norm_type)
+
+    def reshard(self) -> None:
+        """Free any gathered parameters (stage 3 after an evaluation forward, which no backward follows)."""
+
+    # ------------------------------------------------------------------ state
+    def model_state_dict(self) -> dict[str, Any]:
+        """Model state keyed by parameter / buffer name (sharded parameters as DTensors of their global shape)."""
+        return self.module.state_dict()
+
+    @torch.no_grad()
+    def load_model_state_dict(self, state: dict[str, Any]) -> None:
+        """Apply a state of :meth:`model_state_dict`'s structure (as filled in place by DCP)."""
+        own = self.module.state_dict()
+        for name, value in state.items():
+            target = own.get(name)
+            if not isinstance(target, Tensor) or not isinstance(value, Tensor):
+                continue
+            dst = target._local_tensor if isinstance(target, DTensor) else target
+            src = value._local_tensor if isinstance(value, DTensor) else value
+            if src.data_ptr() != dst.data_ptr():
+                dst.copy_(src)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``{"state": {name: {key: tensor}}, "param_groups": [{..., "params": [names]}]}`` (the format of
+        ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``; state created if still empty)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.module, optimizer)
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Apply a state of :meth:`optimizer_state_dict`'s structure."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.module, optimizer, state)
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Every parameter of the module gathered in full (fp32 masters under mixed precision), keyed by name, on
+        every rank of the dp and tp meshes; collective. For tests and small models: checkpoints never gather."""
+        return {
+            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in self.module.named_parameters()
+        }
+
+    # ------------------------------------------------------------------ reporting
+    def summary(self) -> dict[str, Any]:
+        """Figures for ``summary.json``."""
+        return {"zero_stage": self.stage} if self.stage else {}
+
+    def remove(self) -> None:
+        """Detach hooks."""
+
+
+class ZeroEngine(DataParallelEngine):
+    """Base of the ZeRO engines: a :class:`DataParallelEngine` with validated ZeRO options.
+
+    Attributes:
+        options: the :class:`~lightning_par.data_parallel.options.ZeroOptions`.
+    """
+
+    def __init__(self, module: nn.Module, dp_mesh: DeviceMesh, options: ZeroOptions) -> None:
+        super().__init__(module, dp_mesh)
+        self.options = options
+
+    @property
+    def stage(self) -> int:  # type: ignore[override]
+        return self.options.stage
+
+
+class DDPEngine(DataParallelEngine):
+    """Full replicas on the dp axis, gradients averaged by a bucketed all-reduce launched during backward.
+
+    Args:
+        module: the model; with ``dp_mesh`` of size 1 nothing is communicated.
+        dp_mesh: 1-D data-parallel mesh.
+        options: the reducer's options.
+    """
+
+    def __init__(self, module: nn.Module, dp_mesh: DeviceMesh, options: ReducerOptions | None = None) -> None:
+        super().__init__(module, dp_mesh)
+        options = options or ReducerOptions()
+        self.reducer: GradientReducer | None = None
+        if dp_mesh.size() > 1:
+            params = [p for p in module.parameters() if p.requires_grad]
+            self.reducer = GradientReducer(params, dp_mesh.get_group(), **options.reducer_kwargs())
+
+    @contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        if self.reducer is None:
+            yield
+            return
+        with self.reducer.no_sync():
+            yield
+
+    def pre_backward(self) -> None:
+        if self.reducer is not None:
+            self.reducer.start_backward()
+
+    def post_backward(self) -> CommStats | None:
+        return self.reducer.finish() if self.reducer is not None else None
+
+    @contextmanager
+    def defer_sync(self) -> Generator[None, None, None]:
+        if self.reducer is None:
+            yield
+            return
+        previous, self.reducer.require_sync = self.reducer.require_sync, False
+        try:
+            yield
+        finally:
+            self.reducer.require_sync = previous
+
+    def reduce_now(self) -> CommStats | None:
+        return self.reducer.reduce_all() if self.reducer is not None else None
+
+    def summary(self) -> dict[str, Any]:
+        return self.reducer.overlap_summary() if self.reducer is not None else {}
+
+    def remove(self) -> None:
+        if self.reducer is not None:
+            self.reducer.remove_hooks()
+
+
+def apply_data_parallel(
+    module: nn.Module,
+    dp_mesh: DeviceMesh,
+    dp_mode: str,
+    reducer: ReducerOptions | None = None,
+    zero: ZeroOptions | None = None,
+    stage_modules: Sequence[nn.Module] | None = None,
+    communicate: bool = True,
+) -> DataParallelEngine:
+    """Make the dp replicas of ``module`` equal (broadcast from dp rank 0), then apply ``dp_mode`` on ``dp_mesh``.
+
+    Args:
+        module: the model (for a pipeline stage: the LightningModule holding only this rank's parameters).
+        dp_mesh: 1-D data-parallel mesh.
+        dp_mode: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"zero3"``.
+        reducer: the reducer's options (``ddp``).
+        zero: the ZeRO options (``zero*``; their stage must match ``dp_mode``).
+        stage_modules: with pipelining, the stage modules the schedule runs; ``zero3`` makes each an FSDP2 root (its
+            blocks units), since a schedule calls them, not ``module``.
+        communicate: ``False`` for evaluation without sharding: the replicas are made equal and nothing else (a plain
+            :class:`DataParallelEngine`; ``dp_mode`` must then be ``"ddp"``).
+
+    Raises:
+        ValueError: an unknown ``dp_mode``, a missing or mismatched ``zero``, or a model with nothing to train.
+    """
+    stage = zero_stage(dp_mode)
+    if stage and (zero is None or zero.stage != stage):
+        raise ValueError(f"dp_mode={dp_mode!r} needs ZeroOptions(stage={stage}); got {zero!r}.")
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError(
+            f"{type(module).__name__} has no parameter that requires a gradient: there is nothing to train. Build the "
+            f"layers in __init__ or configure_model."
+        )
+    broadcast_from_dp_rank0(module, dp_mesh.get_group())
+    if stage == 0:
+        return DDPEngine(module, dp_mesh, reducer) if communicate else DataParallelEngine(module, dp_mesh)
+    assert zero is not None
+    if stage == 3:
+        from lightning_par.data_parallel.fsdp import FSDPZero, fully_shard_roots
+
+        if stage_modules:
+            fully_shard_roots(stage_modules, dp_mesh, zero)
+        return FSDPZero(module, dp_mesh, zero, roots=stage_modules)
+    from lightning_par.data_parallel.zero import ZeroShardedDataParallel
+
+    return ZeroShardedDataParallel(module, dp_mesh, zero)

@@ -1,0 +1,318 @@
+"""This rank's share of a pipeline, run by ``torch.distributed.pipelining`` (``PipelineStage`` + torch's schedules).
+
+What torch does: the schedule (GPipe, 1F1B, interleaved 1F1B, interleaved zero-bubble, ZB-V, DualPipeV), the
+point-to-point transfers between stages, tensor-shape inference, and FSDP2's per-micro-batch gradient handling.
+What this module adds, where torch stops:
+
+* **Loss and targets of any structure.** torch splits ``target`` along dim 0 and calls ``loss_fn(output, target)``;
+  here the schedule's target is the micro-batch index (``torch.arange(m)``) and the loss wrapper looks the user's
+  targets up (any tensor, tuple, list or dict, split along dim 0), scales the loss by ``loss_scale / m`` (so the
+  accumulated gradients are those of the batch mean; ``scale_grads=False``) and keeps the unscaled value for logging.
+* **Shapes that change.** A ``PipelineStage`` infers its tensor shapes on its first step; each distinct micro-batch
+  input shape (and training vs evaluation) gets its own stage objects and schedule, built on first use.
+* **Evaluation.** Forward only, then the loss of the whole batch from the merged outputs on the last stage (exact,
+  whatever the micro-batch split). torch 2.13's ZB-V and DualPipeV schedules cannot run forward only ("can't
+  steal_bwd_input if this stage doesn't have backward", measured), so multi-stage ranks evaluate with torch's own
+  runtime (``_PipelineScheduleRuntime``, private) over a forward-only action list, chunk by chunk.
+* **Measured bubble.** Every compute call the schedule makes on a stage (``forward_one_chunk``, ``backward_one_chunk``,
+  ``backward_weight_one_chunk``) is timed (:mod:`~lightning_par.pipeline_parallel.bubble`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, ContextManager
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_par.pipeline_parallel.bubble import StepRecord, StepTimer
+from lightning_par.pipeline_parallel.options import PipelineOptions
+
+__all__ = ["PipelineEngine", "split_tree"]
+
+
+def split_tree(value: Any, num_microbatches: int, name: str = "targets") -> list[Any]:
+    """``value`` (a tensor, or a tuple / list / dict of them, nested) split along dim 0 into equal micro-batches.
+
+    Raises:
+        ValueError: a tensor's dim 0 is not a multiple of ``num_microbatches``, or a leaf is not a tensor.
+    """
+    if isinstance(value, Tensor):
+        if value.dim() == 0 or value.shape[0] % num_microbatches:
+            raise ValueError(
+                f"{name} of shape {tuple(value.shape)} is not valid with num_microbatches={num_microbatches}: expected "
+                f"a batch dim 0 that is a multiple of {num_microbatches}."
+            )
+        return list(value.tensor_split(num_microbatches))
+    if isinstance(value, (tuple, list)):
+        parts = [split_tree(v, num_microbatches, name) for v in value]
+        return [type(value)(p[i] for p in parts) for i in range(num_microbatches)]
+    if isinstance(value, dict):
+        parts_d = {k: split_tree(v, num_microbatches, name) for k, v in value.items()}
+        return [{k: p[i] for k, p in parts_d.items()} for i in range(num_microbatches)]
+    raise ValueError(f"{name} of type {type(value).__name__} is not valid: expected tensors, tuples, lists or dicts.")
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous.
+
+    torch 2.13's ``PipelineStage`` allocates its receive buffers from the inferred metadata, strides included: the
+    gradient of a stage input that feeds ``torch.cat`` is a strided slice, and gloo's ``irecv`` then refuses the
+    non-contiguous buffer ("input tensor has to be contiguous", measured with a stage passing ``(h, s)`` into a
+    ``cat``). Routing each received input through this keeps every gradient that crosses stages contiguous.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+def _contiguous_input_grads(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(_ContiguousGrad.apply(a) if isinstance(a, Tensor) and a.requires_grad else a for a in args)
+
+
+def _plain(loss: Tensor) -> Tensor:
+    """The vocab-parallel loss is a replicated DTensor: its local value is the whole loss (``to_local`` keeps the
+    graph to the sharded logits)."""
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+class PipelineEngine:
+    """Runs this rank's stage modules under a torch schedule, one Lightning batch at a time.
+
+    Args:
+        modules: this rank's stage modules, in chunk order (virtual stage ``stage_ids[c]`` for ``modules[c]``).
+        stage_ids: the virtual stages they run (see :meth:`PipelineOptions.stage_ids`).
+        options: the pipeline options.
+        pp_group: the pp process group.
+        pp_size: ranks in the pp group.
+        device: where stage tensors live.
+        loss_fn: ``loss_fn(last stage outputs, targets of one micro-batch) -> scalar mean loss``.
+        step_context: entered around every schedule run (autocast, the vocab-parallel loss context, ...).
+
+    Raises:
+        ValueError: ``len(modules)`` differs from ``len(stage_ids)``.
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        stage_ids: Sequence[int],
+        options: PipelineOptions,
+        pp_group: dist.ProcessGroup,
+        pp_size: int,
+        device: torch.device,
+        loss_fn: Callable[[Any, Any], Tensor],
+        step_context: Callable[[], ContextManager] | None = None,
+    ) -> None:
+        if len(modules) != len(stage_ids):
+            raise ValueError(f"{len(modules)} stage modules for {len(stage_ids)} stage ids {list(stage_ids)}.")
+        for module, sid in zip(modules, stage_ids):
+            if sid > 0:
+                module.register_forward_pre_hook(_contiguous_input_grads)
+        self.modules = list(modules)
+        self.stage_ids = list(stage_ids)
+        self.options = options
+        self.pp_group = pp_group
+        self.pp_size = pp_size
+        self.device = device
+        self.loss_fn = loss_fn
+        self.step_context = step_context or contextlib.nullcontext
+        self.num_stages = options.num_stages(pp_size)
+        self.history: list[StepRecord] = []
+        self._schedules: dict[tuple, Any] = {}
+        self._timer: StepTimer | None = None
+        self._targets: list[Any] = []
+        self._scale = 1.0
+        self._losses: list[Tensor] = []
+        self._forwarded: set[int] = set()
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        """Whether this rank computes the loss."""
+        return self.num_stages - 1 in self.stage_ids
+
+    # ------------------------------------------------------------------ schedules
+    def _stages(self) -> list[Any]:
+        from torch.distributed.pipelining import PipelineStage
+
+        stages = []
+        for module, sid in zip(self.modules, self.stage_ids):
+            stage = PipelineStage(module, sid, self.num_stages, self.device, group=self.pp_group)
+            self._instrument(stage)
+            stages.append(stage)
+        return stages
+
+    def _instrument(self, stage: Any) -> None:
+        """Time every compute call the schedule makes on ``stage`` (instance attributes shadow the methods)."""
+        sid = stage.stage_index
+
+        def timed(method: Callable, kind_of: Callable[..., str]) -> Callable:
+            @functools.wraps(method)
+            def run(chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+                kind = kind_of(*args, **kwargs)
+                if kind == "F" and sid == self.num_stages - 1:
+                    self._forwarded.add(chunk_id)
+                if self._timer is None:
+                    return method(chunk_id, *args, **kwargs)
+                with self._timer.op(kind, sid, chunk_id):
+                    return method(chunk_id, *args, **kwargs)
+
+            return run
+
+        stage.forward_one_chunk = timed(stage.forward_one_chunk, lambda *a, **k: "F")
+        stage.backward_one_chunk = timed(
+            stage.backward_one_chunk, lambda *a, full_backward=True, **k: "B" if full_backward else "I"
+        )
+        stage.backward_weight_one_chunk = timed(stage.backward_weight_one_chunk, lambda *a, **k: "W")
+
+    def _train_schedule(self, key: tuple) -> Any:
+        schedule = self._schedules.get(("train", key))
+        if schedule is None:
+            import torch.distributed.pipelining.schedules as schedules
+
+            cls = getattr(schedules, self.options.spec.torch_class)
+            stages = self._stages()
+            schedule = cls(
+                stages if len(stages) > 1 else stages[0],
+                n_microbatches=self.options.num_microbatches,
+                loss_fn=self._microbatch_loss,
+                scale_grads=False,  # the loss wrapper scales by loss_scale / m
+            )
+            self._schedules[("train", key)] = schedule
+        return schedule
+
+    def _eval_schedule(self, key: tuple, num_microbatches: int) -> Any:
+        schedule = self._schedules.get(("eval", key, num_microbatches))
+        if schedule is None:
+            stages = self._stages()
+            if len(stages) == 1:
+                from torch.distributed.pipelining import ScheduleGPipe
+
+                # scale_grads=False: torch's default divides whatever .grad holds by m at the end of the step, which
+                # would corrupt gradients accumulated before a validation inside an accumulation window.
+                schedule = ScheduleGPipe(stages[0], n_microbatches=num_microbatches, loss_fn=None, scale_grads=False)
+            else:
+                schedule = _forward_only_multi(stages, num_microbatches, self.options, self.pp_size)
+            self._schedules[("eval", key, num_microbatches)] = schedule
+        return schedule
+
+    def _microbatch_loss(self, outputs: Any, index: Tensor) -> Tensor:
+        i = int(index.reshape(-1)[0])
+        if index.numel() != 1 or i not in self._forwarded:
+            # torch's metadata inference (first step of each schedule) runs the loss on placeholder outputs with the
+            # whole target: let it infer the gradient's metadata, but it is no micro-batch of this step.
+            return _plain(self.loss_fn(outputs, self._targets[0]))
+        self._forwarded.discard(i)
+        with self._timer.op("L", self.num_stages - 1, i) if self._timer is not None else contextlib.nullcontext():
+            loss = _plain(self.loss_fn(outputs, self._targets[i]))
+            self._losses.append(loss.detach())
+            return loss * self._scale
+
+    # ------------------------------------------------------------------ steps
+    def train_step(self, inputs: tuple[Tensor, ...], targets: Any, loss_scale: float = 1.0) -> Tensor | None:
+        """Run the schedule's forwards and backwards over one batch; gradients accumulate into ``.grad``.
+
+        Args:
+            inputs: the first stage's inputs, each ``(batch, ...)``; every rank passes them (the key of the tensor
+                shapes), only the first stage reads them.
+            targets: the batch's targets (tensors split along dim 0); read on the last stage.
+            loss_scale: factor on the loss before backward (``1 / accumulate_grad_batches`` under accumulation).
+
+        Returns:
+            On the rank holding the last stage, the mean micro-batch loss (detached scalar); ``None`` elsewhere.
+
+        Raises:
+            ValueError: the batch size is not a multiple of ``num_microbatches``.
+        """
+        m = self.options.num_microbatches
+        split_tree(inputs, m, "the batch")  # checks divisibility before any rank enters the schedule
+        self._targets = split_tree(targets, m) if self.has_last_stage else []
+        self._scale = loss_scale / m
+        self._losses = []
+        self._forwarded = set()
+        schedule = self._train_schedule(_shape_key(inputs))
+        if self.options.measure_bubble and self.pp_size > 1:
+            dist.barrier(group=self.pp_group)
+        self._timer = StepTimer()
+        try:
+            with self.step_context():
+                args = inputs if self.has_first_stage else ()
+                target = torch.arange(m, device=self.device) if self.has_last_stage else None
+                schedule.step(*args, target=target, losses=[], return_outputs=False)
+        finally:
+            self.history.append(self._timer.finish())
+            self._timer = None
+        return torch.stack(self._losses).mean() if self._losses else None
+
+    @torch.no_grad()
+    def eval_step(self, inputs: tuple[Tensor, ...], targets: Any) -> Tensor | None:
+        """Forward only (validation/test) and the loss of the whole batch on the last stage.
+
+        The batch is split into the largest number of equal micro-batches up to ``num_microbatches`` (the result does
+        not depend on it).
+
+        Returns:
+            The batch loss (detached scalar) on the rank holding the last stage; ``None`` elsewhere.
+        """
+        size = inputs[0].shape[0]
+        m = max(d for d in range(1, min(self.options.num_microbatches, size) + 1) if size % d == 0)
+        schedule = self._eval_schedule(_shape_key(inputs), m)
+        with self.step_context():
+            outputs = schedule.step(*(inputs if self.has_first_stage else ()))
+            if not self.has_last_stage:
+                return None
+            return _plain(self.loss_fn(outputs, targets)).detach()
+
+
+def _shape_key(inputs: tuple[Tensor, ...]) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in inputs)
+
+
+def _forward_only_multi(stages: list[Any], num_microbatches: int, options: PipelineOptions, pp_size: int) -> Any:
+    """A forward-only schedule for a rank with several stages: each stage's forwards in turn, on torch's runtime.
+
+    Private torch API (``_PipelineScheduleRuntime``, ``_Action``, ``_add_send_recv``): the V schedules of torch 2.13
+    refuse to run forward only, and no public multi-stage schedule takes the V placement.
+    """
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+    from torch.distributed.pipelining.schedules import FORWARD, _Action, _add_send_recv, _PipelineScheduleRuntime
+
+    num_stages = options.num_stages(pp_size)
+    style = "v" if options.spec.placement == "v" else "loop"
+    mapping = generate_stage_to_rank_mapping(pp_size, num_stages, style=style)
+
+    class _ForwardOnly(_PipelineScheduleRuntime):
+        def __init__(self) -> None:
+            super().__init__(stages=stages, n_microbatches=num_microbatches, loss_fn=None, scale_grads=False)
+            self.stage_index_to_group_rank = mapping
+            for stage in stages:
+                stage.stage_index_to_group_rank = mapping
+            self.pipeline_order = {
+                rank: [
+                    _Action(s, FORWARD, i)
+                    for s in sorted(k for k, r in mapping.items() if r == rank)
+                    for i in range(num_microbatches)
+                ]
+                for rank in range(pp_size)
+            }
+            self.pipeline_order_with_comms = _add_send_recv(
+                {r: list(a) for r, a in self.pipeline_order.items()},
+                stage_to_rank=lambda s: mapping[s],
+                num_stages=num_stages,
+            )
+
+    return _ForwardOnly()

@@ -1,0 +1,82 @@
+"""The README's "Bring your own model" examples, run as a user runs them (a script; Lightning's own launcher starts the
+other processes), and the errors its table quotes, raised before any process starts."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_par.parallel_dims import ParallelDims
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _blocks() -> list[str]:
+    text = README.read_text()
+    section = text[text.index("## Bring your own model") :]
+    section = section[: section.index("\n## ", 5)]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+MODEL, *USES = _blocks()
+
+
+def _namespace() -> dict:
+    namespace: dict = {"__name__": "readme_model"}
+    exec(compile(MODEL, "README model", "exec"), namespace)  # noqa: S102 - the README's own code
+    return namespace
+
+
+def _untrained_val_loss() -> float:
+    ns = _namespace()
+    torch.manual_seed(0)
+    module = ns["Regressor"]()
+    x, y = ns["data"](64).dataset.tensors
+    with torch.no_grad():
+        return float(module.loss_fn(module.model(x), y))
+
+
+def test_the_readme_has_the_four_examples():
+    assert len(USES) == 4
+    assert ['"zero3"', '"tensor_parallel"', "PipelineStrategy", "Parallel3DStrategy"] == [
+        next(k for k in ('"zero3"', '"tensor_parallel"', "PipelineStrategy", "Parallel3DStrategy") if k in use)
+        for use in USES
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(4), ids=["zero3", "tensor_parallel", "1f1b", "parallel_3d"])
+def test_readme_example_trains(index, tmp_path):
+    script = tmp_path / "example.py"
+    script.write_text(MODEL + "\n\n" + USES[index])
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    val_loss = float(next(ln for ln in proc.stdout.splitlines() if ln.startswith("val_loss")).split()[1])
+    assert val_loss < 0.5 * _untrained_val_loss()
+
+
+def _message(strategy, module, dims: ParallelDims) -> str:
+    strategy.connect(module)
+    with pytest.raises(ValueError) as info:
+        strategy.validate_model(dims)
+    return str(info.value)
+
+
+def test_the_errors_the_readme_quotes():
+    from lightning_par import PipelineStrategy, TensorParallelStrategy
+
+    ns = _namespace()
+    no_plan = type("Regressor", (ns["Regressor"],), {"tp_plan": None})()
+    no_loss = type("Regressor", (ns["Regressor"],), {"loss_fn": None})()
+    tp = _message(TensorParallelStrategy(tp_size=2), no_plan, ParallelDims(tp_size=2, world_size=2))
+    pp = _message(PipelineStrategy(pp_size=2), no_loss, ParallelDims(pp_size=2, world_size=2))
+    section = README.read_text().split("## Bring your own model")[1]
+    quoted = re.findall(r"`ValueError: ([^`]*?)\.\.\.`", section)
+    assert len(quoted) == 2
+    assert tp.startswith(quoted[0]) and pp.startswith(quoted[1]), (quoted, tp, pp)
+    assert "training_step is not called" in pp

@@ -1,0 +1,175 @@
+"""Users' models that are not the reference GPT, written as a user would: a LightningModule holding an ``nn.Sequential``
+network at ``.model``, with its own tensor-parallel plan (``tp_plan()``, paths relative to the network) and its own
+loss; nothing from ``lightning_par.models``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    """Pre-norm residual MLP: ``x + fc2(gelu(fc1(norm(x))))`` on ``(batch, width)``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class ResidualMLP(L.LightningModule):
+    """Regression ``(batch, d_in) -> (batch, d_out)``: input projection, ``depth`` residual blocks, head.
+
+    Args:
+        optimizer: ``"sgd"`` (SGD with momentum 0.9: a gradient summed instead of averaged moves it twice as far) or
+            ``"adamw"``.
+    """
+
+    def __init__(self, d_in: int = 8, width: int = 16, depth: int = 3, d_out: int = 4, optimizer: str = "sgd",
+                 lr: float = 0.05) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        layers: list[tuple[str, nn.Module]] = [("0", nn.Linear(d_in, width))]
+        layers += [(str(i + 1), Block(width)) for i in range(depth)]
+        layers.append((str(depth + 1), nn.Linear(width, d_out)))
+        self.model = nn.Sequential(OrderedDict(layers))
+
+    def tp_plan(self) -> dict[str, str]:
+        """Megatron's MLP split in every block; the projections and norms replicated."""
+        depth = self.hparams.depth
+        plan = {"0": "replicate", str(depth + 1): "replicate"}
+        for i in range(1, depth + 1):
+            plan |= {f"{i}.norm": "replicate", f"{i}.fc1": "colwise", f"{i}.fc2": "rowwise"}
+        return plan
+
+    @staticmethod
+    def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(outputs, targets)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.loss_fn(self.model(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.loss_fn(self.model(x), y)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.hparams.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr / 10, eps=1e-5)
+
+
+def make_mlp(optimizer: str = "sgd", depth: int = 3) -> ResidualMLP:
+    """Seeded: every rank and the reference build the same initial model."""
+    torch.manual_seed(0)
+    return ResidualMLP(optimizer=optimizer, depth=depth)
+
+
+# ---------------------------------------------------------------------------------------------------- two streams
+class TwoStreamLayer(nn.Module):
+    """A layer on a pair of streams ``(h, s)``, each ``(batch, width)``: ``h += tanh(lin(h))``, then ``s += h``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = h + torch.tanh(self.lin(h))
+        return h, s + h
+
+
+class _TwoStreamStage(nn.Module):
+    """Some layers of a :class:`TwoStreamNet` (the input projection when first, the head when last), under the
+    network's own attribute names."""
+
+    def __init__(self, net: TwoStreamNet, layers: list[str], first: bool, last: bool) -> None:
+        super().__init__()
+        self.inp = net.inp if first else None
+        self.layers = nn.ModuleDict({k.split(".", 1)[1]: net.layers[k.split(".", 1)[1]] for k in layers})
+        self.head = net.head if last else None
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        if self.inp is not None:
+            x, mask = args
+            h = self.inp(x) * mask
+            s = torch.zeros_like(h)
+        else:
+            h, s = args
+        for layer in self.layers.values():
+            h, s = layer(h, s)
+        return self.head(torch.cat([h, s], dim=-1)) if self.head is not None else (h, s)
+
+
+class TwoStreamNet(nn.Module):
+    """A network whose first stage takes two inputs ``(x, mask)`` and whose stages pass a tuple ``(h, s)``; it tells
+    the pipeline where it may be cut (``pipeline_layers``) and how to build a stage (``pipeline_stage``)."""
+
+    def __init__(self, d_in: int = 8, width: int = 16, depth: int = 4, d_out: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d_in, width)
+        self.layers = nn.ModuleDict({str(i): TwoStreamLayer(width) for i in range(depth)})
+        self.head = nn.Linear(2 * width, d_out)
+
+    def pipeline_layers(self) -> list[str]:
+        return [f"layers.{k}" for k in self.layers]
+
+    def pipeline_stage(self, layers: list[str], *, first: bool, last: bool) -> nn.Module:
+        return _TwoStreamStage(self, layers, first, last)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return _TwoStreamStage(self, self.pipeline_layers(), True, True)(x, mask)
+
+
+class TwoStreamModule(L.LightningModule):
+    """Batches are dicts ``{"x", "mask", "y"}``, mapped for the pipeline by ``pipeline_batch``; the loss reads a dict of
+    targets (``pipeline_loss``)."""
+
+    def __init__(self, build: bool = True) -> None:
+        super().__init__()
+        if build:  # else configure_model builds it
+            self.model = TwoStreamNet()
+
+    @staticmethod
+    def pipeline_batch(batch: dict[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+        return (batch["x"], batch["mask"]), {"y": batch["y"]}
+
+    @staticmethod
+    def pipeline_loss(outputs: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
+        return F.mse_loss(outputs, targets["y"])
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = self.pipeline_batch(batch)
+        return self.pipeline_loss(self.model(*inputs), targets)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class DictDataset(torch.utils.data.Dataset):
+    """``n`` fixed ``{"x": (8,), "mask": (16,) of 0/1, "y": (4,)}`` samples."""
+
+    def __init__(self, n: int = 64, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x, self.y = torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+        self.mask = (torch.rand(n, 16, generator=g) > 0.2).float()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "mask": self.mask[i], "y": self.y[i]}
