@@ -93,6 +93,15 @@ class ReduceScatterReducer:
         self._accumulating = False
         self._stats = CommStats()
         self._reset_buckets()
+        # Where each unpadded tensor's chunks sit in its bucket's rank-major buffer: (N, chunk_rows, row_numel) with
+        # the bucket's per-rank stride, computed once (the buffers themselves are new every backward).
+        self._slots: dict[int, tuple[tuple[int, ...], tuple[int, ...], int]] = {}
+        for s in layout.shards:
+            if s.rows == self.world * s.chunk_rows:
+                b = layout.buckets[s.bucket]
+                self._slots[id(s.param)] = (
+                    (self.world, s.chunk_rows, s.row_numel), (b.chunk_numel, s.row_numel, 1), s.offset
+                )
         self._handles = [s.param.register_post_accumulate_grad_hook(self._on_grad_ready) for s in layout.shards]
 
     def _reset_buckets(self) -> None:
@@ -142,7 +151,13 @@ class ReduceScatterReducer:
         bucket = self.layout.buckets[s.bucket]
         if self.grad_memory is not None:
             self.grad_memory.add(param.grad)
-        self.layout.copy_in(self._buffer(bucket), s, local_tensor(param.grad))
+        buf, grad = self._buffer(bucket), local_tensor(param.grad)
+        fast = self._slots.get(id(param))
+        if fast is not None:  # no padding: the slot is one strided view of the buffer, the gradient one reshape
+            size, stride, offset = fast
+            buf.as_strided(size, stride, offset).copy_(grad.view(size))
+        else:
+            self.layout.copy_in(buf, s, grad)
         param.grad = None  # the full gradient is not kept: ZeRO-2
         self._stats.backward_end = time.perf_counter()
         self._arrived[bucket.index].add(id(param))
