@@ -6,7 +6,8 @@ Two tables, both from one launch of ``world_size`` ranks (CPU, gloo, the ``small
 1. **Engines, and what overlap hides** (contenders in turns step by step,
    :func:`~lightning_par.benchmarks.common.run_in_turns`): torch ``DistributedDataParallel``; the
    :class:`~lightning_par.data_parallel.reducer.GradientReducer` that ``ddp_overlap`` runs, overlapped (buckets
-   all-reduced as backward produces them); the same reducer reducing only after backward (``no_sync`` during
+   all-reduced as backward produces them), also with ``gradient_as_bucket_view=True`` (the gradients become views of
+   the buckets: one copy per parameter per step less); the same reducer reducing only after backward (``no_sync`` during
    backward, then ``reduce_all``); and the same with no communication at all (``no_sync`` and no reduction: the
    compute alone). Then ``after - overlapped`` is the communication time overlap actually hid,
    ``overlapped - none`` the communication time left exposed, and ``after - none`` all of it. The live figures the
@@ -14,7 +15,8 @@ Two tables, both from one launch of ``world_size`` ranks (CPU, gloo, the ``small
    ``comm_latency_share_before_backward_end`` (how much of the buckets' latency elapsed before backward ended; not
    time saved: on a CPU the collectives and backward share the cores, so a bucket "in flight" during backward may
    just slow backward down).
-2. **Under Lightning**: a raw torch DDP loop, Lightning's ``DDPStrategy`` and ``ddp_overlap``, each a ``Trainer.fit``
+2. **Under Lightning**: a raw torch DDP loop, Lightning's ``DDPStrategy`` and ``ddp_overlap`` (with its default
+   ``gradient_as_bucket_view=False``, as ``DDPStrategy``'s, and with ``True``), each a ``Trainer.fit``
    of a few steps, in rounds (raw, Lightning, ours, raw, ...) so that drift in the machine's load reaches all three;
    the median over every measured step of every round. Step ratios to Lightning's ``DDPStrategy`` and to the raw
    loop.
@@ -85,9 +87,10 @@ def _engine_contenders(batches: list, group: Any) -> tuple[list[Contender], Any]
         ddp_opt.step()
         ddp_opt.zero_grad(set_to_none=True)
 
-    def reducer_step(mode: str) -> tuple[Any, Any]:
+    def reducer_step(mode: str, as_view: bool = False) -> tuple[Any, Any]:
         model = _gpt()
-        reducer = GradientReducer(list(model.parameters()), group, bucket_cap_mb=_BUCKET_CAP_MB)
+        reducer = GradientReducer(list(model.parameters()), group, bucket_cap_mb=_BUCKET_CAP_MB,
+                                  gradient_as_bucket_view=as_view)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
         def step(i: int) -> None:
@@ -107,11 +110,13 @@ def _engine_contenders(batches: list, group: Any) -> tuple[list[Contender], Any]
         return step, reducer
 
     overlapped, reducer = reducer_step("overlapped")
+    as_view, _ = reducer_step("overlapped", as_view=True)
     after, _ = reducer_step("after")
     none, _ = reducer_step("none")
     contenders = [
         Contender("torch DDP", torch_ddp),
         Contender("ddp_overlap reducer, overlapped", overlapped),
+        Contender("the same, gradient_as_bucket_view=True", as_view),
         Contender("reducer, reduce after backward", after),
         Contender("reducer, no communication", none),
     ]
@@ -150,7 +155,8 @@ def _fit(mode: str, setup: dict[str, Any], env: dict[str, str]) -> tuple[list[fl
     strategy = (
         DDPStrategy(bucket_cap_mb=_BUCKET_CAP_MB)
         if mode == "Lightning DDPStrategy"
-        else DDPOverlapStrategy(bucket_cap_mb=_BUCKET_CAP_MB, timeout_s=300)
+        else DDPOverlapStrategy(bucket_cap_mb=_BUCKET_CAP_MB, timeout_s=300,
+                                gradient_as_bucket_view=mode.endswith("gradient_as_bucket_view=True"))
     )
     timer = StepTimer()
     trainer = L.Trainer(
@@ -162,7 +168,7 @@ def _fit(mode: str, setup: dict[str, Any], env: dict[str, str]) -> tuple[list[fl
     return timer.times[setup["fit_warmup"] :], timer.cpu_times[setup["fit_warmup"] :]
 
 
-_FITS = ("raw torch DDP", "Lightning DDPStrategy", "ddp_overlap")
+_FITS = ("raw torch DDP", "Lightning DDPStrategy", "ddp_overlap", "ddp_overlap, gradient_as_bucket_view=True")
 
 
 def _worker(setup: dict[str, Any]) -> dict[str, Any]:
