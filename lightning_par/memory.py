@@ -1,20 +1,36 @@
-"""Byte counts of model state (parameters, gradients, optimizer state) and of a device's peak memory.
+"""Byte counts of model state (parameters, gradients, optimizer state), of live storages, and of the peak of a step.
 
 Parameters may be plain tensors or ``DTensor`` shards, and several tensors may share one storage (views of a flat
 buffer, ZeRO shards carved out of one allocation, tied weights). Every count here is of *distinct storages* on this
 rank, so a shared allocation is counted once and a ``DTensor`` contributes only its local shard.
+
+Peak memory of a step: on CUDA, ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``. The CPU has
+no such counter (process RSS hides tensors: it stays flat at hundreds of MiB for a tiny model), so
+:class:`StepMemoryTracker` counts tensor storages itself: the model state alive when it starts, plus every storage an
+operator creates while it is active (a ``TorchDispatchMode``), each subtracted again when its storage is freed (a
+weak reference on the storage). :class:`LiveStorageBytes` is the accounting both use.
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["model_state_bytes", "peak_memory_bytes", "storage_bytes"]
+__all__ = [
+    "LiveStorageBytes",
+    "StepMemoryTracker",
+    "model_state_bytes",
+    "model_state_tensors",
+    "peak_memory_bytes",
+    "storage_bytes",
+]
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -152,3 +168,150 @@ def peak_memory_bytes(device: torch.device | str | int) -> int:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return int(peak if sys.platform == "darwin" else peak * 1024)
     raise ValueError(f"peak_memory_bytes supports CUDA and CPU devices, got device={str(device)!r}.")
+
+
+def model_state_tensors(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> list[Tensor]:
+    """Every tensor of the model state on this rank: parameters, their gradients, buffers, the optimizers' own
+    parameters (ZeRO shards, fp32 masters) and their gradients, and every tensor in the optimizers' ``state``."""
+    tensors: list[Tensor] = []
+    for p in module.parameters():
+        tensors.append(p)
+        if p.grad is not None:
+            tensors.append(p.grad)
+    tensors.extend(module.buffers())
+    for optimizer in optimizers:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                tensors.append(p)
+                if p.grad is not None:
+                    tensors.append(p.grad)
+        for per_param in optimizer.state.values():
+            tensors.extend(_tensors_in(per_param))
+    return tensors
+
+
+class LiveStorageBytes:
+    """Bytes of the distinct storages registered with :meth:`add` that are still alive, and their peak.
+
+    A storage is counted from its registration until it is freed: a weak reference on the ``UntypedStorage`` (whose
+    Python object lives exactly as long as the storage, and is the same object for every tensor viewing it)
+    subtracts it when the last tensor using it goes; :meth:`resized` follows a storage resized in place (FSDP2 frees
+    and re-allocates its unsharded parameters that way). Views of a registered storage add nothing. ``DTensor``\ s
+    count their local shard; meta tensors count nothing.
+
+    Attributes:
+        live: bytes registered and not yet freed.
+        peak: the largest ``live`` since construction or :meth:`reset_peak`.
+    """
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, tuple[weakref.ref, int]] = {}
+
+    def add(self, tensor: Tensor) -> None:
+        """Count ``tensor``'s storage if it is not counted yet."""
+        local = _local(tensor)
+        if local.device.type == "meta":
+            return
+        try:
+            storage = local.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor without a real storage (functional/fake wrappers)
+            return
+        key = id(storage)
+        known = self._refs.get(key)
+        if known is not None and known[0]() is storage:
+            return
+        nbytes = storage.nbytes()
+        self._refs[key] = (weakref.ref(storage, lambda _ref, key=key: self._free(key)), nbytes)
+        self._change(nbytes)
+
+    def add_all(self, tensors: Iterable[Tensor | None]) -> None:
+        """:meth:`add` every tensor (``None`` entries skipped)."""
+        for t in tensors:
+            if t is not None:
+                self.add(t)
+
+    def resized(self, storage: Any) -> None:
+        """Account for ``storage`` (an ``UntypedStorage``) having been resized in place; counts it if it is new."""
+        key = id(storage)
+        known = self._refs.get(key)
+        nbytes = storage.nbytes()
+        if known is None or known[0]() is not storage:
+            self._refs[key] = (weakref.ref(storage, lambda _ref, key=key: self._free(key)), nbytes)
+            self._change(nbytes)
+            return
+        self._refs[key] = (known[0], nbytes)
+        self._change(nbytes - known[1])
+
+    def _change(self, delta: int) -> None:
+        self.live += delta
+        if self.live > self.peak:
+            self.peak = self.live
+
+    def _free(self, key: int) -> None:
+        entry = self._refs.pop(key, None)
+        if entry is not None:
+            self.live -= entry[1]
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes alive now."""
+        self.peak = self.live
+
+
+class StepMemoryTracker(TorchDispatchMode):
+    """Peak bytes of tensor storage on this rank while the tracker is active (a context manager), on CPU.
+
+    On entry it counts the storages of ``tensors`` (the model state: :func:`model_state_tensors`); while active,
+    every storage created by an operator (forward, backward, optimizer, collectives' buffers) is counted until it is
+    freed, and storages resized in place are followed. :attr:`peak_bytes` is then the most storage bytes alive at
+    once. ``DTensor`` operators are let through to their local operators, which are counted. Not counted: tensors alive before entry that are not in ``tensors``
+    (a data batch, a reducer's persistent buffers), and memory outside tensors (the backends' own buffers).
+
+    The mode costs one Python call per operator: measure a few steps, not the whole run.
+
+    Args:
+        tensors: tensors alive at entry to count from the start.
+    """
+
+    def __init__(self, tensors: Iterable[Tensor | None] = ()) -> None:
+        super().__init__()
+        self.live = LiveStorageBytes()
+        self._initial = [t for t in tensors if t is not None]
+
+    def __enter__(self) -> StepMemoryTracker:
+        self.live.add_all(self._initial)
+        self._initial = []
+        self.start_bytes = self.live.live
+        # Storages resized in place (FSDP2 unshards and reshards its parameters so) are not operators: follow them.
+        self._resize = torch.UntypedStorage.resize_
+        live, resize = self.live, self._resize
+
+        def tracked_resize(storage: Any, size: int) -> Any:
+            out = resize(storage, size)
+            live.resized(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = tracked_resize  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        super().__exit__(*args)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Most bytes of the counted storages alive at once while active."""
+        return self.live.peak
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor run its local operators, which come back here
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor):
+                self.live.add(t)
+        return out

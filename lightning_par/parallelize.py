@@ -103,9 +103,6 @@ class ParallelOptions:
         """Options from plain values, flat (``schedule="1f1b", bucket_cap_mb=10``) or nested by group
         (``pipeline={"schedule": "1f1b"}``, as the Hydra schemas give them); see :data:`OPTION_GROUPS`.
 
-        Defaults that depend on the dp mode: ZeRO modes view gradients as bucket slices
-        (``gradient_as_bucket_view=True``) unless told otherwise.
-
         Raises:
             ValueError: an unknown option (the message lists the valid ones), an option given twice, an invalid value,
                 or a reducer option the dp mode does not use (``comm_hook`` or ``bucket_cap_mb`` with ``zero3``,

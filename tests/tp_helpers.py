@@ -19,6 +19,7 @@ from lightning_par.tensor_parallel import (
     megatron_layer_comm_bytes,
     resolve_style,
     strip_vocab_padding,
+    sync_tp_partial_grads,
     vocab_parallel_loss,
 )
 from lightning_par.tensor_parallel.state_dict import unpad_vocab_state
@@ -183,6 +184,7 @@ def _gpt_comm_case(n_layer: int, sp: bool, mesh: Any, batch: int, seq: int, d: i
     with counter, vocab_parallel_loss():
         logits = model(x)
         F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x.reshape(-1)).backward()
+        sync_tp_partial_grads(model, mesh.get_group())  # the norms' partial gradients under sequence parallelism
     return counter.sent_bytes
 
 

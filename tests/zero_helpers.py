@@ -71,7 +71,19 @@ def make_mlp() -> TokenMLP:
     return TokenMLP()
 
 
-MODULES = {"gpt": make_gpt, "gpt-warmup": make_gpt_warmup, "mlp": make_mlp}
+class TokenMLPAdamW(TokenMLP):
+    """:class:`TokenMLP` with AdamW (decoupled weight decay) instead of SGD."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=1e-6, weight_decay=1e-2)
+
+
+def make_mlp_adamw() -> TokenMLPAdamW:
+    torch.manual_seed(0)
+    return TokenMLPAdamW()
+
+
+MODULES = {"gpt": make_gpt, "gpt-warmup": make_gpt_warmup, "mlp": make_mlp, "mlp-adamw": make_mlp_adamw}
 
 
 class StateBytesProbe(L.Callback):
@@ -161,6 +173,7 @@ def run_case(case: dict[str, Any], dataset: Dataset, val_dataset: Dataset | None
         state=state,
         bytes=probe.bytes,
         callback_bytes={k: summary[k] for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes")},
+        step_memory={k: summary[k] for k in ("step_peak_bytes", "step_model_state_bytes", "step_other_bytes")},
         comm_bytes=comm.bytes_per_step,
         comm_by_op=comm.by_op,
         extras=strategy.summary_extras(),
@@ -209,16 +222,6 @@ class TwoLayer(nn.Module):
 def two_layer_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
-
-
-def _clip_(params: list[torch.Tensor], max_norm: float) -> None:
-    """Global-norm clipping over parameters on different meshes (torch's ``clip_grad_norm_`` stacks the per-tensor
-    norms and needs one mesh): each DTensor norm is made whole, then summed in squares."""
-    sq = sum((torch.linalg.vector_norm(p.grad).full_tensor() if hasattr(p.grad, "full_tensor")
-              else torch.linalg.vector_norm(p.grad)) ** 2 for p in params)
-    coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
-    for p in params:
-        p.grad.mul_(coef)
 
 
 def two_layer_reference(steps: int, clip: float) -> dict[str, torch.Tensor]:
@@ -270,9 +273,87 @@ def tensor_parallel_worker(steps: int, clip: float) -> dict[int, dict[str, torch
                     for half in (slice(0, 2), slice(2, 4)):
                         (((model(x[half]) - y[half]) ** 2).mean() / 2).backward()
                 engine.reduce_now()
-            _clip_([p for g in opt.param_groups for p in g["params"]], clip)
+            # The engine clips by the whole model's norm (ZeRO-1/2 optimizers step plain local shards).
+            engine.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], clip)
             opt.step()
             opt.zero_grad()
         full = engine.full_state_dict()
         out[stage] = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t) for n, t in full.items()}
+    return out
+
+
+def grad_memory_worker() -> dict[str, Any]:
+    """dp 2: the GPT under ZeRO-2 with small buckets and the reducer's gradient-memory probe, for one and for no
+    bucket in flight; two steps each. Returns the peaks and the sizes to bound them with."""
+    from lightning_par.data_parallel.zero import ZeroShardedDataParallel
+    from lightning_par.data_parallel.zero_options import resolve_zero_options
+    from lightning_par.launcher import init_process_group_from_env
+    from lightning_par.parallel_dims import ParallelDims
+
+    init_process_group_from_env(timeout_s=60)
+    dims = ParallelDims(dp_size=2, world_size=2)
+    dims.build_mesh()
+    data = token_dataset(8)
+    x = torch.stack([data[i][0] for i in range(4)])
+    y = torch.stack([data[i][1] for i in range(4)])
+    out: dict[str, Any] = {"peaks": {}}
+    for in_flight in (1, 0):
+        torch.manual_seed(0)  # 4 blocks of width 64: many buckets, none dominating (unlike CONFIG's embeddings)
+        module = GPTLightningModule(GPTConfig(**{**CONFIG, "n_layer": 4, "n_embd": 64}))
+        engine = ZeroShardedDataParallel(module, dims.get_mesh("dp"), resolve_zero_options(2, bucket_cap_mb=0.05),
+                                         max_buckets_in_flight=in_flight, measure_memory=True)
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        engine.shard_optimizer(opt)
+        for _ in range(2):
+            engine.pre_backward()
+            module.loss_fn(module(x), y).backward()
+            engine.post_backward()
+            opt.step()
+            opt.zero_grad()
+        summary = engine.summary()
+        out["peaks"][in_flight] = summary["peak_grad_bytes"]
+        out["bucket_bytes"] = summary["bucket_bytes"]
+        out["num_buckets"] = summary["num_buckets"]
+        out["shard_bytes"] = engine.reducer.grad_shard.numel() * 4
+        out["largest_grad_bytes"] = max(p.numel() for p in module.parameters()) * 4
+        out["full_grad_bytes"] = sum(p.numel() for p in module.parameters()) * 4
+        engine.remove()
+    return out
+
+
+def overlap_gather_worker(steps: int = 3) -> dict[str, Any]:
+    """dp 2: :class:`TokenMLP` (SGD with momentum; a parameter owned by the LightningModule itself) under ZeRO-1 and
+    ZeRO-2 with and without ``overlap_param_gather``; returns the full parameters after ``steps`` steps and whether
+    all-gathers were still pending when the next step began."""
+    from lightning_par.data_parallel.zero import ZeroShardedDataParallel
+    from lightning_par.data_parallel.zero_options import resolve_zero_options
+    from lightning_par.launcher import init_process_group_from_env
+    from lightning_par.parallel_dims import ParallelDims
+
+    init_process_group_from_env(timeout_s=60)
+    dims = ParallelDims(dp_size=2, world_size=2)
+    dims.build_mesh()
+    rank = int(os.environ["RANK"])
+    data = token_dataset(4 * 2 * steps)
+    out: dict[str, Any] = {}
+    for stage in (1, 2):
+        for overlap in (False, True):
+            module = make_mlp()
+            options = resolve_zero_options(stage, bucket_cap_mb=0.005)
+            engine = ZeroShardedDataParallel(module, dims.get_mesh("dp"), options, overlap_param_gather=overlap)
+            (opt,) = module.configure_optimizers()
+            engine.shard_optimizer(opt)
+            pending = []
+            for step in range(steps):
+                start = (step * 2 + rank) * 4
+                batch = tuple(torch.stack([data[i][k] for i in range(start, start + 4)]) for k in (0, 1))
+                pending.append(engine.gather.pending)
+                loss = module.training_step(batch, step)
+                engine.pre_backward()
+                loss.backward()
+                engine.post_backward()
+                opt.step()
+                opt.zero_grad()
+            out[f"z{stage}-overlap{int(overlap)}"] = {"state": engine.full_state_dict(), "pending": pending}
+            engine.remove()
     return out

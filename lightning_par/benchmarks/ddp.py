@@ -1,9 +1,25 @@
-"""Benchmark rows for data parallelism: ``ddp_overlap`` vs Lightning's ``DDPStrategy`` vs a raw torch DDP loop.
+"""Benchmark rows for data parallelism: ``ddp_overlap``'s reducer against torch DDP, what overlap hides, and the cost
+under Lightning.
 
-Same model, global batch, data and number of steps, world size 2 on CPU (gloo), the three measured one after another
-in rounds (A B C A B C ...) so that drift on a shared machine hits all three alike. Reports the median step time of
-each relative to the raw torch loop, and the fraction of ``ddp_overlap``'s all-reduce time hidden behind backward.
-On CPU absolute times mean little; the ratios are the result.
+Two tables, both from one launch of ``world_size`` ranks (CPU, gloo, the ``small`` GPT, fp32 AdamW, the same data):
+
+1. **Engines, and what overlap hides** (contenders in turns step by step,
+   :func:`~lightning_par.benchmarks.common.run_in_turns`): torch ``DistributedDataParallel``; the
+   :class:`~lightning_par.data_parallel.reducer.GradientReducer` that ``ddp_overlap`` runs, overlapped (buckets
+   all-reduced as backward produces them), also with ``gradient_as_bucket_view=True`` (the gradients become views of
+   the buckets: one copy per parameter per step less); the same reducer reducing only after backward (``no_sync`` during
+   backward, then ``reduce_all``); and the same with no communication at all (``no_sync`` and no reduction: the
+   compute alone). Then ``after - overlapped`` is the communication time overlap actually hid,
+   ``overlapped - none`` the communication time left exposed, and ``after - none`` all of it. The live figures the
+   strategy logs are printed beside them: ``comm_exposed_s`` (the wait after backward, measured each step) and
+   ``comm_latency_share_before_backward_end`` (how much of the buckets' latency elapsed before backward ended; not
+   time saved: on a CPU the collectives and backward share the cores, so a bucket "in flight" during backward may
+   just slow backward down).
+2. **Under Lightning**: a raw torch DDP loop, Lightning's ``DDPStrategy`` and ``ddp_overlap`` (with its default
+   ``gradient_as_bucket_view=False``, as ``DDPStrategy``'s, and with ``True``), each a ``Trainer.fit``
+   of a few steps, in rounds (raw, Lightning, ours, raw, ...) so that drift in the machine's load reaches all three;
+   the median over every measured step of every round. Step ratios to Lightning's ``DDPStrategy`` and to the raw
+   loop.
 """
 
 from __future__ import annotations
@@ -15,53 +31,132 @@ import time
 from typing import Any
 
 import lightning as L
+import torch
+import torch.distributed as dist
+
+from lightning_par.benchmarks.common import GPT_SHAPES, Contender, run_in_turns, token_batches
 
 __all__ = ["StepTimer", "run"]
 
-_MODEL = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=256, dropout=0.0)
+_SHAPE = GPT_SHAPES["small"]
 _MICRO_BATCH = 8
+_BUCKET_CAP_MB = 1.0
+_QUICK = dict(steps=25, warmup=3, rounds=4, fit_steps=14, fit_warmup=4)
+_FULL = dict(steps=60, warmup=5, rounds=8, fit_steps=25, fit_warmup=5)
 
 
 class StepTimer(L.Callback):
-    """Wall time of each training batch, in seconds."""
+    """Wall time (``times``) and the training thread's CPU time (``cpu_times``) of each training batch, seconds."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
-        self._t0 = 0.0
+        self.cpu_times: list[float] = []
+        self._t0 = self._c0 = 0.0
 
     def on_train_batch_start(self, *args: Any) -> None:
-        self._t0 = time.perf_counter()
+        self._t0, self._c0 = time.perf_counter(), time.thread_time()
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.times.append(time.perf_counter() - self._t0)
+        self.cpu_times.append(time.thread_time() - self._c0)
 
 
-def _make_data(n: int):
-    import torch
-    from torch.utils.data import TensorDataset
+def _gpt() -> torch.nn.Module:
+    from lightning_par.models import GPT, GPTConfig
 
-    g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, _MODEL["vocab_size"], (n, _MODEL["block_size"] + 1), generator=g)
-    return TensorDataset(data[:, :-1].contiguous(), data[:, 1:].contiguous())
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**_SHAPE, dropout=0.0))
 
 
-def _lightning_worker(mode: str, steps: int, bucket_cap_mb: float) -> dict[str, Any]:
-    import torch
+def _loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    from lightning_par.models import GPTLightningModule
+
+    return GPTLightningModule.loss_fn(model(batch[0]), batch[1])
+
+
+def _engine_contenders(batches: list, group: Any) -> tuple[list[Contender], Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_par.data_parallel.reducer import GradientReducer
+
+    ddp = DDP(_gpt(), process_group=group, bucket_cap_mb=_BUCKET_CAP_MB)
+    ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+
+    def torch_ddp(i: int) -> None:
+        _loss(ddp, batches[i % len(batches)]).backward()
+        ddp_opt.step()
+        ddp_opt.zero_grad(set_to_none=True)
+
+    def reducer_step(mode: str, as_view: bool = False) -> tuple[Any, Any]:
+        model = _gpt()
+        reducer = GradientReducer(list(model.parameters()), group, bucket_cap_mb=_BUCKET_CAP_MB,
+                                  gradient_as_bucket_view=as_view)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(i: int) -> None:
+            loss = _loss(model, batches[i % len(batches)])
+            if mode == "overlapped":
+                reducer.start_backward()
+                loss.backward()
+                reducer.finish()
+            else:
+                with reducer.no_sync():
+                    loss.backward()
+                if mode == "after":
+                    reducer.reduce_all()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step, reducer
+
+    overlapped, reducer = reducer_step("overlapped")
+    as_view, _ = reducer_step("overlapped", as_view=True)
+    after, _ = reducer_step("after")
+    none, _ = reducer_step("none")
+    contenders = [
+        Contender("torch DDP", torch_ddp),
+        Contender("ddp_overlap reducer, overlapped", overlapped),
+        Contender("the same, gradient_as_bucket_view=True", as_view),
+        Contender("reducer, reduce after backward", after),
+        Contender("reducer, no communication", none),
+    ]
+    return contenders, reducer
+
+
+def _fit(mode: str, setup: dict[str, Any], env: dict[str, str]) -> tuple[list[float], list[float]]:
     from lightning.pytorch.strategies import DDPStrategy
-    from torch.utils.data import DataLoader, DistributedSampler
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from lightning_par.models import GPTConfig, GPTLightningModule
     from lightning_par.strategies import DDPOverlapStrategy
 
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    torch.manual_seed(0)
-    module = GPTLightningModule(GPTConfig(**_MODEL), learning_rate=1e-3)
-    data = _make_data(steps * _MICRO_BATCH * world)
+    os.environ.update(env)  # Lightning's environment teardown removes WORLD_SIZE after a fit
+    world, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
+    steps = setup["fit_steps"]
+    xs, ys = zip(*token_batches(steps * world, _MICRO_BATCH, _SHAPE["block_size"], _SHAPE["vocab_size"]))
+    data = TensorDataset(torch.cat(xs), torch.cat(ys))
     loader = DataLoader(data, batch_size=_MICRO_BATCH, sampler=DistributedSampler(data, world, rank, shuffle=False))
+    if mode == "raw torch DDP":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(_gpt(), bucket_cap_mb=_BUCKET_CAP_MB)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        times, cpu = [], []
+        for batch in loader:
+            start, cpu_start = time.perf_counter(), time.thread_time()
+            _loss(model, batch).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+            cpu.append(time.thread_time() - cpu_start)
+        return times[setup["fit_warmup"] :], cpu[setup["fit_warmup"] :]
+    torch.manual_seed(0)
+    module = GPTLightningModule(GPTConfig(**_SHAPE, dropout=0.0), learning_rate=1e-3)
     strategy = (
-        DDPOverlapStrategy(bucket_cap_mb=bucket_cap_mb, timeout_s=120)
-        if mode == "ddp_overlap"
-        else DDPStrategy(bucket_cap_mb=bucket_cap_mb)
+        DDPStrategy(bucket_cap_mb=_BUCKET_CAP_MB)
+        if mode == "Lightning DDPStrategy"
+        else DDPOverlapStrategy(bucket_cap_mb=_BUCKET_CAP_MB, timeout_s=300,
+                                gradient_as_bucket_view=mode.endswith("gradient_as_bucket_view=True"))
     )
     timer = StepTimer()
     trainer = L.Trainer(
@@ -70,74 +165,99 @@ def _lightning_worker(mode: str, steps: int, bucket_cap_mb: float) -> dict[str, 
         use_distributed_sampler=False, limit_val_batches=0, callbacks=[timer],
     )
     trainer.fit(module, loader)
-    extras = strategy.summary_extras() if hasattr(strategy, "summary_extras") else {}
-    return {"times": timer.times, "extras": extras}
+    return timer.times[setup["fit_warmup"] :], timer.cpu_times[setup["fit_warmup"] :]
 
 
-def _raw_worker(steps: int, bucket_cap_mb: float) -> dict[str, Any]:
-    import torch
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.utils.data import DataLoader, DistributedSampler
+_FITS = ("raw torch DDP", "Lightning DDPStrategy", "ddp_overlap", "ddp_overlap, gradient_as_bucket_view=True")
 
+
+def _worker(setup: dict[str, Any]) -> dict[str, Any]:
     from lightning_par.launcher import init_process_group_from_env
-    from lightning_par.models import GPT, GPTConfig, GPTLightningModule
 
-    init_process_group_from_env(timeout_s=120)
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    torch.manual_seed(0)
-    model = DDP(GPT(GPTConfig(**_MODEL)), bucket_cap_mb=bucket_cap_mb)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = _make_data(steps * _MICRO_BATCH * world)
-    loader = DataLoader(data, batch_size=_MICRO_BATCH, sampler=DistributedSampler(data, world, rank, shuffle=False))
-    times = []
-    for x, y in loader:
-        t0 = time.perf_counter()
-        loss = GPTLightningModule.loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-    return {"times": times, "extras": {}}
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: os.environ[k] for k in names}
+    init_process_group_from_env(timeout_s=600)
+    rank = dist.get_rank()
+    batches = token_batches(setup["steps"] + setup["warmup"], _MICRO_BATCH, _SHAPE["block_size"],
+                            _SHAPE["vocab_size"], seed=rank)
+    contenders, reducer = _engine_contenders(batches, dist.group.WORLD)
+    run_in_turns(contenders, setup["steps"], setup["warmup"])
+    out: dict[str, Any] = {"engines": {c.name: c.times for c in contenders}, "live": reducer.overlap_summary(),
+                           "engines_cpu_s": {c.name: c.cpu_times for c in contenders}}
+    del contenders, reducer
+    fits: dict[str, list[float]] = {m: [] for m in _FITS}
+    fits_cpu: dict[str, list[float]] = {m: [] for m in _FITS}
+    for _ in range(setup["rounds"]):
+        for mode in _FITS:
+            wall, cpu = _fit(mode, setup, env)
+            fits[mode] += wall
+            fits_cpu[mode] += cpu
+    out["fits"], out["fits_cpu"] = fits, fits_cpu
+    return out
 
 
-def run(quick: bool = False, world_size: int = 2, bucket_cap_mb: float = 1.0) -> str:
-    """Measure and return the markdown table (see the module docstring).
+def run(quick: bool = False, world_size: int = 2) -> str:
+    """Measure and return the markdown tables (see the module docstring).
 
     Args:
-        quick: 1 round of 12 steps instead of 3 rounds of 30.
+        quick: 25 measured engine steps and 4 rounds of 14-step fits (60 and 8 rounds of 25 without).
         world_size: processes (all data-parallel).
-        bucket_cap_mb: bucket size for all three (small enough that the model spans several buckets).
     """
     from lightning_par.launcher import run_distributed
 
-    rounds, steps, warmup = (1, 12, 2) if quick else (3, 30, 5)
-    threads = max(1, (os.cpu_count() or 1) // world_size)
-    samples: dict[str, list[float]] = {"raw torch DDP": [], "Lightning DDPStrategy": [], "ddp_overlap": []}
-    overlap: list[float] = []
-    for _ in range(rounds):
-        res = run_distributed(_raw_worker, world_size, (steps, bucket_cap_mb), timeout_s=600, threads_per_rank=threads)
-        samples["raw torch DDP"] += res[0]["times"][warmup:]
-        res = run_distributed(_lightning_worker, world_size, ("lightning_ddp", steps, bucket_cap_mb), timeout_s=600, threads_per_rank=threads)
-        samples["Lightning DDPStrategy"] += res[0]["times"][warmup:]
-        res = run_distributed(_lightning_worker, world_size, ("ddp_overlap", steps, bucket_cap_mb), timeout_s=600, threads_per_rank=threads)
-        samples["ddp_overlap"] += res[0]["times"][warmup:]
-        overlap.append(res[0]["extras"]["comm_overlap_fraction"])
-    base = statistics.median(samples["raw torch DDP"])
+    setup = _QUICK if quick else _FULL
+    res = run_distributed(_worker, world_size, (setup,), timeout_s=1800, threads_per_rank=1)
+    r0 = res[0]
+    med = {n: statistics.median(t) for n, t in r0["engines"].items()}
+    cpu = {n: statistics.median(t) for n, t in r0["engines_cpu_s"].items()}
+    base = med["torch DDP"]
     lines = [
-        f"### Data parallel, world size {world_size} (CPU, gloo), GPT {_MODEL['n_layer']}x{_MODEL['n_embd']}, "
-        f"micro-batch {_MICRO_BATCH}x{_MODEL['block_size']}, bucket_cap_mb={bucket_cap_mb}, {rounds} round(s) x {steps - warmup} steps",
+        f"### Data parallel engines, world size {world_size} (CPU, gloo), GPT small "
+        f"({_SHAPE['n_layer']}x{_SHAPE['n_embd']}), micro-batch {_MICRO_BATCH}x{_SHAPE['block_size']} per rank, "
+        f"bucket_cap_mb={_BUCKET_CAP_MB}; median of {setup['steps']} steps, contenders in turns",
         "",
-        "| loop | median step (ms) | step time / raw torch DDP |",
-        "|---|---:|---:|",
+        "| engine | median step, wall (ms) | wall / torch DDP | median step, CPU (ms) | CPU / torch DDP |",
+        "|---|---:|---:|---:|---:|",
     ]
-    for name, times in samples.items():
-        med = statistics.median(times)
-        lines.append(f"| {name} | {med * 1e3:.1f} | {med / base:.3f} |")
-    lines += ["", f"ddp_overlap: share of all-reduce time hidden behind backward = {statistics.mean(overlap):.3f}"]
+    for name, m in med.items():
+        lines.append(f"| {name} | {m * 1e3:.1f} | {m / base:.3f} | {cpu[name] * 1e3:.1f} | "
+                     f"{cpu[name] / cpu['torch DDP']:.3f} |")
+    over, after, none = (med["ddp_overlap reducer, overlapped"], med["reducer, reduce after backward"],
+                         med["reducer, no communication"])
+    live = r0["live"]
+    lines += [
+        "",
+        "| what overlap does (A/B in this run) | ms per step |",
+        "|---|---:|",
+        f"| communication, reduced after backward (after - none) | {(after - none) * 1e3:.1f} |",
+        f"| hidden by overlapping (after - overlapped) | {(after - over) * 1e3:.1f} |",
+        f"| still exposed when overlapped (overlapped - none) | {(over - none) * 1e3:.1f} |",
+        f"| live `comm_exposed_s`: wait after backward, median | {live['comm_exposed_s'] * 1e3:.1f} |",
+        "",
+        f"Live `comm_latency_share_before_backward_end` (formerly `comm_overlap_fraction`): "
+        f"{live['comm_latency_share_before_backward_end']:.3f} of the buckets' latency elapsed before backward "
+        "ended; the time it saved is the 'hidden' row above.",
+    ]
+    fits = {m: statistics.median(t) for m, t in r0["fits"].items()}
+    fits_cpu = {m: statistics.median(t) for m, t in r0["fits_cpu"].items()}
+    lines += [
+        "",
+        f"### Under Lightning, world size {world_size}: {setup['rounds']} rounds of {setup['fit_steps']}-step fits "
+        f"(first {setup['fit_warmup']} of each left out), median step",
+        "",
+        "| loop | median step, wall (ms) | wall / raw torch DDP | wall / Lightning DDPStrategy | "
+        "median step, CPU (ms) | CPU / raw torch DDP | CPU / Lightning DDPStrategy |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, m in fits.items():
+        c = fits_cpu[name]
+        lines.append(f"| {name} | {m * 1e3:.1f} | {m / fits['raw torch DDP']:.3f} | "
+                     f"{m / fits['Lightning DDPStrategy']:.3f} | {c * 1e3:.1f} | "
+                     f"{c / fits_cpu['raw torch DDP']:.3f} | {c / fits_cpu['Lightning DDPStrategy']:.3f} |")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     print(run(quick=parser.parse_args().quick))

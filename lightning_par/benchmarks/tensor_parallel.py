@@ -1,36 +1,51 @@
-"""Benchmark rows for tensor parallelism: communication, parameter and activation memory, step time, at tp 1, 2, 4.
+"""Benchmark rows for tensor parallelism: step time against torch's stock plan, communication, parameter and
+activation memory.
 
-One run measures, for the reference GPT split by :func:`~lightning_par.tensor_parallel.apply_tensor_parallel` (each tp
-size in its own gloo world on CPU, tp 1 being the plain one-process model):
+Two tables:
 
-* bytes sent per rank per step by the tp collectives (:class:`~lightning_par.tensor_parallel.CommVolume`, ring
-  model), per layer (the difference between an ``n_layer`` and an ``n_layer - 1`` model) against Megatron's
-  ``8 b s h (t-1)/t`` elements per layer (Narayanan et al. 2021, §3.2), and for the whole step (embedding, LM
-  head and the vocab-parallel loss included). Sequence parallelism adds the all-reduce of the LayerNorm gradients
-  (``4 h`` elements per layer), hence a ratio a little above 1;
-* parameter bytes per rank against ``1/t`` of tp 1's (LayerNorms, row-parallel biases and the position table stay
-  replicated, so the ratio sits a little above ``1/t``);
-* activation bytes per rank per layer: bytes of the tensors autograd saves for backward in one layer (measured with
-  ``saved_tensors_hooks``, parameters excluded), with and without sequence parallelism, against the ratios of
-  Korthikanti et al. 2022, §4.2 (``(10 + 24/t + 5as/(ht)) / (34 + 5as/h)`` without and ``1/t`` with sequence
-  parallelism; the paper counts 2-byte activations and 1-byte dropout masks, this run has fp32 and no dropout, so
-  compare the trend, not the digits). With sequence parallelism the measured ratio stays above ``1/t`` because
-  DTensor's column-parallel layers keep their all-gathered input ``(b, s, h)`` for the weight gradient, which the
-  paper avoids by gathering it again in backward (§4.2.2);
-* median step time (forward, backward, AdamW step) relative to tp 1. On a shared 2-core CPU machine the tp ranks
-  compete for the same cores, so tp > 1 is *slower* here; the row shows the overhead, not a speed-up.
+1. **Step time** (one launch of 2 ranks, CPU, gloo, the reference GPT, fp32 AdamW, contenders in turns step by step:
+   :func:`~lightning_par.benchmarks.common.run_in_turns`): tp 1 (each rank trains its own copy of the plain model on
+   the same batch, so the machine is as loaded as for tp 2), this project's plan
+   (:func:`~lightning_par.tensor_parallel.apply_tensor_parallel` with the GPT's plan) at tp 2, and torch's stock
+   Megatron plan (:func:`~lightning_par.benchmarks.tp_stock.apply_stock_tp`, torch's styles only) at tp 2, each with
+   and without sequence parallelism. Wall time is the slowest rank's; CPU time is the training thread's own
+   (``time.thread_time``), which a shared machine disturbs far less. On 2 cores the two tp ranks compete with
+   each other and with everything else, so tp 2 is not faster than tp 1 here: read the ratios between plans.
+2. **Bytes** (one world per tp size, tp 1 being the plain one-process model):
+
+   * bytes sent per rank per step by the tp collectives (:class:`~lightning_par.tensor_parallel.CommVolume`, ring
+     model), per layer (the difference between an ``n_layer`` and an ``n_layer - 1`` model) against Megatron's
+     ``8 b s h (t-1)/t`` elements per layer (Narayanan et al. 2021, §3.2), and for the whole step (embedding, LM
+     head and the vocab-parallel loss included). Sequence parallelism adds the all-reduce of the LayerNorm gradients
+     (``4 h`` elements per layer), hence a ratio a little above 1;
+   * parameter bytes per rank against ``1/t`` of tp 1's (LayerNorms, row-parallel biases and the position table stay
+     replicated, so the ratio sits a little above ``1/t``);
+   * activation bytes per rank per layer: bytes of the tensors autograd saves for backward in one layer (measured
+     with ``saved_tensors_hooks``, parameters excluded), with and without sequence parallelism, against the ratios of
+     Korthikanti et al. 2022, §4.2 (``(10 + 24/t + 5as/(ht)) / (34 + 5as/h)`` without and ``1/t`` with sequence
+     parallelism; the paper counts 2-byte activations and 1-byte dropout masks, this run has fp32 and no dropout, so
+     compare the trend, not the digits). With sequence parallelism the measured ratio stays above ``1/t`` because
+     DTensor's column-parallel layers keep their all-gathered input ``(b, s, h)`` for the weight gradient, which the
+     paper avoids by gathering it again in backward (§4.2.2).
+
+Where sequence parallelism's extra time goes (on this CPU, gloo): each sub-block's one all-reduce becomes an
+all-gather plus a reduce-scatter (the same bytes, twice the collectives and DTensor redistributions), and the
+norms' partial weight gradients need one more all-reduce per step (one flat collective here; one per parameter with
+torch's ``SequenceParallel`` and eager reduction, or several per parameter when DTensor reduces them lazily inside
+the optimizer). What it buys is memory: the norms' and dropouts' activations are ``1/t`` per rank.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 __all__ = ["run"]
 
-_FULL = dict(model=dict(n_layer=4, n_head=8, n_embd=128, block_size=128, vocab_size=256), batch=8, steps=6)
-_QUICK = dict(model=dict(n_layer=2, n_head=8, n_embd=128, block_size=128, vocab_size=256), batch=8, steps=3)
+_FULL = dict(model=dict(n_layer=4, n_head=8, n_embd=128, block_size=128, vocab_size=256), batch=8, steps=30, warmup=4)
+_QUICK = dict(model=dict(n_layer=4, n_head=8, n_embd=128, block_size=128, vocab_size=256), batch=8, steps=12,
+              warmup=3)
+_TIMED = ("tp 1", "ours tp 2", "torch stock tp 2", "ours tp 2 + SP", "torch stock tp 2 + SP")
 
 
 def _saved_bytes(fn: Any, exclude: set[int]) -> tuple[int, Any]:
@@ -55,7 +70,7 @@ def _saved_bytes(fn: Any, exclude: set[int]) -> tuple[int, Any]:
     return total, out
 
 
-def _worker(model_cfg: dict, batch: int, steps: int) -> dict[str, Any]:
+def _worker(model_cfg: dict, batch: int) -> dict[str, Any]:
     import os
 
     import torch
@@ -67,7 +82,12 @@ def _worker(model_cfg: dict, batch: int, steps: int) -> dict[str, Any]:
     from lightning_par.memory import model_state_bytes
     from lightning_par.models import GPT, GPTConfig
     from lightning_par.models.gpt_tp_plan import gpt_tp_plan
-    from lightning_par.tensor_parallel import CommVolume, apply_tensor_parallel, vocab_parallel_loss
+    from lightning_par.tensor_parallel import (
+        CommVolume,
+        apply_tensor_parallel,
+        sync_tp_partial_grads,
+        vocab_parallel_loss,
+    )
 
     init_process_group_from_env(timeout_s=300)
     t = int(os.environ["WORLD_SIZE"])
@@ -103,6 +123,8 @@ def _worker(model_cfg: dict, batch: int, steps: int) -> dict[str, Any]:
             with counter, vocab_parallel_loss():
                 acts[layers], loss = _saved_bytes(lambda: loss_of(model), params)
                 loss.backward()
+                if sp:
+                    sync_tp_partial_grads(model, mesh.get_group())
             comm[layers] = counter.sent_bytes
             if layers == n:
                 row["collectives"] = counter.counts()
@@ -110,20 +132,6 @@ def _worker(model_cfg: dict, batch: int, steps: int) -> dict[str, Any]:
         row["comm_step_bytes"] = comm[n]
         row["comm_layer_bytes"] = comm[n] - comm[n - 1]
         row["act_layer_bytes"] = acts[n] - acts[n - 1]
-        # step time: forward, backward and an AdamW step
-        model = build(n, sp)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        times = []
-        for i in range(steps + 1):
-            torch.distributed.barrier()
-            t0 = time.perf_counter()
-            with vocab_parallel_loss():
-                loss_of(model).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if i:  # the first step includes one-off set-up
-                times.append(time.perf_counter() - t0)
-        row["step_s"] = statistics.median(times)
         out["plain" if sp is None else ("sp" if sp else "tp")] = row
     return out
 
@@ -137,31 +145,99 @@ def _korthikanti_ratio(t: int, sp: bool, cfg: dict) -> float:
     return per_rank / base
 
 
+def _timing_worker(model_cfg: dict, batch: int, steps: int, warmup: int) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_par.benchmarks.common import Contender, run_in_turns, token_batches
+    from lightning_par.benchmarks.tp_stock import apply_stock_tp
+    from lightning_par.launcher import init_process_group_from_env
+    from lightning_par.models import GPT, GPTConfig
+    from lightning_par.models.gpt_tp_plan import gpt_tp_plan
+    from lightning_par.tensor_parallel import apply_tensor_parallel, sync_tp_partial_grads, vocab_parallel_loss
+
+    init_process_group_from_env(timeout_s=600)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    batches = token_batches(steps + warmup, batch, model_cfg["block_size"], model_cfg["vocab_size"])
+
+    def contender(name: str) -> Contender:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**model_cfg, dropout=0.0))
+        sp = name.endswith("SP")
+        if name.startswith("ours"):
+            apply_tensor_parallel(model, mesh, gpt_tp_plan(), sp)
+        elif name.startswith("torch"):
+            apply_stock_tp(model, mesh, sp)
+        parallel = name != "tp 1"
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(i: int) -> None:
+            x, y = batches[i % len(batches)]
+            with vocab_parallel_loss() if parallel else torch.enable_grad():
+                logits = model(x)
+                F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+            if name.startswith("ours") and sp:
+                sync_tp_partial_grads(model, mesh.get_group())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return Contender(name, step)
+
+    contenders = [contender(n) for n in _TIMED]
+    run_in_turns(contenders, steps, warmup)
+    return {c.name: (statistics.median(c.times), statistics.median(c.cpu_times)) for c in contenders}
+
+
 def run(quick: bool = False) -> str:
-    """Measure tp 1, 2, 4 side by side and return the markdown table.
+    """Measure and return the markdown tables (see the module docstring).
 
     Args:
-        quick: a smaller model and fewer steps (under a minute on 2 CPU cores).
+        quick: 12 measured steps per contender instead of 30.
 
     Returns:
-        A markdown table: one row per (tp size, sequence parallelism).
+        Two markdown tables: step times at tp 2 against the stock plan and tp 1, and the bytes per tp size.
     """
     from lightning_par.launcher import run_distributed
     from lightning_par.tensor_parallel import megatron_layer_comm_bytes
 
     spec = _QUICK if quick else _FULL
-    cfg, batch, steps = spec["model"], spec["batch"], spec["steps"]
-    results = {t: run_distributed(_worker, t, (cfg, batch, steps), timeout_s=600)[0] for t in (1, 2, 4)}
-    base = results[1]["plain"]
+    cfg, batch = spec["model"], spec["batch"]
     h, s = cfg["n_embd"], cfg["block_size"]
+    timed = run_distributed(_timing_worker, 2, (cfg, batch, spec["steps"], spec["warmup"]), timeout_s=1200)[0]
+    wall1, cpu1 = timed["tp 1"]
     lines = [
-        f"Tensor parallelism, GPT n_layer={cfg['n_layer']} n_head={cfg['n_head']} n_embd={h} seq={s} "
-        f"batch={batch} vocab={cfg['vocab_size']}, fp32, CPU/gloo (one world per tp size).",
+        f"### Tensor parallel step time, GPT n_layer={cfg['n_layer']} n_head={cfg['n_head']} n_embd={h} seq={s} "
+        f"batch={batch} vocab={cfg['vocab_size']}, fp32 AdamW, CPU/gloo, 2 ranks; median of {spec['steps']} steps, "
+        "contenders in turns",
+        "",
+        "| plan | median step, wall (ms) | median step, CPU (ms) | wall / stock plan | CPU / stock plan | "
+        "CPU / tp 1 | CPU / same plan without SP |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in _TIMED:
+        wall, cpu = timed[name]
+        if name == "tp 1":
+            lines.append(f"| {name} | {wall * 1e3:.1f} | {cpu * 1e3:.1f} | - | - | 1.000 | - |")
+            continue
+        sp = name.endswith(" + SP")
+        stock = timed["torch stock tp 2 + SP" if sp else "torch stock tp 2"]
+        vs_plain = f"{cpu / timed[name[: -len(' + SP')]][1]:.3f}" if sp else "-"
+        lines.append(
+            f"| {name} | {wall * 1e3:.1f} | {cpu * 1e3:.1f} | {wall / stock[0]:.3f} | {cpu / stock[1]:.3f} | "
+            f"{cpu / cpu1:.3f} | {vs_plain} |"
+        )
+
+    results = {t: run_distributed(_worker, t, (cfg, batch), timeout_s=600)[0] for t in (1, 2, 4)}
+    base = results[1]["plain"]
+    lines += [
+        "",
+        "### Tensor parallel bytes, same GPT and batch (one world per tp size)",
         "",
         "| tp | sequence parallel | comm bytes/layer/rank | theory 8bsh(t-1)/t | measured/theory "
         "| comm bytes/step/rank | collectives/step | param bytes/rank | vs tp1 | 1/t | activation bytes/layer/rank "
-        "| vs tp1 | Korthikanti ratio | step time vs tp1 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| vs tp1 | Korthikanti ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def fmt_counts(counts: dict[str, int]) -> str:
@@ -176,8 +252,7 @@ def run(quick: bool = False) -> str:
             f"| {t} | {'yes' if sp else 'no'} | {r['comm_layer_bytes']:.0f} | {theory:.0f} | {ratio} | "
             f"{r['comm_step_bytes']:.0f} | {fmt_counts(r['collectives'])} | {r['param_bytes']} | "
             f"{r['param_bytes'] / base['param_bytes']:.3f} | {1 / t:.3f} | {r['act_layer_bytes']} | "
-            f"{r['act_layer_bytes'] / base['act_layer_bytes']:.3f} | {_korthikanti_ratio(t, sp, cfg):.3f} | "
-            f"{r['step_s'] / base['step_s']:.2f} |"
+            f"{r['act_layer_bytes'] / base['act_layer_bytes']:.3f} | {_korthikanti_ratio(t, sp, cfg):.3f} |"
         )
     return "\n".join(lines)
 
@@ -186,5 +261,5 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller model, fewer steps")
+    parser.add_argument("--quick", action="store_true", help="fewer steps")
     print(run(quick=parser.parse_args().quick))

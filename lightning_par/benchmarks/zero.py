@@ -1,160 +1,295 @@
-"""Benchmark rows for ZeRO: memory and communication per rank against the paper's formulas, and step time.
+"""Benchmark rows for ZeRO: step time against torch's own engines, and memory against the paper's formulas.
 
-For stages 0 (``ddp_overlap``) to 3 at dp 2 and 4, in one process-group launch per dp size (the stages run one after
-another, in rounds A B C D A B C D so that drift on a shared machine hits all alike), on the reference GPT with fp32
-AdamW on CPU:
+One process-group launch of 2 ranks (CPU, gloo, fp32 AdamW, the reference GPT) measures, for each dp size:
 
-* **memory**: the bytes of parameters, gradients and optimizer state this rank holds at the optimizer step, counted
-  from the local shards' storages (:func:`lightning_par.data_parallel.zero_memory.zero_state_bytes`), maximum over
-  ranks and steps, divided by the paper's formula (Rajbhandari et al., SC'20, §5: DDP ``16 Psi``, Z1
-  ``8 Psi + 8 Psi/N``, Z2 ``4 Psi + 12 Psi/N``, Z3 ``16 Psi/N``). Above 1 only by Adam's 4-byte step counter per
-  tensor and by padding (none for these shapes).
-* **communication**: the bytes one rank sends in one optimizer step, counted at the collectives
-  (:class:`lightning_par.data_parallel.comm_volume.CommCounter`, ring volumes), divided by the paper's §7 figure
-  (DDP, Z1, Z2 ``2 Psi (N-1)/N``; Z3 ``3 Psi (N-1)/N``; 4 bytes per element).
-* **step time**: median seconds per step after warm-up, relative to ``ddp_overlap`` at the same dp size. On CPU with
-  gloo, absolute times mean little.
+* **step time** (forward, backward, optimizer step) of ``zero1``, ``zero2``, ``zero3`` (this project's engines, the
+  code the strategies run) against torch DDP, torch ``ZeroRedundancyOptimizer`` + DDP, and plain FSDP2
+  ``fully_shard``, all taking turns step by step (:func:`~lightning_par.benchmarks.common.run_in_turns`) on the same
+  data: wall time (the slowest rank's) and the training thread's CPU time (blind to waiting, so steadier on a shared
+  machine, but it misses the communication threads' work). ``dp 2`` uses both ranks; ``dp 1`` gives each rank its own one-rank group, so every contender runs with the
+  same load on the machine and no communication at all: what is left over torch DDP there is per-step overhead.
+* **memory** per rank, for one step of each contender after the timed ones: the model state (parameters, gradients,
+  optimizer state; bytes of distinct storages, :func:`lightning_par.data_parallel.zero_memory.zero_state_bytes`) at
+  the optimizer step, against the paper's formula (Rajbhandari et al., SC'20, §5: DDP ``16 Psi``, stage 1
+  ``8 Psi + 8 Psi/N``, stage 2 ``4 Psi + 12 Psi/N``, stage 3 ``16 Psi/N``; 4-byte parameters and gradients,
+  ``K = 8``); and the peak bytes of tensor storage during the step
+  (:class:`~lightning_par.memory.StepMemoryTracker`), split into the model state and the rest (activations,
+  communication buffers, temporaries). For ``zero2``, the most gradient bytes alive at once during backward
+  (shard, bucket buffers and the parameter gradient autograd just produced) against ``4 Psi/N + 2 buckets``.
+* **scaling**: the ``zero1``/``zero2`` over DDP ratios at dp 2 for the ``tiny``, ``small`` and ``wide`` shapes
+  (:data:`~lightning_par.benchmarks.common.GPT_SHAPES`): a fixed cost per tensor weighs less as tensors grow.
+
+Communication volume per step against the paper's §7 is pinned by the test suite
+(``tests/distributed/test_zero.py::test_communication_volume``), not timed here.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from typing import Any
 
-import lightning as L
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_par.benchmarks.common import GPT_SHAPES, Contender, median_ratio, run_in_turns, token_batches
 
 __all__ = ["run"]
 
-_QUICK = dict(model=dict(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=256, dropout=0.0), micro_batch=4,
-              steps=6, warmup=2, rounds=1)
-_FULL = dict(model=dict(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=256, dropout=0.0), micro_batch=8,
-             steps=16, warmup=3, rounds=2)
 _BUCKET_CAP_MB = 1.0
+_QUICK = dict(steps=15, warmup=3, micro_batch=8, scaling_steps=8)
+_FULL = dict(steps=40, warmup=5, micro_batch=8, scaling_steps=20)
+_NAMES = ("torch DDP", "ZeroRedundancyOptimizer + DDP", "FSDP2", "zero1", "zero2", "zero3")
+_FORMULA_STAGE = {"torch DDP": 0, "ZeroRedundancyOptimizer + DDP": 1, "FSDP2": 3, "zero1": 1, "zero2": 2, "zero3": 3}
 
 
-class _Probe(L.Callback):
-    """Step wall times and the maximum model-state bytes seen at optimizer steps."""
+def _gpt(shape: dict[str, int]) -> nn.Module:
+    from lightning_par.models import GPT, GPTConfig
 
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.bytes: dict[str, int] = {}
-        self._t0 = 0.0
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._t0 = time.perf_counter()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.times.append(time.perf_counter() - self._t0)
-
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        from lightning_par.data_parallel.zero_memory import zero_state_bytes
-
-        for key, value in zero_state_bytes(pl_module, trainer.optimizers).items():
-            self.bytes[key] = max(self.bytes.get(key, 0), value)
-
-
-def _fit(stage: int, setup: dict[str, Any]) -> dict[str, Any]:
-    import torch
-    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-    from lightning_par.data_parallel.comm_volume import CommVolumeCallback
-    from lightning_par.models import GPTConfig, GPTLightningModule
-    from lightning_par.strategies import DDPOverlapStrategy
-    from lightning_par.strategies.zero import ZeroStrategy
-
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    model = setup["model"]
     torch.manual_seed(0)
-    module = GPTLightningModule(GPTConfig(**model), learning_rate=1e-3)
-    g = torch.Generator().manual_seed(0)
-    shape = (setup["steps"] * setup["micro_batch"] * world, model["block_size"] + 1)
-    data = torch.randint(0, model["vocab_size"], shape, generator=g)
-    dataset = TensorDataset(data[:, :-1].contiguous(), data[:, 1:].contiguous())
-    sampler = DistributedSampler(dataset, world, rank, shuffle=False)
-    loader = DataLoader(dataset, batch_size=setup["micro_batch"], sampler=sampler)
-    if stage == 0:
-        strategy: Any = DDPOverlapStrategy(bucket_cap_mb=_BUCKET_CAP_MB, gradient_as_bucket_view=True, timeout_s=300)
-    else:
-        strategy = ZeroStrategy(stage=stage, bucket_cap_mb=_BUCKET_CAP_MB if stage < 3 else None, timeout_s=300)
-    probe, comm = _Probe(), CommVolumeCallback(step=1)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_steps=setup["steps"], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, limit_val_batches=0, callbacks=[probe, comm],
-    )
-    trainer.fit(module, loader)
-    numel = sum(p.numel() for p in GPTLightningModule(GPTConfig(**model)).parameters())
-    # Step 1 ran under the communication counter: leave it out of the timings with the warm-up.
-    times = [t for i, t in enumerate(probe.times) if i >= setup["warmup"] and i != comm.step]
-    return {"times": times, "bytes": probe.bytes, "comm": comm.bytes_per_step, "numel": numel}
+    return GPT(GPTConfig(**shape, dropout=0.0))
 
 
-def _worker(setup: dict[str, Any]) -> dict[int, list[dict[str, Any]]]:
-    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: os.environ[k] for k in names}
-    out: dict[int, list[dict[str, Any]]] = {s: [] for s in (0, 1, 2, 3)}
-    for _ in range(setup["rounds"]):
-        for stage in (0, 1, 2, 3):
-            os.environ.update(env)  # Lightning's environment teardown removes WORLD_SIZE after a fit
-            out[stage].append(_fit(stage, setup))
+def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    from lightning_par.models import GPTLightningModule
+
+    x, y = batch
+    return GPTLightningModule.loss_fn(model(x), y)
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+class _Run:
+    """One contender's model, optimizer and step; ``probe`` (if set) runs between backward and the optimizer step."""
+
+    def __init__(self, name: str, shape: dict[str, int], mesh: Any, batches: list) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from lightning_par.data_parallel.zero import apply_zero
+        from lightning_par.data_parallel.zero_options import resolve_zero_options
+
+        self.name, self.batches, self.probe = name, batches, None
+        self.engine: Any = None
+        group = mesh.get_group()
+        model = _gpt(shape)
+        self.numel = sum(p.numel() for p in model.parameters())
+        self.num_tensors = len(list(model.parameters()))
+        if name in ("torch DDP", "ZeroRedundancyOptimizer + DDP"):
+            self.model = DDP(model, process_group=group, bucket_cap_mb=_BUCKET_CAP_MB, gradient_as_bucket_view=True)
+            self.opt = (
+                _adamw(model.parameters())
+                if name == "torch DDP"
+                else ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3,
+                                             process_group=group)
+            )
+        elif name == "FSDP2":
+            for block in model.blocks.values():
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            self.model, self.opt = model, _adamw(model.parameters())
+        else:
+            stage = int(name[-1])
+            options = resolve_zero_options(stage, bucket_cap_mb=_BUCKET_CAP_MB if stage < 3 else None)
+            self.engine = apply_zero(model, mesh, options)
+            self.model, self.opt = model, _adamw(model.parameters())
+            self.engine.shard_optimizer(self.opt)
+
+    @property
+    def inner(self) -> nn.Module:
+        return getattr(self.model, "module", self.model)
+
+    def step(self, i: int) -> None:
+        loss = _loss(self.model, self.batches[i % len(self.batches)])
+        if self.engine is not None:
+            self.engine.pre_backward()
+        loss.backward()
+        if self.engine is not None:
+            self.engine.post_backward()
+        if self.probe is not None:
+            self.probe(self)
+        self.opt.step()
+        # Set-to-none everywhere but where the gradients are views of DDP's persistent buckets (kept alive anyway).
+        self.opt.zero_grad(set_to_none=not isinstance(self.model, nn.parallel.DistributedDataParallel))
+
+    def optimizers(self) -> list[Any]:
+        inner = getattr(self.opt, "optim", None)  # ZeroRedundancyOptimizer's local optimizer holds the state
+        return [self.opt] + ([inner] if inner is not None else [])
+
+
+def _memory(run: _Run, step: int) -> dict[str, Any]:
+    """Model-state bytes at the optimizer step and peak bytes of one step under the allocation tracker."""
+    from lightning_par.data_parallel.zero_memory import zero_state_bytes
+    from lightning_par.memory import StepMemoryTracker, model_state_tensors
+
+    seen: dict[str, int] = {}
+
+    def probe(r: _Run) -> None:
+        seen.update(zero_state_bytes(r.inner, r.optimizers()))
+
+    run.probe = probe
+    reducer = getattr(run.engine, "reducer", None)
+    if reducer is not None and hasattr(reducer, "grad_memory"):
+        from lightning_par.memory import LiveStorageBytes
+
+        reducer.grad_memory = LiveStorageBytes()
+        if reducer.grad_shard is not None:
+            reducer.grad_memory.add(reducer.grad_shard)
+    from lightning_par.callbacks.metrics import persistent_comm_buffers
+
+    # Buffers alive across steps that no model-state walk finds (the reducer's buckets, the all-gather send buffers).
+    tracker = StepMemoryTracker(model_state_tensors(run.inner, run.optimizers()) + persistent_comm_buffers(run))
+    with tracker:
+        run.step(step)
+    run.probe = None
+    out: dict[str, Any] = {"state": seen, "peak": tracker.peak_bytes}
+    if reducer is not None and getattr(reducer, "grad_memory", None) is not None:
+        out["peak_grad"] = reducer.grad_memory.peak
+        out["buckets"] = run.engine.summary()["bucket_bytes"]
+        reducer.grad_memory = None
     return out
 
 
-def run(quick: bool = False, dp_sizes: tuple[int, ...] = (2, 4)) -> str:
-    """Measure and return the markdown table (see the module docstring).
+def _meshes(world: int) -> dict[int, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return {
+        world: init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)),
+        1: init_device_mesh("cpu", (world, 1), mesh_dim_names=("rep", "dp"))["dp"],
+    }
+
+
+def _worker(setup: dict[str, Any]) -> dict[str, Any]:
+    from lightning_par.launcher import init_process_group_from_env
+
+    init_process_group_from_env(timeout_s=600)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    meshes = _meshes(world)
+    out: dict[str, Any] = {"timing": {}, "timing_cpu": {}, "memory": {}, "scaling": {}, "scaling_cpu": {}}
+    shape = GPT_SHAPES["small"]
+    total = setup["warmup"] + setup["steps"] + 1
+    for dp in (world, 1):
+        batches = token_batches(total, setup["micro_batch"], shape["block_size"], shape["vocab_size"],
+                                seed=rank if dp > 1 else 0)
+        runs = [_Run(name, shape, meshes[dp], batches) for name in _NAMES]
+        contenders = [Contender(r.name, r.step) for r in runs]
+        run_in_turns(contenders, setup["steps"], setup["warmup"])
+        out["timing"][dp] = {c.name: c.times for c in contenders}
+        out["timing_cpu"][dp] = {c.name: c.cpu_times for c in contenders}
+        out["memory"][dp] = {r.name: _memory(r, total) for r in runs}
+        out["numel"], out["num_tensors"] = runs[0].numel, runs[0].num_tensors
+        del runs, contenders
+    for name, shape in GPT_SHAPES.items():
+        steps = setup["scaling_steps"]
+        batches = token_batches(steps + 2, setup["micro_batch"], shape["block_size"], shape["vocab_size"], seed=rank)
+        runs = [_Run(n, shape, meshes[world], batches) for n in ("torch DDP", "ZeroRedundancyOptimizer + DDP",
+                                                                   "zero1", "zero2")]
+        contenders = [Contender(r.name, r.step) for r in runs]
+        run_in_turns(contenders, steps, 2)
+        out["scaling"][name] = {c.name: c.times for c in contenders} | {"numel": runs[0].numel}
+        out["scaling_cpu"][name] = {c.name: c.cpu_times for c in contenders}
+        del runs, contenders
+    return out
+
+
+def _median(times: list[float]) -> float:
+    s = sorted(times)
+    return s[len(s) // 2] if len(s) % 2 else 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
+
+
+def run(quick: bool = False, world_size: int = 2) -> str:
+    """Measure and return the markdown tables (see the module docstring).
 
     Args:
-        quick: a 2-layer GPT of width 64, 6 steps, 1 round (about half a minute on 2 cores) instead of the 4x128
-            "small" shape, 16 steps, 2 rounds.
-        dp_sizes: data-parallel sizes (one launch each).
+        quick: 15 measured steps per contender (40 without), 8 per scaling row (20 without).
+        world_size: ranks; the dp sizes measured are ``world_size`` and 1.
     """
-    from lightning_par.data_parallel.zero_memory import paper_comm_bytes, paper_state_bytes
+    from lightning_par.data_parallel.zero_memory import paper_state_bytes
     from lightning_par.launcher import run_distributed
 
     setup = _QUICK if quick else _FULL
-    model = setup["model"]
+    res = run_distributed(_worker, world_size, (setup,), timeout_s=1800, threads_per_rank=1)
+    r0 = res[0]
+    numel, tensors = r0["numel"], r0["num_tensors"]
+    shape = GPT_SHAPES["small"]
     lines = [
-        f"### ZeRO stages vs the paper (CPU, gloo, fp32 AdamW), GPT {model['n_layer']}x{model['n_embd']}, "
-        f"micro-batch {setup['micro_batch']}x{model['block_size']} per rank, bucket_cap_mb={_BUCKET_CAP_MB} "
-        f"(stages 0-2), {setup['rounds']} round(s) x {setup['steps']} steps",
+        f"### ZeRO step time (CPU, gloo, fp32 AdamW): GPT small ({shape['n_layer']}x{shape['n_embd']}, Psi = {numel}, "
+        f"{tensors} tensors), micro-batch {setup['micro_batch']}x{shape['block_size']} per rank, "
+        f"bucket_cap_mb={_BUCKET_CAP_MB}; median of {setup['steps']} steps, contenders in turns",
         "",
-        "| stage | dp | Psi | bytes/rank measured | paper formula | measured / formula | sent/step measured | "
-        "paper §7 | measured / paper | step time / ddp_overlap |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| dp | engine | median step, wall (ms) | / torch DDP | / ZeroRedundancyOptimizer + DDP | / FSDP2 | "
+        "median step, CPU (ms) | CPU / torch DDP | CPU / ZeroRedundancyOptimizer + DDP |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for dp in dp_sizes:
-        threads = max(1, (os.cpu_count() or 1) // dp)
-        per_rank = run_distributed(_worker, dp, (setup,), timeout_s=900, threads_per_rank=threads)
-        base = None
-        for stage in (0, 1, 2, 3):
-            runs = [r[stage] for r in per_rank]
-            numel = runs[0][0]["numel"]
-            measured = max(sum(rr[0]["bytes"].values()) for rr in runs)
-            formula = paper_state_bytes(stage, numel, dp)
-            sent = max(rr[0]["comm"] for rr in runs)
-            theory = paper_comm_bytes(stage, numel, dp)
-            step = statistics.median(t for rr in runs for run_ in rr for t in run_["times"])
-            base = step if stage == 0 else base
-            name = "0 (ddp_overlap)" if stage == 0 else str(stage)
-            lines.append(
-                f"| {name} | {dp} | {numel} | {measured} | {formula:.0f} | {measured / formula:.4f} | {sent:.0f} | "
-                f"{theory:.0f} | {sent / theory:.3f} | {step / base:.2f} |"
-            )
-    root = 2 * model["vocab_size"] * model["n_embd"] + model["block_size"] * model["n_embd"] + 2 * model["n_embd"]
-    numel = per_rank[0][0][0]["numel"]
+    for dp in (world_size, 1):
+        med = {n: _median(t) for n, t in r0["timing"][dp].items()}
+        cpu = {n: _median(t) for n, t in r0["timing_cpu"][dp].items()}
+        for n in _NAMES:
+            lines.append(f"| {dp} | {n} | {med[n] * 1e3:.1f} | {med[n] / med['torch DDP']:.3f} | "
+                         f"{med[n] / med['ZeroRedundancyOptimizer + DDP']:.3f} | {med[n] / med['FSDP2']:.3f} | "
+                         f"{cpu[n] * 1e3:.1f} | {cpu[n] / cpu['torch DDP']:.3f} | "
+                         f"{cpu[n] / cpu['ZeroRedundancyOptimizer + DDP']:.3f} |")
     lines += [
         "",
-        "Memory is above 1 only by AdamW's 4-byte `step` tensor per parameter tensor. Communication: stage 1 "
-        "all-reduces gradients and then all-gathers parameters, 3 Psi (N-1)/N, hence 1.5 (the paper's P_os "
-        "reduce-scatters: 2 Psi); stage 2 = reduce-scatter + all-gather = 1.0; stage 3 = all-gather in forward and "
-        f"in backward + reduce-scatter, minus the root unit (embeddings, final norm, head: {root} of {numel} "
-        f"parameters) that FSDP2 keeps gathered from forward to backward: expected (3 Psi - root) / 3 Psi = "
-        f"{(3 * numel - root) / (3 * numel):.3f}. A few bytes more come from the all-reduce of the gradient norm "
-        "when clipping (off here).",
+        "### ZeRO memory per rank vs the paper (§5), same run, one step after the timed ones (max over ranks)",
+        "",
+        "| dp | engine | formula stage | model state (bytes) | formula | measured / formula | peak of the step "
+        "(bytes) | peak / formula | peak - model state |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    grad_rows = []
+    for dp in (world_size, 1):
+        for n in _NAMES:
+            mems = [r["memory"][dp][n] for r in res]
+            state = max(sum(m["state"].values()) for m in mems)
+            peak = max(m["peak"] for m in mems)
+            stage = _FORMULA_STAGE[n]
+            formula = paper_state_bytes(stage, numel, dp)
+            lines.append(f"| {dp} | {n} | {stage} | {state} | {formula:.0f} | {state / formula:.4f} | {peak} | "
+                         f"{peak / formula:.3f} | {peak - state} |")
+            if n == "zero2" and "peak_grad" in mems[0]:
+                grad = max(m["peak_grad"] for m in mems)
+                buckets = sorted(mems[0]["buckets"], reverse=True)
+                bound = 4 * numel / dp + sum(buckets[:2])
+                grad_rows.append((dp, grad, 4 * numel / dp, buckets[:2], bound))
+    lines += [
+        "",
+        f"Model state is above the formula only by AdamW's 4-byte `step` tensor per parameter tensor ({tensors} x 4 = "
+        f"{4 * tensors} bytes per optimizer) and by ZeroRedundancyOptimizer's uneven split (whole tensors per rank) "
+        "and DDP-managed bucket views. The peak adds activations and temporaries, which the paper's model-state "
+        "formula leaves out.",
+        "",
+        "ZeRO-2's gradient memory during backward, measured storage by storage (the shard, the bucket buffers and "
+        "the gradient autograd has just produced, each until it is freed), against the shard plus two buckets: the "
+        "two largest bucket buffers, or twice `bucket_cap_mb`. The excess over the first is that one parameter "
+        "gradient, alive while it is copied into a freshly allocated bucket while the previous bucket is in flight.",
+        "",
+        "| dp | measured peak (bytes) | 4 Psi / N | two largest buckets | 4 Psi/N + 2 buckets | measured / that | "
+        "4 Psi/N + 2 x bucket_cap | measured / that |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    cap2 = 2 * _BUCKET_CAP_MB * 2**20
+    for dp, grad, shard, two, bound in grad_rows:
+        lines.append(f"| {dp} | {grad} | {shard:.0f} | {' + '.join(str(b) for b in two)} | {bound:.0f} | "
+                     f"{grad / bound:.3f} | {shard + cap2:.0f} | {grad / (shard + cap2):.3f} |")
+    lines += [
+        "",
+        "### Scaling: the fixed per-tensor cost (dp 2, same run; step time over torch DDP's, wall and CPU)",
+        "",
+        "| shape | Psi | wall: ZeroRedundancyOptimizer + DDP / DDP | wall: zero1 / DDP | wall: zero2 / DDP | "
+        "CPU: ZeroRedundancyOptimizer + DDP / DDP | CPU: zero1 / DDP | CPU: zero2 / DDP |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, row in r0["scaling"].items():
+        cpu = r0["scaling_cpu"][name]
+        base, cbase = _median(row["torch DDP"]), _median(cpu["torch DDP"])
+        cells = [_median(row[n]) / base for n in ("ZeroRedundancyOptimizer + DDP", "zero1", "zero2")]
+        cells += [_median(cpu[n]) / cbase for n in ("ZeroRedundancyOptimizer + DDP", "zero1", "zero2")]
+        lines.append(f"| {name} | {row['numel']} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
     return "\n".join(lines)
 
 

@@ -3,6 +3,12 @@
 Token counts are global: the ranks of one data-parallel replica (its tensor- and pipeline-parallel ranks) see the
 same batch, so one optimizer step consumes ``x.numel() * dp_size`` tokens per micro-batch. MFU follows the PaLM paper
 (Chowdhery et al. 2022, appendix B): achieved model FLOP/s over the peak FLOP/s of all devices.
+
+Peak memory of a step is measured on one optimizer step (by default the second, after the optimizer state exists),
+with every strategy: on CUDA ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats`` at the step's
+start; on CPU by :class:`~lightning_par.memory.StepMemoryTracker`, which counts tensor storages (the model state alive
+at the start, then every storage an operator creates, until it is freed). It is split into the model state
+(parameters, gradients, optimizer state) and the rest (activations, communication buffers, temporaries).
 """
 
 from __future__ import annotations
@@ -18,9 +24,9 @@ import torch
 from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_par.memory import model_state_bytes, peak_memory_bytes
+from lightning_par.memory import StepMemoryTracker, model_state_bytes, model_state_tensors, peak_memory_bytes
 
-__all__ = ["ParallelMetricsCallback", "parallel_sizes"]
+__all__ = ["ParallelMetricsCallback", "log_comm_stats", "parallel_sizes", "persistent_comm_buffers"]
 
 #: optimizer steps during which the model-state bytes are measured (see ``on_before_optimizer_step``).
 _STATE_MEASURE_STEPS = 3
@@ -91,7 +97,8 @@ class ParallelMetricsCallback(L.Callback):
 
     * ``tokens_per_s``: median global tokens/s over the window (progress bar);
     * ``mfu``: model FLOPs utilisation in [0, 1], only when it is known (progress bar);
-    * ``peak_mem_mb``: :func:`lightning_par.memory.peak_memory_bytes` in MiB (2**20 bytes).
+    * ``peak_mem_mb``: :func:`lightning_par.memory.peak_memory_bytes` in MiB (2**20 bytes);
+    * ``step_peak_mb``: the peak tensor bytes of the measured step (see the module docstring), once measured.
 
     MFU = ``flops_per_token * tokens_per_s / (peak_flops_per_device * world_size)``, where ``flops_per_token`` is the
     whole model's training (forward + backward) FLOPs per token, read from ``pl_module.model.config.flops_per_token()``
@@ -106,9 +113,12 @@ class ParallelMetricsCallback(L.Callback):
         log_every_n_steps: log every this many optimizer steps; ``None`` logs at every step (the Trainer's own
             ``log_every_n_steps`` still throttles what reaches the logger).
         warmup_steps: leading steps left out of the timing window (compilation, allocator warm-up, ...).
+        memory_step: the optimizer step (0-based) whose peak memory is measured; ``None`` measures none. On CPU the
+            allocation tracker costs one Python call per operator during that step: leave it inside ``warmup_steps``
+            so the timings do not see it (the default, step 1 of 2 warm-up steps).
 
     Raises:
-        ValueError: ``window < 1``, ``warmup_steps < 0``, ``log_every_n_steps < 1`` or
+        ValueError: ``window < 1``, ``warmup_steps < 0``, ``log_every_n_steps < 1``, ``memory_step < 0`` or
             ``peak_flops_per_device <= 0``.
     """
 
@@ -118,6 +128,7 @@ class ParallelMetricsCallback(L.Callback):
         window: int = 20,
         log_every_n_steps: int | None = None,
         warmup_steps: int = 2,
+        memory_step: int | None = 1,
     ) -> None:
         if peak_flops_per_device is not None and not peak_flops_per_device > 0:
             raise ValueError(f"peak_flops_per_device={peak_flops_per_device!r} is not valid: expected a float > 0.")
@@ -127,6 +138,10 @@ class ParallelMetricsCallback(L.Callback):
             raise ValueError(f"log_every_n_steps={log_every_n_steps!r} is not valid: expected None or >= 1.")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps={warmup_steps!r} is not valid: expected an integer >= 0.")
+        if memory_step is not None and (isinstance(memory_step, bool) or not isinstance(memory_step, int)
+                                        or memory_step < 0):
+            raise ValueError(f"memory_step={memory_step!r} is not valid: expected None or an integer >= 0.")
+        self.memory_step = memory_step
         self.peak_flops_per_device = peak_flops_per_device
         self.window = window
         self.log_every_n_steps = log_every_n_steps
@@ -151,6 +166,9 @@ class ParallelMetricsCallback(L.Callback):
         )
         self._peak_mem: int | None = None
         self._warned_no_tokens = False
+        self._tracker: StepMemoryTracker | None = None
+        self._cuda_measuring = False
+        self._step_peak: int | None = None
 
     # ------------------------------------------------------------------ hooks
 
@@ -186,6 +204,8 @@ class ParallelMetricsCallback(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._step_start is None:
+            if self._steps_done == self.memory_step and self._step_peak is None:
+                self._start_memory(trainer, pl_module)
             self._step_start = time.perf_counter()
 
     def on_before_optimizer_step(
@@ -216,6 +236,7 @@ class ParallelMetricsCallback(L.Callback):
             self._times.append(elapsed)
             self._tokens.append(self._step_tokens)
         self._step_start, self._step_tokens = None, 0
+        self._stop_memory()
         self._peak_mem = self._read_peak_memory()
 
         if not self._times or (self.log_every_n_steps and trainer.global_step % self.log_every_n_steps):
@@ -230,10 +251,39 @@ class ParallelMetricsCallback(L.Callback):
         for key, value in self._state_bytes.items():
             if value is not None:  # param_mb, grad_mb, optimizer_state_mb of this rank (local shards)
                 pl_module.log(key.replace("_bytes", "_mb"), value / 2**20, **log)
+        if self._step_peak is not None:
+            pl_module.log("step_peak_mb", self._step_peak / 2**20, **log)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stop_memory()
         self._measure_state(pl_module, trainer.optimizers)
         self._peak_mem = self._read_peak_memory()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._stop_memory()
+
+    # ------------------------------------------------------------------ step peak memory
+
+    def _start_memory(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+            torch.cuda.reset_peak_memory_stats(self._device)
+            self._tracker = None
+            self._cuda_measuring = True
+            return
+        tensors = model_state_tensors(pl_module, trainer.optimizers) + persistent_comm_buffers(trainer.strategy)
+        self._tracker = StepMemoryTracker(tensors)
+        self._tracker.__enter__()
+
+    def _stop_memory(self) -> None:
+        if self._tracker is not None:
+            tracker, self._tracker = self._tracker, None
+            tracker.__exit__(None, None, None)
+            self._step_peak = tracker.peak_bytes
+        elif self._cuda_measuring:
+            self._cuda_measuring = False
+            torch.cuda.synchronize(self._device)
+            self._step_peak = int(torch.cuda.max_memory_allocated(self._device))
 
     # ------------------------------------------------------------------ results
 
@@ -273,8 +323,14 @@ class ParallelMetricsCallback(L.Callback):
             * ``param_bytes``, ``grad_bytes``, ``optimizer_state_bytes``: maxima seen on this rank (``None`` if
               never measured), see :func:`lightning_par.memory.model_state_bytes`;
             * ``peak_memory_bytes``: see :func:`lightning_par.memory.peak_memory_bytes` (``None`` if unsupported);
+            * ``step_peak_bytes``: the most tensor bytes alive at once during optimizer step ``memory_step`` (see
+              the module docstring; ``None`` if not measured), ``step_model_state_bytes``: parameters + gradients +
+              optimizer state (the maxima above), and ``step_other_bytes``: the difference (activations,
+              communication buffers, temporaries);
             * ``steps``, ``measured_steps``, ``flops_per_token``, ``peak_flops_per_device``.
         """
+        known = [v for v in self._state_bytes.values() if v is not None]
+        state = sum(known) if known else None
         return {
             "tokens_seen": self._tokens_seen,
             "tokens_per_s": self._tokens_per_s(),
@@ -283,8 +339,56 @@ class ParallelMetricsCallback(L.Callback):
             "mfu_note": self._mfu_note,
             **self._state_bytes,
             "peak_memory_bytes": self._peak_mem,
+            "step_peak_bytes": self._step_peak,
+            "step_model_state_bytes": state,
+            "step_other_bytes": None if self._step_peak is None or state is None else self._step_peak - state,
             "steps": self._steps_done,
             "measured_steps": len(self._times),
             "flops_per_token": self._flops_per_token,
             "peak_flops_per_device": self._peak_flops,
         }
+
+
+def persistent_comm_buffers(strategy: Any) -> list[torch.Tensor]:
+    """Communication buffers a strategy keeps across steps that no walk over the model state finds (the gradient
+    reducer's buckets, ZeRO's all-gather send buffers), so that the step's peak counts them from the start."""
+    out: list[torch.Tensor] = []
+    parallel = getattr(strategy, "parallel", None)  # MeshStrategy: its ParallelModel
+    for owner in (strategy, getattr(strategy, "engine", None), getattr(parallel, "engine", None)):
+        reducer = getattr(owner, "reducer", None)
+        for bucket in getattr(reducer, "buckets", None) or []:
+            buffer = getattr(bucket, "buffer", None)
+            if isinstance(buffer, torch.Tensor):
+                out.append(buffer)
+        buffers = getattr(getattr(owner, "gather", None), "buffers", None)  # ZeRO-1/2's parameter all-gather
+        if callable(buffers):
+            out.extend(buffers())
+    return out
+
+
+def log_comm_stats(
+    pl_module: L.LightningModule | None, stats: Any, name: str = "comm_exposed_ms", prog_bar: bool = False
+) -> None:
+    """Log one synchronised backward's exposed communication time as ``name`` (milliseconds), every
+    ``trainer.log_every_n_steps`` optimizer steps (a ``self.log`` call costs about 0.25 ms of Python here: not on
+    every step).
+
+    ``comm_exposed_ms`` is the time the step waited for the gradient reduction after backward, i.e. the communication
+    that overlap did not hide (:class:`~lightning_par.data_parallel.reducer.CommStats` ``exposed_s``). It replaces
+    the old ``comm_overlap`` (share of the buckets' latency that elapsed before backward ended), which read as the
+    share of time saved and was not: see ``lightning_par.benchmarks.ddp`` for the A/B measurement of what overlap
+    hides.
+
+    Args:
+        pl_module: the LightningModule (nothing is logged without one attached to a trainer).
+        stats: the backward's ``CommStats`` (``None``: nothing to log, e.g. an accumulation micro-batch).
+        name: the metric's name (the strategies log ``parallel/comm_exposed_ms``).
+        prog_bar: show it in the progress bar.
+    """
+    trainer = getattr(pl_module, "_trainer", None)
+    if stats is None or trainer is None:
+        return
+    every = max(1, int(getattr(trainer, "log_every_n_steps", 1) or 1))
+    if trainer.global_step % every:
+        return
+    pl_module.log(name, stats.exposed_s * 1e3, on_step=True, on_epoch=False, prog_bar=prog_bar, batch_size=1)

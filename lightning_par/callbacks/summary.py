@@ -21,6 +21,9 @@ __all__ = ["PER_RANK_KEYS", "RunSummaryCallback", "build_summary"]
 #: Fields of :meth:`ParallelMetricsCallback.summary` reported as one list entry per rank.
 PER_RANK_KEYS: tuple[str, ...] = (
     "peak_memory_bytes",
+    "step_peak_bytes",
+    "step_model_state_bytes",
+    "step_other_bytes",
     "param_bytes",
     "grad_bytes",
     "optimizer_state_bytes",
@@ -53,7 +56,8 @@ def build_summary(per_rank: list[dict[str, Any]], common: dict[str, Any]) -> dic
           the pace of a synchronous step);
         * ``mfu_note``: the first rank's note;
         * each loss: rank 0's, else the first rank's that is known;
-        * per-rank lists ``peak_memory_bytes``, ``param_bytes``, ``grad_bytes``, ``optimizer_state_bytes``,
+        * per-rank lists ``peak_memory_bytes``, ``step_peak_bytes``, ``step_model_state_bytes``,
+          ``step_other_bytes``, ``param_bytes``, ``grad_bytes``, ``optimizer_state_bytes``,
           ``tokens_per_s_per_rank`` and ``step_time_s_per_rank``.
 
         Computed fields win over a key of ``common`` with the same name (a ``UserWarning`` names it).

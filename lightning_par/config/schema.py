@@ -76,7 +76,7 @@ class ReducerGroup:
 
     #: bucket size in MiB (None: 25; ZeRO-1/2 also bucket their all-gather and reduce-scatter with it; unset at zero3).
     bucket_cap_mb: Optional[float] = None
-    #: gradients as views of the buckets (None: True for ZeRO modes, False for ddp).
+    #: gradients as views of the buckets (None: the default, True).
     gradient_as_bucket_view: Optional[bool] = None
     static_graph: bool = False
     #: none | fp16 | bf16 | powersgd (ddp and zero1).

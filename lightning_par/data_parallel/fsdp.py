@@ -5,9 +5,10 @@ transformer blocks of a GPT, the layers of any stacked model) is ``fully_shard``
 all-gathered just before its forward and freed after it (``reshard_after_forward=True``), gathered again for its
 backward and freed after it, and its gradients are reduce-scattered as soon as its backward ends. Each unit's forward
 prefetches the next unit's all-gather (``set_modules_to_forward_prefetch``); FSDP2 prefetches the previous unit in
-backward by itself. The parameters outside those units (embeddings, final norm, head) form one root unit per direct
-child of the module that holds them (the LightningModule itself when it owns parameters directly, with its
-``*_step`` methods registered as forward methods so that they gather it).
+backward by itself. The parameters outside those units (embeddings, final norm, head) form one root unit: the
+innermost module that holds every unit and every other parameter (a LightningModule's network, e.g. its GPT; the
+LightningModule itself when it owns parameters directly, with its ``*_step`` methods registered as forward methods
+so that they gather it).
 
 How this differs from the paper's stage 3 (Rajbhandari et al., SC'20, §5.3 and §7.2.2):
 
@@ -138,20 +139,20 @@ class FSDPZero(ZeroEngine):
             fully_shard(unit, reshard_after_forward=options.reshard_after_forward, **kwargs)
         for unit, nxt in zip(self.units, self.units[1:]):
             unit.set_modules_to_forward_prefetch([nxt])
-        unit_ids = {id(m) for u in self.units for m in u.modules()}
-        if any(True for _ in module.parameters(recurse=False)):
-            fully_shard(module, **kwargs)  # the root: reshard_after_forward=None keeps it gathered until backward
-            for name in _STEP_METHODS:
-                if callable(getattr(module, name, None)):
-                    register_fsdp_forward_method(module, name)
-            self.roots = [module]
-            return
-        for child in module.children():
-            if id(child) in unit_ids or isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-                continue
-            if _has_params(child):
-                fully_shard(child, **kwargs)
-                self.roots.append(child)
+        # One root over everything else: the innermost module holding every unit and every parameter left (a
+        # LightningModule's only child with parameters, e.g. its GPT). Separate roots per child would leave the units
+        # outside any root, and a unit's forward prefetch would reach one that was never initialised.
+        root = module
+        while not any(True for _ in root.parameters(recurse=False)):
+            children = [c for c in root.children() if _has_params(c)]
+            if len(children) != 1 or any(root is u for u in self.units) or children[0] in self.units:
+                break
+            root = children[0]
+        fully_shard(root, **kwargs)  # the root: reshard_after_forward=None keeps it gathered until backward
+        for name in _STEP_METHODS:
+            if root is module and callable(getattr(module, name, None)):
+                register_fsdp_forward_method(module, name)
+        self.roots = [root]
 
     def reshard(self) -> None:
         """Free the gathered parameters of every unit: FSDP2 keeps the root gathered after a forward, waiting for

@@ -62,7 +62,9 @@ class ReducerOptions:
     Attributes:
         bucket_cap_mb: bucket size in MiB of fp32 gradient (torch DDP's default, 25). With ``zero1``/``zero2`` also the
             bucket of the parameter all-gather and of ZeRO-2's reduce-scatter.
-        gradient_as_bucket_view: ``.grad`` tensors become views of the buckets (one gradient copy less).
+        gradient_as_bucket_view: ``.grad`` tensors become views of the buckets: one copy per parameter per step and
+            one gradient's memory less (profiled: the copies were about 2% of ``ddp_overlap``'s CPU time per step on
+            the small GPT). The default, as in the ZeRO modes; torch's DDP defaults to False.
         static_graph: after the first step, rebuild the buckets in the order gradients arrived (DDP's rebuilding).
         comm_hook: ``"none"``, ``"fp16"``, ``"bf16"`` (cast the wire format) or ``"powersgd"`` (Vogels et al. 2019).
         powersgd_rank: rank of the PowerSGD approximation.
@@ -73,7 +75,7 @@ class ReducerOptions:
     """
 
     bucket_cap_mb: float = _DEFAULT_BUCKET_CAP_MB
-    gradient_as_bucket_view: bool = False
+    gradient_as_bucket_view: bool = True
     static_graph: bool = False
     comm_hook: str = "none"
     powersgd_rank: int = 1

@@ -72,6 +72,10 @@ class Bucket:
     params: list[nn.Parameter]
     offsets: list[int]
     buffer: Tensor
+    #: each parameter's slot in ``buffer``, shaped like its local tensor (built once: the buffer lives as long).
+    views: list[Tensor] = field(default_factory=list)
+    #: whether each parameter is a DTensor (its gradient's local tensor is what travels).
+    is_dtensor: list[bool] = field(default_factory=list)
     arrived: set[int] = field(default_factory=set)
     launched: bool = False
     work: object | None = None
@@ -89,9 +93,13 @@ class CommStats:
     """Timings of one synchronised backward, in seconds of ``time.perf_counter``.
 
     ``backward_end`` is when the last gradient hook of the step ran (the end of backward's computation).
-    ``overlap_fraction`` is the share of all-reduce time (launch to completion, summed over buckets) that lay before
-    the end of backward, i.e. was hidden behind computation. ``bytes_sent`` counts the payload handed to the
-    all-reduce (wire dtype), per rank.
+    ``exposed_s`` is how long the step waited for communication after backward (``finish()``: launching what was
+    left, waiting for every bucket and writing the results back): the communication time overlap did *not* hide.
+    ``latency_share_before_backward_end`` is the share of the buckets' latency (launch to completion, summed over
+    buckets) that elapsed before backward ended. It is *not* the time overlap saved: a collective that runs while
+    backward computes may slow backward down as much (on a CPU the two share the cores), which only an A/B
+    measurement shows (``lightning_par.benchmarks.ddp``). ``overlap_fraction`` is its old name. ``bytes_sent`` counts
+    the payload handed to the collectives (wire dtype), per rank.
     """
 
     backward_start: float = 0.0
@@ -99,6 +107,7 @@ class CommStats:
     launches: list[float] = field(default_factory=list)
     completions: list[float] = field(default_factory=list)
     bytes_sent: int = 0
+    exposed_s: float = 0.0
 
     @property
     def comm_time_s(self) -> float:
@@ -109,9 +118,14 @@ class CommStats:
         return sum(max(0.0, min(d, self.backward_end) - s) for s, d in zip(self.launches, self.completions))
 
     @property
-    def overlap_fraction(self) -> float:
+    def latency_share_before_backward_end(self) -> float:
         total = self.comm_time_s
         return self.hidden_time_s / total if total > 0 else 0.0
+
+    @property
+    def overlap_fraction(self) -> float:
+        """Old name of :attr:`latency_share_before_backward_end`."""
+        return self.latency_share_before_backward_end
 
     @property
     def first_launch_before_backward_end(self) -> bool:
@@ -195,10 +209,14 @@ class GradientReducer:
             offsets.append(total)
             total += _local(p).numel()
         dtype = _local(params[0]).dtype
-        bucket = Bucket(len(self.buckets), params, offsets, torch.zeros(total, dtype=dtype, device=_local(params[0]).device))
+        buffer = torch.zeros(total, dtype=dtype, device=_local(params[0]).device)
+        views = [buffer[o : o + _local(p).numel()].view(_local(p).shape) for o, p in zip(offsets, params)]
+        is_dtensor = [hasattr(p, "_local_tensor") for p in params]
+        bucket = Bucket(len(self.buckets), params, offsets, buffer, views, is_dtensor)
         for i, p in enumerate(params):
             self._where[id(p)] = (bucket, i)
         self.buckets.append(bucket)
+        self._next_launch = 0
 
     def bucket_sizes_bytes(self) -> list[int]:
         """Size of each bucket's buffer in bytes, in launch order."""
@@ -216,14 +234,26 @@ class GradientReducer:
 
     def overlap_summary(self) -> dict[str, Any]:
         """Figures of the synchronised backwards so far (the first, with its one-off set-up, left out when there are
-        others): ``comm_overlap_fraction``, ``first_bucket_launched_before_backward_end``, ``comm_bytes_per_step``,
-        ``num_buckets``, ``synchronised_backwards``, ``comm_hook``. Empty before the first one."""
+        others), empty before the first one:
+
+        * ``comm_latency_share_before_backward_end``: share of the buckets' latency that elapsed before backward
+          ended (see :class:`CommStats`; ``comm_overlap_fraction`` is its old name, kept for readers of old
+          summaries);
+        * ``comm_exposed_s``: median seconds per synchronised backward spent waiting for communication after
+          backward (the communication overlap did not hide);
+        * ``first_bucket_launched_before_backward_end``, ``comm_bytes_per_step``, ``num_buckets``,
+          ``synchronised_backwards``, ``comm_hook``.
+        """
         if not self.history:
             return {}
         history = self.history[1:] or self.history
         comm = sum(s.comm_time_s for s in history)
+        share = sum(s.hidden_time_s for s in history) / comm if comm > 0 else 0.0
+        exposed = sorted(s.exposed_s for s in history)
         return {
-            "comm_overlap_fraction": sum(s.hidden_time_s for s in history) / comm if comm > 0 else 0.0,
+            "comm_latency_share_before_backward_end": share,
+            "comm_overlap_fraction": share,
+            "comm_exposed_s": exposed[len(exposed) // 2],
             "first_bucket_launched_before_backward_end": all(s.first_launch_before_backward_end for s in history),
             "comm_bytes_per_step": history[-1].bytes_sent,
             "num_buckets": len(self.buckets),
@@ -236,13 +266,19 @@ class GradientReducer:
         if self.require_sync:
             self._stats = CommStats(backward_start=time.perf_counter())
 
+    @torch.no_grad()
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if not self.require_sync or param.grad is None:
+        # The hot path: one call per parameter per backward, so kept to one copy and a few lookups.
+        grad = param.grad
+        if grad is None or not self.require_sync:
             return
         bucket, i = self._where[id(param)]
-        if not self._rebuilt:
+        if self.static_graph and not self._rebuilt:
             self._arrival.append(param)
-        self._slice(bucket, i).copy_(_local(param.grad).reshape(-1))
+        view = bucket.views[i]
+        local = grad._local_tensor if bucket.is_dtensor[i] else grad
+        if local.data_ptr() != view.data_ptr():  # not already the bucket view (gradient_as_bucket_view, kept grads)
+            view.copy_(local)
         self._stats.backward_end = time.perf_counter()
         bucket.arrived.add(i)
         if len(bucket.arrived) == len(bucket.params):
@@ -250,17 +286,19 @@ class GradientReducer:
 
     def _launch_ready(self, force: bool = False) -> None:
         """Launch buckets in index order, up to the first one that is not complete (all of them if ``force``)."""
-        for bucket in self.buckets:
-            if bucket.launched:
-                continue
+        buckets = self.buckets
+        while self._next_launch < len(buckets):
+            bucket = buckets[self._next_launch]
             if not force and len(bucket.arrived) < len(bucket.params):
                 return
             self._launch(bucket)
+            self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        for i in range(len(bucket.params)):
-            if i not in bucket.arrived:  # no gradient this step on this rank: contribute zeros
-                self._slice(bucket, i).zero_()
+        if len(bucket.arrived) < len(bucket.params):
+            for i, view in enumerate(bucket.views):
+                if i not in bucket.arrived:  # no gradient this step on this rank: contribute zeros
+                    view.zero_()
         bucket.launched = True
         bucket.launch_time = time.perf_counter()
         bucket.done_time = None
@@ -287,9 +325,10 @@ class GradientReducer:
         """
         if not self.require_sync:
             return None
+        start = time.perf_counter()
         stats = self._stats
         if stats.backward_end == 0.0:  # no gradient hook ran on this rank
-            stats.backward_end = time.perf_counter()
+            stats.backward_end = start
         self._launch_ready(force=True)
         for bucket in self.buckets:
             if self.powersgd is not None:
@@ -302,8 +341,10 @@ class GradientReducer:
             stats.completions.append(bucket.done_time if bucket.done_time is not None else time.perf_counter())
             self._write_back(bucket)
             bucket.arrived, bucket.launched, bucket.work, bucket.wire = set(), False, None, None
+        self._next_launch = 0
         if self.powersgd is not None:
             self.powersgd.iteration += 1
+        stats.exposed_s = time.perf_counter() - start
         self.history.append(stats)
         if self.static_graph and not self._rebuilt:
             self._rebuilt = True
@@ -318,6 +359,7 @@ class GradientReducer:
         pipeline schedule, and synchronise once at the end)."""
         sync = self.require_sync
         self.require_sync = True
+        start = time.perf_counter()
         self.start_backward()
         for p in self.params:
             if p.grad is not None:
@@ -325,6 +367,7 @@ class GradientReducer:
         stats = self.finish()
         self.require_sync = sync
         assert stats is not None
+        stats.exposed_s = time.perf_counter() - start  # nothing overlapped: all of it is exposed
         return stats
 
     def _powersgd_bucket(self, bucket: Bucket, stats: CommStats) -> None:
@@ -353,19 +396,19 @@ class GradientReducer:
         n = _local(bucket.params[i]).numel()
         return bucket.buffer[bucket.offsets[i] : bucket.offsets[i] + n]
 
+    @torch.no_grad()
     def _write_back(self, bucket: Bucket) -> None:
-        for i, p in enumerate(bucket.params):
-            reduced = self._slice(bucket, i).view(_local(p).shape)
-            if p.grad is None:
-                if self.gradient_as_bucket_view and not hasattr(p, "_local_tensor"):
+        as_view = self.gradient_as_bucket_view
+        for p, reduced, is_dtensor in zip(bucket.params, bucket.views, bucket.is_dtensor):
+            grad = p.grad
+            if as_view and not is_dtensor:
+                if grad is not reduced:
                     p.grad = reduced
-                else:
-                    p.grad = torch.zeros_like(p)
-                    _local(p.grad).copy_(reduced)
-            elif self.gradient_as_bucket_view and not hasattr(p, "_local_tensor"):
-                p.grad = reduced
-            else:
+            elif grad is None:
+                p.grad = torch.zeros_like(p)
                 _local(p.grad).copy_(reduced)
+            else:
+                _local(grad).copy_(reduced)
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (the reducer is then inert)."""

@@ -3,16 +3,21 @@
 * :class:`ReduceScatterReducer` (stage 2, Rajbhandari et al., SC'20, §5.2 "P_os+g"): as backward produces each
   gradient, it is copied into its bucket's rank-major buffer and the parameter's full gradient is freed; when a bucket
   is complete its ``reduce_scatter_tensor`` is launched asynchronously (overlapping the rest of backward, as torch DDP's
-  all-reduce does, Li et al., VLDB 2020, §3.2), and each rank adds the averaged chunk to its persistent gradient shard
-  of ``Psi / N`` elements. Only bucket-sized buffers are alive at once: the paper's "constant buffers" (§6.1).
-* :func:`all_gather_params` (stages 1 and 2): after each rank has stepped its shard, one ``all_gather_into_tensor``
-  per bucket rebuilds every full parameter on every rank; the next bucket's all-gather is in flight while the
-  previous one is copied out.
+  all-reduce does, Li et al., VLDB 2020, §3.2) and lands directly in this rank's persistent gradient shard of
+  ``Psi / N`` elements. A bucket's buffer is freed as soon as its reduce-scatter has landed: before the buffer of a
+  new bucket is allocated, every launched bucket but the newest ``max_buckets_in_flight`` is waited for and freed, so
+  gradient memory never exceeds the shard plus ``max_buckets_in_flight + 1`` buckets (the paper's "constant buffers",
+  §6.1), plus the one parameter gradient autograd has just produced.
+* :class:`ParamGather` (stages 1 and 2): after each rank has stepped its shard, one ``all_gather_into_tensor`` per
+  bucket rebuilds every full parameter on every rank. All buckets are launched at once; each is copied out when it
+  is waited for, either at once (:meth:`ParamGather.gather`) or later, bucket by bucket (:meth:`ParamGather.launch`
+  then :meth:`ParamGather.wait`), e.g. just before the module that uses it runs its next forward.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
 import torch
@@ -21,8 +26,9 @@ from torch import Tensor, nn
 
 from lightning_par.data_parallel.reducer import CommStats
 from lightning_par.data_parallel.shard_layout import LayoutBucket, ParamShard, ShardLayout, local_tensor
+from lightning_par.memory import LiveStorageBytes
 
-__all__ = ["ReduceScatterReducer", "all_gather_params"]
+__all__ = ["ParamGather", "ReduceScatterReducer", "all_gather_params"]
 
 # torch 2.13 renamed the tensor forms of the two collectives; older versions only have the old names.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -33,59 +39,103 @@ class ReduceScatterReducer:
     """Average gradients over the dp group with bucketed reduce-scatters launched during backward; keep a shard.
 
     Every backward (every micro-batch, also under gradient accumulation) reduce-scatters its gradients and adds them
-    to the shard, so full gradients never outlive their bucket: gradient memory stays ``Psi / N`` elements (plus
-    one bucket in flight) at the price of one reduce-scatter per micro-batch. :meth:`reset` after the optimizer step
-    starts a new accumulation. With :attr:`require_sync` off the hooks do nothing (full gradients accumulate in
-    ``.grad``, e.g. across the micro-batches of a pipeline schedule) until :meth:`reduce_all`.
+    to the shard, so full gradients never outlive their bucket: gradient memory stays ``Psi / N`` elements plus at
+    most ``max_buckets_in_flight + 1`` bucket buffers, at the price of one reduce-scatter per micro-batch.
+    :meth:`reset` after the optimizer step starts a new accumulation. With :attr:`require_sync` off the hooks do
+    nothing (full gradients accumulate in ``.grad``, e.g. across the micro-batches of a pipeline schedule) until
+    :meth:`reduce_all`.
 
     Args:
         layout: the dim-0 sharding and buckets of the parameters.
         reduce_dtype: dtype the gradients travel and are summed in (default: each bucket's parameter dtype).
         grad_dtype: dtype of the kept gradient shard (default: the parameter dtype; fp32 under mixed precision so
             the fp32 master weights get an fp32 gradient).
+        max_buckets_in_flight: reduce-scatters left running when a new bucket starts filling (1: one bucket's
+            communication overlaps the next bucket's backward; 0: each is waited for first, no overlap, one bucket of
+            memory).
+        measure_memory: count the gradient storages (shard, bucket buffers, parameter gradients) alive at every
+            event in :attr:`grad_memory` (costs a little Python per gradient; for tests and benchmarks).
 
     Attributes:
         grad_shard: ``(layout.shard_numel,)`` tensor, this rank's averaged gradient chunks of every bucket, or
             ``None`` before the first backward.
         history: :class:`~lightning_par.data_parallel.reducer.CommStats` of every backward; ``bytes_sent`` counts
             each reduce-scatter's input buffer (payload handed to the collective, wire dtype).
+        grad_memory: with ``measure_memory``, a :class:`~lightning_par.memory.LiveStorageBytes` whose ``peak`` is the
+            most gradient bytes alive at once (else ``None``).
+
+    Raises:
+        ValueError: ``max_buckets_in_flight`` is not an integer >= 0.
     """
 
     def __init__(
-        self, layout: ShardLayout, reduce_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None
+        self,
+        layout: ShardLayout,
+        reduce_dtype: torch.dtype | None = None,
+        grad_dtype: torch.dtype | None = None,
+        max_buckets_in_flight: int = 1,
+        measure_memory: bool = False,
     ) -> None:
+        if isinstance(max_buckets_in_flight, bool) or not isinstance(max_buckets_in_flight, int) or (
+            max_buckets_in_flight < 0
+        ):
+            raise ValueError(f"max_buckets_in_flight={max_buckets_in_flight!r} is not valid: expected an integer >= 0.")
         self.layout = layout
         self.group = layout.group
         self.world = layout.world
         self.reduce_dtype = reduce_dtype
         self.grad_dtype = grad_dtype or layout.buckets[0].dtype
+        self.max_buckets_in_flight = max_buckets_in_flight
         self.grad_shard: Tensor | None = None
+        self.grad_memory = LiveStorageBytes() if measure_memory else None
         self.require_sync = True
         self.history: list[CommStats] = []
         self._accumulating = False
         self._stats = CommStats()
         self._reset_buckets()
-        self._handles = [
-            s.param.register_post_accumulate_grad_hook(self._on_grad_ready) for s in layout.shards
-        ]
+        # Where each unpadded tensor's chunks sit in its bucket's rank-major buffer: (N, chunk_rows, row_numel) with
+        # the bucket's per-rank stride, computed once (the buffers themselves are new every backward).
+        self._slots: dict[int, tuple[tuple[int, ...], tuple[int, ...], int]] = {}
+        for s in layout.shards:
+            if s.rows == self.world * s.chunk_rows:
+                b = layout.buckets[s.bucket]
+                self._slots[id(s.param)] = (
+                    (self.world, s.chunk_rows, s.row_numel), (b.chunk_numel, s.row_numel, 1), s.offset
+                )
+        self._handles = [s.param.register_post_accumulate_grad_hook(self._on_grad_ready) for s in layout.shards]
 
     def _reset_buckets(self) -> None:
         n = len(self.layout.buckets)
         self._buffers: list[Tensor | None] = [None] * n
         self._arrived: list[set[int]] = [set() for _ in range(n)]
         self._launched = [False] * n
-        self._work: list[tuple[object, Tensor] | None] = [None] * n
+        self._next_launch = 0
+        self._in_flight: deque[tuple[int, object, Tensor]] = deque()
         self._launch_time = [0.0] * n
         self._done_time: list[float | None] = [None] * n
 
-    def _dtype(self, bucket: LayoutBucket) -> torch.dtype:
+    def _wire_dtype(self, bucket: LayoutBucket) -> torch.dtype:
         return self.reduce_dtype or bucket.dtype
+
+    def _ensure_shard(self) -> Tensor:
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros(
+                self.layout.shard_numel, dtype=self.grad_dtype, device=self.layout.buckets[0].device
+            )
+            if self.grad_memory is not None:
+                self.grad_memory.add(self.grad_shard)
+        return self.grad_shard
 
     def _buffer(self, bucket: LayoutBucket) -> Tensor:
         buf = self._buffers[bucket.index]
         if buf is None:
-            buf = torch.zeros(self.world * bucket.chunk_numel, dtype=self._dtype(bucket), device=bucket.device)
+            # Free what has landed before this bucket's buffer exists: at most max_buckets_in_flight stay out.
+            while len(self._in_flight) > self.max_buckets_in_flight:
+                self._land_oldest()
+            buf = torch.empty(self.world * bucket.chunk_numel, dtype=self._wire_dtype(bucket), device=bucket.device)
             self._buffers[bucket.index] = buf
+            if self.grad_memory is not None:
+                self.grad_memory.add(buf)
         return buf
 
     # ------------------------------------------------------------------ backward
@@ -99,7 +149,15 @@ class ReduceScatterReducer:
             return
         s = self.layout.by_param[id(param)]
         bucket = self.layout.buckets[s.bucket]
-        self.layout.copy_in(self._buffer(bucket), s, local_tensor(param.grad))
+        if self.grad_memory is not None:
+            self.grad_memory.add(param.grad)
+        buf, grad = self._buffer(bucket), local_tensor(param.grad)
+        fast = self._slots.get(id(param))
+        if fast is not None:  # no padding: the slot is one strided view of the buffer, the gradient one reshape
+            size, stride, offset = fast
+            buf.as_strided(size, stride, offset).copy_(grad.view(size))
+        else:
+            self.layout.copy_in(buf, s, grad)
         param.grad = None  # the full gradient is not kept: ZeRO-2
         self._stats.backward_end = time.perf_counter()
         self._arrived[bucket.index].add(id(param))
@@ -109,56 +167,68 @@ class ReduceScatterReducer:
     def _launch_ready(self, force: bool = False) -> None:
         """Launch buckets in index order up to the first incomplete one (all if ``force``), so every rank issues
         the same collectives in the same order."""
-        for bucket in self.layout.buckets:
-            if self._launched[bucket.index]:
-                continue
+        buckets = self.layout.buckets
+        while self._next_launch < len(buckets):
+            bucket = buckets[self._next_launch]
             if not force and len(self._arrived[bucket.index]) < len(bucket.shards):
                 return
             self._launch(bucket)
+            self._next_launch += 1
 
     def _launch(self, bucket: LayoutBucket) -> None:
-        # A fresh zero buffer each backward: parameters that got no gradient on this rank contribute zeros.
         buf = self._buffer(bucket)
+        arrived = self._arrived[bucket.index]
+        if len(arrived) < len(bucket.shards):  # parameters that got no gradient on this rank contribute zeros
+            for s in bucket.shards:
+                if id(s.param) not in arrived:
+                    self.layout.chunk_slot(buf, s).zero_()
         buf.div_(self.world)
-        out = torch.empty(bucket.chunk_numel, dtype=buf.dtype, device=buf.device)
+        shard = self._ensure_shard()
+        target = shard[bucket.shard_offset : bucket.shard_offset + bucket.chunk_numel]
+        if self._accumulating or buf.dtype != shard.dtype:
+            out = torch.empty(bucket.chunk_numel, dtype=buf.dtype, device=buf.device)
+            if self.grad_memory is not None:
+                self.grad_memory.add(out)
+        else:
+            out = target  # lands in the shard directly
         self._launched[bucket.index] = True
         self._launch_time[bucket.index] = time.perf_counter()
         self._stats.bytes_sent += buf.numel() * buf.element_size()
         work = _reduce_scatter_tensor(out, buf, group=self.group, async_op=True)
+        self._in_flight.append((bucket.index, work, out))
 
-        def _done(_fut: object, i: int = bucket.index) -> None:
-            self._done_time[i] = time.perf_counter()
-
-        try:
-            work.get_future().add_done_callback(_done)
-        except RuntimeError:  # gloo's reduce-scatter has no future: completion is then timed at wait()
-            pass
-        self._work[bucket.index] = (work, out)
+    def _land_oldest(self) -> None:
+        """Wait for the oldest reduce-scatter in flight, add it to the shard if needed and free its buffer."""
+        index, work, out = self._in_flight.popleft()
+        work.wait()
+        self._done_time[index] = time.perf_counter()
+        bucket = self.layout.buckets[index]
+        assert self.grad_shard is not None
+        target = self.grad_shard[bucket.shard_offset : bucket.shard_offset + bucket.chunk_numel]
+        if out.data_ptr() != target.data_ptr():
+            if self._accumulating:
+                target.add_(out)
+            else:
+                target.copy_(out)
+        self._buffers[index] = None  # the bucket's memory goes back now
 
     @torch.no_grad()
     def finish(self) -> CommStats:
-        """Wait for every bucket after backward and add the averaged chunks to :attr:`grad_shard`."""
+        """Wait for every bucket after backward; the averaged chunks are then in :attr:`grad_shard`."""
+        start = time.perf_counter()
         stats = self._stats
         if stats.backward_end == 0.0:  # no gradient hook ran on this rank
-            stats.backward_end = time.perf_counter()
+            stats.backward_end = start
         self._launch_ready(force=True)
-        if self.grad_shard is None:
-            self.grad_shard = torch.zeros(
-                self.layout.shard_numel, dtype=self.grad_dtype, device=self.layout.buckets[0].device
-            )
+        while self._in_flight:
+            self._land_oldest()
+        stats.exposed_s = time.perf_counter() - start
         for bucket in self.layout.buckets:
-            work, out = self._work[bucket.index]
-            work.wait()
-            chunk = self.grad_shard[bucket.shard_offset : bucket.shard_offset + bucket.chunk_numel]
-            if self._accumulating:
-                chunk.add_(out)
-            else:
-                chunk.copy_(out)
             stats.launches.append(self._launch_time[bucket.index])
             done = self._done_time[bucket.index]
             stats.completions.append(done if done is not None else time.perf_counter())
         self._accumulating = True
-        self._reset_buckets()  # frees the bucket buffers
+        self._reset_buckets()
         self.history.append(stats)
         return stats
 
@@ -168,11 +238,14 @@ class ReduceScatterReducer:
         sync = self.require_sync
         self.require_sync = True
         try:
+            start = time.perf_counter()
             self.start_backward()
             for s in self.layout.shards:
                 if s.param.grad is not None:
                     self._on_grad_ready(s.param)
-            return self.finish()
+            stats = self.finish()
+            stats.exposed_s = time.perf_counter() - start  # nothing overlapped: all of it is exposed
+            return stats
         finally:
             self.require_sync = sync
 
@@ -195,40 +268,109 @@ class ReduceScatterReducer:
         self._handles = []
 
 
-@torch.no_grad()
-def all_gather_params(
-    layout: ShardLayout, source: Callable[[ParamShard], Tensor], buckets: Iterable[LayoutBucket] | None = None
-) -> int:
-    """Rebuild the full (local) parameters of ``buckets`` on every rank from each rank's updated rows.
+class ParamGather:
+    """Rebuild the full (local) parameters on every rank from each rank's updated rows: one all-gather per bucket.
 
     Args:
         layout: the sharding.
         source: ``source(s)`` is this rank's updated rows of ``s`` ``(num_rows, *shape[1:])`` (a master shard,
             possibly in another dtype: it is cast to the parameter dtype).
-        buckets: the buckets to gather (default: all).
 
-    Returns:
-        Bytes handed to the all-gathers as output buffers on this rank (the full bucket sizes, parameter dtype).
+    Attributes:
+        bytes_per_gather: bytes handed to the all-gathers as output buffers by the last :meth:`launch` (the full
+            bucket sizes in the parameter dtype).
     """
-    nbytes = 0
-    pending: tuple[LayoutBucket, Tensor, object] | None = None
-    for bucket in list(layout.buckets if buckets is None else buckets):
-        chunk = torch.zeros(bucket.chunk_numel, dtype=bucket.dtype, device=bucket.device)
-        for s in bucket.shards:
-            if s.num_rows:
-                layout.own_chunk(chunk, s).copy_(source(s))
-        out = torch.empty(layout.world * bucket.chunk_numel, dtype=bucket.dtype, device=bucket.device)
-        work = _all_gather_tensor(out, chunk, group=layout.group, async_op=True)
-        nbytes += out.numel() * out.element_size()
-        if pending is not None:
-            _copy_out(layout, *pending)
-        pending = (bucket, out, work)
-    if pending is not None:
-        _copy_out(layout, *pending)
-    return nbytes
+
+    def __init__(self, layout: ShardLayout, source: Callable[[ParamShard], Tensor]) -> None:
+        self.layout = layout
+        self.source = source
+        self.bytes_per_gather = 0
+        self._pending: dict[int, tuple[Tensor, object]] = {}
+        self._plans: dict[int, _GatherPlan] = {}
+
+    @property
+    def pending(self) -> bool:
+        """Whether some launched bucket has not been copied out yet."""
+        return bool(self._pending)
+
+    def buffers(self) -> list[Tensor]:
+        """The persistent per-bucket send buffers (this rank's chunks, ``Psi / N`` elements in all)."""
+        return [plan.chunk for plan in self._plans.values()]
+
+    def _plan(self, bucket: LayoutBucket) -> _GatherPlan:
+        plan = self._plans.get(bucket.index)
+        if plan is None or not plan.valid():
+            plan = self._plans[bucket.index] = _GatherPlan(self.layout, bucket, self.source)
+        return plan
+
+    @torch.no_grad()
+    def launch(self, buckets: Iterable[LayoutBucket] | None = None) -> None:
+        """Start the all-gathers of ``buckets`` (default: all), in the given order; :meth:`wait` completes them."""
+        layout = self.layout
+        self.bytes_per_gather = 0
+        for bucket in layout.buckets if buckets is None else buckets:
+            if bucket.index in self._pending:
+                self.wait([bucket])
+            plan = self._plan(bucket)
+            if plan.in_dsts:
+                torch._foreach_copy_(plan.in_dsts, plan.in_srcs)
+            out = torch.empty(layout.world * bucket.chunk_numel, dtype=bucket.dtype, device=bucket.device)
+            work = _all_gather_tensor(out, plan.chunk, group=layout.group, async_op=True)
+            self.bytes_per_gather += out.numel() * out.element_size()
+            self._pending[bucket.index] = (out, work)
+
+    @torch.no_grad()
+    def wait(self, buckets: Iterable[LayoutBucket] | None = None) -> None:
+        """Wait for the all-gathers of ``buckets`` (default: every pending one) and write them into the parameters."""
+        indices = list(self._pending) if buckets is None else [b.index for b in buckets if b.index in self._pending]
+        layout = self.layout
+        for index in indices:
+            out, work = self._pending.pop(index)
+            work.wait()
+            plan = self._plan(layout.buckets[index])
+            slots = out.view(layout.world, -1).split(plan.sizes, dim=1)  # (N, chunk_numel of each tensor)
+            if plan.out_dsts:
+                torch._foreach_copy_(plan.out_dsts, [slots[i] for i in plan.even])
+            for i in plan.uneven:
+                s = plan.shards[i]
+                layout.copy_out(out, s, local_tensor(s.param).data)
+
+    def gather(self, buckets: Iterable[LayoutBucket] | None = None) -> int:
+        """:meth:`launch` then :meth:`wait`; returns :attr:`bytes_per_gather`."""
+        buckets = list(self.layout.buckets if buckets is None else buckets)
+        self.launch(buckets)
+        self.wait(buckets)
+        return self.bytes_per_gather
 
 
-def _copy_out(layout: ShardLayout, bucket: LayoutBucket, out: Tensor, work: object) -> None:
-    work.wait()
-    for s in bucket.shards:
-        layout.copy_out(out, s, local_tensor(s.param).data)
+class _GatherPlan:
+    """What one bucket's gather touches, computed once: the persistent send buffer and its views (copy-in), and the
+    parameters' storage seen as ``(N, chunk_numel)`` (copy-out), so a step costs one call per bucket for each copy.
+    Rebuilt if a parameter's storage moved (:meth:`valid`)."""
+
+    def __init__(self, layout: ShardLayout, bucket: LayoutBucket, source: Callable[[ParamShard], Tensor]) -> None:
+        self.shards = list(bucket.shards)
+        self.chunk = torch.zeros(bucket.chunk_numel, dtype=bucket.dtype, device=bucket.device)  # padding stays 0
+        self.in_dsts = [layout.own_chunk(self.chunk, s) for s in self.shards if s.num_rows]
+        self.in_srcs = [source(s) for s in self.shards if s.num_rows]
+        self.sizes = [s.chunk_numel for s in self.shards]
+        self.even = [i for i, s in enumerate(self.shards) if s.rows == layout.world * s.chunk_rows]
+        self.uneven = [i for i, s in enumerate(self.shards) if s.rows != layout.world * s.chunk_rows]
+        self.out_dsts = [
+            s.rows_view(local_tensor(s.param).detach()).view(layout.world, s.chunk_numel)
+            for s in (self.shards[i] for i in self.even)
+        ]
+        self._ptrs = self._pointers()
+
+    def _pointers(self) -> list[int]:
+        return [local_tensor(s.param).data_ptr() for s in self.shards]
+
+    def valid(self) -> bool:
+        return self._pointers() == self._ptrs
+
+def all_gather_params(
+    layout: ShardLayout, source: Callable[[ParamShard], Tensor], buckets: Iterable[LayoutBucket] | None = None
+) -> int:
+    """Rebuild the full (local) parameters of ``buckets`` (default: all) on every rank from each rank's updated rows
+    (``source(s)``, see :class:`ParamGather`); returns the bytes handed to the all-gathers as output buffers."""
+    return ParamGather(layout, source).gather(buckets)

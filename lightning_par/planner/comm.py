@@ -10,6 +10,14 @@ Which link a group uses follows the ``("pp", "dp", "tp")`` mesh (rank = ``pp_idx
 on nodes of ``devices_per_node`` consecutive ranks: a tp group stays in a node when ``tp <= devices_per_node``, a dp
 group when ``tp * dp <= devices_per_node``, pipeline neighbours when ``tp * dp * pp <= devices_per_node``.
 
+Across nodes, each device has its own network adapter (DGX A100: eight 200 Gb/s HDR adapters per node, one per GPU;
+Narayanan et al. 2021, §5), and ``inter_node_bandwidth`` is one device's share. A collective whose group has ``k``
+members in each node runs ``k`` rings at once, each leaving the node through another member's adapter (NCCL's
+channels; the hops inside a node go over NVLink): its bytes cross the network at ``k * inter_node_bandwidth``
+(:func:`group_ranks_per_node`). All the groups of a node run at once, so the node's adapters are shared, not
+oversubscribed: with ``tp`` ranks per node on the tp axis, a dp group has ``devices_per_node / tp`` members per node.
+A pipeline send goes from one device to one device: one adapter, ``k = 1``.
+
 Pure Python: no torch import.
 """
 
@@ -23,6 +31,7 @@ __all__ = [
     "allreduce_bytes",
     "collective_time",
     "group_link",
+    "group_ranks_per_node",
     "reduce_scatter_bytes",
     "ring_steps",
     "tp_layer_comm_bytes",
@@ -103,8 +112,40 @@ def ring_steps(op: str, group_size: int) -> int:
     return steps[op]
 
 
+def group_ranks_per_node(layout: Layout, axis: str, devices_per_node: int) -> int:
+    """Members of one ``axis`` group in each node it spans, at least (nodes of ``devices_per_node`` consecutive ranks).
+
+    A tp group is ``tp`` consecutive ranks, a dp group ``dp`` ranks ``tp`` apart; a ``"pp"`` send joins two devices
+    (1). When the group spans nodes unevenly (``tp * dp`` not a multiple of ``devices_per_node``), the node holding
+    the fewest members sets the rate.
+
+    Raises:
+        ValueError: an unknown axis.
+    """
+    if axis == "pp":
+        return 1
+    if axis not in ("tp", "dp"):
+        raise ValueError(f"axis={axis!r} is not valid: expected 'tp', 'dp' or 'pp'.")
+    g, tp, dp = devices_per_node, layout.tp_size, layout.dp_size
+    size, stride = (tp, 1) if axis == "tp" else (dp, tp)
+    if (size * stride) % g == 0 and g % stride == 0:  # the group fills whole nodes evenly
+        return max(1, min(size, g // stride))
+    fewest = size
+    for first in range(0, layout.world_size, size * stride):  # the first group of each pipeline stage (tp_idx 0)
+        per_node: dict[int, int] = {}
+        for i in range(size):
+            node = (first + i * stride) // g
+            per_node[node] = per_node.get(node, 0) + 1
+        fewest = min(fewest, min(per_node.values()))
+    return fewest
+
+
 def group_link(device: DeviceSpec, layout: Layout, axis: str, devices_per_node: int) -> tuple[float, float]:
     """``(bandwidth, latency)`` of the link a group of ``axis`` (``"tp"``, ``"dp"`` or ``"pp"``) uses.
+
+    Inside a node: ``intra_node_bandwidth``. Across nodes: ``k * inter_node_bandwidth`` with ``k`` the group's
+    members per node (:func:`group_ranks_per_node`: one adapter per member; 1 for a pipeline send), at most
+    ``intra_node_bandwidth``, and ``inter_node_latency_s`` per ring step.
 
     Raises:
         ValueError: an unknown axis.
@@ -115,4 +156,6 @@ def group_link(device: DeviceSpec, layout: Layout, axis: str, devices_per_node: 
         raise ValueError(f"axis={axis!r} is not valid: expected 'tp', 'dp' or 'pp'.")
     if span[axis] <= devices_per_node:
         return device.intra_node_bandwidth, device.intra_node_latency_s
-    return device.inter_node_bandwidth, device.inter_node_latency_s
+    adapters = group_ranks_per_node(layout, axis, devices_per_node)
+    bandwidth = min(adapters * device.inter_node_bandwidth, device.intra_node_bandwidth)  # rings also cross NVLink
+    return bandwidth, device.inter_node_latency_s

@@ -29,14 +29,18 @@ class DeviceSpec:
         name: label.
         memory_bytes: memory of one device, in bytes.
         peak_flops: dense peak FLOP/s of one device at the training's matmul dtype.
-        memory_bandwidth: device memory bandwidth in bytes/s (the optimizer step is bound by it).
+        memory_bandwidth: device memory bandwidth in bytes/s (the optimizer step and the memory-bound kernels of each
+            layer are bound by it).
         intra_node_bandwidth: bytes/s one device sends to the others of its node (one direction), used for
             collectives and point-to-point inside a node.
-        inter_node_bandwidth: bytes/s one device sends across nodes (its share of the node's network).
+        inter_node_bandwidth: bytes/s one device sends across nodes (its own network adapter, or its share of the
+            node's); a collective with ``k`` members per node crosses at ``k`` times this
+            (:func:`~lightning_par.planner.comm.group_link`).
         intra_node_latency_s: fixed seconds per message (one ring step) inside a node.
         inter_node_latency_s: fixed seconds per message (one ring step) across nodes.
-        matmul_efficiency: fraction of ``peak_flops`` the training kernels reach (an assumption for GPUs; 1.0 for a
-            calibrated CPU, whose peak is the measured matmul rate).
+        matmul_efficiency: fraction of ``peak_flops`` the matmuls reach (an assumption for GPUs; 1.0 for a
+            calibrated CPU, whose peak is the measured matmul rate). The memory-bound kernels are charged apart, at
+            ``memory_bandwidth``.
         comm_overlap: fraction of overlappable communication (the dp gradient reduction during the last backward,
             ZeRO-3 gathers during compute) that is hidden.
         reserved_bytes: memory not available to tensors (runtime context, communication buffers of the library).
@@ -64,7 +68,7 @@ class DeviceSpec:
     inter_node_bandwidth: float
     intra_node_latency_s: float = 3e-6
     inter_node_latency_s: float = 1e-5
-    matmul_efficiency: float = 0.6
+    matmul_efficiency: float = 0.75
     comm_overlap: float = 0.8
     reserved_bytes: float = 2 * _GiB
     idle_speedup: float = 1.0
@@ -116,8 +120,9 @@ class DeviceSpec:
 # Datasheet figures: NVIDIA A100 (SXM4) and H100/H200 (SXM5) product briefs. Memory as nvidia-smi reports it.
 # Network: one 200 Gb/s HDR (DGX A100) or 400 Gb/s NDR (DGX H100/H200) adapter per GPU. NVLink: 600 GB/s (A100) and
 # 900 GB/s (H100/H200) total per GPU, i.e. 300 and 450 GB/s in one direction.
-# matmul_efficiency=0.6: an assumption (large bf16 GEMMs reach ~0.7-0.8 of peak; the memory-bound norms, softmax and
-# elementwise kernels take time without counted FLOPs). comm_overlap=0.8: an assumption.
+# matmul_efficiency=0.75: an assumption, the middle of the ~0.7-0.8 of peak that large bf16 GEMMs reach. It covers the
+# matmuls only: the memory-bound norms, dropouts, GeLU and softmax are charged separately at memory_bandwidth
+# (lightning_par.planner.elementwise; before they were, a lumped 0.6 stood for both). comm_overlap=0.8: an assumption.
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
     "a100-40gb": DeviceSpec(
         name="a100-40gb", memory_bytes=40 * _GiB, peak_flops=312e12, memory_bandwidth=1.555e12,

@@ -121,6 +121,11 @@ def _check_positive_int(name: str, value: object) -> None:
         raise ValueError(f"{name}={value!r} is not valid: expected a positive integer.")
 
 
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is not valid: expected True or False.")
+
+
 def predict(
     model: Any,
     layout: Layout,
@@ -129,6 +134,7 @@ def predict(
     precision: str | Precision | None = None,
     seq_len: int | None = None,
     calibration: Any = None,
+    pp_scatter_gather: bool = False,
 ) -> Prediction:
     """Predict memory and step time of one layout.
 
@@ -141,6 +147,8 @@ def predict(
         precision: a :class:`~lightning_par.planner.precision.Precision` or name; None: the device's default.
         seq_len: training sequence length (None: the model's).
         calibration: for ``device="cpu"``: the calibration file or object (None: the default file).
+        pp_scatter_gather: model pipeline sends as Megatron-LM's scatter/gather (Narayanan et al. 2021, §4.1), for
+            comparing with runs of that implementation; lightning_par's pipeline sends whole activations.
 
     Returns:
         The :class:`Prediction`.
@@ -150,15 +158,17 @@ def predict(
     """
     spec = model_spec(model, seq_len)
     _check_positive_int("devices_per_node", devices_per_node)
+    _check_bool("pp_scatter_gather", pp_scatter_gather)
     check_layout(layout, spec)
     dev = get_device(device, min(layout.world_size, devices_per_node), calibration)
     prec = get_precision(precision if precision is not None else dev.default_precision)
-    return _predict(spec, layout, dev, prec, devices_per_node)
+    return _predict(spec, layout, dev, prec, devices_per_node, pp_scatter_gather)
 
 
-def _predict(spec: ModelSpec, layout: Layout, dev: DeviceSpec, prec: Precision, devices_per_node: int) -> Prediction:
+def _predict(spec: ModelSpec, layout: Layout, dev: DeviceSpec, prec: Precision, devices_per_node: int,
+             pp_scatter_gather: bool = False) -> Prediction:
     memory = predict_memory(spec, layout, prec)
-    time = predict_step_time(spec, layout, dev, prec, devices_per_node)
+    time = predict_step_time(spec, layout, dev, prec, devices_per_node, pp_scatter_gather)
     fits = memory.total_bytes <= dev.usable_bytes
     reason = None
     if not fits:
@@ -200,6 +210,7 @@ def plan(
     sequence_parallel: Sequence[bool] = (False, True),
     include_unfit: bool = True,
     calibration: Any = None,
+    pp_scatter_gather: bool = False,
 ) -> list[Prediction]:
     """Enumerate the valid layouts of ``model`` on ``num_devices`` devices and predict each; best first.
 
@@ -228,6 +239,9 @@ def plan(
             stays inside a node).
         include_unfit: also return the layouts that do not fit (after all that fit, each with its ``reason``).
         calibration: for ``device="cpu"``: the calibration file or object (None: the default file).
+        pp_scatter_gather: model pipeline sends as Megatron-LM's scatter/gather (Narayanan et al. 2021, §4.1:
+            ``b s h / t`` per tp rank across nodes, then an all-gather inside the node), to compare with that
+            implementation's runs; False (lightning_par): each tp rank sends its whole activation.
 
     Returns:
         :class:`Prediction` s: those that fit by increasing predicted step time (ties: less memory first), then those
@@ -247,6 +261,7 @@ def plan(
         )
     if max_tp_size is not None:
         _check_positive_int("max_tp_size", max_tp_size)
+    _check_bool("pp_scatter_gather", pp_scatter_gather)
     for name, values, valid in (("dp_modes", dp_modes, DP_MODES), ("checkpointing", checkpointing, CHECKPOINTING),
                                 ("schedules", schedules, ("gpipe", "1f1b", "interleaved_1f1b"))):
         bad = [x for x in values if x not in valid]
@@ -269,7 +284,7 @@ def plan(
             f"{global_batch_size}: tp_size must divide num_heads={spec.num_heads}, pp_size num_layers="
             f"{spec.num_layers}, dp_size global_batch_size; try another batch size or device count."
         )
-    predictions = [_predict(spec, lay, dev, prec, devices_per_node) for lay in layouts]
+    predictions = [_predict(spec, lay, dev, prec, devices_per_node, pp_scatter_gather) for lay in layouts]
     fit = sorted((x for x in predictions if x.fits), key=lambda x: (x.step_time_s, x.bytes_per_device))
     unfit = sorted((x for x in predictions if not x.fits), key=lambda x: x.bytes_per_device)
     return fit + unfit if include_unfit else fit

@@ -116,8 +116,8 @@ def predict_run(
 
     Returns:
         ``{"layout", "device", "step_time_s", "tokens_per_s", "model_state_bytes", "bytes_per_device",
-        "activation_bytes", "fits", "mfu", "compute_s", "overhead_s", "tp_comm_s", "pp_comm_s", "bubble_s",
-        "dp_comm_s", "optimizer_s"}``: ``model_state_bytes`` is the largest of any rank (parameters + gradients +
+        "activation_bytes", "fits", "mfu", "compute_s", "memory_bound_s", "overhead_s", "tp_comm_s", "pp_comm_s",
+        "bubble_s", "dp_comm_s", "optimizer_s"}``: ``model_state_bytes`` is the largest of any rank (parameters + gradients +
         optimizer state), the other bytes those of the fullest device; times in seconds per optimizer step.
 
     Raises:
@@ -150,6 +150,7 @@ def predict_run(
         "fits": pred.fits,
         "mfu": pred.mfu,
         "compute_s": t.compute_s,
+        "memory_bound_s": t.memory_bound_s,
         "overhead_s": t.overhead_s,
         "tp_comm_s": t.tp_comm_s,
         "pp_comm_s": t.pp_comm_s,

@@ -6,12 +6,18 @@ Per pipeline rank and micro-batch (``b`` sequences of ``s`` tokens), the rank's 
   at ``peak_flops * matmul_efficiency`` (model FLOPs per token from :class:`~lightning_par.planner.model.ModelSpec`;
   full recomputation adds one forward, ``f_layer / 3``; selective adds the attention scores' forward, ``4 s h``:
   Korthikanti et al. 2022, §5);
+* **memory-bound kernels**: the bytes that the layer's norms, dropouts, residual adds, bias-GeLU and attention
+  softmax read and write (:func:`~lightning_par.planner.elementwise.elementwise_bytes_per_layer`; the norms,
+  dropouts and residual adds are not split by tp without sequence parallelism) at ``memory_bandwidth``;
 * **framework overhead**: ``layer_ops * op_overhead_s`` per layer (kernel launches, dispatch), plus
   ``tp_layer_overhead_s`` per tensor-parallel layer (DTensor dispatch);
 * **tensor-parallel communication**: four all-reduces of ``b s h`` elements per layer (six with full recomputation),
   ``8 b s h (t-1)/t`` elements sent (Narayanan et al. 2021, §3.2), not overlapped;
-* **pipeline point-to-point**: one activation send forward and one gradient send backward per chunk, ``b s h``
-  elements each (``/ t`` with sequence parallelism, Megatron's scatter-gather).
+* **pipeline point-to-point**: one activation send forward and one gradient send backward per chunk and
+  micro-batch, ``b s h`` elements each, so ``v`` times as many with ``v`` chunks per rank (Narayanan et al. 2021,
+  §2.2.2: "the amount of communication also increases by v"); ``/ t`` with sequence parallelism; with Megatron's
+  scatter/gather (§4.1) ``/ t`` plus an all-gather inside the node (:func:`pp_message_time`). Across nodes each
+  device sends over its own adapter.
 
 A step of a pipeline runs ``m + (p-1)/v`` such slots on the slowest rank (GPipe and 1F1B: ``v = 1``): the bubble is
 ``(p-1)/v`` slots, i.e. a fraction ``(p-1) / (v m + p - 1)`` of the pipeline time (Narayanan et al. 2021, §2.2).
@@ -37,6 +43,7 @@ import math
 from dataclasses import dataclass
 
 from lightning_par.planner.comm import (
+    allgather_bytes,
     collective_time,
     group_link,
     ring_steps,
@@ -44,12 +51,13 @@ from lightning_par.planner.comm import (
     zero_step_comm_bytes,
 )
 from lightning_par.planner.devices import DeviceSpec
+from lightning_par.planner.elementwise import elementwise_bytes_per_layer
 from lightning_par.planner.layouts import Layout
 from lightning_par.planner.memory import rank_params
 from lightning_par.planner.model import ModelSpec
 from lightning_par.planner.precision import Precision
 
-__all__ = ["TimeBreakdown", "bubble_fraction", "predict_step_time", "recompute_flops_per_token"]
+__all__ = ["TimeBreakdown", "bubble_fraction", "pp_message_time", "predict_step_time", "recompute_flops_per_token"]
 
 
 def bubble_fraction(pp_size: int, num_microbatches: int, virtual_stages: int = 1) -> float:
@@ -69,6 +77,41 @@ def recompute_flops_per_token(model: ModelSpec, checkpointing: str) -> float:
     return 0.0
 
 
+def pp_message_time(message_bytes: float, layout: Layout, device: DeviceSpec, devices_per_node: int,
+                    scatter_gather: bool = False) -> float:
+    """Seconds of one pipeline send between neighbouring stages (one micro-batch's activation or its gradient).
+
+    Every tp rank of a stage sends to its counterpart in the next stage, all at once, each over its own link
+    (:func:`~lightning_par.planner.comm.group_link`, axis ``"pp"``: across nodes, one network adapter per device).
+
+    * default: each tp rank sends the whole ``b s h`` activation, replicated over tp (Narayanan et al. 2021, §3.2:
+      ``b s h`` per micro-batch between consecutive devices);
+    * sequence parallelism: each tp rank holds and sends only its ``1/t`` of the sequence;
+    * ``scatter_gather`` (Megatron-LM, Narayanan et al. 2021, §4.1 and Figure 9; on in its Table 1 runs, §5.1):
+      each tp rank sends ``1/t`` of the replicated activation, then the receiving stage all-gathers it over its
+      node's links (the tp group is inside a node): ``b s h / t`` on the pipeline link plus an all-gather of ``b s h``.
+
+    Args:
+        message_bytes: ``b s h`` elements times the activation element size.
+        layout: the layout (``tp_size``, ``sequence_parallel``, the mesh for the link).
+        device: the device spec.
+        devices_per_node: devices per node.
+        scatter_gather: see above.
+
+    Returns:
+        Seconds.
+    """
+    t = layout.tp_size
+    bw, lat = group_link(device, layout, "pp", devices_per_node)
+    if layout.sequence_parallel:
+        return collective_time(message_bytes / t, bw, lat, 1, ring_steps("p2p", 2))
+    if scatter_gather and t > 1:
+        tp_bw, tp_lat = group_link(device, layout, "tp", devices_per_node)
+        gather = collective_time(allgather_bytes(message_bytes, t), tp_bw, tp_lat, 1, ring_steps("all_gather", t))
+        return collective_time(message_bytes / t, bw, lat, 1, ring_steps("p2p", 2)) + gather
+    return collective_time(message_bytes, bw, lat, 1, ring_steps("p2p", 2))
+
+
 @dataclass(frozen=True)
 class TimeBreakdown:
     """Predicted seconds of one optimizer step.
@@ -76,6 +119,9 @@ class TimeBreakdown:
     Attributes:
         step_time_s: the whole step.
         compute_s: matmul time of the slowest rank over the step (all its micro-batches), recomputation included.
+        memory_bound_s: the same rank's memory-bound kernels (norms, dropouts, residual adds, GeLU, softmax) over
+            the step, at ``memory_bandwidth``
+            (:func:`~lightning_par.planner.elementwise.elementwise_bytes_per_layer`).
         overhead_s: framework overhead over the step (per-layer dispatch).
         tp_comm_s: tensor-parallel collectives over the step.
         pp_comm_s: pipeline sends over the step.
@@ -88,6 +134,7 @@ class TimeBreakdown:
 
     step_time_s: float
     compute_s: float
+    memory_bound_s: float
     overhead_s: float
     tp_comm_s: float
     pp_comm_s: float
@@ -104,6 +151,7 @@ def predict_step_time(
     device: DeviceSpec,
     precision: Precision,
     devices_per_node: int,
+    pp_scatter_gather: bool = False,
 ) -> TimeBreakdown:
     """Predict one optimizer step of ``model`` under ``layout`` (see the module docstring for the model).
 
@@ -113,6 +161,8 @@ def predict_step_time(
         device: the device spec.
         precision: bytes per element of parameters, gradients and activations.
         devices_per_node: devices sharing fast links (NVLink) in one node.
+        pp_scatter_gather: the pipeline sends use Megatron-LM's scatter/gather (see :func:`pp_message_time`);
+            lightning_par's pipeline does not (each tp rank sends its whole replicated activation).
 
     Returns:
         The :class:`TimeBreakdown`.
@@ -130,6 +180,9 @@ def predict_step_time(
     layer_compute = tokens_mb * (f_layer + f_extra) / t / flops
     head_compute = tokens_mb * model.head_flops_per_token() / t / flops
     slot_compute = layers * layer_compute + head_compute  # the last rank, which also runs the head
+    memory_bound = layers * elementwise_bytes_per_layer(
+        s, b, h, model.num_heads, t, layout.sequence_parallel, layout.activation_checkpointing, e, model.ffn,
+    ) / device.memory_bandwidth
     overhead = layers * (model.layer_ops * device.op_overhead_s + (device.tp_layer_overhead_s if t > 1 else 0.0))
     tp_comm = 0.0
     if t > 1:
@@ -140,10 +193,8 @@ def predict_step_time(
         tp_comm = layers * collective_time(sent, bw, lat, n_ops, ring_steps("all_reduce", t))
     pp_comm = 0.0
     if p > 1:
-        bw, lat = group_link(device, layout, "pp", devices_per_node)
-        message = tokens_mb * h * e / (t if layout.sequence_parallel else 1)
-        pp_comm = 2 * v * collective_time(message, bw, lat, 1, ring_steps("p2p", 2))
-    slot = slot_compute + overhead + tp_comm + pp_comm
+        pp_comm = 2 * v * pp_message_time(tokens_mb * h * e, layout, device, devices_per_node, pp_scatter_gather)
+    slot = slot_compute + memory_bound + overhead + tp_comm + pp_comm
     slots = m + (p - 1) / v if p > 1 else float(m)
     pipeline = slots * slot
     busy = m * slot  # a rank's own work, without waiting
@@ -163,9 +214,9 @@ def predict_step_time(
         }[layout.dp_mode]
         total = collective_time(sent, bw, lat, 1, steps)
         if layout.dp_mode == "zero3":
-            window = m * slot_compute
+            window = m * (slot_compute + memory_bound)
         elif p == 1 and m == 1:
-            window = slot_compute * 2.0 / 3.0  # the backward of the only micro-batch
+            window = (slot_compute + memory_bound) * 2.0 / 3.0  # the backward of the only micro-batch
         else:
             window = 0.0
         dp_comm = total - device.comm_overlap * min(total, window)
@@ -191,6 +242,7 @@ def predict_step_time(
     return TimeBreakdown(
         step_time_s=step,
         compute_s=m * slot_compute,
+        memory_bound_s=m * memory_bound,
         overhead_s=m * overhead,
         tp_comm_s=m * tp_comm,
         pp_comm_s=m * pp_comm,

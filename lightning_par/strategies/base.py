@@ -47,6 +47,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_par.callbacks.metrics import log_comm_stats
 from lightning_par.checkpoint.sharded import load_sharded, save_sharded
 from lightning_par.fault.elastic import init_process_group_per_attempt
 from lightning_par.parallel_dims import ParallelDims
@@ -54,6 +55,7 @@ from lightning_par.parallelize import OPTION_GROUPS, ParallelModel, ParallelOpti
 from lightning_par.precision import check_precision, distributed_scaler, fsdp_mixed_precision
 from lightning_par.strategies.pipelined import PipelinedSteps
 from lightning_par.tensor_parallel.state_dict import unpad_vocab_state
+from lightning_par.tensor_parallel.styles import sync_tp_partial_grads
 from lightning_par.memory import model_state_bytes
 from lightning_par.tensor_parallel.vocab import VOCAB_SIZE_ATTR, vocab_parallel_loss
 from lightning_par.validation import check_int, check_number
@@ -395,10 +397,25 @@ class MeshStrategy(ParallelStrategy):
             self.log_comm(self.parallel.engine.post_backward())
 
     def log_comm(self, stats: Any) -> None:
-        """Log a synchronised backward's communication figure under ``parallel/``."""
-        module = self.lightning_module
-        if stats is not None and module is not None and module._trainer is not None:
-            module.log("parallel/comm_overlap", stats.overlap_fraction, on_step=True, prog_bar=self.prog_bar)
+        """Log a synchronised backward's exposed communication time as ``parallel/comm_exposed_ms``, every
+        ``log_every_n_steps`` (see :func:`~lightning_par.callbacks.metrics.log_comm_stats`)."""
+        log_comm_stats(self.lightning_module, stats, name="parallel/comm_exposed_ms", prog_bar=self.prog_bar)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Under tensor parallelism without pipelining, once the step's last backward and its dp reduction are done
+        (inside ``closure``), sum the replicated parameters' partial gradients over tp (sequence-parallel norms),
+        before clipping and the step. (Pipelined: in the schedule's ``backward``.)"""
+        if self._pp or self.parallel is None or self.parallel_dims is None or not self.parallel_dims.tp_enabled:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        parallel = self.parallel
+
+        def closure_then_sync() -> Any:
+            out = closure()
+            sync_tp_partial_grads(parallel.module, self.group("tp"), parallel.engine)
+            return out
+
+        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
 
     @contextmanager
     @override

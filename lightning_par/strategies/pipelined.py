@@ -26,6 +26,7 @@ from lightning_par import contract
 from lightning_par.pipeline_parallel.bubble import summarize_bubble
 from lightning_par.pipeline_parallel.schedules import bubble_formula
 from lightning_par.tensor_parallel.apply import reduce_partial_grads
+from lightning_par.tensor_parallel.styles import sync_tp_partial_grads
 
 __all__ = ["PipelinedSteps"]
 
@@ -116,6 +117,8 @@ class PipelinedSteps:
         if not self.sync_blocked:
             stats = self._parallel.engine.reduce_now()
             strategy.log_comm(stats)
+            if strategy.parallel_dims.tp_enabled:  # replicated parameters' partial gradients: once per step
+                sync_tp_partial_grads(self._parallel.module, strategy.group("tp"), self._parallel.engine)
         return strategy.precision_plugin.post_backward(closure_loss, module)
 
     # ------------------------------------------------------------------ evaluation

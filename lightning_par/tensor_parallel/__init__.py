@@ -26,7 +26,13 @@ from lightning_par.tensor_parallel.plan import (
     validate_plan,
 )
 from lightning_par.tensor_parallel.state_dict import padded_parameters, unpad_vocab_state
-from lightning_par.tensor_parallel.styles import ReplicateParallel, VocabParallelEmbedding, VocabParallelHead
+from lightning_par.tensor_parallel.styles import (
+    PlainSequenceParallel,
+    ReplicateParallel,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    sync_tp_partial_grads,
+)
 from lightning_par.tensor_parallel.vocab import (
     VOCAB_SIZE_ATTR,
     padded_vocab_size,
@@ -35,6 +41,8 @@ from lightning_par.tensor_parallel.vocab import (
 )
 
 __all__ = [
+    "PlainSequenceParallel",
+    "sync_tp_partial_grads",
     "STYLE_NAMES",
     "VOCAB_SIZE_ATTR",
     "CommVolume",

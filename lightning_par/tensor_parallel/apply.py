@@ -66,10 +66,11 @@ def apply_tensor_parallel(
     """Split ``module`` over the ranks of ``tp_mesh`` following ``plan`` (in place; also returned).
 
     Megatron-LM layout (Shoeybi et al. 2019, §3) with DTensor (``torch.distributed.tensor.parallel``), optionally with
-    sequence parallelism (Korthikanti et al. 2022, §4.2.2). Afterwards every parameter is a DTensor on ``tp_mesh``
-    (``Shard`` for split matrices, ``Replicate`` for the rest), which FSDP2 (``fully_shard`` on the dp mesh) and
-    ``torch.distributed.checkpoint`` understand; vocab-parallel weights are padded to a multiple of the tp size (see
-    :mod:`lightning_par.tensor_parallel.vocab`).
+    sequence parallelism (Korthikanti et al. 2022, §4.2.2). Afterwards every split parameter is a DTensor on
+    ``tp_mesh`` (``Shard``; torch's row-parallel bias ``Replicate``) and every replicated one a plain tensor, which
+    FSDP2 (``fully_shard`` on the dp mesh) and ``torch.distributed.checkpoint`` understand; vocab-parallel weights are
+    padded to a multiple of the tp size (see :mod:`lightning_par.tensor_parallel.vocab`). Under sequence parallelism,
+    call :func:`~lightning_par.tensor_parallel.styles.sync_tp_partial_grads` once per optimizer step.
 
     Args:
         module: the model (plain parameters, identical on every rank or to be taken from tp-rank 0).
@@ -99,11 +100,8 @@ def apply_tensor_parallel(
         # src_data_rank=None: every rank already holds tp-rank 0's values, so each cuts its shard with no traffic.
         style_obj = resolve_style(style, sequence_parallel)
         parallelize_module(module.get_submodule(path), tp_mesh, style_obj, src_data_rank=None)
-    plain = [n for n, p in module.named_parameters() if not isinstance(p, DTensor)]
-    if plain:  # only a user-supplied ParallelStyle can leave these
-        raise ValueError(
-            f"parameters {plain[:6]} are still plain tensors after the plan: their style did not convert them."
-        )
+    # Replicated parameters stay plain tensors (issue 11); DTensor ones with Partial gradients (a user's torch
+    # SequenceParallel) are still summed, eagerly or by reduce_partial_grads.
     if eager_grad_reduction:
         reduce_partial_grads_eagerly(module)
     return module

@@ -4,8 +4,9 @@
 which DTensor redistributions and ``loss_parallel`` use) issued in forward *and* backward while it is active, and
 records its payload. Bytes *sent per rank* follow the ring algorithms (Patarasuk & Yuan 2009; the model of Narayanan
 et al. 2021, §3.2): an all-reduce of ``n`` bytes over ``t`` ranks sends ``2 n (t-1)/t``, an all-gather with output
-``n`` or a reduce-scatter with input ``n`` sends ``n (t-1)/t``. Collectives issued through ``torch.distributed``
-directly (``dist.all_reduce``) are not counted.
+``n`` or a reduce-scatter with input ``n`` sends ``n (t-1)/t``. Of the collectives issued through
+``torch.distributed`` directly, ``dist.all_reduce`` is counted too (the one-collective sum of the sequence-parallel
+norms' partial gradients, :func:`~lightning_par.tensor_parallel.styles.sync_partial_grads`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,16 @@ class CommVolume(TorchDispatchMode):
 
     def _record(self, func: Any, args: tuple) -> None:
         packet = func._overloadpacket
+        if packet is torch.ops.c10d.allreduce_:  # dist.all_reduce: (tensors, process group, ...)
+            pg = args[1]
+            if isinstance(pg, torch.ScriptObject):
+                pg = dist.ProcessGroup.unbox(pg)
+            if self.group is not None and pg.group_name != self.group.group_name:
+                return
+            t = pg.size()
+            n = sum(x.numel() * x.element_size() for x in args[0])
+            self.records.append(CollectiveRecord("all_reduce", n, t, 2 * (t - 1) / t * n))
+            return
         if packet in (_F.all_reduce, _F.all_reduce_):
             tensor, group_name, kind, factor = args[0], args[2], "all_reduce", None
         elif packet is _F.all_gather_into_tensor:

@@ -18,7 +18,7 @@ name                  meaning (Megatron-LM, Shoeybi et al. 2019, §3; sequence p
                       — Megatron's ``f`` (identity forward, all-reduce backward), or with sequence parallelism ``g``
                       (all-gather forward, reduce-scatter backward). Holds no parameters.
 ``sequence_parallel`` a per-token module on the residual stream (``LayerNorm``, ``RMSNorm``, ``Dropout``): runs on the
-                      sequence shard with sequence parallelism, replicated otherwise. Parameters replicated.
+                      sequence shard with sequence parallelism, replicated otherwise. Parameters replicated (plain).
 ``position_embedding`` an ``nn.Embedding`` of positions ``(seq, n_embd)``: replicated table; with sequence parallelism
                       its output is cut to this rank's positions.
 ``replicate``         any module that runs on replicated activations; parameters replicated, no communication.
@@ -27,10 +27,16 @@ name                  meaning (Megatron-LM, Shoeybi et al. 2019, §3; sequence p
                       cross-entropy never gathers them.
 ===================== ================================================================================================
 
-Every parameter of the model must end up a DTensor on the tp mesh, so every parameter must be owned by a planned
-module (or lie under a ``replicate``/``sequence_parallel``/``position_embedding`` one): mixing plain tensors and
-DTensors breaks ``clip_grad_norm_`` and the optimizers, and under sequence parallelism a parameter outside the plan
-would silently get the gradient of its sequence shard only.
+A module the plan leaves out runs on replicated activations as it is, its parameters replicated plain tensors (as in
+torch's own Megatron plan, which lists only the split layers). Under sequence parallelism every parameter must be
+owned by a planned module (or lie under a ``replicate``/``sequence_parallel``/``position_embedding`` one): a parameter
+outside the plan would silently get the gradient of its sequence shard only. Split parameters become DTensors on the
+tp mesh; replicated ones stay plain tensors
+(:mod:`lightning_par.tensor_parallel.styles`), and those whose gradient is a partial sum over the tp ranks are summed
+by :func:`~lightning_par.tensor_parallel.styles.sync_tp_partial_grads`. With both kinds in one model, norm clipping
+must count each kind correctly (:func:`lightning_par.pipeline_parallel.clip.clip_grad_norm_across_ranks`) and a
+``foreach`` optimizer step must run under ``torch.distributed.tensor.experimental.implicit_replication()`` (torch's
+default on CPU is the per-tensor loop, which mixes them fine).
 """
 
 from __future__ import annotations
@@ -46,10 +52,14 @@ from torch.distributed.tensor.parallel import (
     ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
-    SequenceParallel,
 )
 
-from lightning_par.tensor_parallel.styles import ReplicateParallel, VocabParallelEmbedding, VocabParallelHead
+from lightning_par.tensor_parallel.styles import (
+    PlainSequenceParallel,
+    ReplicateParallel,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
 
 __all__ = [
     "STYLE_NAMES",
@@ -116,7 +126,7 @@ def resolve_style(style: str | ParallelStyle, sequence_parallel: bool) -> Parall
     if style == "colwise_input":
         return PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=False)
     if style == "sequence_parallel":
-        return SequenceParallel(use_local_output=True) if sequence_parallel else ReplicateParallel()
+        return PlainSequenceParallel() if sequence_parallel else ReplicateParallel()
     if style == "position_embedding":
         return ReplicateParallel(output_shard_dim=-2 if sequence_parallel else None)
     if style == "replicate":
@@ -245,8 +255,8 @@ def validate_plan(
     """Check a plan against a model before any process group exists.
 
     Checks: every path names a module; every style name is known and fits its module's type; column-parallel
-    ``out_features`` and row-parallel ``in_features`` are multiples of ``tp_size``; every parameter is covered by
-    the plan (see the module docstring); and, with ``sequence_parallel``, that the model is one sequence parallelism
+    ``out_features`` and row-parallel ``in_features`` are multiples of ``tp_size``; and, with ``sequence_parallel``,
+    that every parameter is covered by the plan (see the module docstring) and the model is one sequence parallelism
     supports: a ``vocab_embedding`` scatters the sequence, every ``LayerNorm``/``RMSNorm`` is ``sequence_parallel``,
     and every ``colwise`` layer gets its input through a ``colwise_input`` on itself or an enclosing module (else it
     would treat a sequence shard as the whole sequence).
@@ -286,16 +296,17 @@ def validate_plan(
                 f"plan[{path!r}]='rowwise' is not valid: in_features={module.in_features} is not divisible by "
                 f"tp_size={tp_size}."
             )
-    covered = _covered_params(root, expanded)
-    missing = [n for n, _ in root.named_parameters() if n not in covered]
-    if missing:
-        raise ValueError(
-            f"parameters {missing[:6]}{' ...' if len(missing) > 6 else ''} are not covered by the tensor-parallel "
-            f"plan: every parameter must be sharded or replicated over the tp ranks. Add the module that owns each to "
-            f"the plan ('replicate' if it runs on replicated activations, 'sequence_parallel' for a norm on the "
-            f"residual stream)."
-        )
     if sequence_parallel:
+        covered = _covered_params(root, expanded)
+        missing = [n for n, _ in root.named_parameters() if n not in covered]
+        if missing:
+            raise ValueError(
+                f"parameters {missing[:6]}{' ...' if len(missing) > 6 else ''} are not covered by the tensor-parallel "
+                f"plan, which sequence_parallel=True needs: a module outside the plan would see only this rank's "
+                f"positions and get a partial gradient. Add the module that owns each to the plan ('replicate' if it "
+                f"runs on replicated activations, 'sequence_parallel' for a norm on the residual stream), or use "
+                f"sequence_parallel=False."
+            )
         _check_sequence_parallel(root, expanded, plan)
     return expanded
 

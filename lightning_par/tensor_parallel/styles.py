@@ -1,14 +1,25 @@
-"""The DTensor parallel styles torch does not ship: replicated modules, vocab-parallel embedding and LM head.
+"""The parallel styles torch does not ship: plain replicated modules, vocab-parallel embedding and LM head.
 
-Column- and row-parallel layers, sequence-parallel norms and the one-collective input of a group of column-parallel
-layers are torch's own styles (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``,
-``PrepareModuleInput``); :mod:`lightning_par.tensor_parallel.plan` maps the plan's style names onto them. This file
-adds what they lack:
+Column- and row-parallel layers and the one-collective input of a group of column-parallel layers are torch's own
+styles (``ColwiseParallel``, ``RowwiseParallel``, ``PrepareModuleInput``); :mod:`lightning_par.tensor_parallel.plan`
+maps the plan's style names onto them. This file adds what they lack:
 
-* :class:`ReplicateParallel`: parameters become ``Replicate`` DTensors while the module runs on replicated
-  activations, so that *every* parameter is a DTensor on the tp mesh (mixing plain tensors and DTensors breaks
-  ``clip_grad_norm_`` and the foreach optimizers). With ``output_shard_dim`` the replicated output is then cut to this
-  rank's sequence shard (a learned position table under sequence parallelism; its gradient is all-gathered back).
+* :class:`ReplicateParallel`: a module that runs on replicated activations keeps *plain* parameters and runs on
+  plain tensors: no DTensor where a replicated tensor serves (norms, their biases, a position table, dropouts).
+  torch's alternative (``Replicate`` DTensor parameters) sends every operator of the module and every optimizer update
+  of its parameters through DTensor's dispatch: measured here, AdamW on a replicated DTensor is about 6x slower per
+  tensor than on a plain one, which made our plan 1.06x torch's stock plan in CPU time per step at tp 2 (small GPT).
+  With ``output_shard_dim`` the replicated output is cut to this rank's sequence shard (a learned position table
+  under sequence parallelism).
+* :class:`PlainSequenceParallel`: a per-token module on the residual stream (LayerNorm, RMSNorm, Dropout) under
+  sequence parallelism (Korthikanti et al. 2022, §4.2.2) runs on this rank's sequence shard, with plain parameters.
+* Parameters that see only this rank's positions (those two cases) get a gradient that is this rank's *partial sum*:
+  the style records them on their module (:data:`PARTIAL_GRAD_ATTR`) and :func:`sync_partial_grads` sums them over
+  the tp ranks in one all-reduce, once per optimizer step, after the data-parallel reduction and before clipping (the
+  reductions are sums, so their order does not matter): Megatron-LM's all-reduce of the sequence-parallel layer-norm
+  gradients (its ``finalize_model_grads``). torch's ``SequenceParallel`` gives the same parameters ``Partial`` DTensor
+  gradients that DTensor reduces lazily, once per optimizer operator that reads them, or (``reduce_partial_grads_
+  eagerly``) one all-reduce per parameter.
 * :class:`VocabParallelEmbedding` / :class:`VocabParallelHead`: the token embedding and LM head split over the
   vocabulary (Megatron-LM, Shoeybi et al. 2019, §3), padded to a multiple of ``tp_size`` as Megatron does, with the
   padded logits masked so they never change the loss (see :mod:`lightning_par.tensor_parallel.vocab`). The
@@ -19,23 +30,44 @@ adds what they lack:
 
 Every style here returns local (plain) tensors, except the LM head, whose logits stay a DTensor sharded on the
 vocabulary so that the loss can run vocab-parallel.
+
+Dropout on replicated activations (``ReplicateParallel``) draws its mask from each rank's own generator: the tp ranks
+agree only if they are seeded alike (``seed_everything`` seeds every rank with the same seed), as in Megatron-LM.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
 from lightning_par.tensor_parallel.vocab import VOCAB_SIZE_ATTR, mask_padded_logits, pad_rows, padded_vocab_size
 
-__all__ = ["ReplicateParallel", "VocabParallelEmbedding", "VocabParallelHead", "check_sequence_divisible"]
+__all__ = [
+    "PARTIAL_GRAD_ATTR",
+    "PlainSequenceParallel",
+    "ReplicateParallel",
+    "VocabParallelEmbedding",
+    "VocabParallelHead",
+    "check_sequence_divisible",
+    "partial_grad_names",
+    "sync_partial_grads",
+    "sync_tp_partial_grads",
+]
+
+#: Attribute a style sets on a module: the names of the module's own (plain) parameters whose gradients are partial
+#: sums over the tp ranks, to be summed by :func:`sync_partial_grads`. Kept on the module, not the parameter, so it
+#: survives what replaces parameter objects (FSDP2's ``fully_shard``).
+PARTIAL_GRAD_ATTR = "_lp_tp_partial_grad_params"
 
 
 def check_sequence_divisible(seq: int, tp_size: int) -> None:
@@ -51,56 +83,164 @@ def check_sequence_divisible(seq: int, tp_size: int) -> None:
         )
 
 
-class ReplicateParallel(ParallelStyle):
-    """Run a module on replicated activations with its parameters held as ``Replicate`` DTensors.
+def _mark_partial_grads(module: nn.Module) -> None:
+    names = {n for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+    if names:
+        setattr(module, PARTIAL_GRAD_ATTR, frozenset(names) | getattr(module, PARTIAL_GRAD_ATTR, frozenset()))
 
-    Each tp rank computes the same output and the same full gradient, so no collective runs, forward or backward,
-    unless ``output_shard_dim`` is set.
+
+def _to_local(x: Any, placement: Placement) -> Any:
+    """A DTensor input as this rank's local tensor in ``placement``; anything else as is."""
+    if isinstance(x, DTensor):
+        if x.placements != (placement,):
+            x = x.redistribute(placements=[placement])
+        return x.to_local()
+    return x
+
+
+class ReplicateParallel(ParallelStyle):
+    """Run a module on replicated activations with its parameters left plain (replicated over the tp ranks).
+
+    Each tp rank computes the same output and the same full gradient, so no collective runs, forward or backward.
+    DTensor inputs are made replicated and local first; the module and its parameters see only plain tensors.
 
     Args:
         output_shard_dim: if not None, cut the (replicated) output to this rank's shard of that dim (negative counts
-            from the end) before returning it: no communication forward; the gradient is all-gathered in backward.
-            A position table ``(seq, n_embd)`` under sequence parallelism uses ``-2``.
+            from the end; a view, no communication). A position table ``(seq, n_embd)`` under sequence parallelism
+            uses ``-2``. Its parameters then get gradients from this rank's positions only: partial sums over the tp
+            ranks, recorded for :func:`sync_partial_grads`.
+
+    Raises:
+        ValueError: (in forward) the output's ``output_shard_dim`` is not divisible by ``tp_size``.
     """
 
     def __init__(self, *, output_shard_dim: int | None = None) -> None:
         super().__init__()
         self.output_shard_dim = output_shard_dim
 
-    @staticmethod
-    def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        # Replicas are identical across the tp ranks (apply_tensor_parallel broadcasts first), so wrap locally.
-        for pname, param in list(module.named_parameters(recurse=False)):
-            if not isinstance(param, DTensor):
-                dparam = DTensor.from_local(param.detach(), mesh, [Replicate()], run_check=False)
-                module.register_parameter(pname, nn.Parameter(dparam, requires_grad=param.requires_grad))
-
-    @staticmethod
-    def _prepare_input(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-        out = []
-        for x in inputs:
-            if isinstance(x, DTensor):
-                x = x if x.placements == (Replicate(),) else x.redistribute(placements=[Replicate()])
-            elif isinstance(x, Tensor):
-                x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-            out.append(x)
-        return tuple(out)
-
-    def _prepare_output(self, module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
-        def convert(y: Any) -> Any:
-            if not isinstance(y, DTensor):
-                return y
-            if self.output_shard_dim is not None:
-                y = y.redistribute(placements=[Shard(self.output_shard_dim % y.dim())])
-            return y.to_local()
-
-        return tuple(convert(y) for y in output) if isinstance(output, tuple) else convert(output)
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, self._replicate_params, self._prepare_input, self._prepare_output)
+        module.register_forward_pre_hook(_InputsToLocal(Replicate()))
+        if self.output_shard_dim is not None:
+            module.register_forward_hook(_ShardOutput(self.output_shard_dim, device_mesh))
+            _mark_partial_grads(module)
+        return module
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(output_shard_dim={self.output_shard_dim})"
+
+
+class PlainSequenceParallel(ParallelStyle):
+    """Run a per-token module (LayerNorm, RMSNorm, Dropout) on this rank's sequence shard with plain parameters.
+
+    Sequence parallelism (Korthikanti et al. 2022, §4.2.2): the activations between the sub-blocks are split over the
+    sequence (dim 1) across the tp ranks, so a norm computes ``seq / tp_size`` positions. Its weight and bias stay
+    plain tensors; their gradients cover this rank's positions only (partial sums over the tp ranks), recorded for
+    :func:`sync_partial_grads`. Input and output: local ``(batch, seq / tp_size, ...)`` tensors (a DTensor input is
+    made ``Shard(1)`` and local first).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(_InputsToLocal(Shard(1)))
+        _mark_partial_grads(module)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class _InputsToLocal:
+    """Forward pre-hook: DTensor positional inputs as local tensors of ``placement`` (plain inputs untouched)."""
+
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+
+    def __call__(self, module: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if not any(isinstance(x, DTensor) for x in inputs):
+            return None
+        return tuple(_to_local(x, self.placement) for x in inputs)
+
+
+class _ShardOutput:
+    """Forward hook: this rank's shard of dim ``dim`` of a replicated output (a view)."""
+
+    def __init__(self, dim: int, mesh: DeviceMesh) -> None:
+        self.dim = dim
+        self.mesh = mesh
+
+    def __call__(self, module: nn.Module, inputs: Any, output: Any) -> Any:
+        def cut(y: Any) -> Any:
+            if not isinstance(y, Tensor):
+                return y
+            y = _to_local(y, Replicate())
+            tp, dim = self.mesh.size(), self.dim % y.dim()
+            check_sequence_divisible(y.shape[dim], tp)
+            size = y.shape[dim] // tp
+            return y.narrow(dim, self.mesh.get_local_rank() * size, size)
+
+        return tuple(cut(y) for y in output) if isinstance(output, tuple) else cut(output)
+
+
+def partial_grad_names(module: nn.Module) -> list[str]:
+    """Names (relative to ``module``) of the parameters whose gradients are partial sums over the tp ranks, as the
+    styles recorded them (:data:`PARTIAL_GRAD_ATTR`), in ``named_modules`` order."""
+    names = []
+    for prefix, sub in module.named_modules():
+        for name in sorted(getattr(sub, PARTIAL_GRAD_ATTR, ())):
+            if getattr(sub, name, None) is not None:
+                names.append(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
+@torch.no_grad()
+def sync_partial_grads(grads: Iterable[Tensor | None], tp_group: dist.ProcessGroup) -> int:
+    """Sum the given gradients over ``tp_group`` in place, in one all-reduce of their concatenation.
+
+    Args:
+        grads: gradients (plain or DTensor: their local tensors are summed; ``None`` entries are skipped), the same
+            list in the same order on every rank of ``tp_group``.
+        tp_group: the tensor-parallel process group.
+
+    Returns:
+        The number of elements summed (0 when there is nothing to do or ``tp_group`` has one rank).
+    """
+    tensors = [g._local_tensor if isinstance(g, DTensor) else g for g in grads if g is not None]
+    if not tensors or dist.get_world_size(tp_group) == 1:
+        return 0
+    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    total = 0
+    for same in by_kind.values():  # one all-reduce per dtype (usually one)
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=tp_group)
+        torch._foreach_copy_(same, [c.view_as(t) for c, t in zip(flat.split([t.numel() for t in same]), same)])
+        total += flat.numel()
+    return total
+
+
+def sync_tp_partial_grads(module: nn.Module, tp_group: dist.ProcessGroup, engine: Any = None) -> int:
+    """:func:`sync_partial_grads` for every partial-gradient parameter of ``module`` (a tensor-parallel module).
+
+    Call once per optimizer step, after backward and the data-parallel reduction, before clipping and the optimizer.
+
+    Args:
+        module: the module the tensor-parallel plan was applied to (parameter names are relative to it).
+        tp_group: the tp process group.
+        engine: a ZeRO-1/2 engine over ``module`` whose optimizer steps local shards (``engine.local_params`` by
+            name): their gradients are summed instead of the module's.
+
+    Returns:
+        The number of elements summed.
+    """
+    names = partial_grad_names(module)
+    if not names:
+        return 0
+    local = getattr(engine, "local_params", None) or {}
+    grads = []
+    for name in names:
+        param = local[name] if name in local else module.get_parameter(name)
+        grads.append(param.grad)
+    return sync_partial_grads(grads, tp_group)
 
 
 class VocabParallelEmbedding(ParallelStyle):

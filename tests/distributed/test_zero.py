@@ -10,7 +10,7 @@ import torch
 
 from lightning_par.data_parallel.zero_memory import paper_state_bytes
 from tests.helpers import assert_params_close, global_losses, reference_fit
-from tests.zero_helpers import make_gpt, make_mlp, run_cases, token_dataset
+from tests.zero_helpers import make_gpt, make_mlp, make_mlp_adamw, run_cases, token_dataset
 
 pytestmark = pytest.mark.distributed
 
@@ -32,6 +32,10 @@ CASES_DP2 = (
     ]
     + [{"name": f"mlp-z{s}", "stage": s, "options": _options(s), "steps": STEPS, "micro_batch": MICRO, "module": "mlp"}
        for s in (1, 2, 3)]
+    + [{"name": f"mlp-adamw-z{s}", "stage": s, "options": _options(s), "steps": STEPS, "micro_batch": MICRO,
+        "module": "mlp-adamw"} for s in (1, 2)]
+    + [{"name": f"mlp-z{s}-clip", "stage": s, "options": _options(s), "steps": STEPS, "micro_batch": MICRO,
+        "module": "mlp", "clip": 0.05} for s in (1, 2)]
     + [
         {"name": "gpt-z1-options", "stage": 1, "steps": STEPS, "micro_batch": MICRO,
          "options": {"bucket_cap_mb": 0.05, "gradient_as_bucket_view": False, "static_graph": True}},
@@ -44,7 +48,9 @@ CASES_DP2 = (
 CASES_DP4 = [
     {"name": f"gpt-z{s}", "stage": s, "options": _options(s), "steps": STEPS, "micro_batch": 2} for s in (0, 1, 2, 3)
 ] + [{"name": "mlp-z2", "stage": 2, "options": _options(2), "steps": STEPS, "micro_batch": 2, "module": "mlp"},
-     {"name": "mlp-z3", "stage": 3, "steps": STEPS, "micro_batch": 2, "module": "mlp"}]
+     {"name": "mlp-z3", "stage": 3, "steps": STEPS, "micro_batch": 2, "module": "mlp"},
+     {"name": "mlp-z1-clip", "stage": 1, "options": _options(1), "steps": STEPS, "micro_batch": 2, "module": "mlp",
+      "clip": 0.05}]
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +105,22 @@ def test_any_lightning_module_dp4_with_empty_shards(dp4, dataset, stage):
     _assert_parity(dp4[f"mlp-z{stage}"], reference_fit(make_mlp, dataset, 2 * 4, STEPS))
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_any_lightning_module_with_adamw(dp2, dataset, stage):
+    """The optimizer steps plain local shards: AdamW's decoupled weight decay and moments match one process too."""
+    _assert_parity(dp2[f"mlp-adamw-z{stage}"], reference_fit(make_mlp_adamw, dataset, MICRO * 2, STEPS))
+
+
+@pytest.mark.parametrize(("stage", "dp"), [(1, 2), (2, 2), (1, 4)])
+def test_sgd_clipping_by_the_whole_model_norm(dp2, dp4, dataset, stage, dp):
+    """SGD with momentum feels the clip coefficient directly: a norm of one rank's shards (torch's clip_grad_norm_ on
+    the optimizer's local shards) would clip each rank differently and fail; at dp 4 some shards are empty."""
+    ref = reference_fit(make_mlp, dataset, (MICRO if dp == 2 else 2) * dp, STEPS, clip_norm=0.05)
+    _, unclipped = reference_fit(make_mlp, dataset, (MICRO if dp == 2 else 2) * dp, STEPS)
+    assert any((unclipped[n] - ref[1][n]).abs().max() > 1e-3 for n in unclipped)  # the clip is active
+    _assert_parity((dp2 if dp == 2 else dp4)[f"mlp-z{stage}-clip"], ref)
+
+
 @pytest.mark.parametrize("name", ["gpt-z1-options", "gpt-z3-keep-gathered"])
 def test_option_parity(dp2, dataset, name):
     _assert_parity(dp2[name], reference_fit(make_gpt, dataset, MICRO * 2, STEPS))
@@ -150,6 +172,21 @@ def test_bytes_per_rank_match_the_formula(dp2, dp4, stage, dp):
         assert cb["grad_bytes"] == r["bytes"]["grad_bytes"]
 
 
+def test_step_peak_memory_is_measured_for_every_stage(dp2):
+    """The metrics callback's peak of a step (tensor storages counted as they are created and freed) holds the
+    model state and more (activations); sharding gradients (stage 2) and parameters (stage 3) lowers it below
+    stage 1's, whose full gradients (the reducer's buckets) stay alive."""
+    peaks = {}
+    for stage in (0, 1, 2, 3):
+        for r in dp2[f"gpt-z{stage}"]:
+            m = r["step_memory"]
+            assert m["step_model_state_bytes"] == sum(r["bytes"].values())  # what the storage probe counted
+            assert m["step_peak_bytes"] > m["step_model_state_bytes"]
+        peaks[stage] = max(r["step_memory"]["step_peak_bytes"] for r in dp2[f"gpt-z{stage}"])
+    assert peaks[2] < peaks[1] < peaks[0]
+    assert peaks[3] < peaks[1]
+
+
 def test_stage2_frees_full_gradients_and_stage3_shards_parameters(dp2):
     numel = dp2["gpt-z2"][0]["numel"]
     assert dp2["gpt-z2"][0]["bytes"]["grad_bytes"] == 4 * numel // 2
@@ -183,3 +220,38 @@ def test_composes_with_tensor_parallel():
     for rank_result in run_distributed(tensor_parallel_worker, 4, (3, 0.1), timeout_s=120):
         for stage, params in rank_result.items():
             assert_params_close(params, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_stage2_gradient_memory_stays_within_two_buckets():
+    """ZeRO-2's gradient memory during backward, measured storage by storage (the shard, the bucket buffers and the
+    gradient autograd has just produced, each counted until it is freed): at most the shard plus
+    ``max_buckets_in_flight + 1`` buckets plus one parameter's gradient, far below the full gradients (4 Psi)."""
+    from lightning_par.launcher import run_distributed
+    from tests.zero_helpers import grad_memory_worker
+
+    for r in run_distributed(grad_memory_worker, 2, timeout_s=120):
+        assert r["num_buckets"] >= 6
+        for in_flight, peak in r["peaks"].items():
+            buckets = sorted(r["bucket_bytes"], reverse=True)[: in_flight + 1]
+            bound = r["shard_bytes"] + sum(buckets) + r["largest_grad_bytes"]
+            assert r["shard_bytes"] < peak <= bound, (in_flight, peak, bound)
+            assert peak < 0.75 * r["full_grad_bytes"]
+        assert r["peaks"][0] < r["peaks"][1]
+
+
+def test_parameter_gather_overlapped_with_the_next_forward():
+    """``overlap_param_gather``: the all-gathers are still in flight when the next step begins and each bucket is
+    waited for by the first module that uses it; the parameters match the synchronous gather exactly, and one
+    process."""
+    from lightning_par.launcher import run_distributed
+    from tests.zero_helpers import overlap_gather_worker
+
+    dataset = token_dataset(4 * 2 * 3)
+    _, expected = reference_fit(make_mlp, dataset, 8, 3)
+    for r in run_distributed(overlap_gather_worker, 2, (3,), timeout_s=120):
+        for stage in (1, 2):
+            sync, deferred = r[f"z{stage}-overlap0"], r[f"z{stage}-overlap1"]
+            assert sync["pending"] == [False, False, False]
+            assert deferred["pending"] == [False, True, True]
+            torch.testing.assert_close(deferred["state"], sync["state"], rtol=0, atol=0)
+            assert_params_close(deferred["state"], expected)

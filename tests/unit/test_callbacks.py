@@ -80,6 +80,13 @@ def test_run_summary_json(tmp_path: Path) -> None:
     assert data["param_bytes"] == [param_bytes] and data["grad_bytes"] == [param_bytes]
     assert data["optimizer_state_bytes"] == [2 * param_bytes + 3 * 4]  # + one 4-byte Adam step per param
     assert data["peak_memory_bytes"][0] > 0
+    # The second step's peak, counted tensor by tensor: the model state plus the activations and temporaries, which
+    # for this model include at least the (batch, seq, vocab) logits and their gradient.
+    state = data["step_model_state_bytes"][0]
+    assert state == data["param_bytes"][0] + data["grad_bytes"][0] + data["optimizer_state_bytes"][0]
+    assert data["step_peak_bytes"][0] == state + data["step_other_bytes"][0]
+    assert data["step_other_bytes"][0] >= 2 * MICRO_BATCH * SEQ * VOCAB * 4
+    assert data["step_peak_bytes"][0] < 100 * state  # not the process's RSS
     s = metrics.summary()
     assert s["measured_steps"] == 4  # 6 steps - 2 warm-up
     assert not list((tmp_path / "out").glob("*.tmp"))
@@ -128,3 +135,32 @@ def test_invalid_arguments() -> None:
         ParallelMetricsCallback(window=0)
     with pytest.raises(ValueError, match="peak_flops_per_device"):
         ParallelMetricsCallback(peak_flops_per_device=0.0)
+    with pytest.raises(ValueError, match="memory_step"):
+        ParallelMetricsCallback(memory_step=-1)
+
+
+def test_log_comm_stats_logs_the_exposed_time_every_log_every_n_steps() -> None:
+    from lightning_par.callbacks.metrics import log_comm_stats
+    from lightning_par.data_parallel.reducer import CommStats
+
+    logged: list[int] = []
+
+    class Logs(TinyLM):
+        def log(self, name, value, *args, **kwargs):
+            if name == "comm_exposed_ms":
+                logged.append(self.trainer.global_step)
+            return super().log(name, value, *args, **kwargs)
+
+        def training_step(self, batch, batch_idx):
+            log_comm_stats(self, CommStats(exposed_s=0.0025))
+            log_comm_stats(self, None)  # an accumulation micro-batch: nothing
+            return self._loss(batch)
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=7, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, log_every_n_steps=3,
+    )  # fmt: skip
+    trainer.fit(Logs(), _loader())
+    assert float(trainer.callback_metrics["comm_exposed_ms"]) == pytest.approx(2.5)
+    assert logged == [0, 3, 6]
+    log_comm_stats(None, CommStats())  # no module: nothing, no error

@@ -91,3 +91,29 @@ def test_dtensor_counts_local_shard() -> None:
         assert storage_bytes([dt, local]) == 128
     finally:
         dist.destroy_process_group()
+
+
+def test_step_memory_tracker_counts_live_storages_and_their_peak() -> None:
+    from lightning_par.memory import LiveStorageBytes, StepMemoryTracker
+
+    held = torch.zeros(250)  # 1000 bytes alive at entry
+    with StepMemoryTracker([held, held[10:]]) as tracker:  # a view of a counted storage adds nothing
+        assert tracker.start_bytes == 1000
+        a = torch.empty(1000)  # +4000
+        b = torch.empty(2000)  # +8000: 13000 alive, the peak
+        b.add_(1.0)  # in place: no new storage
+        del a  # -4000
+        c = torch.empty(500)  # +2000: 11000
+        d = c.view(10, 50)  # a view: nothing
+    assert tracker.peak_bytes == 13000
+    assert tracker.live.live == 11000
+    del b, c, d
+    assert tracker.live.live == 1000  # frees are seen after the tracker has exited too
+
+    live = LiveStorageBytes()
+    x = torch.zeros(4)
+    live.add(x)
+    live.add(x)
+    assert live.live == 16
+    del x
+    assert live.live == 0 and live.peak == 16

@@ -50,7 +50,7 @@ def test_gpt_plan_resolves_per_mode():
         styles = gpt_tp_plan(sp)
         assert styles.keys() == names.keys()
         assert type(styles["lm_head"]).__name__ == "VocabParallelHead"
-    assert type(gpt_tp_plan(True)["ln_f"]).__name__ == "SequenceParallel"
+    assert type(gpt_tp_plan(True)["ln_f"]).__name__ == "PlainSequenceParallel"
     assert type(gpt_tp_plan(False)["ln_f"]).__name__ == "ReplicateParallel"
 
 
@@ -135,10 +135,13 @@ def test_colwise_not_divisible():
         validate_plan(model, {"0": "colwise", "1": "rowwise"}, 4, False)
 
 
-def test_uncovered_parameters():
+def test_uncovered_parameters_are_refused_under_sequence_parallelism_only():
+    # Without sequence parallelism a module outside the plan runs on replicated activations (a plain replicated
+    # parameter, as in torch's own plan); with it, it would see a sequence shard and get a partial gradient.
     plan = {k: v for k, v in gpt_tp_plan().items() if k != "ln_f"}
-    with pytest.raises(ValueError, match=r"parameters \['ln_f.weight', 'ln_f.bias'\] are not covered"):
-        validate_plan(gpt(), plan, 2, False)
+    validate_plan(gpt(), plan, 2, False)
+    with pytest.raises(ValueError, match=r"parameters \['ln_f.weight', 'ln_f.bias'\] are not covered .* sequence_par"):
+        validate_plan(gpt(), plan, 2, True)
 
 
 # ------------------------------------------------------------------------------------------------ sequence parallel

@@ -1,0 +1,32 @@
+"""recipes/benchmark.py's run-to-run comparison of ratio columns."""
+
+import importlib.util
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location("benchmark_recipe", Path(__file__).parents[2] / "recipes" / "benchmark.py")
+benchmark = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(benchmark)
+
+RUN = """### a table
+| dp | engine | median step (ms) | / torch DDP | measured / formula |
+|---:|---|---:|---:|---:|
+| 2 | zero1 | 10.0 | 1.050 | 1.0001 |
+| 2 | zero2 | 12.0 | 1.100 | 1.0001 |
+
+text between tables
+| loop | ms | x / y |
+|---|---:|---:|
+| a | 3 | - |"""
+
+
+def test_only_ratio_columns_are_read() -> None:
+    cells = benchmark._ratio_cells(RUN)
+    assert [v for _, v in cells] == [1.05, 1.0001, 1.1, 1.0001]  # not the ms columns, not "-"
+    assert cells[0][0] == "2 zero1 | / torch DDP"
+
+
+def test_compare_runs_reports_the_largest_relative_difference() -> None:
+    other = RUN.replace("| 1.100 |", "| 1.000 |").replace("12.0", "99.0")
+    line = benchmark.compare_runs(RUN, other)
+    assert "9.1%" in line and "2 zero2 | / torch DDP" in line
+    assert "0.0%" in benchmark.compare_runs(RUN, RUN)
