@@ -6,9 +6,9 @@ world on CPU: one process, tp 2 with sequence parallelism, pp 2 with 1F1B), with
 
 * **kept after forward**: bytes of the tensor storages created during the forward pass that are still alive when it
   returns, i.e. what the step holds for backward (saved activations, a checkpoint's kept inputs, the logits); counted
-  with a ``TorchDispatchMode`` that follows every storage an operator creates until it is freed (DTensor operators
-  are counted through their local operators). Not defined under pipelining (forward and backward interleave), so
-  ``-`` there;
+  by :class:`lightning_par.memory.StepMemoryTracker`, which follows every storage an operator creates until it is
+  freed (DTensor operators through their local operators). Not defined under pipelining (forward and backward
+  interleave), so ``-`` there;
 * **activation peak**: the most bytes of storages created during the step alive at once, from the start of forward
   to the end of backward (model state left out; gradients of the parameters included, the same in every row of a
   layout); measured on a step after the first, whose one-off set-up is left out;
@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import statistics
 import time
-import weakref
 from typing import Any
 
-__all__ = ["LiveBytes", "run"]
+__all__ = ["run"]
 
 _FULL = dict(model=dict(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=256), batch=8, steps=15)
 _QUICK = dict(model=_FULL["model"], batch=8, steps=5)
@@ -42,58 +41,6 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
 MODES: tuple[str, ...] = ("none", "full", "selective")
 
 
-def _live_bytes_mode() -> Any:
-    import torch
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    class _LiveBytes(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.live = 0
-            self.peak = 0
-            self._refs: dict[int, Any] = {}
-
-        def _free(self, key: int, nbytes: int) -> None:
-            if self._refs.pop(key, None) is not None:
-                self.live -= nbytes
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if any(issubclass(t, DTensor) for t in types):
-                return NotImplemented  # DTensor runs its local operators, which come back here
-            out = func(*args, **(kwargs or {}))
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                    storage = t.untyped_storage()
-                    key = id(storage)
-                    known = self._refs.get(key)
-                    if known is not None and known() is storage:
-                        continue
-                    nbytes = storage.nbytes()
-                    self._refs[key] = weakref.ref(storage, lambda _r, key=key, n=nbytes: self._free(key, n))
-                    self.live += nbytes
-                    self.peak = max(self.peak, self.live)
-            return out
-
-    return _LiveBytes()
-
-
-class LiveBytes:
-    """Context manager: bytes of tensor storages created inside it that are alive now (``live``) and at most
-    (``peak``); a storage counts from the operator that creates it until it is freed. CPU and any device.
-
-    The mode costs one Python call per operator: measure, do not time, under it.
-    """
-
-    def __enter__(self) -> Any:
-        self._mode = _live_bytes_mode()
-        return self._mode.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        self._mode.__exit__(*exc)
-
-
 def _worker(model_cfg: dict, batch: int, steps: int, options: dict) -> dict[str, Any]:
     import os
 
@@ -101,6 +48,7 @@ def _worker(model_cfg: dict, batch: int, steps: int, options: dict) -> dict[str,
     import torch.distributed as dist
 
     from lightning_par.launcher import init_process_group_from_env
+    from lightning_par.memory import StepMemoryTracker
     from lightning_par.models import GPTConfig, GPTLightningModule
     from lightning_par.parallel_dims import ParallelDims
     from lightning_par.parallelize import ParallelOptions, parallelize
@@ -123,7 +71,7 @@ def _worker(model_cfg: dict, batch: int, steps: int, options: dict) -> dict[str,
                                device=torch.device("cpu"))
         built[mode] = (module, parallel)
 
-    def step(mode: str, measure: LiveBytes | None = None) -> int | None:
+    def step(mode: str, measure: StepMemoryTracker | None = None) -> int | None:
         """Forward and backward of one batch; with ``measure``, the bytes alive when forward returned."""
         module, parallel = built[mode]
         for p in parallel.network.parameters():
@@ -138,7 +86,7 @@ def _worker(model_cfg: dict, batch: int, steps: int, options: dict) -> dict[str,
             with loss_context():
                 loss = module.loss_fn(parallel.network(x), y)
             if measure is not None:
-                kept = counter.live
+                kept = counter.live.live
             with loss_context():
                 loss.backward()
         return kept
@@ -146,9 +94,9 @@ def _worker(model_cfg: dict, batch: int, steps: int, options: dict) -> dict[str,
     out: dict[str, Any] = {}
     for mode in MODES:
         step(mode)  # one-off set-up (the pipeline infers its shapes on its first step) is not measured
-        measure = LiveBytes()
+        measure = StepMemoryTracker()
         kept = step(mode, measure)
-        out[mode] = {"kept": kept, "peak": measure._mode.peak, "checkpointed": len(built[mode][1].checkpointed)}
+        out[mode] = {"kept": kept, "peak": measure.peak_bytes, "checkpointed": len(built[mode][1].checkpointed)}
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for _ in range(steps):
         for mode in MODES:  # in turns

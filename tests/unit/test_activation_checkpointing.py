@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_par import contract
 from lightning_par.activation_checkpointing import apply_activation_checkpointing, checkpoint_module, is_checkpointed
-from lightning_par.benchmarks.activation_checkpointing import LiveBytes
+from lightning_par.memory import StepMemoryTracker
 from lightning_par.models import GPT, GPTConfig
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.parallelize import ParallelOptions, validate
@@ -24,9 +24,9 @@ CONFIG = GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16)
 def _kept_bytes(fn) -> tuple[int, torch.Tensor]:
     """Bytes of the storages ``fn`` creates that are still alive when it returns (what the graph keeps for backward,
     checkpoint inputs included), and its result."""
-    with LiveBytes() as counter:
+    with StepMemoryTracker() as counter:
         out = fn()
-    return counter.live, out
+    return counter.live.live, out
 
 
 def test_the_gpt_names_its_blocks_and_their_attention():
