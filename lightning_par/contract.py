@@ -26,6 +26,11 @@ pipeline batch              ``lightning_module.pipeline_batch(batch) -> (inputs,
                             dim 0. Stages may pass a tuple of tensors to the next stage.
 profiling sample            for ``split="time"``: ``lightning_module.example_input_array`` or
                             ``network.example_input()``.
+activation checkpointing    ``network.checkpoint_modules(mode) -> list[str]``: paths (relative to the network) of the
+                            modules to checkpoint for ``mode`` ``"full"`` (every block) or ``"selective"`` (the
+                            attention of every block). Fallback for ``"full"``: the pipeline layers (the children of
+                            an ``nn.Sequential`` / ``nn.ModuleList``, or ``pipeline_layers()``); ``"selective"``
+                            needs the method (only the model knows which part is attention).
 ==========================  ==========================================================================================
 """
 
@@ -38,6 +43,7 @@ from typing import Any
 from torch import Tensor, nn
 
 __all__ = [
+    "checkpoint_modules",
     "find_network",
     "pipeline_batch",
     "pipeline_layers",
@@ -191,3 +197,31 @@ def pipeline_sample(module: nn.Module, network: nn.Module) -> tuple[Tensor, ...]
         f"split='time' profiles the layers on a sample input: set {type(module).__name__}.example_input_array to one "
         f"input batch (or define example_input() on the network), or use split='params'."
     )
+
+
+def checkpoint_modules(network: nn.Module, mode: str) -> list[str]:
+    """Paths (relative to ``network``) of the modules activation checkpointing ``mode`` recomputes: the network's own
+    ``checkpoint_modules(mode)``, else for ``"full"`` its pipeline layers (see the module docstring).
+
+    Raises:
+        ValueError: ``"selective"`` for a network without ``checkpoint_modules``, or ``"full"`` for one that has neither
+            the method nor layers (an ``nn.Sequential``/``nn.ModuleList`` or ``pipeline_layers()``).
+    """
+    method = getattr(network, "checkpoint_modules", None)
+    if callable(method):
+        return list(method(mode))
+    name = type(network).__name__
+    if mode == "selective":
+        raise ValueError(
+            f"activation_checkpointing='selective' is not valid for a network of type {name}: it checkpoints the "
+            f"attention of every block, which only the model can name. Define {name}.checkpoint_modules(mode) -> "
+            f"[paths of the attention modules] (see lightning_par.contract), or use activation_checkpointing='full'."
+        )
+    try:
+        return pipeline_layers(network)
+    except ValueError as err:
+        raise ValueError(
+            f"activation_checkpointing={mode!r} is not valid for a network of type {name}: it checkpoints every block, "
+            f"and the network names none. Keep the network at .model as an nn.Sequential/nn.ModuleList of blocks, or "
+            f"define {name}.checkpoint_modules(mode) -> [paths of the blocks] (see lightning_par.contract)."
+        ) from err

@@ -7,6 +7,9 @@
    their whole-model names;
 2. **tensor parallelism** (``tp_size > 1``) on the tp sub-mesh: the plan (paths relative to the network) on what this
    rank holds (:func:`~lightning_par.tensor_parallel.apply_tensor_parallel`);
+   then **activation checkpointing** (``activation_checkpointing`` ``"full"`` or ``"selective"``) of the modules the
+   model names (:func:`~lightning_par.activation_checkpointing.apply_activation_checkpointing`), inside the tp styles'
+   hooks and outside the dp mode's (torchtitan's order: TP, activation checkpointing, FSDP);
 3. **the dp mode** on the dp sub-mesh: ``ddp`` (bucketed, overlapped all-reduce), ``zero1``, ``zero2`` or ``zero3``
    (:func:`~lightning_par.data_parallel.engine.apply_data_parallel`);
 4. **the schedule** (``pp_size > 1``): torch's ``PipelineStage`` + schedule over the stage modules
@@ -28,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_par import contract
+from lightning_par.activation_checkpointing import ACTIVATION_CHECKPOINTING, apply_activation_checkpointing
 from lightning_par.data_parallel.engine import DataParallelEngine, apply_data_parallel
 from lightning_par.data_parallel.options import DP_MODES, ReducerOptions, ZeroOptions, resolve_zero_options, zero_stage
 from lightning_par.parallel_dims import ParallelDims
@@ -66,6 +70,8 @@ class ParallelOptions:
         tensor_parallel: the tp axis's options.
         pipeline: the pp axis's options.
         module_attr: attribute of the LightningModule holding the network (see :mod:`lightning_par.contract`).
+        activation_checkpointing: ``"none"``, ``"full"`` (every block) or ``"selective"`` (the attention of every
+            block; :mod:`lightning_par.activation_checkpointing`).
 
     Raises:
         ValueError: an invalid group or combination, named in the message.
@@ -77,8 +83,10 @@ class ParallelOptions:
     tensor_parallel: TensorParallelOptions = field(default_factory=TensorParallelOptions)
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
     module_attr: str | None = "model"
+    activation_checkpointing: str = "none"
 
     def __post_init__(self) -> None:
+        check_choice("activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
         stage = zero_stage(self.dp_mode)
         if stage and self.zero is None:
             object.__setattr__(self, "zero", resolve_zero_options(stage, bucket_cap_mb=None if stage == 3 else 25.0))
@@ -90,7 +98,8 @@ class ParallelOptions:
             raise ValueError(f"module_attr={self.module_attr!r} is not valid: expected an attribute name or None.")
 
     @classmethod
-    def build(cls, dp_mode: str = "ddp", module_attr: str | None = "model", **options: Any) -> ParallelOptions:
+    def build(cls, dp_mode: str = "ddp", module_attr: str | None = "model", activation_checkpointing: str = "none",
+              **options: Any) -> ParallelOptions:
         """Options from plain values, flat (``schedule="1f1b", bucket_cap_mb=10``) or nested by group
         (``pipeline={"schedule": "1f1b"}``, as the Hydra schemas give them); see :data:`OPTION_GROUPS`.
 
@@ -151,6 +160,7 @@ class ParallelOptions:
             tensor_parallel=TensorParallelOptions(**groups["tensor_parallel"]),
             pipeline=PipelineOptions(**groups["pipeline"]),
             module_attr=module_attr,
+            activation_checkpointing=activation_checkpointing,
         )
 
     def check_layout(self, pp_size: int) -> None:
@@ -187,6 +197,7 @@ class ParallelModel:
         loss_parallel: the plan has a ``vocab_head``: the loss (forward and backward) must run under the vocab-parallel
             loss context.
         training: built for training (ZeRO stages 1 and 2 shard only then).
+        checkpointed: paths (relative to the network) of the modules whose activations are recomputed on this rank.
     """
 
     module: nn.Module
@@ -197,6 +208,7 @@ class ParallelModel:
     layer_counts: list[int] | None = None
     loss_parallel: bool = False
     training: bool = True
+    checkpointed: list[str] = field(default_factory=list)
 
 
 def validate(module: nn.Module, dims: ParallelDims, options: ParallelOptions) -> None:
@@ -217,6 +229,15 @@ def validate(module: nn.Module, dims: ParallelDims, options: ParallelOptions) ->
         plan = contract.tp_plan(module, network, tp.plan)
         contract.check_tensor_parallel(network, dims.tp_size, tp.sequence_parallel)
         validate_plan(network, plan, dims.tp_size, tp.sequence_parallel)
+    if options.activation_checkpointing != "none":
+        for path in contract.checkpoint_modules(network, options.activation_checkpointing):
+            try:
+                network.get_submodule(path)
+            except AttributeError as err:
+                raise ValueError(
+                    f"activation_checkpointing={options.activation_checkpointing!r}: checkpoint_modules() path {path!r} "
+                    f"names no module of {type(network).__name__} ({err})."
+                ) from err
     if options.dp_mode != "ddp" and not any(p.requires_grad for p in module.parameters()):
         raise ValueError(
             f"{type(module).__name__} has no parameter that requires a gradient: dp_mode={options.dp_mode!r} has "
@@ -273,8 +294,11 @@ def parallelize(
     mesh = dims.build_mesh(device.type)
     network = contract.find_network(module, options.module_attr, dims.pp_enabled)
     tp = options.tensor_parallel
-    # The plan of the whole network, before the cut: a model's tp_plan() may read its own structure.
+    # The plan and the checkpointed modules of the whole network, before the cut: a model's tp_plan() and
+    # checkpoint_modules() may read its own structure.
     plan = contract.tp_plan(module, network, tp.plan) if dims.tp_enabled else None
+    ac = options.activation_checkpointing
+    ac_paths = contract.checkpoint_modules(network, ac) if ac != "none" else []
     stage_modules: list[nn.Module] = []
     counts = stage_ids = None
     if dims.pp_enabled:  # 1. this rank's pipeline stage(s)
@@ -289,6 +313,9 @@ def parallelize(
             eager_grad_reduction=not dims.pp_enabled,
         )
         loss_parallel = uses_vocab_parallel_loss(plan)
+    checkpointed: list[str] = []
+    if ac_paths:  # 2b. activation checkpointing: inside the tp styles' hooks, outside the dp mode's
+        checkpointed = apply_activation_checkpointing(network, ac_paths, skip_absent=dims.pp_enabled)
     # 3. the dp mode on the dp axis (over the whole LightningModule: its state names are the checkpoint's)
     dp_mode = options.dp_mode if training or options.dp_mode == "zero3" else None
     engine = apply_data_parallel(
@@ -301,4 +328,4 @@ def parallelize(
             stage_modules, stage_ids, options.pipeline, mesh["pp"].get_group(), dims.pp_size, device,  # type: ignore[arg-type]
             contract.pipeline_loss(module), step_context,
         )
-    return ParallelModel(module, network, engine, pipeline, stage_modules, counts, loss_parallel, training)
+    return ParallelModel(module, network, engine, pipeline, stage_modules, counts, loss_parallel, training, checkpointed)

@@ -107,7 +107,7 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor
 
-    from lightning_par.callbacks import ParallelMetricsCallback, RunSummaryCallback
+    from lightning_par.callbacks import LRScalingCallback, ParallelMetricsCallback, RunSummaryCallback, TimelineCallback
     from lightning_par.fault.heartbeat import HeartbeatCallback
     from lightning_par.fault.nonfinite import NonFiniteGuard
     from lightning_par.fault.step_checkpoint import StepCheckpoint
@@ -122,13 +122,18 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
     strategy = build_strategy(cfg)
     metrics = ParallelMetricsCallback(peak_flops_per_device=t.peak_flops_per_device)
     summary_path = out / "summary.json"
+    sources: list[Any] = [LRScalingCallback(**OmegaConf.to_container(cfg.lr_scaling))]
+    if cfg.get("profile"):
+        sources.append(TimelineCallback(out / "timeline", cfg.profile_start_step, cfg.profile_steps))
     trainer_kwargs = build_trainer_kwargs(cfg)
     callbacks: list[Any] = [
         metrics,
+        *sources,
         RunSummaryCallback(
             summary_path,
             metrics,
             extra={"config": cfg_dict, "resumed_from": ckpt_path, "accelerator": trainer_kwargs["accelerator"]},
+            sources=sources,
         ),
         LearningRateMonitor(logging_interval="step"),
         NonFiniteGuard(action=t.on_nonfinite, max_consecutive_skips=t.max_consecutive_skips),
@@ -168,6 +173,15 @@ def validate_run(cfg: DictConfig) -> None:
     import torch
     from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 
+    from lightning_par.lr_scaling import check_lr_scaling
+    from lightning_par.precision import check_precision
+    from lightning_par.validation import check_int
+
+    if cfg.get("profile"):
+        check_int("profile_start_step", cfg.profile_start_step, 0)
+        check_int("profile_steps", cfg.profile_steps, 1)
+    scaling = cfg.lr_scaling
+    check_lr_scaling(scaling.rule, scaling.reference_batch, scaling.warmup_samples, prefix="lr_scaling.")
     dims = build_parallel_dims(cfg)
     gpu = _accelerator(cfg) == "gpu"
     strategy = build_strategy(cfg)
@@ -178,7 +192,15 @@ def validate_run(cfg: DictConfig) -> None:
     check_loggers(cfg)
     with torch.device("meta"):
         module = build_module(cfg)
+    own_warmup = getattr(module, "hparams", {}).get("warmup_steps")
+    if scaling.warmup_samples and own_warmup:
+        raise ValueError(
+            f"lr_scaling.warmup_samples={scaling.warmup_samples} is not valid with the model's own warm-up "
+            f"(warmup_steps={own_warmup}): both would warm the learning rate up. Set model.warmup_steps=0 to warm up "
+            f"per sample, or lr_scaling.warmup_samples=0."
+        )
     strategy.connect(module)
+    check_precision(str(cfg.trainer.precision), dims.pp_size)
     strategy.validate_model(dims)
     datamodule = build_datamodule(cfg, module)
     # Token ids against the model's vocabulary, where both are known (the reference GPT on a byte corpus).

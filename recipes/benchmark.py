@@ -26,6 +26,8 @@ SECTIONS = {
     "tp": "lightning_par.benchmarks.tensor_parallel",
     "zero": "lightning_par.benchmarks.zero",
     "pp": "lightning_par.benchmarks.pipeline",
+    "ac": "lightning_par.benchmarks.activation_checkpointing",
+    "gpu": "lightning_par.benchmarks.single_gpu",
 }
 
 

@@ -5,7 +5,8 @@ A *step* of the worker's plan is a picklable dict with ``"kind"``:
 * every step may name ``"strategy"`` (a registry name, default ``parallel_3d``; ``"options"`` are its keyword
   arguments) and ``"model"`` (``"gpt"``, the default, ``"gpt8"`` with 8 blocks, or a user's MLP: see :func:`_model`);
 * ``"fit"``: ``{"kind": "fit", "name", "options" (the strategy's kwargs), "steps", "micro_batch", "clip",
-  "accumulate": int (``accumulate_grad_batches``, default 1), "resume": path | None, "save": path | None, "val": bool,
+  "accumulate": int (``accumulate_grad_batches``, default 1), "precision": Lightning's (default ``"32-true"``),
+  "resume": path | None, "save": path | None, "val": bool,
   "crash_save": path | None}`` — fit ``steps`` optimizer steps from scratch (or resume from ``resume``); with ``val``
   a validation runs at the end (``val_loss``); ``save`` writes a checkpoint after the fit; ``crash_save`` then starts
   another save to that path that fails after the shards are written but before the commit (a simulated crash);
@@ -79,6 +80,16 @@ def _model(step: dict[str, Any]) -> Any:
     return make_mlp(optimizer=name.rsplit("-", 1)[1], depth=6 if "deep" in name else 3)
 
 
+def _precision(precision: str) -> dict[str, Any]:
+    """Trainer arguments for ``precision``. Lightning turns ``"16-mixed"`` on CPU into ``"bf16-mixed"``; tests of fp16
+    loss scaling pass the plugin themselves (CPU autocast supports fp16, ``torch.amp.GradScaler("cpu")`` exists)."""
+    if precision != "16-mixed":
+        return {"precision": precision}
+    from lightning.pytorch.plugins import MixedPrecision
+
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]}
+
+
 def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, Any]:
     """Run one step of the plan on this rank (see the module docstring)."""
     from lightning_par.checkpoint import sharded
@@ -104,6 +115,7 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
         gradient_clip_val=step.get("clip"),
         accumulate_grad_batches=step.get("accumulate", 1),
         callbacks=[recorder],
+        **_precision(step.get("precision", "32-true")),
     )
     module = _model(step)
     out: dict[str, Any] = {"name": step["name"], "rank": rank, "dp_rank": dp_rank}
@@ -116,6 +128,11 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
     trainer.fit(module, loader, val_loader if step.get("val") else None, ckpt_path=step.get("resume"))
     out["losses"] = recorder.losses
     out["state"] = strategy.full_state_dict()
+    out["extras"] = strategy.summary_extras()
+    out["optimizer_state_dtypes"] = sorted({
+        str(v.dtype) for o in trainer.optimizers for s in o.state.values() for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    })
     if step.get("val"):
         out["val_loss"] = float(trainer.callback_metrics["val_loss"])
     if step.get("save"):

@@ -6,6 +6,7 @@ import json
 import os
 import tempfile
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,12 +137,16 @@ class RunSummaryCallback(L.Callback):
         path: where to write the JSON file; parent directories are created.
         metrics: the :class:`ParallelMetricsCallback` of the same Trainer.
         extra: more fields to record (e.g. the config); values that JSON cannot hold are written as ``repr``.
+        sources: more objects with a ``summary_extras() -> dict`` method (other callbacks: the timeline, the
+            learning-rate scaling), called in ``on_fit_end`` on every rank; rank 0's fields are written.
     """
 
-    def __init__(self, path: str | Path, metrics: ParallelMetricsCallback, extra: dict[str, Any] | None = None) -> None:
+    def __init__(self, path: str | Path, metrics: ParallelMetricsCallback, extra: dict[str, Any] | None = None,
+                 sources: Sequence[Any] = ()) -> None:
         self.path = Path(path)
         self.metrics = metrics
         self.extra = dict(extra or {})
+        self.sources = list(sources)
         self.initial_train_loss: float | None = None
         self.final_train_loss: float | None = None
         self.final_val_loss: float | None = None
@@ -172,6 +177,8 @@ class RunSummaryCallback(L.Callback):
         }
         summary_extras = getattr(trainer.strategy, "summary_extras", None)
         strategy_extras = dict(summary_extras()) if callable(summary_extras) else {}
+        for source in self.sources:
+            strategy_extras.update(source.summary_extras())
         if dist.is_available() and dist.is_initialized():
             per_rank: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
             dist.all_gather_object(per_rank, local)

@@ -27,6 +27,7 @@ __all__ = [
     "CustomDataConfig",
     "CustomModelConfig",
     "DataConfig",
+    "LRScalingConfig",
     "PipelineGroup",
     "ReducerGroup",
     "TensorParallelGroup",
@@ -131,6 +132,8 @@ class StrategyConfig:
     timeout_s: float = 1800.0
     #: attribute of the LightningModule holding the network (see lightning_par.contract).
     module_attr: Optional[str] = "model"
+    #: none | full (recompute every block in backward) | selective (the attention of every block).
+    activation_checkpointing: str = "none"
     #: also show the strategy's own figures (parallel/...) in the progress bar.
     prog_bar: bool = False
 
@@ -437,6 +440,19 @@ TRAINER_RECIPE_KEYS: frozenset[str] = frozenset({
 
 
 @dataclass
+class LRScalingConfig:
+    """``lr_scaling``: the learning rate scaled with the global batch (Goyal et al. 2017), with a warm-up counted in
+    samples (:class:`lightning_par.callbacks.LRScalingCallback`), for any model."""
+
+    #: none | linear | sqrt: multiply the configured rate by 1, k or sqrt(k), k = global batch / reference_batch.
+    rule: str = "none"
+    #: samples per optimizer step the configured rate was tuned for; None: one replica's micro-batch (data.batch_size).
+    reference_batch: Optional[int] = None
+    #: samples of linear warm-up (0: none); the reference GPT's own model.warmup_steps must then be 0.
+    warmup_samples: int = 0
+
+
+@dataclass
 class RunConfig:
     """The root config: one option per group, plus run-wide settings."""
 
@@ -447,12 +463,20 @@ class RunConfig:
     #: a ``data`` group entry: a byte corpus (``stdlib``, ``synthetic``) or ``custom`` (any ``_target_``).
     data: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    lr_scaling: LRScalingConfig = field(default_factory=LRScalingConfig)
     #: the ``logger`` group: logger name -> a Lightning logger config with ``_target_`` (empty: no logger).
     logger: dict[str, Any] = field(default_factory=dict)
     seed: int = 1234
     #: resume: null (from the latest complete checkpoint of this run directory if there is one: restarts under
     #: torchrun/SLURM requeue), "last" (the same, but an error if there is none) or the path of a checkpoint.
     ckpt_path: Optional[str] = None
+    #: record a per-rank timeline of a few steps (lightning_par.callbacks.TimelineCallback): Chrome traces per rank and
+    #: timeline.png in <run dir>/timeline/.
+    profile: bool = False
+    #: the first recorded optimizer step (0-based; moved earlier when the run is shorter).
+    profile_start_step: int = 2
+    #: optimizer steps to record.
+    profile_steps: int = 2
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= _UINT32_MAX:

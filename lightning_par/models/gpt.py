@@ -14,7 +14,7 @@ https://github.com/karpathy/nanoGPT): pre-LayerNorm blocks, learned absolute pos
   parameter names (``blocks.3.attn.q_proj.weight``) match the full model's, so checkpoints line up.
 
 It meets the model contract of :mod:`lightning_par.contract` itself: ``tp_plan()``, ``check_tensor_parallel()``,
-``pipeline_layers()``, ``pipeline_stage()`` and ``example_input()``.
+``pipeline_layers()``, ``pipeline_stage()``, ``checkpoint_modules()`` and ``example_input()``.
 """
 
 from __future__ import annotations
@@ -329,6 +329,19 @@ class GPT(nn.Module):
         view.ln_f = self.ln_f if last else None
         view.lm_head = self.lm_head if last else None
         return view
+
+    def checkpoint_modules(self, mode: str) -> list[str]:
+        """What activation checkpointing recomputes (:mod:`lightning_par.activation_checkpointing`): every block for
+        ``"full"``, the attention of every block for ``"selective"`` (``["blocks.0.attn", ...]``).
+
+        Raises:
+            ValueError: another mode.
+        """
+        if mode == "full":
+            return [f"blocks.{k}" for k in self.blocks.keys()]
+        if mode == "selective":
+            return [f"blocks.{k}.attn" for k in self.blocks.keys()]
+        raise ValueError(f"activation checkpointing mode={mode!r} is not valid: expected 'full' or 'selective'.")
 
     def example_input(self, batch_size: int = 1) -> torch.Tensor:
         """Token ids ``(batch_size, block_size)`` to profile the layers with (``split="time"``)."""

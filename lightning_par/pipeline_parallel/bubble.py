@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 __all__ = ["COMPUTE_KINDS", "OpEvent", "StepRecord", "StepTimer", "summarize_bubble"]
 
 #: Computation kinds: ``"F"`` forward, ``"B"`` full backward, ``"I"`` input-gradient half and ``"W"`` weight-gradient
@@ -94,16 +96,28 @@ class StepTimer:
 
 
 class _Timed:
-    __slots__ = ("events", "kind", "stage", "microbatch", "start")
+    """Times one computation; while ``torch.profiler`` records, also marks it in the trace
+    (:func:`lightning_par.profiling.trace.pipeline_annotation`), which the per-rank timeline draws."""
+
+    __slots__ = ("events", "kind", "stage", "microbatch", "start", "range")
 
     def __init__(self, events: list[OpEvent], kind: str, stage: int, microbatch: int) -> None:
         self.events, self.kind, self.stage, self.microbatch = events, kind, stage, microbatch
+        self.range: Any = None
 
     def __enter__(self) -> None:
+        if torch._C._autograd._profiler_enabled():  # a profiler is recording (private, cheap)
+            from lightning_par.profiling.trace import pipeline_annotation
+
+            self.range = torch.profiler.record_function(pipeline_annotation(self.kind, self.stage, self.microbatch))
+            self.range.__enter__()
         self.start = time.perf_counter()
 
     def __exit__(self, *exc: Any) -> None:
         self.events.append(OpEvent(self.kind, self.stage, self.microbatch, self.start, time.perf_counter()))
+        if self.range is not None:
+            self.range.__exit__(*exc)
+            self.range = None
 
 
 def summarize_bubble(per_stage_steps: list[list[tuple[float, float, int]]]) -> dict[str, Any]:

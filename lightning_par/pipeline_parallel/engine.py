@@ -135,6 +135,7 @@ class PipelineEngine:
         self._scale = 1.0
         self._losses: list[Tensor] = []
         self._forwarded: set[int] = set()
+        self._built: list[Any] = []
 
     @property
     def has_first_stage(self) -> bool:
@@ -154,7 +155,18 @@ class PipelineEngine:
             stage = PipelineStage(module, sid, self.num_stages, self.device, group=self.pp_group)
             self._instrument(stage)
             stages.append(stage)
+        self._built.extend(stages)
         return stages
+
+    def sent_dtypes(self) -> list[str]:
+        """Dtypes of the activations this rank's stages send to the next stage (as torch inferred them on the first
+        step of each schedule; private ``PipelineStage`` metadata), e.g. ``["torch.bfloat16"]``."""
+        dtypes: set[str] = set()
+        for stage in self._built:
+            meta = getattr(getattr(stage, "_stage_meta", None), "outputs", None)
+            if stage.stage_index < self.num_stages - 1 and meta:
+                dtypes.update(str(t.dtype) for t in meta if getattr(t, "dtype", None) is not None)  # TensorMeta
+        return sorted(dtypes)
 
     def _instrument(self, stage: Any) -> None:
         """Time every compute call the schedule makes on ``stage`` (instance attributes shadow the methods)."""

@@ -4,8 +4,8 @@ Each layout maps to the simplest registry name that runs it (``ddp_overlap``, ``
 ``tensor_parallel``, ``gpipe``/``1f1b``/``pipeline``) and to ``parallel_3d`` otherwise, with the per-replica batch
 ``data.batch_size = micro_batch_size * num_microbatches`` (the pipeline strategies cut it into ``num_microbatches``
 micro-batches; the others take one micro-batch per step) and, with pipelining, the even layer split the planner
-assumed (``strategy.split``). Activation checkpointing is not a strategy option: a layout that plans it says so in
-:func:`layout_notes`.
+assumed (``strategy.split``), and its activation checkpointing (``strategy.activation_checkpointing``). What the
+overrides cannot say is in :func:`layout_notes`.
 
 The strategy field names live in :data:`STRATEGY_FIELDS`, in one place, so a rename of the strategy schema is a
 one-line change here.
@@ -27,6 +27,7 @@ STRATEGY_FIELDS: dict[str, str] = {
     "virtual_stages": "pipeline.virtual_stages",
     "split": "pipeline.split",
     "sequence_parallel": "tensor_parallel.sequence_parallel",
+    "activation_checkpointing": "activation_checkpointing",
 }
 
 
@@ -91,15 +92,18 @@ def layout_overrides(
         out.append(f"strategy.{f['split']}=[{','.join([str(num_layers // stages)] * stages)}]")
     if layout.sequence_parallel:
         out.append(f"strategy.{f['sequence_parallel']}=true")
+    if layout.activation_checkpointing != "none":
+        out.append(f"strategy.{f['activation_checkpointing']}={layout.activation_checkpointing}")
     pipelined = strategy in _PIPELINED
     out.append(f"data.batch_size={layout.micro_batch_size * (layout.num_microbatches if pipelined else 1)}")
     return out
 
 
 def layout_notes(layout: Layout) -> list[str]:
-    """What the emitted overrides cannot express for ``layout`` (the user must do it in the model)."""
+    """What the emitted overrides cannot express for ``layout`` exactly."""
     notes = []
-    if layout.activation_checkpointing != "none":
-        where = "blocks" if layout.activation_checkpointing == "full" else "attention cores"
-        notes.append(f"ckpt={layout.activation_checkpointing}: no strategy option, checkpoint the model's {where}")
+    if layout.activation_checkpointing == "selective":
+        # The planner counts Korthikanti et al.'s selective recomputation (attention cores only); the strategy
+        # option recomputes the attention module the model names (projections included): a little more compute.
+        notes.append("ckpt=selective: the strategy recomputes whole attention modules, the plan only their cores")
     return notes

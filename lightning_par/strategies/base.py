@@ -22,6 +22,7 @@ import atexit
 import time
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
@@ -51,6 +52,7 @@ from lightning_par.checkpoint.sharded import load_sharded, save_sharded
 from lightning_par.fault.elastic import init_process_group_per_attempt
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.parallelize import OPTION_GROUPS, ParallelModel, ParallelOptions, parallelize, validate
+from lightning_par.precision import check_precision, distributed_scaler, fsdp_mixed_precision
 from lightning_par.strategies.pipelined import PipelinedSteps
 from lightning_par.tensor_parallel.state_dict import unpad_vocab_state
 from lightning_par.tensor_parallel.styles import sync_tp_partial_grads
@@ -99,6 +101,9 @@ class MeshStrategy(ParallelStrategy):
         pp_size: pipeline ranks.
         dp_mode: ``"ddp"`` (bucketed all-reduce overlapped with backward), ``"zero1"``, ``"zero2"`` or ``"zero3"``.
         module_attr: attribute of the LightningModule holding the network (see :mod:`lightning_par.contract`).
+        activation_checkpointing: ``"none"``, ``"full"`` (recompute every block in backward) or ``"selective"`` (the
+            attention of every block); applied once, after tensor parallelism and before the dp mode
+            (:mod:`lightning_par.activation_checkpointing`).
         timeout_s: seconds a collective may wait for a peer before it raises (gloo and nccl), so that a dead or
             stuck rank ends the job with an error instead of a hang.
         prog_bar: also show the strategy's own figures (``parallel/...``) in the progress bar.
@@ -135,6 +140,7 @@ class MeshStrategy(ParallelStrategy):
         dp_mode: str = "ddp",
         *,
         module_attr: str | None = "model",
+        activation_checkpointing: str = "none",
         timeout_s: float = 1800.0,
         prog_bar: bool = False,
         process_group_backend: str | None = None,
@@ -168,7 +174,7 @@ class MeshStrategy(ParallelStrategy):
                     f"{key} is an option of the {_GROUP_AXIS[group]} axis, which {type(self).__name__} does not have: "
                     f"remove it, or use a strategy with that axis (parallel_3d has all three)."
                 )
-        self.options = ParallelOptions.build(dp_mode, module_attr, **options)
+        self.options = ParallelOptions.build(dp_mode, module_attr, activation_checkpointing, **options)
         self.options.check_layout(pp_size)
         self._sizes = sizes
         self._timeout_s = check_number("timeout_s", timeout_s, unit="seconds")
@@ -279,9 +285,11 @@ class MeshStrategy(ParallelStrategy):
         :meth:`setup` checks them).
 
         Raises:
-            ValueError: see :func:`lightning_par.parallelize.validate`; ``cpu_offload=True`` on a CPU device.
+            ValueError: see :func:`lightning_par.parallelize.validate`; ``cpu_offload=True`` on a CPU device; fp16
+                loss scaling (``"16-mixed"``) with pipelining.
         """
         self.options.check_layout(dims.pp_size)
+        check_precision(self.precision, dims.pp_size, getattr(self.precision_plugin, "scaler", None) is not None)
         if self.options.zero is not None and self.options.zero.cpu_offload and self.root_device.type == "cpu":
             raise ValueError(
                 "cpu_offload=True is not valid on a CPU device: FSDP2's CPUOffloadPolicy moves shards between an "
@@ -294,11 +302,8 @@ class MeshStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         assert self.model is not None and self.accelerator is not None and self.parallel_dims is not None
-        if self.parallel_dims.pp_enabled and getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                f"precision={trainer.precision!r} is not valid with pipelining: fp16 loss scaling is not supported "
-                f"inside the schedule; use precision='bf16-mixed' or '32-true'."
-            )
+        check_precision(self.precision, self.parallel_dims.pp_size,
+                        getattr(self.precision_plugin, "scaler", None) is not None)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -306,15 +311,36 @@ class MeshStrategy(ParallelStrategy):
             if self.parallel is not None:
                 self.parallel.engine.remove()
             self.parallel = parallelize(
-                self.model, self.parallel_dims, self.options, device=self.root_device, step_context=self._step_context
+                self.model, self.parallel_dims, self.precision_options(), device=self.root_device,
+                step_context=self._step_context,
             )
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None and dist.get_world_size() > 1:
+            # Each rank sees only its gradient shard (ZeRO, TP): skip a step on every rank or on none.
+            self.precision_plugin.scaler = distributed_scaler(scaler)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         # Norm clipping must see the whole model's norm: every shard, every stage.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+
+    @property
+    def precision(self) -> str:
+        """Lightning's precision of this run (``"32-true"`` before the Trainer attaches its plugin)."""
+        return str(getattr(self.precision_plugin, "precision", "32-true"))
+
+    def precision_options(self) -> ParallelOptions:
+        """The options :func:`~lightning_par.parallelize.parallelize` runs with under this run's precision: with
+        ``dp_mode="zero3"`` and no ``zero.mixed_precision`` of the user's, FSDP2's mixed precision policy of
+        :func:`lightning_par.precision.fsdp_mixed_precision` (half-precision parameters for compute, fp32 gradient
+        reduction) under ``"bf16-mixed"`` / ``"16-mixed"``; the options as given otherwise."""
+        zero = self.options.zero
+        policy = fsdp_mixed_precision(self.precision)
+        if zero is None or zero.stage != 3 or policy is None or (zero.param_dtype, zero.reduce_dtype) != (None, None):
+            return self.options
+        return replace(self.options, zero=replace(zero, param_dtype=policy[0], reduce_dtype=policy[1]))
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:
@@ -636,8 +662,15 @@ class MeshStrategy(ParallelStrategy):
             "pp_size": dims.pp_size,
             "dp_mode": self.dp_mode,
             "sequence_parallel": self.options.tensor_parallel.sequence_parallel,
+            "activation_checkpointing": self.options.activation_checkpointing,
+            "precision": self.precision,
         }
+        zero = self.precision_options().zero
+        if zero is not None and (zero.param_dtype or zero.reduce_dtype):
+            extras["zero_param_dtype"] = str(zero.param_dtype) if zero.param_dtype else None
+            extras["zero_reduce_dtype"] = str(zero.reduce_dtype) if zero.reduce_dtype else None
         if self.parallel is not None:
+            extras["activation_checkpointed_modules"] = len(self.parallel.checkpointed)
             extras.update(self.parallel.engine.summary())
             if self.parallel.pipeline is not None:
                 extras.update(self._pipelined.summary())

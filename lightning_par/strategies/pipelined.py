@@ -148,6 +148,7 @@ class PipelinedSteps:
             "virtual_stages": options.virtual_stages,
             "pp_layers_per_stage": self._parallel.layer_counts if self._parallel is not None else None,
             "pp_bubble_formula": self.bubble_formula(),
+            "pp_sent_dtypes": self._parallel.pipeline.sent_dtypes() if self._parallel is not None else [],
         }
         steps = self.step_stats[1:] or self.step_stats
         if steps:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_par.models.lightning_module import lr_lambda
+
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = (
     "strategy", "world_size", "dp_size", "tp_size", "pp_size", "steps", "tokens_seen", "initial_train_loss",
@@ -19,7 +21,7 @@ FIELDS = (
 @pytest.mark.slow
 def test_make_train_runs_and_writes_summary(tmp_path):
     run_dir = tmp_path / "run"
-    args = f"model=tiny data=synthetic trainer=smoke hydra.run.dir={run_dir}"
+    args = f"model=tiny data=synthetic trainer=smoke profile=true lr_scaling.rule=linear hydra.run.dir={run_dir}"
     proc = subprocess.run(["make", "-s", "train", f"ARGS={args}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -31,6 +33,15 @@ def test_make_train_runs_and_writes_summary(tmp_path):
     assert len(summary["param_bytes"]) == 2 and summary["param_bytes"][0] == summary["param_bytes"][1]
     assert summary["final_train_loss"] < summary["initial_train_loss"]
     assert (run_dir / "logs" / "metrics.csv").exists()
+    # lr_scaling: the global batch of 2 replicas of 8 sequences, against the default reference (one replica)
+    assert summary["global_batch"] == 16 and summary["lr_scale_factor"] == 2.0
+    # the model's own schedule (warm-up over 20 steps) still runs: at the last step (5) its factor is 6 / 20
+    assert summary["lr_last"] == pytest.approx([2.0 * 3e-3 * lr_lambda(5, 20, 20, 0.1)] * 2)
+    assert "lr_effective" in (run_dir / "logs" / "metrics.csv").read_text().splitlines()[0]
+    # profile=true: a trace per rank and the picture, figures per rank
+    assert sorted(p.name for p in (run_dir / "timeline").iterdir()) == [
+        "rank0.json", "rank1.json", "timeline.json", "timeline.png"]
+    assert len(summary["timeline_comm_overlap"]) == 2 and summary["timeline_png"].endswith("timeline.png")
 
 
 @pytest.mark.slow

@@ -68,15 +68,23 @@ def _message(strategy, module, dims: ParallelDims) -> str:
 
 
 def test_the_errors_the_readme_quotes():
-    from lightning_par import PipelineStrategy, TensorParallelStrategy
+    from torch import nn
+
+    from lightning_par import DDPOverlapStrategy, PipelineStrategy, TensorParallelStrategy
 
     ns = _namespace()
     no_plan = type("Regressor", (ns["Regressor"],), {"tp_plan": None})()
     no_loss = type("Regressor", (ns["Regressor"],), {"loss_fn": None})()
     tp = _message(TensorParallelStrategy(tp_size=2), no_plan, ParallelDims(tp_size=2, world_size=2))
     pp = _message(PipelineStrategy(pp_size=2), no_loss, ParallelDims(pp_size=2, world_size=2))
+    unnamed = ns["Regressor"]()
+    unnamed.model = nn.Linear(8, 1)  # no blocks to checkpoint
+    full = _message(DDPOverlapStrategy(activation_checkpointing="full"), unnamed, ParallelDims(world_size=2))
+    selective = _message(DDPOverlapStrategy(activation_checkpointing="selective"), ns["Regressor"](),
+                         ParallelDims(world_size=2))
     section = README.read_text().split("## Bring your own model")[1]
     quoted = re.findall(r"`ValueError: ([^`]*?)\.\.\.`", section)
-    assert len(quoted) == 2
-    assert tp.startswith(quoted[0]) and pp.startswith(quoted[1]), (quoted, tp, pp)
+    assert len(quoted) == 4
+    for message, quote in zip((tp, pp, full, selective), quoted):
+        assert message.startswith(quote), (quote, message)
     assert "training_step is not called" in pp

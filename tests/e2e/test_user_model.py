@@ -29,10 +29,12 @@ def _summaries(sweep: Path) -> dict[str, dict]:
 @pytest.mark.slow
 def test_user_module_trains_under_ddp_overlap_and_zero3_with_the_same_losses(tmp_path):
     """One sweep, two strategies (each job its own world of 2 processes): same data, seed and SGD+momentum, so
-    ZeRO-3 must follow ddp_overlap's loss trajectory."""
+    ZeRO-3 must follow ddp_overlap's loss trajectory. The recipe scales the user's learning rate (sqrt of 16 samples
+    per step over 4 = 2) and warms it up over 32 samples (2 steps)."""
     sweep = tmp_path / "sweep"
+    scaling = ["lr_scaling.rule=sqrt", "lr_scaling.reference_batch=4", "lr_scaling.warmup_samples=32"]
     proc = run([sys.executable, str(ROOT / "recipes" / "train.py"), "-m", "hydra/launcher=lightning_par",
-                "strategy=ddp_overlap,zero3", "parallel=dp2", *COMMON, f"hydra.sweep.dir={sweep}"],
+                "strategy=ddp_overlap,zero3", "parallel=dp2", *COMMON, *scaling, f"hydra.sweep.dir={sweep}"],
                tmp_path, _user_dir(tmp_path))
     assert proc.returncode == 0, tail(proc)
     runs = _summaries(sweep)
@@ -44,6 +46,9 @@ def test_user_module_trains_under_ddp_overlap_and_zero3_with_the_same_losses(tmp
         assert zero3[key] == pytest.approx(ddp[key], rel=1e-5), key
     # ZeRO-3 shards parameters, gradients and optimizer state over dp=2.
     assert zero3["param_bytes"][0] * 2 == pytest.approx(ddp["param_bytes"][0], rel=0.05)
+    for summary in (ddp, zero3):
+        assert summary["global_batch"] == 16 and summary["lr_scale_factor"] == 2.0 and summary["lr_warmup_steps"] == 2
+        assert summary["lr_after_warmup"] == pytest.approx([0.1]) and summary["lr_last"] == pytest.approx([0.1])
     report = (sweep / "report.csv").read_text()
     assert "ddp_overlap" in report and "zero3" in report
 

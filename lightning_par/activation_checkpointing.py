@@ -1,0 +1,102 @@
+"""Activation checkpointing: keep a module's inputs instead of its activations, recompute them in backward.
+
+Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost"): a checkpointed module keeps only its inputs
+during forward; its backward runs its forward again to rebuild what autograd needs. Two granularities, as Megatron-LM
+names them (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", §5):
+
+* ``"full"``: every block (the units of :func:`lightning_par.contract.checkpoint_modules`; a transformer layer for
+  the reference GPT), so a block's activations live only while its backward runs: about one forward more of compute
+  for activation memory of the block inputs only;
+* ``"selective"``: only the attention of every block, the part whose activations grow with the sequence length
+  squared in the paper's accounting; the MLP keeps its activations. Korthikanti et al. recompute only the attention
+  core (scores, softmax, dropout, weighted sum); torch's fused ``scaled_dot_product_attention`` kernels already keep
+  no ``s x s`` scores, so here the unit is the attention sub-module the model names (projections included).
+
+:func:`apply_activation_checkpointing` runs once in the composition path
+(:func:`lightning_par.parallelize.parallelize`): after tensor parallelism, before the dp mode (torchtitan's order),
+so FSDP2's and the tensor-parallel styles' module hooks stay outside the recomputed region (a recompute does not
+all-gather a ``zero3`` block's parameters again: FSDP2 unshards them for backward). Parameter names do not change
+(the module's class is swapped for a subclass whose ``forward`` is checkpointed, nothing is wrapped), so
+checkpoints, ZeRO state and tensor-parallel plans are the same with and without it. The recomputation uses
+``torch.utils.checkpoint`` without reentrance, restoring the RNG and autocast states, so dropout masks and mixed
+precision match the first forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["ACTIVATION_CHECKPOINTING", "apply_activation_checkpointing", "checkpoint_module", "is_checkpointed"]
+
+#: Valid values of the ``activation_checkpointing`` option.
+ACTIVATION_CHECKPOINTING: tuple[str, ...] = ("none", "full", "selective")
+
+_CLASSES: dict[type, type] = {}
+
+
+class _Checkpointed:
+    """Mixin of the swapped-in classes: ``forward`` runs under ``torch.utils.checkpoint`` while gradients are on."""
+
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the module's own signature
+        forward = super().forward  # type: ignore[misc]
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is checkpointed (by :func:`checkpoint_module`)."""
+    return isinstance(module, _Checkpointed)
+
+
+def checkpoint_module(module: nn.Module) -> nn.Module:
+    """Checkpoint ``module``'s forward in place (idempotent): its class becomes a cached subclass
+    ``Checkpointed<Class>``; parameters, buffers, hooks and names are untouched.
+
+    Returns:
+        ``module``.
+    """
+    if is_checkpointed(module):
+        return module
+    cls = type(module)
+    sub = _CLASSES.get(cls)
+    if sub is None:
+        sub = type(f"Checkpointed{cls.__name__}", (_Checkpointed, cls), {"__module__": cls.__module__})
+        _CLASSES[cls] = sub
+    module.__class__ = sub
+    return module
+
+
+def apply_activation_checkpointing(network: nn.Module, paths: Sequence[str], skip_absent: bool = False) -> list[str]:
+    """Checkpoint the modules of ``network`` at ``paths`` (see :func:`lightning_par.contract.checkpoint_modules`).
+
+    Args:
+        network: the network, or under pipelining the holder of this rank's stages.
+        paths: module paths relative to ``network`` (``""`` is the network itself).
+        skip_absent: skip paths through parts another pipeline stage holds.
+
+    Returns:
+        The paths checkpointed on this rank.
+
+    Raises:
+        ValueError: a path that names no module (unless ``skip_absent``).
+    """
+    done = []
+    for path in paths:
+        try:
+            module = network.get_submodule(path)
+        except AttributeError as err:
+            if skip_absent:
+                continue
+            raise ValueError(
+                f"activation checkpointing path {path!r} names no module of {type(network).__name__}: {err}"
+            ) from err
+        if module is None:
+            continue
+        checkpoint_module(module)
+        done.append(path)
+    return done
