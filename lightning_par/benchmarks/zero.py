@@ -26,14 +26,13 @@ Communication volume per step against the paper's §7 is pinned by the test suit
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_par.benchmarks.common import GPT_SHAPES, Contender, median_ratio, run_in_turns, token_batches
+from lightning_par.benchmarks.common import GPT_SHAPES, Contender, run_in_turns, token_batches
 
 __all__ = ["run"]
 
