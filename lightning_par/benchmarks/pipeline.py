@@ -34,7 +34,7 @@ from lightning_par.launcher import init_process_group_from_env, run_distributed
 from lightning_par.pipeline_parallel.engine import PipelineEngine
 from lightning_par.pipeline_parallel.options import SCHEDULES, PipelineOptions
 from lightning_par.pipeline_parallel.schedules import bubble_formula, build_order
-from lightning_par.pipeline_parallel.simulate import Op, simulate_actions
+from lightning_par.pipeline_parallel.simulate import Entry, simulate_actions
 
 __all__ = ["FixedTimeStage", "expected_bubble", "run", "torch_orders"]
 
@@ -84,7 +84,7 @@ def _mean(out: Tensor, target: Tensor) -> Tensor:
     return out.mean()
 
 
-def torch_orders(engine: PipelineEngine) -> list[list[Op]] | None:
+def torch_orders(engine: PipelineEngine) -> list[list[Entry]] | None:
     """Every pp rank's compute operations, in order, as torch's schedule runs them (the ``pipeline_order`` its runtime
     executes); ``None`` for the single-stage schedules, GPipe and 1F1B, which run :func:`build_order`'s orders (their
     ``pipeline_order`` is only a picture: torch 2.13's Schedule1F1B lists ``F1`` first on rank 1 of 2 and an ``F4`` of
@@ -95,19 +95,22 @@ def torch_orders(engine: PipelineEngine) -> list[list[Op]] | None:
     if isinstance(schedule, PipelineScheduleSingle):
         return None
     order = schedule.pipeline_order
-    out: list[list[Op]] = []
+    out: list[list[Entry]] = []
     for rank in sorted(order):
-        ops: list[Op] = []
+        entries: list[Entry] = []
         for action in order[rank]:
             subs = action.sub_actions if action is not None and action.sub_actions else [action]
-            for a in subs:
-                if a is not None and a.computation_type.value in ("F", "B", "I", "W"):
-                    ops.append((a.computation_type.value, a.stage_index, a.microbatch_index))
-        out.append(ops)
+            ops = tuple((a.computation_type.value, a.stage_index, a.microbatch_index) for a in subs
+                        if a is not None and a.computation_type.value in ("F", "B", "I", "W"))
+            if len(ops) == 1:
+                entries.append(ops[0])
+            elif ops:  # an overlapped pair (DualPipeV): torch receives both inputs before it, sends both outputs after
+                entries.append(ops)
+        out.append(entries)
     return out
 
 
-def expected_bubble(options: PipelineOptions, pp: int, orders: list[list[Op]] | None) -> float:
+def expected_bubble(options: PipelineOptions, pp: int, orders: list[list[Entry]] | None) -> float:
     """The schedule's idle share for these stage costs: its action lists replayed on a clock (mean over ranks)."""
     v = int(options.virtual_stages)  # type: ignore[arg-type]
     if orders is None:

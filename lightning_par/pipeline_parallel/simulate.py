@@ -5,7 +5,10 @@ Each rank executes its list of operations in order. An operation is ``(kind, vir
 2024, §2): ``"I"`` (gradient of the stage's input) and ``"W"`` (gradient of its weights). Dependencies: a forward of
 stage ``s > 0`` waits for the forward of ``s - 1`` on the same micro-batch (a blocking receive); ``B``/``I`` of stage
 ``s`` waits for its own forward and for ``B``/``I`` of ``s + 1``; ``W`` waits for the same stage's ``I``. Sends never
-block. This checks that a schedule cannot deadlock and gives the bubble of its ideal timeline:
+block. An entry may also be a tuple of operations run back to back as one (torch's ``OVERLAP_F_B`` in DualPipeV): it
+starts once every one of them can, and its results reach other ranks when the last one ends, because torch's runtime
+receives every input of the pair before it and sends every output after it (``_add_send_recv`` in
+``torch/distributed/pipelining/schedules.py``, torch 2.13). This checks that a schedule cannot deadlock and gives the bubble of its ideal timeline:
 :func:`~lightning_par.pipeline_parallel.schedules.bubble_formula` in closed form for GPipe, 1F1B and interleaved 1F1B,
 and for any other schedule (torch's zero-bubble ones) the replay of its own action lists.
 """
@@ -21,6 +24,12 @@ __all__ = ["SimulatedStep", "simulate", "simulate_actions"]
 
 #: One operation of a rank: ``(kind, virtual stage, micro-batch)``.
 Op = tuple[str, int, int]
+#: One entry of a rank's order: an operation, or a tuple of operations run as one (an overlapped pair).
+Entry = Op | tuple[Op, ...]
+
+
+def _ops(entry: Entry) -> tuple[Op, ...]:
+    return entry if isinstance(entry[0], tuple) else (entry,)  # type: ignore[return-value]
 
 
 @dataclass
@@ -48,12 +57,13 @@ class SimulatedStep:
         return sum(self.bubble) / len(self.bubble)
 
 
-def simulate_actions(orders: Sequence[Sequence[Op]], num_stages: int, cost: Callable[[str, int], float],
+def simulate_actions(orders: Sequence[Sequence[Entry]], num_stages: int, cost: Callable[[str, int], float],
                      latency: float = 0.0) -> SimulatedStep:
     """Run every rank's operations on a shared clock.
 
     Args:
-        orders: per pipeline rank, its operations in execution order.
+        orders: per pipeline rank, its operations in execution order; a tuple of operations is one entry run back to
+            back, whose results other ranks see when its last operation ends.
         num_stages: virtual stages of the pipeline.
         cost: ``cost(kind, stage)``: time of one operation on one micro-batch.
         latency: added between an operation and a dependent one on another rank (a send).
@@ -66,7 +76,7 @@ def simulate_actions(orders: Sequence[Sequence[Op]], num_stages: int, cost: Call
             shows where each rank is stuck.
     """
     ranks = len(orders)
-    owner = {op[1]: r for r, order in enumerate(orders) for op in order}
+    owner = {op[1]: r for r, order in enumerate(orders) for entry in order for op in _ops(entry)}
     done: dict[Op, float] = {}
     clock, position, busy = [0.0] * ranks, [0] * ranks, [0.0] * ranks
     timeline: list[list[tuple[Op, float, float]]] = [[] for _ in range(ranks)]
@@ -76,40 +86,50 @@ def simulate_actions(orders: Sequence[Sequence[Op]], num_stages: int, cost: Call
         ends = [done[(k, stage, mb)] for k in kinds if (k, stage, mb) in done]
         return min(ends) if ends else None
 
+    def ready_at(op: Op, rank: int, inside: tuple[Op, ...]) -> float | None:
+        """When ``op``'s inputs are here (``None``: not yet); inputs made inside its own entry are here already."""
+        kind, stage, mb = op
+        deps: list[tuple[str, int]] = []  # (kinds that satisfy it, stage)
+        if kind == "F" and stage > 0:
+            deps.append(("F", stage - 1))
+        elif kind in ("B", "I"):
+            deps.append(("F", stage))
+            if stage < num_stages - 1:
+                deps.append(("BI", stage + 1))
+        elif kind == "W":
+            deps.append(("I", stage))
+        ready = 0.0
+        for kinds, s in deps:
+            if any((k, s, mb) in inside for k in kinds):
+                continue
+            end = finished_at(kinds, s, mb)
+            if end is None:
+                return None
+            ready = max(ready, end + (latency if owner.get(s, rank) != rank else 0.0))
+        return ready
+
     while finished < total:
         progressed = False
         for r in range(ranks):
             while position[r] < len(orders[r]):
-                op = orders[r][position[r]]
-                kind, stage, mb = op
-                if op in done:
-                    raise RuntimeError(f"rank {r} runs {op} twice")
-                deps: list[tuple[str, int]] = []  # (kinds that satisfy it, stage)
-                if kind == "F" and stage > 0:
-                    deps.append(("F", stage - 1))
-                elif kind in ("B", "I"):
-                    deps.append(("F", stage))
-                    if stage < num_stages - 1:
-                        deps.append(("BI", stage + 1))
-                elif kind == "W":
-                    deps.append(("I", stage))
-                ready = 0.0
-                for kinds, s in deps:
-                    end = finished_at(kinds, s, mb)
-                    if end is None:
-                        break
-                    ready = max(ready, end + (latency if owner.get(s, r) != r else 0.0))
-                else:
-                    start = max(clock[r], ready)
-                    clock[r] = start + cost(kind, stage)
+                ops = _ops(orders[r][position[r]])
+                for op in ops:
+                    if op in done:
+                        raise RuntimeError(f"rank {r} runs {op} twice")
+                readies = [ready_at(op, r, ops) for op in ops]
+                if any(t is None for t in readies):
+                    break  # blocked on a receive
+                start = max([clock[r], *readies])  # type: ignore[list-item]
+                for op in ops:
+                    timeline[r].append((op, start, start + cost(op[0], op[1])))
+                    busy[r] += cost(op[0], op[1])
+                    start += cost(op[0], op[1])
+                clock[r] = start
+                for op in ops:
                     done[op] = clock[r]
-                    busy[r] += cost(kind, stage)
-                    timeline[r].append((op, start, clock[r]))
-                    position[r] += 1
-                    finished += 1
-                    progressed = True
-                    continue
-                break  # blocked on a receive
+                position[r] += 1
+                finished += 1
+                progressed = True
         if not progressed:
             stuck = {r: orders[r][position[r]] for r in range(ranks) if position[r] < len(orders[r])}
             raise RuntimeError(f"the schedules deadlock: ranks wait at {stuck}")

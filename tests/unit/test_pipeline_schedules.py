@@ -20,6 +20,7 @@ from lightning_par.pipeline_parallel import (
     cut_network,
     peak_in_flight,
     simulate,
+    simulate_actions,
     split_tree,
     summarize_bubble,
 )
@@ -89,6 +90,26 @@ def test_simulated_latency_adds_to_the_bubble():
     ideal = simulate("1f1b", 4, 8, t_forward=1.0, t_backward=2.0)
     slow = simulate("1f1b", 4, 8, t_forward=1.0, t_backward=2.0, latency=0.1)
     assert all(s > i for s, i in zip(slow.bubble, ideal.bubble))
+
+
+def test_an_overlapped_pair_sends_its_outputs_when_both_end():
+    """torch's DualPipeV runs an ``OVERLAP_F_B`` pair back to back and sends after both: the next stage waits longer."""
+    unit = lambda kind, stage: 1.0  # noqa: E731
+    downstream = [("F", 1, 0), ("F", 1, 1)]
+    apart = simulate_actions([[("F", 0, 0), ("F", 0, 1)], downstream], 2, unit)
+    paired = simulate_actions([[(("F", 0, 0), ("F", 0, 1))], downstream], 2, unit)
+    assert apart.makespan == 3.0  # stage 1 starts micro-batch 0 as soon as stage 0 has made it
+    assert paired.makespan == 4.0  # it waits for the pair: both outputs leave at time 2
+    assert paired.timeline[0] == [(("F", 0, 0), 0.0, 1.0), (("F", 0, 1), 1.0, 2.0)]
+
+
+def test_an_overlapped_pair_waits_for_every_input():
+    unit = lambda kind, stage: 1.0  # noqa: E731
+    # rank 1's pair needs stage 0's forward of micro-batch 1, which rank 0 makes after a 1-unit forward of mb 0
+    step = simulate_actions([[("F", 0, 0), ("F", 0, 1)], [(("F", 1, 0), ("F", 1, 1))]], 2, unit)
+    assert step.timeline[1][0][1] == 2.0  # not 1.0, when micro-batch 0 alone was ready
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate_actions([[(("F", 0, 0), ("B", 0, 0))], [("F", 1, 0), ("B", 1, 0)]], 2, unit)
 
 
 @pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (4, 2), (4, 8), (8, 16)])
