@@ -16,7 +16,7 @@ dp sizes, modes, tensor- and pipeline-parallel layouts and into one process.
 from __future__ import annotations
 
 from collections.abc import Generator, Iterable, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -39,6 +39,20 @@ def broadcast_from_dp_rank0(module: nn.Module, dp_group: dist.ProcessGroup) -> N
     for t in list(module.parameters()) + list(module.buffers()):
         local = t._local_tensor if isinstance(t, DTensor) else t
         dist.broadcast(local.data, src=src, group=dp_group)
+
+
+@contextmanager
+def sync_off(reducer: Any) -> Generator[None, None, None]:
+    """Within the block, ``reducer``'s gradient hooks do not communicate (its ``require_sync`` is off); the previous
+    setting comes back after it. A no-op for ``None`` (a dp size of 1 has no reducer)."""
+    if reducer is None:
+        yield
+        return
+    previous, reducer.require_sync = reducer.require_sync, False
+    try:
+        yield
+    finally:
+        reducer.require_sync = previous
 
 
 class DataParallelEngine:
@@ -201,16 +215,8 @@ class DDPEngine(DataParallelEngine):
     def post_backward(self) -> CommStats | None:
         return self.reducer.finish() if self.reducer is not None else None
 
-    @contextmanager
-    def defer_sync(self) -> Generator[None, None, None]:
-        if self.reducer is None:
-            yield
-            return
-        previous, self.reducer.require_sync = self.reducer.require_sync, False
-        try:
-            yield
-        finally:
-            self.reducer.require_sync = previous
+    def defer_sync(self) -> AbstractContextManager[None]:
+        return sync_off(self.reducer)
 
     def reduce_now(self) -> CommStats | None:
         return self.reducer.reduce_all() if self.reducer is not None else None

@@ -47,7 +47,7 @@ pieces under :meth:`ZeroEngine.defer_sync` and call :meth:`ZeroEngine.reduce_now
 from __future__ import annotations
 
 from collections.abc import Generator, Iterable, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -59,7 +59,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_par.data_parallel.reducer import CommStats, GradientReducer
 from lightning_par.data_parallel.shard_layout import LayoutBucket, ParamShard, ShardLayout, local_tensor
-from lightning_par.data_parallel.engine import ZeroEngine
+from lightning_par.data_parallel.engine import ZeroEngine, sync_off
 from lightning_par.data_parallel.sharded_comm import ParamGather, ReduceScatterReducer
 from lightning_par.data_parallel.zero_options import ZeroOptions
 
@@ -356,16 +356,8 @@ class ZeroShardedDataParallel(ZeroEngine):
         self._attach_grads()
         return stats
 
-    @contextmanager
-    def defer_sync(self) -> Generator[None, None, None]:
-        if self.reducer is None:
-            yield
-            return
-        previous, self.reducer.require_sync = self.reducer.require_sync, False
-        try:
-            yield
-        finally:
-            self.reducer.require_sync = previous
+    def defer_sync(self) -> AbstractContextManager[None]:
+        return sync_off(self.reducer)
 
     @torch.no_grad()
     def reduce_now(self) -> CommStats | None:
