@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING
 from lightning_par.validation import check_int
 
 if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MESH_AXES", "ParallelDims"]
+__all__ = ["MESH_AXES", "ParallelDims", "broadcast_from_rank0"]
 
 #: Names of the mesh axes, outermost first.
 MESH_AXES: tuple[str, str, str] = ("pp", "dp", "tp")
@@ -129,3 +131,17 @@ class ParallelDims:
         if self._mesh is None:
             raise RuntimeError("ParallelDims.get_mesh called before build_mesh.")
         return self._mesh[axis]
+
+
+def broadcast_from_rank0(module: nn.Module, group: ProcessGroup) -> None:
+    """Give every rank of ``group`` (one mesh axis: dp or tp) the parameters and buffers of the group's rank 0, in
+    place (a DTensor's local shard); a no-op for a group of one."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if dist.get_world_size(group) == 1:
+        return
+    src = dist.get_global_rank(group, 0)
+    for t in list(module.parameters()) + list(module.buffers()):
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        dist.broadcast(local.data, src=src, group=group)

@@ -27,18 +27,13 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par.data_parallel.options import ReducerOptions, ZeroOptions, zero_stage
 from lightning_par.data_parallel.reducer import CommStats, GradientReducer
+from lightning_par.parallel_dims import broadcast_from_rank0
 
 __all__ = ["DDPEngine", "DataParallelEngine", "ZeroEngine", "apply_data_parallel", "broadcast_from_dp_rank0"]
 
 
-def broadcast_from_dp_rank0(module: nn.Module, dp_group: dist.ProcessGroup) -> None:
-    """Make every replica start from dp rank 0's parameters and buffers (local shards for DTensors)."""
-    if dist.get_world_size(dp_group) == 1:
-        return
-    src = dist.get_global_rank(dp_group, 0)
-    for t in list(module.parameters()) + list(module.buffers()):
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        dist.broadcast(local.data, src=src, group=dp_group)
+#: Every replica starts from dp rank 0's parameters and buffers.
+broadcast_from_dp_rank0 = broadcast_from_rank0
 
 
 @contextmanager

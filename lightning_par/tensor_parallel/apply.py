@@ -2,28 +2,20 @@
 
 from __future__ import annotations
 
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+from lightning_par.parallel_dims import broadcast_from_rank0
 from lightning_par.tensor_parallel.plan import Plan, resolve_style, validate_plan
 
 __all__ = ["apply_tensor_parallel", "broadcast_from_tp_rank0", "reduce_partial_grads", "reduce_partial_grads_eagerly"]
 
 
-def broadcast_from_tp_rank0(module: nn.Module, tp_group: dist.ProcessGroup) -> None:
-    """Give every tp rank tp-rank 0's parameters and buffers (plain tensors, before they are sharded).
-
-    After this every rank can cut its shard locally, and the replicated styles (which wrap local tensors) agree.
-    """
-    if dist.get_world_size(tp_group) == 1:
-        return
-    src = dist.get_global_rank(tp_group, 0)
-    for t in list(module.parameters()) + list(module.buffers()):
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        dist.broadcast(local.data, src=src, group=tp_group)
+#: Every tp rank gets tp rank 0's parameters and buffers (plain tensors, before they are sharded), so each can cut its
+#: shard locally and the replicated styles (which wrap local tensors) agree.
+broadcast_from_tp_rank0 = broadcast_from_rank0
 
 
 def _reduce_partial_grad(param: Tensor) -> None:
