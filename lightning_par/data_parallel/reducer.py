@@ -170,7 +170,7 @@ class GradientReducer:
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("The model has no parameter that requires a gradient: there is nothing to reduce.")
-        self.group = group
+        self.group = group if group is not None else dist.group.WORLD
         self.world = dist.get_world_size(group)
         self.bucket_cap_bytes = int(bucket_cap_mb * _MiB)
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -267,24 +267,21 @@ class GradientReducer:
             self._stats = CommStats(backward_start=time.perf_counter())
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        # The hot path: one call per parameter per backward, so kept to one copy and a few lookups. Autograd runs
-        # hooks with grad mode off unless backward(create_graph=True); a no_grad decorator cost 1.7 us a call here.
+        # The hot path: one call per parameter per backward, so it only records the arrival; the gradients are copied
+        # into the bucket when it is complete (_launch). Autograd runs hooks with grad mode off unless
+        # backward(create_graph=True); a no_grad decorator cost 1.7 us a call here.
         if torch.is_grad_enabled():
             with torch.no_grad():
                 return self._on_grad_ready(param)
-        grad = param.grad
-        if grad is None or not self.require_sync:
+        if param.grad is None or not self.require_sync:
             return
         bucket, i = self._where[id(param)]
         if self.static_graph and not self._rebuilt:
             self._arrival.append(param)
-        view = bucket.views[i]
-        local = grad._local_tensor if bucket.is_dtensor[i] else grad
-        if local.data_ptr() != view.data_ptr():  # not already the bucket view (gradient_as_bucket_view, kept grads)
-            view.copy_(local)
         self._stats.backward_end = time.perf_counter()
-        bucket.arrived.add(i)
-        if len(bucket.arrived) == len(bucket.params):
+        arrived = bucket.arrived
+        arrived.add(i)
+        if len(arrived) == len(bucket.params):
             self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
@@ -298,21 +295,36 @@ class GradientReducer:
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        if len(bucket.arrived) < len(bucket.params):
-            for i, view in enumerate(bucket.views):
-                if i not in bucket.arrived:  # no gradient this step on this rank: contribute zeros
-                    view.zero_()
+        # Gather the bucket's gradients into its buffer, dividing by the world size on the way (one pass over the
+        # memory instead of a copy and then an in-place division: 0.3 ms less backward per step on the small GPT, of
+        # 36 ms, as torch DDP's reducer does with mul_out). A parameter that got no gradient this step contributes
+        # zeros; one whose .grad already is its slot (gradient_as_bucket_view) is divided in place.
+        arrived = bucket.arrived
+        divisor = 1 if self.powersgd is not None else self.world  # PowerSGD averages in its own all-reduces
+        div = torch.div
+        for i, (p, view, is_dtensor) in enumerate(zip(bucket.params, bucket.views, bucket.is_dtensor)):
+            if i not in arrived:
+                view.zero_()
+                continue
+            grad = p.grad
+            local = grad._local_tensor if is_dtensor else grad
+            if local.data_ptr() != view.data_ptr():
+                div(local, divisor, out=view)
+            elif divisor != 1:
+                view.div_(divisor)
         bucket.launched = True
         bucket.launch_time = time.perf_counter()
         bucket.done_time = None
         if self.powersgd is not None:
             # PowerSGD's second all-reduce depends on the first: it runs in finish(), after backward.
             return
-        bucket.buffer.div_(self.world)
         wire = bucket.buffer.to(CAST_DTYPES[self.comm_hook]) if self.comm_hook in CAST_DTYPES else bucket.buffer
         bucket.wire = wire
         self._stats.bytes_sent += wire.numel() * wire.element_size()
-        work = dist.all_reduce(wire, group=self.group, async_op=True)
+        # The process group's own allreduce (sum, asynchronous), not dist.all_reduce: its argument checks and logging
+        # wrapper cost 0.2-0.3 ms per step of 37 ms here (4 buckets, small GPT, dp 2), measured against torch DDP,
+        # which calls the process group from C++.
+        work = self.group.allreduce([wire])
 
         def _done(_fut: object, bucket: Bucket = bucket) -> None:
             bucket.done_time = time.perf_counter()
@@ -332,18 +344,19 @@ class GradientReducer:
         stats = self._stats
         if stats.backward_end == 0.0:  # no gradient hook ran on this rank
             stats.backward_end = start
-        self._launch_ready(force=True)
-        for bucket in self.buckets:
-            if self.powersgd is not None:
-                self._powersgd_bucket(bucket, stats)
-            else:
-                bucket.work.wait()
-                if bucket.wire is not bucket.buffer:
-                    bucket.buffer.copy_(bucket.wire)
-            stats.launches.append(bucket.launch_time)
-            stats.completions.append(bucket.done_time if bucket.done_time is not None else time.perf_counter())
-            self._write_back(bucket)
-            bucket.arrived, bucket.launched, bucket.work, bucket.wire = set(), False, None, None
+        with torch.no_grad():
+            self._launch_ready(force=True)
+            for bucket in self.buckets:
+                if self.powersgd is not None:
+                    self._powersgd_bucket(bucket, stats)
+                else:
+                    bucket.work.wait()
+                    if bucket.wire is not bucket.buffer:
+                        bucket.buffer.copy_(bucket.wire)
+                stats.launches.append(bucket.launch_time)
+                stats.completions.append(bucket.done_time if bucket.done_time is not None else time.perf_counter())
+                self._write_back(bucket)
+                bucket.arrived, bucket.launched, bucket.work, bucket.wire = set(), False, None, None
         self._next_launch = 0
         if self.powersgd is not None:
             self.powersgd.iteration += 1
@@ -399,8 +412,8 @@ class GradientReducer:
         n = _local(bucket.params[i]).numel()
         return bucket.buffer[bucket.offsets[i] : bucket.offsets[i] + n]
 
-    @torch.no_grad()
     def _write_back(self, bucket: Bucket) -> None:
+        """Hand the reduced gradients to the parameters (called by ``finish`` under ``no_grad``)."""
         as_view = self.gradient_as_bucket_view
         into: list[Tensor] = []
         sources: list[Tensor] = []
