@@ -16,8 +16,9 @@ One process-group launch of 2 ranks (CPU, gloo, fp32 AdamW, the reference GPT) m
   (:class:`~lightning_par.memory.StepMemoryTracker`), split into the model state and the rest (activations,
   communication buffers, temporaries). For ``zero2``, the most gradient bytes alive at once during backward
   (shard, bucket buffers and the parameter gradient autograd just produced) against ``4 Psi/N + 2 buckets``.
-* **scaling**: the ``zero1``/``zero2`` over DDP ratios at dp 2 for the ``tiny``, ``small`` and ``wide`` shapes
-  (:data:`~lightning_par.benchmarks.common.GPT_SHAPES`): a fixed cost per tensor weighs less as tensors grow.
+* **scaling**: the ``zero1``/``zero2`` over DDP ratios of training-thread CPU time at dp 2 for the ``tiny``,
+  ``small`` and ``wide`` shapes (:data:`~lightning_par.benchmarks.common.GPT_SHAPES`): a fixed cost per tensor weighs
+  less as tensors grow.
 
 Communication volume per step against the paper's §7 is pinned by the test suite
 (``tests/distributed/test_zero.py::test_communication_volume``), not timed here.
@@ -34,11 +35,16 @@ from torch import nn
 
 from lightning_par.benchmarks.common import GPT_SHAPES, Contender, run_in_turns, token_batches
 
-__all__ = ["run"]
+__all__ = ["run", "scaling_steps"]
 
 _BUCKET_CAP_MB = 1.0
-_QUICK = dict(steps=15, warmup=3, micro_batch=8, scaling_steps=8)
-_FULL = dict(steps=40, warmup=5, micro_batch=8, scaling_steps=20)
+# Steps per contender. A scaling row runs at least ``scaling_steps`` and, for short steps, as many more (up to
+# ``scaling_max_steps``) as fill ``scaling_budget_s`` seconds per round of contenders: with 8 steps, the tiny shape's
+# 3 ms steps moved its ratios by 25-41% between two runs. ZeroRedundancyOptimizer + DDP's wall time per step spreads
+# from 43 to 128 ms at dp 2 (its parameter broadcasts compete with the other rank for 2 cores): the median of 15 or 30
+# steps moved by 20-29% between runs, of 60 by 5%.
+_QUICK = dict(steps=60, warmup=3, micro_batch=8, scaling_steps=10, scaling_budget_s=3.0, scaling_max_steps=300)
+_FULL = dict(steps=120, warmup=5, micro_batch=8, scaling_steps=20, scaling_budget_s=6.0, scaling_max_steps=600)
 _NAMES = ("torch DDP", "ZeroRedundancyOptimizer + DDP", "FSDP2", "zero1", "zero2", "zero3")
 _FORMULA_STAGE = {"torch DDP": 0, "ZeroRedundancyOptimizer + DDP": 1, "FSDP2": 3, "zero1": 1, "zero2": 2, "zero3": 3}
 
@@ -183,16 +189,28 @@ def _worker(setup: dict[str, Any]) -> dict[str, Any]:
         out["numel"], out["num_tensors"] = runs[0].numel, runs[0].num_tensors
         del runs, contenders
     for name, shape in GPT_SHAPES.items():
-        steps = setup["scaling_steps"]
-        batches = token_batches(steps + 2, setup["micro_batch"], shape["block_size"], shape["vocab_size"], seed=rank)
+        batches = token_batches(16, setup["micro_batch"], shape["block_size"], shape["vocab_size"], seed=rank)
         runs = [_Run(n, shape, meshes[world], batches) for n in ("torch DDP", "ZeroRedundancyOptimizer + DDP",
                                                                    "zero1", "zero2")]
         contenders = [Contender(r.name, r.step) for r in runs]
-        run_in_turns(contenders, steps, 2)
-        out["scaling"][name] = {c.name: c.times for c in contenders} | {"numel": runs[0].numel}
+        run_in_turns(contenders, 2, 1)  # times are the max over ranks: every rank computes the same step count
+        steps = scaling_steps(sum(c.times[-1] for c in contenders), setup)
+        for c in contenders:
+            c.times.clear()
+            c.cpu_times.clear()
+        run_in_turns(contenders, steps, 0)
+        out["scaling"][name] = {c.name: c.times for c in contenders} | {"numel": runs[0].numel, "steps": steps}
         out["scaling_cpu"][name] = {c.name: c.cpu_times for c in contenders}
         del runs, contenders
     return out
+
+
+def scaling_steps(round_s: float, setup: dict[str, Any]) -> int:
+    """Measured steps for a scaling row whose round of contenders takes ``round_s`` seconds: enough to fill
+    ``setup["scaling_budget_s"]`` seconds, at least ``setup["scaling_steps"]``, at most ``setup["scaling_max_steps"]``.
+    """
+    fill = int(setup["scaling_budget_s"] / round_s) if round_s > 0 else setup["scaling_max_steps"]
+    return min(setup["scaling_max_steps"], max(setup["scaling_steps"], fill))
 
 
 def _median(times: list[float]) -> float:
@@ -204,7 +222,8 @@ def run(quick: bool = False, world_size: int = 2) -> str:
     """Measure and return the markdown tables (see the module docstring).
 
     Args:
-        quick: 15 measured steps per contender (40 without), 8 per scaling row (20 without).
+        quick: 60 measured steps per contender (120 without); a scaling row at least 10 (20 without), more for short
+            steps, up to 3 s per round of its contenders (6 s without).
         world_size: ranks; the dp sizes measured are ``world_size`` and 1.
     """
     from lightning_par.data_parallel.zero_memory import paper_state_bytes
@@ -277,18 +296,22 @@ def run(quick: bool = False, world_size: int = 2) -> str:
                      f"{grad / bound:.3f} | {shard + cap2:.0f} | {grad / (shard + cap2):.3f} |")
     lines += [
         "",
-        "### Scaling: the fixed per-tensor cost (dp 2, same run; step time over torch DDP's, wall and CPU)",
+        "### Scaling: the fixed per-tensor cost (dp 2, same run; training-thread CPU time per step over torch DDP's)",
         "",
-        "| shape | Psi | wall: ZeroRedundancyOptimizer + DDP / DDP | wall: zero1 / DDP | wall: zero2 / DDP | "
-        "CPU: ZeroRedundancyOptimizer + DDP / DDP | CPU: zero1 / DDP | CPU: zero2 / DDP |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "A fixed cost per tensor is CPU work, so these rows compare CPU time. Wall time is left out here: on 2 shared "
+        "cores `ZeroRedundancyOptimizer` + DDP's wall time per step spreads over a factor of 3, and the median of the "
+        "10-80 steps a quick scaling row affords moved its wall ratios by up to 34% between two runs (the table above "
+        "gives the small shape's wall time over 60 or more steps).",
+        "",
+        "| shape | Psi | measured steps | CPU: ZeroRedundancyOptimizer + DDP / DDP | CPU: zero1 / DDP | "
+        "CPU: zero2 / DDP |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for name, row in r0["scaling"].items():
         cpu = r0["scaling_cpu"][name]
-        base, cbase = _median(row["torch DDP"]), _median(cpu["torch DDP"])
-        cells = [_median(row[n]) / base for n in ("ZeroRedundancyOptimizer + DDP", "zero1", "zero2")]
-        cells += [_median(cpu[n]) / cbase for n in ("ZeroRedundancyOptimizer + DDP", "zero1", "zero2")]
-        lines.append(f"| {name} | {row['numel']} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+        cbase = _median(cpu["torch DDP"])
+        cells = [_median(cpu[n]) / cbase for n in ("ZeroRedundancyOptimizer + DDP", "zero1", "zero2")]
+        lines.append(f"| {name} | {row['numel']} | {row['steps']} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
     return "\n".join(lines)
 
 

@@ -30,3 +30,15 @@ def test_compare_runs_reports_the_largest_relative_difference() -> None:
     line = benchmark.compare_runs(RUN, other)
     assert "9.1%" in line and "2 zero2 | / torch DDP" in line
     assert "0.0%" in benchmark.compare_runs(RUN, RUN)
+
+
+def test_scaling_rows_fill_their_time_budget_within_bounds() -> None:
+    from lightning_par.benchmarks.zero import _FULL, _QUICK, scaling_steps
+
+    setup = dict(scaling_steps=10, scaling_budget_s=3.0, scaling_max_steps=300)
+    assert scaling_steps(0.5, setup) == 10  # long rounds: the floor
+    assert scaling_steps(0.02, setup) == 150  # short rounds: as many as fill 3 s
+    assert scaling_steps(0.001, setup) == 300  # capped
+    assert scaling_steps(0.0, setup) == 300
+    for mode in (_QUICK, _FULL):
+        assert mode["scaling_steps"] <= scaling_steps(0.004, mode) <= mode["scaling_max_steps"]
