@@ -364,11 +364,22 @@ class GradientReducer:
         self.history.append(stats)
         if self.static_graph and not self._rebuilt:
             self._rebuilt = True
-            arrived = {id(p) for p in self._arrival}
-            order = self._arrival + [p for p in reversed(self.params) if id(p) not in arrived]
-            self._build_buckets(order)
+            self._build_buckets(self._arrival_order_of_rank0())
         self._arrival = []
         return stats
+
+    def _arrival_order_of_rank0(self) -> list[nn.Parameter]:
+        """The parameters in the order their gradients arrived on the group's first rank (those that got none last,
+        in reverse registration order). Every rank builds its buckets from this order, as torch DDP broadcasts rank
+        0's bucket assignment: where gradients arrive in another order on another rank, buckets built from the local
+        order would hold different parameters on different ranks and the all-reduce would add unrelated gradients
+        (tests/distributed/test_reducer.py)."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        arrived = {id(p) for p in self._arrival}
+        order = self._arrival + [p for p in reversed(self.params) if id(p) not in arrived]
+        indices = torch.tensor([index[id(p)] for p in order], dtype=torch.int64, device=_local(self.params[0]).device)
+        dist.broadcast(indices, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return [self.params[i] for i in indices.tolist()]
 
     def reduce_all(self) -> CommStats:
         """Reduce every current ``.grad`` now, without overlap (for callers that run backward in pieces, such as a
