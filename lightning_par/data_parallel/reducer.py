@@ -144,8 +144,8 @@ class GradientReducer:
         gradient_as_bucket_view: after reduction, point each plain tensor's ``.grad`` at its slice of the bucket
             instead of copying back, so gradients and buckets share memory.
         static_graph: the set and order of gradients is the same every step: after the first synchronised step the
-            buckets are rebuilt in the order gradients actually arrived (DDP's bucket rebuilding), so the first
-            bucket launches as early as possible.
+            buckets are rebuilt in the order gradients actually arrived on the group's first rank, the same on
+            every rank (DDP's bucket rebuilding), so the first bucket launches as early as possible.
         comm_hook: ``"none"``, ``"fp16"``, ``"bf16"`` (cast the bucket for the wire) or ``"powersgd"``.
         powersgd_rank: rank of the PowerSGD approximation.
         powersgd_start_iter: plain all-reduce steps before PowerSGD starts.
