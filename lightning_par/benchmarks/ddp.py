@@ -46,19 +46,45 @@ _FULL = dict(steps=60, warmup=5, rounds=8, fit_steps=25, fit_warmup=5)
 
 
 class StepTimer(L.Callback):
-    """Wall time (``times``) and the training thread's CPU time (``cpu_times``) of each training batch, seconds."""
+    """Wall time (``times``) and the training thread's CPU time (``cpu_times``) of each training batch, seconds; and
+    the same for each stretch between two of Lightning's hooks within the batch (``phases``: one dict per batch,
+    ``"hook -> next hook"`` to ``(wall_s, cpu_s)``). With one optimizer and no accumulation the stretches are: forward
+    (batch start -> ``on_before_zero_grad``), ``zero_grad`` (-> ``on_before_backward``), backward (->
+    ``on_after_backward``), what the strategy does after backward (-> ``on_before_optimizer_step``: ``ddp_overlap``
+    waits there for its last buckets, ``DDPStrategy`` inside backward) and the optimizer step (-> batch end)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
         self.cpu_times: list[float] = []
-        self._t0 = self._c0 = 0.0
+        self.phases: list[dict[str, tuple[float, float]]] = []
+        self._marks: list[tuple[str, float, float]] = []
+
+    def _mark(self, name: str) -> None:
+        self._marks.append((name, time.perf_counter(), time.thread_time()))
 
     def on_train_batch_start(self, *args: Any) -> None:
-        self._t0, self._c0 = time.perf_counter(), time.thread_time()
+        self._marks = []
+        self._mark("start")
+
+    def on_before_zero_grad(self, *args: Any) -> None:
+        self._mark("on_before_zero_grad")
+
+    def on_before_backward(self, *args: Any) -> None:
+        self._mark("on_before_backward")
+
+    def on_after_backward(self, *args: Any) -> None:
+        self._mark("on_after_backward")
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        self._mark("on_before_optimizer_step")
 
     def on_train_batch_end(self, *args: Any) -> None:
-        self.times.append(time.perf_counter() - self._t0)
-        self.cpu_times.append(time.thread_time() - self._c0)
+        self._mark("end")
+        (_, t0, c0), (_, t1, c1) = self._marks[0], self._marks[-1]
+        self.times.append(t1 - t0)
+        self.cpu_times.append(c1 - c0)
+        self.phases.append({f"{a} -> {b}": (tb - ta, cb - ca)
+                            for (a, ta, ca), (b, tb, cb) in zip(self._marks, self._marks[1:])})
 
 
 def _gpt() -> torch.nn.Module:
@@ -123,7 +149,7 @@ def _engine_contenders(batches: list, group: Any) -> tuple[list[Contender], Any]
     return contenders, reducer
 
 
-def _fit(mode: str, setup: dict[str, Any], env: dict[str, str]) -> tuple[list[float], list[float]]:
+def _fit(mode: str, setup: dict[str, Any], env: dict[str, str]) -> tuple[list[float], list[float], list[dict]]:
     from lightning.pytorch.strategies import DDPStrategy
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -149,7 +175,7 @@ def _fit(mode: str, setup: dict[str, Any], env: dict[str, str]) -> tuple[list[fl
             opt.zero_grad(set_to_none=True)
             times.append(time.perf_counter() - start)
             cpu.append(time.thread_time() - cpu_start)
-        return times[setup["fit_warmup"] :], cpu[setup["fit_warmup"] :]
+        return times[setup["fit_warmup"] :], cpu[setup["fit_warmup"] :], []
     torch.manual_seed(0)
     module = GPTLightningModule(GPTConfig(**_SHAPE, dropout=0.0), learning_rate=1e-3)
     strategy = (
@@ -165,7 +191,8 @@ def _fit(mode: str, setup: dict[str, Any], env: dict[str, str]) -> tuple[list[fl
         use_distributed_sampler=False, limit_val_batches=0, callbacks=[timer],
     )
     trainer.fit(module, loader)
-    return timer.times[setup["fit_warmup"] :], timer.cpu_times[setup["fit_warmup"] :]
+    w = setup["fit_warmup"]
+    return timer.times[w:], timer.cpu_times[w:], timer.phases[w:]
 
 
 _FITS = ("raw torch DDP", "Lightning DDPStrategy", "ddp_overlap", "ddp_overlap, gradient_as_bucket_view=False")
@@ -187,13 +214,33 @@ def _worker(setup: dict[str, Any]) -> dict[str, Any]:
     del contenders, reducer
     fits: dict[str, list[float]] = {m: [] for m in _FITS}
     fits_cpu: dict[str, list[float]] = {m: [] for m in _FITS}
+    phases: dict[str, list[dict]] = {m: [] for m in _FITS}
     for _ in range(setup["rounds"]):
         for mode in _FITS:
-            wall, cpu = _fit(mode, setup, env)
+            wall, cpu, steps = _fit(mode, setup, env)
             fits[mode] += wall
             fits_cpu[mode] += cpu
-    out["fits"], out["fits_cpu"] = fits, fits_cpu
+            phases[mode] += steps
+    out["fits"], out["fits_cpu"], out["phases"] = fits, fits_cpu, phases
     return out
+
+
+def _phase_table(phases: dict[str, list[dict]]) -> list[str]:
+    """Median wall / CPU milliseconds of each stretch between Lightning's hooks, per loop that has hooks."""
+    loops = {m: steps for m, steps in phases.items() if steps}
+    names: list[str] = []
+    for steps in loops.values():
+        for step in steps:
+            names += [n for n in step if n not in names]
+    lines = ["| stretch (wall / CPU, ms) | " + " | ".join(loops) + " |", "|---|" + "---:|" * len(loops)]
+    for n in names:
+        cells = []
+        for steps in loops.values():
+            got = [s[n] for s in steps if n in s]
+            wall, cpu = (statistics.median(x) * 1e3 for x in zip(*got)) if got else (None, None)
+            cells.append(f"{wall:.2f} / {cpu:.2f}" if got else "-")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def run(quick: bool = False, world_size: int = 2) -> str:
@@ -254,6 +301,13 @@ def run(quick: bool = False, world_size: int = 2) -> str:
         lines.append(f"| {name} | {m * 1e3:.1f} | {m / fits['raw torch DDP']:.3f} | "
                      f"{m / fits['Lightning DDPStrategy']:.3f} | {c * 1e3:.1f} | "
                      f"{c / fits_cpu['raw torch DDP']:.3f} | {c / fits_cpu['Lightning DDPStrategy']:.3f} |")
+    lines += [
+        "",
+        "Phase by phase under Lightning (the same fits; medians of each stretch between two of Lightning's hooks, so "
+        "the stretches of one loop need not add up to its median step):",
+        "",
+        *_phase_table(r0["phases"]),
+    ]
     return "\n".join(lines)
 
 

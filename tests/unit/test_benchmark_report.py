@@ -42,3 +42,15 @@ def test_scaling_rows_fill_their_time_budget_within_bounds() -> None:
     assert scaling_steps(0.0, setup) == 300
     for mode in (_QUICK, _FULL):
         assert mode["scaling_steps"] <= scaling_steps(0.004, mode) <= mode["scaling_max_steps"]
+
+
+def test_ddp_phase_table_lists_each_stretch_once_with_medians() -> None:
+    from lightning_par.benchmarks.ddp import _phase_table
+
+    steps = [{"start -> a": (0.010, 0.009), "a -> end": (0.002, 0.001)},
+             {"start -> a": (0.030, 0.029), "a -> end": (0.004, 0.003)},
+             {"start -> a": (0.020, 0.019), "a -> end": (0.003, 0.002)}]
+    lines = _phase_table({"raw": [], "ours": steps, "theirs": steps[:1]})
+    assert lines[0] == "| stretch (wall / CPU, ms) | ours | theirs |"  # a loop without hooks has no column
+    assert lines[2] == "| start -> a | 20.00 / 19.00 | 10.00 / 9.00 |"
+    assert lines[3] == "| a -> end | 3.00 / 2.00 | 2.00 / 1.00 |"
