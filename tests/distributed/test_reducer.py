@@ -40,6 +40,7 @@ def _rebuild_worker() -> dict:
     plain = _TwoBranches("a")  # the same weights, for the local gradients without any reducer
     # Buckets of about one tensor each, rebuilt after the first step in the order the gradients arrived.
     reducer = GradientReducer(list(model.parameters()), dist.group.WORLD, bucket_cap_mb=1e-4, static_graph=True)
+
     def bucket_order() -> list[list[int]]:
         return [[i for i, q in enumerate(model.parameters()) for p in b.params if p is q] for b in reducer.buckets]
 
