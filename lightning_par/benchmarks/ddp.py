@@ -49,22 +49,31 @@ class StepTimer(L.Callback):
     """Wall time (``times``) and the training thread's CPU time (``cpu_times``) of each training batch, seconds; and
     the same for each stretch between two of Lightning's hooks within the batch (``phases``: one dict per batch,
     ``"hook -> next hook"`` to ``(wall_s, cpu_s)``). With one optimizer and no accumulation the stretches are: forward
-    (batch start -> ``on_before_zero_grad``), ``zero_grad`` (-> ``on_before_backward``), backward (->
-    ``on_after_backward``), what the strategy does after backward (-> ``on_before_optimizer_step``: ``ddp_overlap``
-    waits there for its last buckets, ``DDPStrategy`` inside backward) and the optimizer step (-> batch end)."""
+    (batch start -> ``on_before_zero_grad``), ``zero_grad`` (-> ``on_before_backward``), backward and the end of the
+    dp reduction (-> ``on_after_backward``: ``DDPStrategy`` waits for its last buckets inside backward, ``ddp_overlap``
+    right after it, both before that hook), the closure's return (-> ``on_before_optimizer_step``) and the optimizer
+    step (-> batch end).
+    ``between`` holds ``(wall_s, cpu_s)`` from one batch's end to the next batch's start: outside the step window, the
+    loader's next batch and Lightning's loop between batches (which, in a multi-process run, includes a broadcast of
+    its SIGTERM flag from rank 0 every batch)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
         self.cpu_times: list[float] = []
         self.phases: list[dict[str, tuple[float, float]]] = []
+        self.between: list[tuple[float, float]] = []
         self._marks: list[tuple[str, float, float]] = []
 
     def _mark(self, name: str) -> None:
         self._marks.append((name, time.perf_counter(), time.thread_time()))
 
     def on_train_batch_start(self, *args: Any) -> None:
+        previous_end = self._marks[-1] if self._marks else None
         self._marks = []
         self._mark("start")
+        if previous_end is not None:
+            (_, t0, c0), (_, t1, c1) = previous_end, self._marks[0]
+            self.between.append((t1 - t0, c1 - c0))
 
     def on_before_zero_grad(self, *args: Any) -> None:
         self._mark("on_before_zero_grad")
@@ -149,7 +158,10 @@ def _engine_contenders(batches: list, group: Any) -> tuple[list[Contender], Any]
     return contenders, reducer
 
 
-def _fit(mode: str, setup: dict[str, Any], env: dict[str, str]) -> tuple[list[float], list[float], list[dict]]:
+def _fit(mode: str, setup: dict[str, Any], env: dict[str, str]) -> dict[str, list]:
+    """One fit of ``setup["fit_steps"]`` batches; per measured batch: ``wall``/``cpu`` seconds of the step,
+    ``phases`` (stretches between Lightning's hooks, empty for the raw loop) and ``between`` (wall seconds from the
+    previous batch's end to this batch's start: the loader, and Lightning's loop between batches)."""
     from lightning.pytorch.strategies import DDPStrategy
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -167,15 +179,20 @@ def _fit(mode: str, setup: dict[str, Any], env: dict[str, str]) -> tuple[list[fl
 
         model = DDP(_gpt(), bucket_cap_mb=_BUCKET_CAP_MB)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        times, cpu = [], []
+        times, cpu, between = [], [], []
+        end = None
         for batch in loader:
             start, cpu_start = time.perf_counter(), time.thread_time()
+            if end is not None:
+                between.append(start - end)
             _loss(model, batch).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - start)
+            end = time.perf_counter()
+            times.append(end - start)
             cpu.append(time.thread_time() - cpu_start)
-        return times[setup["fit_warmup"] :], cpu[setup["fit_warmup"] :], []
+        w = setup["fit_warmup"]
+        return {"wall": times[w:], "cpu": cpu[w:], "phases": [], "between": between[w - 1 :]}
     torch.manual_seed(0)
     module = GPTLightningModule(GPTConfig(**_SHAPE, dropout=0.0), learning_rate=1e-3)
     strategy = (
@@ -192,7 +209,8 @@ def _fit(mode: str, setup: dict[str, Any], env: dict[str, str]) -> tuple[list[fl
     )
     trainer.fit(module, loader)
     w = setup["fit_warmup"]
-    return timer.times[w:], timer.cpu_times[w:], timer.phases[w:]
+    return {"wall": timer.times[w:], "cpu": timer.cpu_times[w:], "phases": timer.phases[w:],
+            "between": [wall for wall, _ in timer.between[w - 1 :]]}
 
 
 _FITS = ("raw torch DDP", "Lightning DDPStrategy", "ddp_overlap", "ddp_overlap, gradient_as_bucket_view=False")
@@ -212,16 +230,14 @@ def _worker(setup: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"engines": {c.name: c.times for c in contenders}, "live": reducer.overlap_summary(),
                            "engines_cpu_s": {c.name: c.cpu_times for c in contenders}}
     del contenders, reducer
-    fits: dict[str, list[float]] = {m: [] for m in _FITS}
-    fits_cpu: dict[str, list[float]] = {m: [] for m in _FITS}
-    phases: dict[str, list[dict]] = {m: [] for m in _FITS}
+    keys = ("wall", "cpu", "phases", "between")
+    fits: dict[str, dict[str, list]] = {k: {m: [] for m in _FITS} for k in keys}
     for _ in range(setup["rounds"]):
         for mode in _FITS:
-            wall, cpu, steps = _fit(mode, setup, env)
-            fits[mode] += wall
-            fits_cpu[mode] += cpu
-            phases[mode] += steps
-    out["fits"], out["fits_cpu"], out["phases"] = fits, fits_cpu, phases
+            got = _fit(mode, setup, env)
+            for k in keys:
+                fits[k][mode] += got[k]
+    out["fits"], out["fits_cpu"], out["phases"], out["between"] = (fits[k] for k in keys)
     return out
 
 
@@ -293,15 +309,22 @@ def run(quick: bool = False, world_size: int = 2) -> str:
         f"(first {setup['fit_warmup']} of each left out), median step",
         "",
         "| loop | median step, wall (ms) | wall / raw torch DDP | wall / Lightning DDPStrategy | "
-        "median step, CPU (ms) | CPU / raw torch DDP | CPU / Lightning DDPStrategy |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "median step, CPU (ms) | CPU / raw torch DDP | CPU / Lightning DDPStrategy | between steps, wall (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    between = {m: statistics.median(t) for m, t in r0["between"].items()}
     for name, m in fits.items():
         c = fits_cpu[name]
         lines.append(f"| {name} | {m * 1e3:.1f} | {m / fits['raw torch DDP']:.3f} | "
                      f"{m / fits['Lightning DDPStrategy']:.3f} | {c * 1e3:.1f} | "
-                     f"{c / fits_cpu['raw torch DDP']:.3f} | {c / fits_cpu['Lightning DDPStrategy']:.3f} |")
+                     f"{c / fits_cpu['raw torch DDP']:.3f} | {c / fits_cpu['Lightning DDPStrategy']:.3f} | "
+                     f"{between[name] * 1e3:.2f} |")
     lines += [
+        "",
+        "The step is timed from Lightning's `on_train_batch_start` to its `on_train_batch_end` (the raw loop: from "
+        "its batch in hand to the end of `zero_grad`). 'Between steps' is the rest of each iteration: the loader's "
+        "next batch, and under Lightning its loop between batches, which in a multi-process run includes a "
+        "broadcast of its SIGTERM flag from rank 0 every batch. Both loops pay it; neither ratio above includes it.",
         "",
         "Phase by phase under Lightning (the same fits; medians of each stretch between two of Lightning's hooks, so "
         "the stretches of one loop need not add up to its median step):",

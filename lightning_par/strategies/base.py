@@ -381,20 +381,31 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Backward, then the end of the dp reduction, then ``on_after_backward``.
+
+        Lightning's own ``Strategy.backward`` calls ``on_after_backward`` (in the precision plugin's ``post_backward``)
+        before the strategy's ``post_backward``; under ``DDPStrategy`` and ``FSDPStrategy`` the reduction has ended
+        inside backward by then, so a user's ``on_after_backward`` (gradient-norm logging, say) sees gradients averaged
+        over dp. The dp engine here finishes after backward returns, so this runs it before that hook, as the
+        pipelined path does; otherwise the hook would see this rank's unreduced gradients
+        (tests/distributed/test_ddp_overlap.py). Replicated parameters' partial gradients over tp (sequence-parallel
+        norms) are summed once per optimizer step, before ``on_before_optimizer_step`` (see :meth:`optimizer_step`).
+        """
         if self._pp:
             return self._pipelined.backward(closure_loss)
+        module = self.lightning_module
         with self.loss_context():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            self.pre_backward(closure_loss)
+            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+            if self.parallel is not None:
+                self.log_comm(self.parallel.engine.post_backward())
+            return self.precision_plugin.post_backward(closure_loss, module)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self.parallel is not None:
             self.parallel.engine.pre_backward()
-
-    @override
-    def post_backward(self, closure_loss: Tensor) -> None:
-        if self.parallel is not None:
-            self.log_comm(self.parallel.engine.post_backward())
 
     def log_comm(self, stats: Any) -> None:
         """Log a synchronised backward's exposed communication time as ``parallel/comm_exposed_ms``, every

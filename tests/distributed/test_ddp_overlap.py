@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
+import lightning as L
 import pytest
 import torch
 
 from lightning_par.models import GPTConfig, GPTLightningModule
+from lightning_par.launcher import run_distributed
 from lightning_par.strategies import DDPOverlapStrategy
-from tests.helpers import TokenDataset, assert_params_close, global_losses, reference_fit, run_fit
+from tests.helpers import (
+    TIMEOUT_S,
+    TokenDataset,
+    assert_params_close,
+    global_losses,
+    quiet_trainer,
+    reference_fit,
+    run_fit,
+)
+from tests.user_models import make_mlp
 
 pytestmark = pytest.mark.distributed
 
@@ -81,3 +95,48 @@ def test_powersgd_replicas_agree_and_match_before_compression(dataset, reference
     torch.testing.assert_close(torch.tensor(losses[:3]), torch.tensor(ref_losses[:3]), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=5e-2, atol=0)
     torch.testing.assert_close(results[0]["state"], results[1]["state"], rtol=0, atol=0)
+
+
+class _GradsAtHooks(L.Callback):
+    """Copies every parameter's gradient at ``on_after_backward`` and at ``on_before_optimizer_step``."""
+
+    def __init__(self) -> None:
+        self.after_backward: list[dict[str, torch.Tensor]] = []
+        self.before_step: list[dict[str, torch.Tensor]] = []
+
+    @staticmethod
+    def _grads(module: L.LightningModule) -> dict[str, torch.Tensor]:
+        return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.after_backward.append(self._grads(pl_module))
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.before_step.append(self._grads(pl_module))
+
+
+def _grads_at_hooks_worker(strategy_name: str) -> dict:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    rank = int(os.environ["RANK"])
+    g = torch.Generator().manual_seed(rank)  # each rank its own data: unreduced gradients differ between ranks
+    loader = DataLoader(TensorDataset(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)), batch_size=4)
+    hooks = _GradsAtHooks()
+    trainer = quiet_trainer(strategy_name, WORLD, max_steps=2, limit_val_batches=0, callbacks=[hooks])
+    trainer.fit(make_mlp("sgd"), loader)
+    return {"after_backward": hooks.after_backward, "before_step": hooks.before_step}
+
+
+@pytest.mark.parametrize("strategy_name", ["ddp_overlap", "zero1"])
+def test_on_after_backward_sees_the_averaged_gradients(strategy_name):
+    """As under Lightning's DDPStrategy (whose reduction ends inside backward), a user's ``on_after_backward`` sees
+    gradients already averaged over dp: the same on every rank, and the ones the optimizer then steps with."""
+    results = run_distributed(_grads_at_hooks_worker, WORLD, (strategy_name,), timeout_s=TIMEOUT_S)
+    for r in results:
+        assert len(r["after_backward"]) == len(r["before_step"]) == 2
+        for after, before in zip(r["after_backward"], r["before_step"]):
+            assert after.keys() == before.keys() and len(after) == len(list(make_mlp().parameters()))
+            torch.testing.assert_close(after, before, rtol=0, atol=0)
+    for step in range(2):
+        torch.testing.assert_close(results[0]["after_backward"][step], results[1]["after_backward"][step],
+                                   rtol=1e-6, atol=1e-7)

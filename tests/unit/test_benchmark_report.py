@@ -54,3 +54,19 @@ def test_ddp_phase_table_lists_each_stretch_once_with_medians() -> None:
     assert lines[0] == "| stretch (wall / CPU, ms) | ours | theirs |"  # a loop without hooks has no column
     assert lines[2] == "| start -> a | 20.00 / 19.00 | 10.00 / 9.00 |"
     assert lines[3] == "| a -> end | 3.00 / 2.00 | 2.00 / 1.00 |"
+
+
+def test_ddp_step_timer_splits_a_batch_into_stretches_and_times_the_gap_between_batches(monkeypatch) -> None:
+    from lightning_par.benchmarks import ddp
+
+    clock = iter([0.0, 1.0, 1.5, 4.0, 4.5, 6.0, 7.0, 8.0])  # start, 4 hooks, end; next batch starts at 7.0
+    monkeypatch.setattr(ddp.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(ddp.time, "thread_time", lambda: 0.0)
+    timer = ddp.StepTimer()
+    for hook in ("on_train_batch_start", "on_before_zero_grad", "on_before_backward", "on_after_backward",
+                 "on_before_optimizer_step", "on_train_batch_end", "on_train_batch_start"):
+        getattr(timer, hook)()
+    assert timer.times == [6.0]
+    assert timer.between == [(1.0, 0.0)]  # from the first batch's end (6.0) to the second's start (7.0)
+    assert [wall for wall, _ in timer.phases[0].values()] == [1.0, 0.5, 2.5, 0.5, 1.5]
+    assert list(timer.phases[0])[2] == "on_before_backward -> on_after_backward"
