@@ -192,7 +192,7 @@ def _fit(mode: str, setup: dict[str, Any], env: dict[str, str]) -> dict[str, lis
             times.append(end - start)
             cpu.append(time.thread_time() - cpu_start)
         w = setup["fit_warmup"]
-        return {"wall": times[w:], "cpu": cpu[w:], "phases": [], "between": between[w - 1 :]}
+        return {"wall": times[w:], "cpu": cpu[w:], "phases": [], "between": between[max(w - 1, 0) :]}
     torch.manual_seed(0)
     module = GPTLightningModule(GPTConfig(**_SHAPE, dropout=0.0), learning_rate=1e-3)
     strategy = (
@@ -210,7 +210,7 @@ def _fit(mode: str, setup: dict[str, Any], env: dict[str, str]) -> dict[str, lis
     trainer.fit(module, loader)
     w = setup["fit_warmup"]
     return {"wall": timer.times[w:], "cpu": timer.cpu_times[w:], "phases": timer.phases[w:],
-            "between": [wall for wall, _ in timer.between[w - 1 :]]}
+            "between": [wall for wall, _ in timer.between[max(w - 1, 0) :]]}
 
 
 _FITS = ("raw torch DDP", "Lightning DDPStrategy", "ddp_overlap", "ddp_overlap, gradient_as_bucket_view=False")
