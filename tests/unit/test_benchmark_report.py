@@ -70,3 +70,19 @@ def test_ddp_step_timer_splits_a_batch_into_stretches_and_times_the_gap_between_
     assert timer.between == [(1.0, 0.0)]  # from the first batch's end (6.0) to the second's start (7.0)
     assert [wall for wall, _ in timer.phases[0].values()] == [1.0, 0.5, 2.5, 0.5, 1.5]
     assert list(timer.phases[0])[2] == "on_before_backward -> on_after_backward"
+
+
+def test_ddp_sigterm_broadcast_timer_wraps_lightnings_method_and_leaves_it_alone_where_absent() -> None:
+    from types import SimpleNamespace
+
+    from lightning_par.benchmarks.ddp import _time_sigterm_broadcast
+
+    calls: list[int] = []
+    loop = SimpleNamespace(_broadcast_sigterm_tensor=lambda: calls.append(1))
+    times = _time_sigterm_broadcast(SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop)))
+    loop._broadcast_sigterm_tensor()
+    loop._broadcast_sigterm_tensor()
+    assert calls == [1, 1] and len(times) == 2 and all(t >= 0 for t in times)  # the original still runs, timed
+    bare = SimpleNamespace()
+    assert _time_sigterm_broadcast(SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=bare))) == []
+    assert not hasattr(bare, "_broadcast_sigterm_tensor")
