@@ -25,12 +25,22 @@ precision match the first forward.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["ACTIVATION_CHECKPOINTING", "apply_activation_checkpointing", "checkpoint_module", "is_checkpointed"]
+from lightning_par import contract
+from lightning_par.axis_registry import Axis, Build
+
+__all__ = [
+    "ACTIVATION_CHECKPOINTING",
+    "ACTIVATION_CHECKPOINTING_STEP",
+    "apply_activation_checkpointing",
+    "checkpoint_module",
+    "is_checkpointed",
+]
 
 #: Valid values of the ``activation_checkpointing`` option.
 ACTIVATION_CHECKPOINTING: tuple[str, ...] = ("none", "full", "selective")
@@ -100,3 +110,40 @@ def apply_activation_checkpointing(network: nn.Module, paths: Sequence[str], ski
         checkpoint_module(module)
         done.append(path)
     return done
+
+
+def _check(module: nn.Module, network: nn.Module, dims: Any, options: Any) -> None:
+    if options.activation_checkpointing == "none":
+        return
+    for path in contract.checkpoint_modules(network, options.activation_checkpointing):
+        try:
+            network.get_submodule(path)
+        except AttributeError as err:
+            raise ValueError(
+                f"activation_checkpointing={options.activation_checkpointing!r}: checkpoint_modules() path {path!r} "
+                f"names no module of {type(network).__name__} ({err})."
+            ) from err
+
+
+def _read_paths(build: Build) -> None:
+    """The modules to recompute, read from the whole network before any cut."""
+    mode = build.options.activation_checkpointing
+    if mode != "none":
+        build.checkpoint_paths = contract.checkpoint_modules(build.network, mode)
+
+
+def _recompute(build: Build) -> None:
+    """Inside the tp styles' hooks and outside the dp mode's (torchtitan's order: TP, activation checkpointing,
+    FSDP)."""
+    if build.checkpoint_paths:
+        build.checkpointed = apply_activation_checkpointing(
+            build.network, build.checkpoint_paths, skip_absent=build.dims.pp_enabled
+        )
+
+
+#: Activation checkpointing: a technique on no mesh axis, in the registry for its place in ``parallelize()``.
+ACTIVATION_CHECKPOINTING_STEP = Axis(
+    name="activation_checkpointing",
+    check=_check,
+    steps=(("read", _read_paths), ("recompute", _recompute)),
+)

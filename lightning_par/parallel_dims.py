@@ -1,16 +1,35 @@
-"""One validated description of a parallel layout and the device mesh built from it.
+"""One validated description of a parallel layout: named mesh axes, and the meshes built from them, by name.
 
-Every strategy in lightning_par works on one ``("pp", "dp", "tp")`` mesh. The order puts the tensor-parallel axis
-innermost (adjacent ranks, the fastest links on a GPU node) and the pipeline axis outermost (point-to-point traffic
-only), as Megatron-LM and torchtitan do. ``ParallelDims`` is the only place a layout is validated: everything else
-trusts it.
+The mesh axes, outermost first (:data:`MESH_AXES`):
+
+========================  ===========================================================================================
+axis (size field)         what its ranks share
+========================  ===========================================================================================
+``pp`` (``pp_size``)      nothing but activations: each holds other layers (pipeline stages; GPipe, Huang et al. 2019)
+``dp_replicate``          whole copies of the model state (HSDP's replicas: gradients all-reduced across them)
+``dp_shard``              one copy of the model state split between them (ZeRO's ``N``; Rajbhandari et al. 2020)
+``cp`` (``cp_size``)      one sequence split between them (context parallelism)
+``tp`` (``tp_size``)      each layer's matrices split between them (Megatron-LM, Shoeybi et al. 2019, §3)
+========================  ===========================================================================================
+
+``dp_size = dp_replicate_size * dp_shard_size`` is the user-facing size of plain data parallelism (ranks that read
+different batches). The tensor-parallel axis is innermost (adjacent ranks: the fastest links on a GPU node), the
+pipeline axis outermost (point-to-point traffic only), as Megatron-LM and torchtitan order them.
+
+Derived meshes, each one flattened axis built once (:data:`DERIVED_MESHES`): ``dp`` (batches, ``ddp``'s all-reduce),
+``dp_shard_cp`` (ZeRO's sharding and gradient reduction group) and ``dp_cp`` (loss averaging). Everything asks for a
+mesh by name through :meth:`ParallelDims.get_mesh`; no other module lists the axes.
+
+``ParallelDims`` is the only place a layout is validated: everything else trusts it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from lightning_par.compat import flatten_mesh, local_tensor
 from lightning_par.validation import check_int
 
 if TYPE_CHECKING:
@@ -18,56 +37,114 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MESH_AXES", "ParallelDims", "broadcast_from_rank0"]
+__all__ = ["DERIVED_MESHES", "MESH_AXES", "SIZE_FIELDS", "ParallelDims", "broadcast_from_rank0"]
 
 #: Names of the mesh axes, outermost first.
-MESH_AXES: tuple[str, str, str] = ("pp", "dp", "tp")
+MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+#: The size field of each axis.
+SIZE_FIELDS: dict[str, str] = {axis: f"{axis}_size" for axis in MESH_AXES}
+
+#: Flattened meshes: name -> the axes it spans (outermost first).
+DERIVED_MESHES: dict[str, tuple[str, ...]] = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
 
 
 @dataclass
 class ParallelDims:
-    """Sizes of the data-, tensor- and pipeline-parallel axes for ``world_size`` processes.
+    """The sizes of the mesh axes for ``world_size`` processes, validated once.
 
     Args:
-        dp_size: data-parallel replicas (ranks that see different batches). ``-1`` infers it as
-            ``world_size // (tp_size * pp_size)``.
-        tp_size: ranks that split each layer's matrices (Megatron-LM, Shoeybi et al. 2019, §3).
-        pp_size: pipeline stages (GPipe, Huang et al. 2019).
+        dp_size: data-parallel ranks (different batches), ``dp_replicate_size * dp_shard_size``. ``-1`` infers it as
+            ``world_size // (pp_size * cp_size * tp_size)``.
+        tp_size: ranks that split each layer's matrices.
+        pp_size: pipeline stages.
         world_size: total number of processes.
+        dp_replicate_size: HSDP replicas: groups of ``dp_shard_size`` ranks that each hold one sharded copy.
+        dp_shard_size: ranks one copy of the model state is sharded over (ZeRO's ``N``); ``-1`` infers it as
+            ``dp_size // dp_replicate_size``.
+        cp_size: ranks one sequence is split over.
 
     Raises:
-        ValueError: a size that is not a positive integer, or ``dp_size * tp_size * pp_size != world_size``. The
-            message names the field, the value and what would be valid.
+        ValueError: a size that is not a positive integer (or ``-1`` where it may be inferred), sizes whose product is
+            not ``world_size``, or ``dp_replicate_size`` not dividing ``dp_size``. The message names the fields, the
+            values and what would be valid.
     """
 
     dp_size: int = -1
     tp_size: int = 1
     pp_size: int = 1
     world_size: int = 1
+    dp_replicate_size: int = 1
+    dp_shard_size: int = -1
+    cp_size: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    _meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, 1)
-        check_int("tp_size", self.tp_size, 1)
-        check_int("pp_size", self.pp_size, 1)
+        for name in ("tp_size", "pp_size", "cp_size", "dp_replicate_size"):
+            check_int(name, getattr(self, name), 1)
         check_int("dp_size", self.dp_size, 1, allow_infer=True)
-        model_parallel = self.tp_size * self.pp_size
+        check_int("dp_shard_size", self.dp_shard_size, 1, allow_infer=True)
+        model = [("pp_size", self.pp_size), ("cp_size", self.cp_size), ("tp_size", self.tp_size)]
+        shown = [(n, v) for n, v in model if n != "cp_size" or v != 1][::-1]  # tp first, as users write it
+        model_parallel = math.prod(v for _, v in model)
+        if self.dp_size == -1 and self.dp_shard_size != -1:
+            self.dp_size = self.dp_replicate_size * self.dp_shard_size
         if self.dp_size == -1:
             if self.world_size % model_parallel != 0:
+                names = " * ".join(n for n, _ in shown)
+                values = " * ".join(str(v) for _, v in shown)
                 raise ValueError(
                     f"dp_size=-1 cannot be inferred: world_size={self.world_size} is not divisible by "
-                    f"tp_size * pp_size = {self.tp_size} * {self.pp_size} = {model_parallel}. "
-                    f"Choose tp_size and pp_size whose product divides {self.world_size}."
+                    f"{names} = {values} = {model_parallel}. "
+                    f"Choose {' and '.join(n for n, _ in shown)} whose product divides {self.world_size}."
                 )
             self.dp_size = self.world_size // model_parallel
         elif self.dp_size * model_parallel != self.world_size:
             valid = sorted(d for d in range(1, self.world_size + 1) if self.world_size % d == 0)
+            names = " * ".join(["dp_size", *(n for n, _ in shown)])
+            values = " * ".join(str(v) for v in [self.dp_size, *(v for _, v in shown)])
             raise ValueError(
-                f"dp_size * tp_size * pp_size = {self.dp_size} * {self.tp_size} * {self.pp_size} = "
-                f"{self.dp_size * model_parallel} does not equal world_size={self.world_size}. "
+                f"{names} = {values} = {self.dp_size * model_parallel} does not equal world_size={self.world_size}. "
                 f"Each size must be one of the divisors {valid} and their product must be {self.world_size}; "
                 f"dp_size=-1 infers the data-parallel size."
             )
+        if self.dp_size % self.dp_replicate_size != 0:
+            valid = [d for d in range(1, self.dp_size + 1) if self.dp_size % d == 0]
+            raise ValueError(
+                f"dp_replicate_size={self.dp_replicate_size} is not valid with dp_size={self.dp_size}: expected a "
+                f"divisor of dp_size, one of {valid} (dp_size = dp_replicate_size * dp_shard_size)."
+            )
+        shard = self.dp_size // self.dp_replicate_size
+        if self.dp_shard_size == -1:
+            self.dp_shard_size = shard
+        elif self.dp_shard_size != shard:
+            raise ValueError(
+                f"dp_shard_size={self.dp_shard_size} is not valid: dp_size={self.dp_size} with "
+                f"dp_replicate_size={self.dp_replicate_size} leaves dp_shard_size={shard} "
+                f"(dp_size = dp_replicate_size * dp_shard_size); set dp_shard_size={shard} or -1."
+            )
+
+    # ------------------------------------------------------------------ sizes
+    def size(self, axis: str) -> int:
+        """The size of a mesh axis or derived mesh (``"dp"`` is ``dp_size``).
+
+        Raises:
+            ValueError: an unknown name.
+        """
+        if axis in DERIVED_MESHES:
+            return math.prod(self.size(a) for a in DERIVED_MESHES[axis])
+        self._check_name(axis)
+        return getattr(self, SIZE_FIELDS[axis])
+
+    def enabled(self, axis: str) -> bool:
+        """Whether ``axis`` (or a derived mesh) has more than one rank."""
+        return self.size(axis) > 1
 
     @property
     def dp_enabled(self) -> bool:
@@ -82,26 +159,50 @@ class ParallelDims:
         return self.pp_size > 1
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        """Mesh shape in :data:`MESH_AXES` order ``(pp_size, dp_size, tp_size)``."""
-        return (self.pp_size, self.dp_size, self.tp_size)
+    def cp_enabled(self) -> bool:
+        return self.cp_size > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        """HSDP: more than one replica of the sharded model state."""
+        return self.dp_replicate_size > 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Mesh shape in :data:`MESH_AXES` order."""
+        return tuple(self.size(axis) for axis in MESH_AXES)
+
+    def sizes(self) -> dict[str, int]:
+        """Every size field that is not 1, plus ``dp_size``: ``{"dp_size": 2, "tp_size": 2}`` (what a checkpoint's
+        record and ``summary.json`` keep)."""
+        out = {"dp_size": self.dp_size}
+        out.update({SIZE_FIELDS[a]: self.size(a) for a in MESH_AXES if a != "dp_shard" and self.size(a) > 1})
+        return out
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """Position of global ``rank`` on each axis, e.g. ``{"pp": 1, "dp": 0, "tp": 1}``.
+        """Position of global ``rank`` on each axis and derived mesh, e.g. ``{"pp": 1, "dp_replicate": 0,
+        "dp_shard": 1, "cp": 0, "tp": 1, "dp": 1, ...}``.
 
         Raises:
             ValueError: ``rank`` outside ``[0, world_size)``.
         """
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is not valid: expected 0 <= rank < world_size={self.world_size}.")
-        pp, rest = divmod(rank, self.dp_size * self.tp_size)
-        dp, tp = divmod(rest, self.tp_size)
-        return {"pp": pp, "dp": dp, "tp": tp}
+        coords: dict[str, int] = {}
+        rest = rank
+        for axis in reversed(MESH_AXES):  # innermost varies fastest
+            rest, coords[axis] = divmod(rest, self.size(axis))
+        for name, axes in DERIVED_MESHES.items():
+            index = 0
+            for axis in axes:
+                index = index * self.size(axis) + coords[axis]
+            coords[name] = index
+        return {axis: coords[axis] for axis in (*MESH_AXES, *DERIVED_MESHES)}
 
+    # ------------------------------------------------------------------ meshes
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
-        """Build the ``("pp", "dp", "tp")`` mesh over the default process group (which must exist).
-
-        Axes of size 1 are kept, so ``mesh["dp"]`` always works. The mesh is cached on this object.
+        """Build the mesh of :data:`MESH_AXES` over the default process group (which must exist) and the derived
+        meshes. Axes of size 1 are kept, so every name always resolves. Cached on this object.
 
         Raises:
             RuntimeError: the default process group is missing or its size differs from ``world_size``.
@@ -116,32 +217,54 @@ class ParallelDims:
                 f"The process group has {dist.get_world_size()} ranks but ParallelDims.world_size={self.world_size}."
             )
         if self._mesh is None or self._mesh.device_type != device_type:
-            self._mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
+            mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
+            self._meshes = {axis: mesh[axis] for axis in MESH_AXES}
+            for name, axes in DERIVED_MESHES.items():
+                self._meshes[name] = flatten_mesh(mesh[axes], name)
+            self._mesh = mesh
         return self._mesh
 
-    def get_mesh(self, axis: str) -> DeviceMesh:
-        """The 1-D sub-mesh of ``axis`` ("pp", "dp" or "tp") that contains this rank.
+    def get_mesh(self, name: str) -> DeviceMesh:
+        """The 1-D mesh of an axis of :data:`MESH_AXES` or a derived mesh of :data:`DERIVED_MESHES` that contains
+        this rank.
 
         Raises:
-            ValueError: ``axis`` is not one of :data:`MESH_AXES`.
+            ValueError: an unknown name.
             RuntimeError: :meth:`build_mesh` has not run.
         """
-        if axis not in MESH_AXES:
-            raise ValueError(f"axis={axis!r} is not valid: expected one of {list(MESH_AXES)}.")
+        self._check_name(name)
         if self._mesh is None:
             raise RuntimeError("ParallelDims.get_mesh called before build_mesh.")
-        return self._mesh[axis]
+        return self._meshes[name]
+
+    def get_meshes(self, *names: str) -> DeviceMesh:
+        """The multi-dimensional mesh over ``names`` (axes or derived meshes, outermost first), e.g. HSDP's
+        ``("dp_replicate", "dp_shard_cp")``.
+
+        Raises:
+            ValueError, RuntimeError: as :meth:`get_mesh`.
+        """
+        for name in names:
+            self.get_mesh(name)
+        assert self._mesh is not None
+        return self._mesh[names]
+
+    def group(self, name: str) -> ProcessGroup:
+        """The process group of :meth:`get_mesh` ``(name)``."""
+        return self.get_mesh(name).get_group()
+
+    def _check_name(self, name: str) -> None:
+        if name not in MESH_AXES and name not in DERIVED_MESHES:
+            raise ValueError(f"axis={name!r} is not valid: expected one of {[*MESH_AXES, *DERIVED_MESHES]}.")
 
 
 def broadcast_from_rank0(module: nn.Module, group: ProcessGroup) -> None:
-    """Give every rank of ``group`` (one mesh axis: dp or tp) the parameters and buffers of the group's rank 0, in
-    place (a DTensor's local shard); a no-op for a group of one."""
+    """Give every rank of ``group`` (the ranks of one mesh axis or derived mesh) the parameters and buffers of the
+    group's rank 0, in place (a DTensor's local shard); a no-op for a group of one."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
     if dist.get_world_size(group) == 1:
         return
     src = dist.get_global_rank(group, 0)
     for t in list(module.parameters()) + list(module.buffers()):
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        dist.broadcast(local.data, src=src, group=group)
+        dist.broadcast(local_tensor(t).data, src=src, group=group)

@@ -1,46 +1,51 @@
 """One composition path: every strategy turns a LightningModule into its parallel form here, in one fixed order.
 
-:func:`parallelize` applies, to this rank's part of the model:
+:func:`parallelize` runs the steps of every registered parallelism (:data:`lightning_par.axes.AXES`) in the order of
+their phases (:data:`lightning_par.axis_registry.PHASES`), on this rank's part of the model:
 
-1. **pipeline cut** (``pp_size > 1``): this rank's virtual stage(s) of the network (:mod:`lightning_par.contract`,
-   :func:`~lightning_par.pipeline_parallel.split.cut_network`); the LightningModule keeps only their parameters, under
-   their whole-model names;
-2. **tensor parallelism** (``tp_size > 1``) on the tp sub-mesh: the plan (paths relative to the network) on what this
-   rank holds (:func:`~lightning_par.tensor_parallel.apply_tensor_parallel`);
-   then **activation checkpointing** (``activation_checkpointing`` ``"full"`` or ``"selective"``) of the modules the
-   model names (:func:`~lightning_par.activation_checkpointing.apply_activation_checkpointing`), inside the tp styles'
-   hooks and outside the dp mode's (torchtitan's order: TP, activation checkpointing, FSDP);
-3. **the dp mode** on the dp sub-mesh: ``ddp`` (bucketed, overlapped all-reduce), ``zero1``, ``zero2`` or ``zero3``
-   (:func:`~lightning_par.data_parallel.engine.apply_data_parallel`);
-4. **the schedule** (``pp_size > 1``): torch's ``PipelineStage`` + schedule over the stage modules
-   (:class:`~lightning_par.pipeline_parallel.engine.PipelineEngine`).
+==============  ==========================  =================================================================
+phase           step (folder)               what it does
+==============  ==========================  =================================================================
+``read``        tp, activation ckpt         read the plan and the modules to recompute from the whole network
+``cut``         pp (``pipeline_parallel``)  keep this rank's virtual stage(s); the LightningModule keeps only
+                                            their parameters, under their whole-model names
+``split``       tp (``tensor_parallel``)    the plan's DTensor styles on the tp mesh, inside the stage(s)
+``recompute``   activation checkpointing    wrap the named modules: inside the tp styles' hooks, outside the dp
+                                            mode's (torchtitan's order: TP, activation checkpointing, FSDP)
+``data``        dp (``data_parallel``)      ``ddp``, ``zero1``, ``zero2`` or ``zero3`` on the dp meshes (HSDP
+                                            when ``dp_replicate_size > 1``)
+``schedule``    pp (``pipeline_parallel``)  torch's ``PipelineStage`` + schedule over the stage modules; the
+                                            pipelined step hooks
+==============  ==========================  =================================================================
 
 The order is Megatron-LM's "PTD-P" (Narayanan et al. 2021, §2.3) as torchtitan applies it (``parallelize_llama``:
 TP, then FSDP on the dp mesh, then the pipeline schedule over the stage modules). A single-technique strategy is the
-same path with the other sizes at 1. :func:`validate` runs the same checks without any process group.
+same path with the other sizes at 1. :func:`validate` runs every axis's checks without any process group. What the
+steps leave behind (step hooks, gradient finishers, state transforms, the loss context, summary figures) makes the
+:class:`ParallelModel` the strategy drives through one protocol (:class:`~lightning_par.steps.StepHooks`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, fields
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_par import contract
-from lightning_par.activation_checkpointing import ACTIVATION_CHECKPOINTING, apply_activation_checkpointing
-from lightning_par.data_parallel.engine import DataParallelEngine, apply_data_parallel
+from lightning_par.activation_checkpointing import ACTIVATION_CHECKPOINTING
+from lightning_par.axes import AXES
+from lightning_par.axis_registry import PHASES, Build
+from lightning_par.data_parallel.engine import DataParallelEngine
 from lightning_par.data_parallel.options import DP_MODES, ReducerOptions, ZeroOptions, resolve_zero_options, zero_stage
 from lightning_par.parallel_dims import ParallelDims
-from lightning_par.pipeline_parallel.engine import PipelineEngine
 from lightning_par.pipeline_parallel.options import PipelineOptions
-from lightning_par.pipeline_parallel.split import cut_network, plan_split, validate_split
-from lightning_par.tensor_parallel.apply import apply_tensor_parallel
+from lightning_par.steps import StepHooks
 from lightning_par.tensor_parallel.options import TensorParallelOptions
-from lightning_par.tensor_parallel.plan import uses_vocab_parallel_loss, validate_plan
 from lightning_par.validation import check_choice
 
 __all__ = ["OPTION_GROUPS", "ParallelModel", "ParallelOptions", "parallelize", "validate"]
@@ -173,6 +178,19 @@ class ParallelOptions:
             reshard = self.zero.reshard_after_forward if self.zero is not None else True
             self.pipeline.check_layout(pp_size, self.dp_mode, reshard)
 
+    def check_batch_size(self, batch_size: Any, pp_size: int) -> None:
+        """Check a training loader's batch size against the layout, before the first step.
+
+        Raises:
+            ValueError: under pipelining, a batch size that is not a multiple of ``num_microbatches``.
+        """
+        m = self.pipeline.num_microbatches
+        if pp_size > 1 and isinstance(batch_size, int) and batch_size % m != 0:
+            raise ValueError(
+                f"batch_size={batch_size} is not valid with num_microbatches={m}: expected a batch size that is a "
+                f"multiple of {m}."
+            )
+
 
 def _put(group: dict[str, Any], group_name: str, name: str, value: Any) -> None:
     if value is None:  # None is "the default" (the Hydra schemas leave unset options at None)
@@ -182,84 +200,113 @@ def _put(group: dict[str, Any], group_name: str, name: str, value: Any) -> None:
     group[name] = value
 
 
-@dataclass
 class ParallelModel:
-    """What :func:`parallelize` made of a LightningModule on this rank.
+    """What :func:`parallelize` made of a LightningModule on this rank, and the one protocol a strategy drives it by.
 
     Attributes:
         module: the LightningModule (under pipelining its network is replaced by ``network``).
         network: this rank's part of the network: the whole network, or under pipelining the holder of its stages'
             parameters (whole-model names), with tensor parallelism applied.
+        dims: the layout.
+        options: the options it was built with.
         engine: the dp axis.
         pipeline: the schedule over ``stage_modules`` (``None`` without pipelining).
         stage_modules: the modules the schedule runs, in chunk order.
         layer_counts: layers per virtual stage (``None`` without pipelining).
-        loss_parallel: the plan has a ``vocab_head``: the loss (forward and backward) must run under the vocab-parallel
-            loss context.
+        loss_parallel: the loss (forward and backward) must run under :meth:`loss_context` (a tp ``vocab_head``).
         training: built for training (ZeRO stages 1 and 2 shard only then).
         checkpointed: paths (relative to the network) of the modules whose activations are recomputed on this rank.
+        steps: the step hooks (:class:`~lightning_par.steps.StepHooks`, or the pipelined ones).
+        after_schedule: what runs after a pipeline schedule's backward pieces, before the dp reduction.
     """
 
-    module: nn.Module
-    network: nn.Module
-    engine: DataParallelEngine
-    pipeline: PipelineEngine | None = None
-    stage_modules: list[nn.Module] = field(default_factory=list)
-    layer_counts: list[int] | None = None
-    loss_parallel: bool = False
-    training: bool = True
-    checkpointed: list[str] = field(default_factory=list)
+    def __init__(self, build: Build) -> None:
+        assert build.network is not None and build.engine is not None
+        self.module = build.module
+        self.network = build.network
+        self.dims = build.dims
+        self.options = build.options
+        self.engine: DataParallelEngine = build.engine
+        self.pipeline = build.pipeline
+        self.stage_modules = build.stage_modules
+        self.layer_counts = build.layer_counts
+        self.training = build.training
+        self.checkpointed = build.checkpointed
+        self.loss_parallel = build.loss_context is not nullcontext
+        self.after_schedule = list(build.after_schedule)
+        self._loss_context = build.loss_context
+        self._finishers = list(build.finishers)
+        self._state_transforms = list(build.state_transforms)
+        self._full_state_transforms = list(build.full_state_transforms)
+        self._summaries = list(build.summaries)
+        self.steps: StepHooks = (build.steps or StepHooks)(self)
+
+    def loss_context(self) -> AbstractContextManager[Any]:
+        """The context the loss's forward and backward must run in (the vocab-parallel loss; else a no-op)."""
+        return self._loss_context()
+
+    def finish_gradients(self) -> None:
+        """Once per optimizer step, after the dp reduction and before clipping: every axis's gradient finisher (the
+        tp partial-gradient sum of replicated parameters)."""
+        for finish in self._finishers:
+            finish()
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the model, keyed by one-process name (sharded tensors as DTensors of their global
+        shape, in their one-process form)."""
+        state = self.engine.model_state_dict()
+        self.to_one_process(state, [])
+        return state
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's part of ``optimizer``'s state, keyed by one-process parameter name."""
+        state = self.engine.optimizer_state_dict(optimizer)
+        self.to_one_process({}, [state])
+        return state
+
+    def to_one_process(self, model_state: dict[str, Any], optimizer_states: list[dict[str, Any]]) -> None:
+        """Every axis's state transform, in place (e.g. vocabulary padding cut off)."""
+        for transform in self._state_transforms:
+            transform(model_state, optimizer_states)
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Every parameter of the whole model in full, keyed by one-process name, on every rank (fp32 masters under
+        mixed precision). Collective over the whole world (tp/dp gathers, then the pp group); for tests and small
+        models — checkpoints never gather."""
+        local = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+            for k, v in self.engine.full_state_dict().items()
+        }
+        for transform in self._full_state_transforms:
+            transform(local)
+        if not self.dims.pp_enabled:
+            return local
+        parts: list[Any] = [None] * self.dims.pp_size
+        dist.all_gather_object(parts, local, group=self.dims.group("pp"))
+        return {k: v for part in parts for k, v in part.items()}
+
+    def summary(self) -> dict[str, Any]:
+        """Every axis's figures for ``summary.json``, and the step hooks'."""
+        out: dict[str, Any] = {"activation_checkpointed_modules": len(self.checkpointed)}
+        for summary in self._summaries:
+            out.update(summary())
+        out.update(self.steps.summary())
+        return out
 
 
 def validate(module: nn.Module, dims: ParallelDims, options: ParallelOptions) -> None:
-    """Every check :func:`parallelize` would make that needs no process group: the options against the layout, the
-    network against the contract, the plan against the network, the split against the layers.
+    """Every check :func:`parallelize` would make that needs no process group: the options against the layout, and
+    every registered axis's checks of the network against its contract (the plan against the network, the split
+    against the layers, ...).
 
     Raises:
         ValueError: the first problem, naming the field, the value and what would be valid.
     """
     options.check_layout(dims.pp_size)
     network = contract.find_network(module, options.module_attr, dims.pp_enabled)
-    if dims.pp_enabled:
-        contract.pipeline_loss(module)
-        names = contract.pipeline_layers(network)
-        validate_split(options.pipeline.split, len(names), options.pipeline.num_stages(dims.pp_size), dims.pp_size)
-    if dims.tp_enabled:
-        tp = options.tensor_parallel
-        plan = contract.tp_plan(module, network, tp.plan)
-        contract.check_tensor_parallel(network, dims.tp_size, tp.sequence_parallel)
-        validate_plan(network, plan, dims.tp_size, tp.sequence_parallel)
-    if options.activation_checkpointing != "none":
-        for path in contract.checkpoint_modules(network, options.activation_checkpointing):
-            try:
-                network.get_submodule(path)
-            except AttributeError as err:
-                raise ValueError(
-                    f"activation_checkpointing={options.activation_checkpointing!r}: checkpoint_modules() path {path!r} "
-                    f"names no module of {type(network).__name__} ({err})."
-                ) from err
-    if options.dp_mode != "ddp" and not any(p.requires_grad for p in module.parameters()):
-        raise ValueError(
-            f"{type(module).__name__} has no parameter that requires a gradient: dp_mode={options.dp_mode!r} has "
-            f"nothing to shard. Build the layers in __init__ or configure_model, or use dp_mode='ddp'."
-        )
-
-
-def _layer_counts(module: nn.Module, network: nn.Module, dims: ParallelDims, options: PipelineOptions,
-                  device: torch.device) -> list[int]:
-    num_stages = options.num_stages(dims.pp_size)
-    split = options.split
-    if not isinstance(split, str) or split == "params":
-        return plan_split(network, num_stages, split)
-    counts: list[Any] = [None]
-    if dist.get_rank() == 0:  # profile once: timings differ between ranks, and every rank must cut alike
-        sample = tuple(t.to(device) for t in contract.pipeline_sample(module, network))
-        counts[0] = plan_split(
-            network, num_stages, split, sample, timeout_s=options.split_timeout_s, device=device,
-            num_microbatches=options.num_microbatches,
-        )
-    dist.broadcast_object_list(counts, src=0)
-    return counts[0]
+    for axis in AXES:
+        if axis.check is not None:
+            axis.check(module, network, dims, options)
 
 
 def parallelize(
@@ -269,20 +316,22 @@ def parallelize(
     *,
     device: torch.device,
     training: bool = True,
-    step_context: Callable[[], ContextManager] | None = None,
+    step_context: Callable[[], AbstractContextManager[Any]] | None = None,
+    check: bool = True,
 ) -> ParallelModel:
-    """Turn ``module`` into this rank's parallel form (in place): pipeline cut -> tensor parallel -> dp mode ->
-    schedule (see the module docstring). Collective over the world: every rank calls it.
+    """Turn ``module`` into this rank's parallel form (in place): every registered axis's steps in phase order (see
+    the module docstring). Collective over the world: every rank calls it.
 
     Args:
         module: the LightningModule (or any ``nn.Module`` meeting :mod:`lightning_par.contract`), equal on every rank
             (each replica starts from dp rank 0's values, each tp shard from tp rank 0's).
-        dims: the layout, whose mesh exists (:meth:`ParallelDims.build_mesh`).
+        dims: the layout; its meshes are built here if they are not yet (:meth:`ParallelDims.build_mesh`).
         options: what to apply.
         device: this rank's device.
         training: ``False`` for validate/test/predict: ZeRO stages 1 and 2 then keep plain replicas (there is no
             optimizer to shard); ``zero3`` still shards.
         step_context: entered around each pipeline schedule run (autocast, the vocab-parallel loss context).
+        check: run :func:`validate` first (``False`` when the caller has just validated this module and layout).
 
     Returns:
         The :class:`ParallelModel`.
@@ -290,42 +339,14 @@ def parallelize(
     Raises:
         ValueError: see :func:`validate`.
     """
-    validate(module, dims, options)
-    mesh = dims.build_mesh(device.type)
-    network = contract.find_network(module, options.module_attr, dims.pp_enabled)
-    tp = options.tensor_parallel
-    # The plan and the checkpointed modules of the whole network, before the cut: a model's tp_plan() and
-    # checkpoint_modules() may read its own structure.
-    plan = contract.tp_plan(module, network, tp.plan) if dims.tp_enabled else None
-    ac = options.activation_checkpointing
-    ac_paths = contract.checkpoint_modules(network, ac) if ac != "none" else []
-    stage_modules: list[nn.Module] = []
-    counts = stage_ids = None
-    if dims.pp_enabled:  # 1. this rank's pipeline stage(s)
-        counts = _layer_counts(module, network, dims, options.pipeline, device)
-        stage_ids = options.pipeline.stage_ids(dims.coordinates(dist.get_rank())["pp"], dims.pp_size)
-        network, stage_modules = cut_network(network, counts, stage_ids)
-        setattr(module, options.module_attr, network)  # type: ignore[arg-type]
-    loss_parallel = False
-    if plan is not None:  # 2. tensor parallelism inside the stage(s)
-        apply_tensor_parallel(
-            network, mesh["tp"], plan, tp.sequence_parallel, skip_absent=dims.pp_enabled,
-            eager_grad_reduction=not dims.pp_enabled,
-        )
-        loss_parallel = uses_vocab_parallel_loss(plan)
-    checkpointed: list[str] = []
-    if ac_paths:  # 2b. activation checkpointing: inside the tp styles' hooks, outside the dp mode's
-        checkpointed = apply_activation_checkpointing(network, ac_paths, skip_absent=dims.pp_enabled)
-    # 3. the dp mode on the dp axis (over the whole LightningModule: its state names are the checkpoint's)
-    dp_mode = options.dp_mode if training or options.dp_mode == "zero3" else None
-    engine = apply_data_parallel(
-        module, mesh["dp"], dp_mode or "ddp", options.reducer, options.zero if dp_mode not in (None, "ddp") else None,
-        stage_modules=stage_modules or None, communicate=dp_mode is not None,
+    if check:
+        validate(module, dims, options)
+    dims.build_mesh(device.type)
+    build = Build(
+        module=module, dims=dims, options=options, device=device, training=training, step_context=step_context,
+        network=contract.find_network(module, options.module_attr, dims.pp_enabled),
     )
-    pipeline = None
-    if dims.pp_enabled:  # 4. the schedule over the stage modules
-        pipeline = PipelineEngine(
-            stage_modules, stage_ids, options.pipeline, mesh["pp"].get_group(), dims.pp_size, device,  # type: ignore[arg-type]
-            contract.pipeline_loss(module), step_context,
-        )
-    return ParallelModel(module, network, engine, pipeline, stage_modules, counts, loss_parallel, training, checkpointed)
+    steps = [(PHASES[phase], n, step) for n, axis in enumerate(AXES) for phase, step in axis.steps]
+    for _, _, step in sorted(steps, key=lambda t: t[:2]):
+        step(build)
+    return ParallelModel(build)

@@ -161,8 +161,11 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
     return json.loads(summary_path.read_text())
 
 
-def validate_run(cfg: DictConfig) -> None:
+def validate_run(cfg: DictConfig, dims: ParallelDims | None = None) -> None:
     """Check the strategy's options, the model against the layout and against the data, in this process.
+
+    ``dims`` is the layout already validated from ``cfg.parallel`` (:func:`preflight` builds it once); ``None``
+    builds it here.
 
     The model is built on the ``meta`` device (no memory, no initialisation), so this is cheap for any preset. The
     strategy gets the accelerator and devices a ``Trainer`` would give it, so its device-dependent checks run too.
@@ -182,7 +185,7 @@ def validate_run(cfg: DictConfig) -> None:
         check_int("profile_steps", cfg.profile_steps, 1)
     scaling = cfg.lr_scaling
     check_lr_scaling(scaling.rule, scaling.reference_batch, scaling.warmup_samples, prefix="lr_scaling.")
-    dims = build_parallel_dims(cfg)
+    dims = dims or build_parallel_dims(cfg)
     gpu = _accelerator(cfg) == "gpu"
     strategy = build_strategy(cfg)
     # What the Trainer's accelerator connector would set (device objects only: no GPU is needed to validate).
@@ -261,7 +264,7 @@ def preflight(cfg: DictConfig, run_dir: str | Path) -> Plan:
             f"launcher (WORLD_SIZE / SLURM_NTASKS): set parallel.world_size={external}."
         )
     _check_machine(cfg, dims, external)
-    validate_run(cfg)
+    validate_run(cfg, dims)
     ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), Path(run_dir) / CHECKPOINT_DIR)
     return Plan(dims, ckpt, external)
 

@@ -17,7 +17,8 @@ from lightning_par.config.instantiate import instantiate_entry, plain
 from lightning_par.config.loggers import build_loggers, check_loggers
 from lightning_par.config.trainer import build_trainer_kwargs, cluster_nodes_and_devices
 from lightning_par.models import GPTConfig, GPTLightningModule
-from lightning_par.parallel_dims import ParallelDims
+from lightning_par.axes import axis_of_size
+from lightning_par.parallel_dims import SIZE_FIELDS, ParallelDims
 from lightning_par.parallelize import OPTION_GROUPS
 
 __all__ = [
@@ -55,8 +56,7 @@ def build_parallel_dims(cfg: Any) -> ParallelDims:
     Raises:
         ValueError: an impossible layout (names the field, the value and what would be valid).
     """
-    p = _plain(cfg.parallel)
-    return ParallelDims(dp_size=p["dp_size"], tp_size=p["tp_size"], pp_size=p["pp_size"], world_size=p["world_size"])
+    return ParallelDims(**_plain(cfg.parallel))
 
 
 def build_strategy(cfg: Any) -> Any:
@@ -87,16 +87,12 @@ def build_strategy(cfg: Any) -> Any:
         if group and given is not None:
             options[group].pop(key)
     dims = build_parallel_dims(cfg)
-    layout = {"dp_size": dims.dp_size}
-    for axis in ("tp", "pp"):
-        value = getattr(dims, f"{axis}_size")
-        if axis in cls.axes:
-            layout[f"{axis}_size"] = value
-        elif value != 1:
-            raise ValueError(
-                f"parallel.{axis}_size={value} is not valid for strategy {name!r}, which has no {axis} axis: use "
-                f"parallel.{axis}_size=1 or a strategy that has it (parallel_3d has all three)."
-            )
+    sizes = {"dp_size": dims.dp_size, **dims.sizes()}
+    cls.check_axes(sizes, prefix="parallel.", label=f"strategy {name!r}")
+    # Every size of an axis the strategy has (a preset's default is not the layout's), and the rest where not 1.
+    layout = {k: getattr(dims, k) for k in SIZE_FIELDS.values() if k != "dp_shard_size"}
+    layout = {k: v for k, v in {"dp_size": dims.dp_size, **layout}.items() if v != 1 or k == "dp_size" or (
+        axis_of_size(k) is not None and cls.has_axis(axis_of_size(k).name))}
     options = {k: v for k, v in options.items() if not (k in OPTION_GROUPS and not v)}
     return cls(**{**preset, **options, **layout})
 

@@ -57,16 +57,22 @@ __all__ = [
 
 @dataclass
 class ParallelConfig:
-    """The layout: how many processes, and how they split over the ``("pp", "dp", "tp")`` mesh."""
+    """The layout: how many processes, and how they split over the mesh axes (:class:`lightning_par.ParallelDims`)."""
 
     #: processes to start (one per device; on CPU, gloo processes).
     world_size: int = 2
-    #: data-parallel replicas; -1 infers ``world_size // (tp_size * pp_size)``.
+    #: data-parallel ranks (dp_replicate_size * dp_shard_size); -1 infers ``world_size // (tp_size * pp_size)``.
     dp_size: int = -1
     #: tensor-parallel ranks per layer.
     tp_size: int = 1
     #: pipeline stages.
     pp_size: int = 1
+    #: HSDP replicas of the sharded model state (1: plain data parallelism).
+    dp_replicate_size: int = 1
+    #: ranks the model state is sharded over (ZeRO's N); -1: dp_size // dp_replicate_size.
+    dp_shard_size: int = -1
+    #: context-parallel ranks per sequence.
+    cp_size: int = 1
 
 
 @dataclass

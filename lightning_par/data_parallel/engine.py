@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_par.data_parallel.meshes import DataParallelMeshes
 from lightning_par.data_parallel.options import ReducerOptions, ZeroOptions, zero_stage
 from lightning_par.data_parallel.reducer import CommStats, GradientReducer
 from lightning_par.parallel_dims import broadcast_from_rank0
@@ -226,18 +227,21 @@ class DDPEngine(DataParallelEngine):
 
 def apply_data_parallel(
     module: nn.Module,
-    dp_mesh: DeviceMesh,
+    dp_mesh: DeviceMesh | DataParallelMeshes,
     dp_mode: str,
     reducer: ReducerOptions | None = None,
     zero: ZeroOptions | None = None,
     stage_modules: Sequence[nn.Module] | None = None,
     communicate: bool = True,
 ) -> DataParallelEngine:
-    """Make the dp replicas of ``module`` equal (broadcast from dp rank 0), then apply ``dp_mode`` on ``dp_mesh``.
+    """Make the dp replicas of ``module`` equal (broadcast from dp rank 0), then apply ``dp_mode``.
 
     Args:
         module: the model (for a pipeline stage: the LightningModule holding only this rank's parameters).
-        dp_mesh: 1-D data-parallel mesh.
+        dp_mesh: a 1-D data-parallel mesh, or the meshes of each role under HSDP
+            (:class:`~lightning_par.data_parallel.meshes.DataParallelMeshes`): ``ddp`` all-reduces over every
+            data-parallel rank, ``zero1``/``zero2`` shard within ``dp_shard`` and reduce across ``dp_replicate``,
+            ``zero3`` is FSDP2 on the 2-D ``(dp_replicate, dp_shard)`` mesh.
         dp_mode: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"zero3"``.
         reducer: the reducer's options (``ddp``).
         zero: the ZeRO options (``zero*``; their stage must match ``dp_mode``).
@@ -257,16 +261,17 @@ def apply_data_parallel(
             f"{type(module).__name__} has no parameter that requires a gradient: there is nothing to train. Build the "
             f"layers in __init__ or configure_model."
         )
-    broadcast_from_dp_rank0(module, dp_mesh.get_group())
+    meshes = DataParallelMeshes.of(dp_mesh)
+    broadcast_from_dp_rank0(module, meshes.dp.get_group())
     if stage == 0:
-        return DDPEngine(module, dp_mesh, reducer) if communicate else DataParallelEngine(module, dp_mesh)
+        return DDPEngine(module, meshes.dp, reducer) if communicate else DataParallelEngine(module, meshes.dp)
     assert zero is not None
     if stage == 3:
         from lightning_par.data_parallel.fsdp import FSDPZero, fully_shard_roots
 
         if stage_modules:
-            fully_shard_roots(stage_modules, dp_mesh, zero)
-        return FSDPZero(module, dp_mesh, zero, roots=stage_modules)
+            fully_shard_roots(stage_modules, meshes, zero)
+        return FSDPZero(module, meshes, zero, roots=stage_modules)
     from lightning_par.data_parallel.zero import ZeroShardedDataParallel
 
-    return ZeroShardedDataParallel(module, dp_mesh, zero)
+    return ZeroShardedDataParallel(module, meshes, zero)

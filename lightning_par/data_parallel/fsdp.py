@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_par.data_parallel.engine import ZeroEngine
+from lightning_par.data_parallel.meshes import DataParallelMeshes
 from lightning_par.data_parallel.zero_options import ZeroOptions
 
 __all__ = ["FSDPZero", "find_shard_units", "fully_shard_roots"]
@@ -61,17 +62,18 @@ def find_shard_units(module: nn.Module) -> list[nn.Module]:
     return units
 
 
-def _fsdp_kwargs(dp_mesh: DeviceMesh, options: ZeroOptions) -> dict[str, Any]:
+def _fsdp_kwargs(dp_mesh: DeviceMesh | DataParallelMeshes, options: ZeroOptions) -> dict[str, Any]:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
     return {
-        "mesh": dp_mesh,
+        "mesh": DataParallelMeshes.of(dp_mesh).fsdp,
         "mp_policy": MixedPrecisionPolicy(param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype),
         "offload_policy": CPUOffloadPolicy() if options.cpu_offload else OffloadPolicy(),
     }
 
 
-def fully_shard_roots(roots: Sequence[nn.Module], dp_mesh: DeviceMesh, options: ZeroOptions) -> None:
+def fully_shard_roots(roots: Sequence[nn.Module], dp_mesh: DeviceMesh | DataParallelMeshes,
+                      options: ZeroOptions) -> None:
     """FSDP2 on pipeline stage modules: each stage module is a root, its blocks units (in place).
 
     A pipeline schedule calls the stage modules, not the whole model, so each must be an FSDP2 root that gathers the
@@ -81,7 +83,7 @@ def fully_shard_roots(roots: Sequence[nn.Module], dp_mesh: DeviceMesh, options: 
 
     Args:
         roots: this rank's stage modules (disjoint parameters).
-        dp_mesh: the 1-D dp sub-mesh.
+        dp_mesh: the 1-D dp mesh, or the dp meshes (HSDP: FSDP2 on the 2-D ``(dp_replicate, dp_shard)`` mesh).
         options: ZeRO stage 3 options (``reshard_after_forward``, precision, offload).
     """
     from torch.distributed.fsdp import fully_shard
@@ -105,7 +107,8 @@ class FSDPZero(ZeroEngine):
 
     Args:
         module: the model; its replicas must be equal (FSDP2 keeps each rank's chunk of its own copy).
-        dp_mesh: 1-D data-parallel mesh.
+        dp_mesh: 1-D data-parallel mesh, or the dp meshes: under HSDP FSDP2 shards over ``dp_shard`` and all-reduces the
+            reduce-scattered gradients over ``dp_replicate`` (its 2-D mesh).
         roots: pipeline stage modules already made FSDP2 roots (:func:`fully_shard_roots`): nothing more is sharded.
         options: stage 3, ``reshard_after_forward``, ``param_dtype`` / ``reduce_dtype`` (FSDP2's
             ``MixedPrecisionPolicy``: the sharded parameters stay in their dtype, fp32, and are cast when gathered)
@@ -117,11 +120,15 @@ class FSDPZero(ZeroEngine):
     """
 
     def __init__(
-        self, module: nn.Module, dp_mesh: DeviceMesh, options: ZeroOptions, roots: Sequence[nn.Module] | None = None
+        self,
+        module: nn.Module,
+        dp_mesh: DeviceMesh | DataParallelMeshes,
+        options: ZeroOptions,
+        roots: Sequence[nn.Module] | None = None,
     ) -> None:
         from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
-        super().__init__(module, dp_mesh, options)
+        super().__init__(module, DataParallelMeshes.of(dp_mesh).shard, options)
         if not any(p.requires_grad for p in module.parameters()):
             raise ValueError("The model has no parameter that requires a gradient: ZeRO has nothing to shard.")
         kwargs = _fsdp_kwargs(dp_mesh, options)

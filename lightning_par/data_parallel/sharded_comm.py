@@ -55,6 +55,9 @@ class ReduceScatterReducer:
             memory).
         measure_memory: count the gradient storages (shard, bucket buffers, parameter gradients) alive at every
             event in :attr:`grad_memory` (costs a little Python per gradient; for tests and benchmarks).
+        replicate_group: HSDP's replicas of this shard group (``dp_replicate``): each landed chunk is all-reduced
+            over it (the gradients were divided by the whole data-parallel size on the way in), so the shard holds
+            the average over every data-parallel rank. ``bytes_sent`` then also counts that all-reduce's input.
 
     Attributes:
         grad_shard: ``(layout.shard_numel,)`` tensor, this rank's averaged gradient chunks of every bucket, or
@@ -75,6 +78,7 @@ class ReduceScatterReducer:
         grad_dtype: torch.dtype | None = None,
         max_buckets_in_flight: int = 1,
         measure_memory: bool = False,
+        replicate_group: dist.ProcessGroup | None = None,
     ) -> None:
         if isinstance(max_buckets_in_flight, bool) or not isinstance(max_buckets_in_flight, int) or (
             max_buckets_in_flight < 0
@@ -83,6 +87,10 @@ class ReduceScatterReducer:
         self.layout = layout
         self.group = layout.group
         self.world = layout.world
+        self.replicate_group = replicate_group
+        replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        #: the average is over every replica's shard group: each gradient is divided by this on its way in.
+        self.divisor = self.world * replicas
         self.reduce_dtype = reduce_dtype
         self.grad_dtype = grad_dtype or layout.buckets[0].dtype
         self.max_buckets_in_flight = max_buckets_in_flight
@@ -161,10 +169,10 @@ class ReduceScatterReducer:
         # a division of the whole buffer).
         if fast is not None:  # no padding: the slot is one strided view of the buffer, the gradient one reshape
             size, stride, offset = fast
-            torch.div(grad.view(size), self.world, out=buf.as_strided(size, stride, offset))
+            torch.div(grad.view(size), self.divisor, out=buf.as_strided(size, stride, offset))
         else:
             self.layout.copy_in(buf, s, grad)
-            self.layout.chunk_slot(buf, s).div_(self.world)
+            self.layout.chunk_slot(buf, s).div_(self.divisor)
         param.grad = None  # the full gradient is not kept: ZeRO-2
         self._stats.backward_end = time.perf_counter()
         self._arrived[bucket.index].add(id(param))
@@ -207,6 +215,9 @@ class ReduceScatterReducer:
         """Wait for the oldest reduce-scatter in flight, add it to the shard if needed and free its buffer."""
         index, work, out = self._in_flight.popleft()
         work.wait()
+        if self.replicate_group is not None:  # HSDP: sum the replicas' reduced chunks (each already divided)
+            self._stats.bytes_sent += out.numel() * out.element_size()
+            dist.all_reduce(out, group=self.replicate_group)
         self._done_time[index] = time.perf_counter()
         bucket = self.layout.buckets[index]
         assert self.grad_shard is not None

@@ -60,6 +60,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from lightning_par.data_parallel.reducer import CommStats, GradientReducer
 from lightning_par.data_parallel.shard_layout import LayoutBucket, ParamShard, ShardLayout, local_tensor
 from lightning_par.data_parallel.engine import ZeroEngine, sync_off
+from lightning_par.data_parallel.meshes import DataParallelMeshes
 from lightning_par.data_parallel.sharded_comm import ParamGather, ReduceScatterReducer
 from lightning_par.data_parallel.zero_options import ZeroOptions
 
@@ -154,7 +155,11 @@ class ZeroShardedDataParallel(ZeroEngine):
 
     Args:
         module: the model; every parameter with ``requires_grad`` is sharded.
-        dp_mesh: 1-D data-parallel mesh.
+        dp_mesh: 1-D data-parallel mesh, or the dp meshes under HSDP
+            (:class:`~lightning_par.data_parallel.meshes.DataParallelMeshes`): the chunks are laid out over its
+            ``shard`` ranks (ZeRO's ``N`` is ``dp_shard_size``); stage 1 all-reduces full gradients over every
+            data-parallel rank, stage 2 reduce-scatters within the shard group and all-reduces each chunk across the
+            replicas.
         options: stage 1 or 2 and the bucket / precision options.
         overlap_param_gather: defer the wait for each bucket's parameter all-gather to a forward pre-hook of the
             modules that own its parameters (parameters of ``module`` itself are always gathered at the step). Only
@@ -170,7 +175,7 @@ class ZeroShardedDataParallel(ZeroEngine):
     def __init__(
         self,
         module: nn.Module,
-        dp_mesh: DeviceMesh,
+        dp_mesh: DeviceMesh | DataParallelMeshes,
         options: ZeroOptions,
         *,
         overlap_param_gather: bool = False,
@@ -179,9 +184,11 @@ class ZeroShardedDataParallel(ZeroEngine):
     ) -> None:
         if options.stage not in (1, 2):
             raise ValueError(f"stage={options.stage} is not valid for ZeroShardedDataParallel: expected 1 or 2.")
-        super().__init__(module, dp_mesh, options)
-        group = dp_mesh.get_group()
-        self.world = dp_mesh.size()
+        meshes = DataParallelMeshes.of(dp_mesh)
+        super().__init__(module, meshes.shard, options)
+        group = meshes.shard.get_group()
+        self.world = meshes.shard.size()
+        replicate_group = meshes.replicate.get_group() if meshes.replicate is not None else None
         self.layout = ShardLayout(list(module.named_parameters()), group, options.bucket_cap_mb)
         self.mixed = options.param_dtype is not None
         #: this rank's chunk of every sharded parameter, by name: what the optimizer steps.
@@ -202,22 +209,23 @@ class ZeroShardedDataParallel(ZeroEngine):
         self._name_of = {id(p): n for n, p in self._opt_params.items()}
         self._shard_of = {id(self.local_params[s.name]): s for s in self.layout.shards}
         self.reducer: GradientReducer | ReduceScatterReducer | None = None
-        if self.world > 1 and options.stage == 1:
+        if meshes.dp.size() > 1 and options.stage == 1:
             self.reducer = GradientReducer(
                 [s.param for s in self.layout.shards],
-                group,
+                meshes.dp.get_group(),
                 bucket_cap_mb=options.bucket_cap_mb,
                 gradient_as_bucket_view=options.gradient_as_bucket_view,
                 static_graph=options.static_graph,
                 comm_hook=options.comm_hook,
             )
-        elif self.world > 1:
+        elif meshes.dp.size() > 1:
             self.reducer = ReduceScatterReducer(
                 self.layout,
                 reduce_dtype=options.reduce_dtype,
                 grad_dtype=torch.float32 if self.mixed else None,
                 max_buckets_in_flight=max_buckets_in_flight,
                 measure_memory=measure_memory,
+                replicate_group=replicate_group,
             )
         self.gather = ParamGather(self.layout, self._source)
         self._require_sync = True
@@ -606,8 +614,9 @@ def _apply_optimizer_state(
                 target[key] = value
 
 
-def apply_zero(module: nn.Module, dp_mesh: DeviceMesh, options: ZeroOptions) -> ZeroEngine:
-    """Shard ``module`` over ``dp_mesh`` as ``options.stage`` says and return the engine that runs it.
+def apply_zero(module: nn.Module, dp_mesh: DeviceMesh | DataParallelMeshes, options: ZeroOptions) -> ZeroEngine:
+    """Shard ``module`` over ``dp_mesh`` (a 1-D mesh, or the dp meshes under HSDP) as ``options.stage`` says and
+    return the engine that runs it.
 
     Stages 1 and 2: :class:`ZeroShardedDataParallel`; stage 3: :class:`~lightning_par.data_parallel.fsdp.FSDPZero`
     (which changes ``module`` in place: FSDP2 ``fully_shard``). The replicas must be equal before the call.

@@ -1,19 +1,14 @@
 """``MeshStrategy``: the one strategy core. Every lightning_par strategy is a preset of it.
 
-It owns the validated :class:`~lightning_par.parallel_dims.ParallelDims`, the process group (with a collective timeout,
-so a dead rank ends the job instead of hanging it), the ``("pp", "dp", "tp")`` device mesh, data sharding over the
-**dp** axis only (the tp and pp ranks of one replica see the same batch), and drives the parallel model that
-:func:`lightning_par.parallelize.parallelize` builds (pipeline cut -> tensor parallel -> dp mode -> schedule) from
-Lightning's hooks:
-
-* ``pp_size == 1``: Lightning calls the LightningModule's own ``training_step``; the dp engine's hooks run around each
-  backward (the bucketed all-reduce overlaps it) and are skipped inside an accumulation window.
-* ``pp_size > 1``: the schedule runs forward and backward inside ``training_step``
-  (:class:`~lightning_par.strategies.pipelined.PipelinedSteps`); the LightningModule's ``training_step`` is not called.
-
-Under a ``vocab_head`` plan the loss (forward and backward) runs inside the vocab-parallel loss context. Norm clipping
-uses the whole model's norm. Checkpoints are sharded ``torch.distributed.checkpoint`` directories committed
-atomically (:mod:`lightning_par.checkpoint`), loadable into any layout, strategy and one process.
+It is Lightning's adapter for the parallel model: it owns the validated :class:`~lightning_par.parallel_dims.
+ParallelDims`, the process group (with a collective timeout, so a dead rank ends the job instead of hanging it), the
+device mesh of named axes, data sharding over the **dp** ranks only (the tp, cp and pp ranks of one replica see the
+same batch), and it drives the :class:`~lightning_par.parallelize.ParallelModel` that :func:`lightning_par.parallelize.
+parallelize` builds from the registered axes, through one step protocol (:class:`~lightning_par.steps.StepHooks`):
+Lightning's ``training_step``, ``backward``, ``block_backward_sync`` and the evaluation steps go to
+``parallel.steps``; the gradient finishers run once per optimizer step; checkpoints take the parallel model's
+one-process state. Checkpoints are sharded ``torch.distributed.checkpoint`` directories committed atomically
+(:mod:`lightning_par.checkpoint`), loadable into any layout, strategy and one process.
 """
 
 from __future__ import annotations
@@ -47,17 +42,13 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_par.axes import axis_of_group, axis_of_size
 from lightning_par.callbacks.metrics import log_comm_stats
 from lightning_par.checkpoint.sharded import load_sharded, save_sharded
 from lightning_par.fault.elastic import init_process_group_per_attempt
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.parallelize import OPTION_GROUPS, ParallelModel, ParallelOptions, parallelize, validate
 from lightning_par.precision import check_precision, distributed_scaler, fsdp_mixed_precision
-from lightning_par.strategies.pipelined import PipelinedSteps
-from lightning_par.tensor_parallel.state_dict import unpad_vocab_state
-from lightning_par.tensor_parallel.styles import sync_tp_partial_grads
-from lightning_par.memory import model_state_bytes
-from lightning_par.tensor_parallel.vocab import VOCAB_SIZE_ATTR, vocab_parallel_loss
 from lightning_par.validation import check_int, check_number
 
 __all__ = ["MeshStrategy"]
@@ -65,8 +56,6 @@ __all__ = ["MeshStrategy"]
 #: Set when Lightning reports an exception in this process: then nothing is synchronised at exit.
 _FAILED: list[bool] = [False]
 _EXIT_KEY = "lightning_par/exited"
-#: The mesh axis each option group belongs to.
-_GROUP_AXIS = {"reducer": "dp", "zero": "dp", "tensor_parallel": "tp", "pipeline": "pp"}
 
 
 def _destroy_process_group() -> None:
@@ -93,17 +82,21 @@ def _destroy_process_group() -> None:
 
 
 class MeshStrategy(ParallelStrategy):
-    """dp x tp x pp on one ``("pp", "dp", "tp")`` mesh, for any LightningModule meeting :mod:`lightning_par.contract`.
+    """Every registered axis on one mesh, for any LightningModule meeting :mod:`lightning_par.contract`.
 
     Args:
-        dp_size: data-parallel replicas; ``-1`` infers ``world_size // (tp_size * pp_size)``.
+        dp_size: data-parallel ranks (different batches), ``dp_replicate_size * dp_shard_size``; ``-1`` infers
+            ``world_size // (pp_size * cp_size * tp_size)``.
         tp_size: tensor-parallel ranks per stage.
         pp_size: pipeline ranks.
         dp_mode: ``"ddp"`` (bucketed all-reduce overlapped with backward), ``"zero1"``, ``"zero2"`` or ``"zero3"``.
+        dp_replicate_size: HSDP replicas (``> 1``: each dp mode shards within ``dp_shard`` and reduces across the
+            replicas; ``ddp`` all-reduces over all of them).
+        dp_shard_size: ranks the model state is sharded over (ZeRO's ``N``); ``-1``: ``dp_size // dp_replicate_size``.
+        cp_size: context-parallel ranks (refused while no context-parallel axis is registered).
         module_attr: attribute of the LightningModule holding the network (see :mod:`lightning_par.contract`).
         activation_checkpointing: ``"none"``, ``"full"`` (recompute every block in backward) or ``"selective"`` (the
-            attention of every block); applied once, after tensor parallelism and before the dp mode
-            (:mod:`lightning_par.activation_checkpointing`).
+            attention of every block); applied after tensor parallelism and before the dp mode.
         timeout_s: seconds a collective may wait for a peer before it raises (gloo and nccl), so that a dead or
             stuck rank ends the job with an error instead of a hang.
         prog_bar: also show the strategy's own figures (``parallel/...``) in the progress bar.
@@ -118,14 +111,14 @@ class MeshStrategy(ParallelStrategy):
             ``measure_bubble``).
 
     Raises:
-        ValueError: here, an invalid size, option or combination, or an option of an axis this strategy does not
-            have; before the process group starts (:meth:`validate_model`), a model the layout cannot run (see
+        ValueError: here, an invalid size, option or combination, or a size or option of an axis this strategy does
+            not have; before the process group starts (:meth:`validate_model`), a model the layout cannot run (see
             :func:`lightning_par.parallelize.validate`) or ``cpu_offload`` on a CPU device.
     """
 
     strategy_name: ClassVar[str] = "mesh"
-    #: The mesh axes this strategy may use (a preset narrows them); a size > 1 or an option on another axis is refused.
-    axes: ClassVar[tuple[str, ...]] = ("pp", "dp", "tp")
+    #: The registered axes (``Axis.name``) this strategy may use; ``None``: all. A preset narrows them.
+    axes: ClassVar[frozenset[str] | None] = None
     #: Lightning registry names of the class and the options each name implies.
     registry_names: ClassVar[tuple[str, ...]] = ()
     registry_presets: ClassVar[dict[str, dict[str, Any]]] = {}
@@ -139,6 +132,9 @@ class MeshStrategy(ParallelStrategy):
         pp_size: int = 1,
         dp_mode: str = "ddp",
         *,
+        dp_replicate_size: int = 1,
+        dp_shard_size: int = -1,
+        cp_size: int = 1,
         module_attr: str | None = "model",
         activation_checkpointing: str = "none",
         timeout_s: float = 1800.0,
@@ -159,19 +155,15 @@ class MeshStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         sizes = {"dp_size": dp_size, "tp_size": tp_size, "pp_size": pp_size}
-        for name, value in sizes.items():
-            check_int(name, value, 1, allow_infer=name == "dp_size")
-            axis = name[:2]
-            if axis not in self.axes and value != 1 and not (axis == "dp" and value == -1):
-                raise ValueError(
-                    f"{name}={value} is not valid for {type(self).__name__}, which has no {axis} axis: use {name}=1 "
-                    f"or a strategy with that axis (parallel_3d has all three)."
-                )
+        sizes.update({k: v for k, v in (("dp_replicate_size", dp_replicate_size), ("dp_shard_size", dp_shard_size),
+                                        ("cp_size", cp_size)) if v != (-1 if k == "dp_shard_size" else 1)})
+        self.check_axes(sizes)
         for key in options:
             group = key if key in OPTION_GROUPS else next((g for g, n in OPTION_GROUPS.items() if key in n), None)
-            if group is not None and _GROUP_AXIS[group] not in self.axes:
+            axis = axis_of_group(group) if group is not None else None
+            if axis is not None and not self.has_axis(axis.name):
                 raise ValueError(
-                    f"{key} is an option of the {_GROUP_AXIS[group]} axis, which {type(self).__name__} does not have: "
+                    f"{key} is an option of the {axis.name} axis, which {type(self).__name__} does not have: "
                     f"remove it, or use a strategy with that axis (parallel_3d has all three)."
                 )
         self.options = ParallelOptions.build(dp_mode, module_attr, activation_checkpointing, **options)
@@ -182,8 +174,43 @@ class MeshStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self.parallel_dims: ParallelDims | None = None
         self.parallel: ParallelModel | None = None
-        self._pipelined = PipelinedSteps(self)
+        self._validated: Any = None  # the module validate_model checked (parallelize then does not check it again)
         self.num_nodes = 1
+
+    @classmethod
+    def has_axis(cls, name: str) -> bool:
+        """Whether this strategy may use the registered axis ``name``."""
+        return cls.axes is None or name in cls.axes
+
+    @classmethod
+    def check_axes(cls, sizes: dict[str, Any], prefix: str = "", label: str | None = None) -> None:
+        """Refuse a size > 1 on an axis this strategy does not have, or on an axis no registered parallelism runs
+        on (no process group needed).
+
+        Args:
+            sizes: size fields of :class:`~lightning_par.parallel_dims.ParallelDims` and their values.
+            prefix: how the fields are named in the message (``"parallel."`` for a recipe).
+            label: how the strategy is named in the message (default: the class name).
+
+        Raises:
+            ValueError: naming the field, the value, and what would be valid.
+        """
+        label = label or cls.__name__
+        for name, value in sizes.items():
+            check_int(name, value, 1, allow_infer=name in ("dp_size", "dp_shard_size"))
+            axis = axis_of_size(name)
+            if value in (1, -1):
+                continue
+            if axis is None:
+                raise ValueError(
+                    f"{prefix}{name}={value} is not valid: no registered parallelism runs on that axis in this "
+                    f"version. Use {prefix}{name}=1."
+                )
+            if not cls.has_axis(axis.name):
+                raise ValueError(
+                    f"{prefix}{name}={value} is not valid for {label}, which has no {axis.name} axis: use "
+                    f"{prefix}{name}=1 or a strategy that has it (parallel_3d has all three)."
+                )
 
     @property
     def dp_mode(self) -> str:
@@ -207,7 +234,7 @@ class MeshStrategy(ParallelStrategy):
 
     @property
     def device_mesh(self):  # noqa: ANN201 - DeviceMesh, imported lazily
-        """The ``("pp", "dp", "tp")`` DeviceMesh.
+        """The DeviceMesh of :data:`~lightning_par.parallel_dims.MESH_AXES`.
 
         Raises:
             RuntimeError: before :meth:`setup_environment` has built it.
@@ -227,7 +254,7 @@ class MeshStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Shard batches over the dp axis only: every tp and pp rank of a replica reads the same samples."""
+        """Shard batches over the dp ranks only: every tp, cp and pp rank of a replica reads the same samples."""
         dims = self.parallel_dims
         assert dims is not None
         return {"num_replicas": dims.dp_size, "rank": dims.coordinates(self.global_rank)["dp"]}
@@ -235,10 +262,6 @@ class MeshStrategy(ParallelStrategy):
     @property
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
-
-    @property
-    def _pp(self) -> bool:
-        return self.parallel is not None and self.parallel.pipeline is not None
 
     # ------------------------------------------------------------------ processes
     @override
@@ -298,6 +321,7 @@ class MeshStrategy(ParallelStrategy):
         module = self.lightning_module
         if module is not None and not is_overridden("configure_model", module):
             validate(module, dims, self.options)
+            self._validated = module
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -312,7 +336,7 @@ class MeshStrategy(ParallelStrategy):
                 self.parallel.engine.remove()
             self.parallel = parallelize(
                 self.model, self.parallel_dims, self.precision_options(), device=self.root_device,
-                step_context=self._step_context,
+                step_context=self._step_context, check=self._validated is not self.lightning_module,
             )
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -360,11 +384,11 @@ class MeshStrategy(ParallelStrategy):
         _FAILED[0] = True
         super().on_exception(exception)
 
-    # ------------------------------------------------------------------ steps
+    # ------------------------------------------------------------------ steps (the parallel model's step hooks)
     def loss_context(self) -> Any:
-        """The vocab-parallel loss context when the plan has a ``vocab_head`` (the loss's forward and backward must
-        run inside it), else a no-op context."""
-        return vocab_parallel_loss() if self.parallel is not None and self.parallel.loss_parallel else nullcontext()
+        """The context the loss's forward and backward must run in (the vocab-parallel loss of a tp ``vocab_head``),
+        else a no-op context."""
+        return self.parallel.loss_context() if self.parallel is not None else nullcontext()
 
     @contextmanager
     def _step_context(self) -> Generator[None, None, None]:
@@ -373,39 +397,19 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pp:
-            batch = args[0] if args else kwargs["batch"]
-            return self._pipelined.training_step(batch, args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
-        with self.loss_context():
-            return super().training_step(*args, **kwargs)
+        assert self.parallel is not None
+        batch = args[0] if args else kwargs["batch"]
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        return self.parallel.steps.training_step(
+            self, lambda: super(MeshStrategy, self).training_step(*args, **kwargs), batch, batch_idx
+        )
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Backward, then the end of the dp reduction, then ``on_after_backward``.
-
-        Lightning's own ``Strategy.backward`` calls ``on_after_backward`` (in the precision plugin's ``post_backward``)
-        before the strategy's ``post_backward``; under ``DDPStrategy`` and ``FSDPStrategy`` the reduction has ended
-        inside backward by then, so a user's ``on_after_backward`` (gradient-norm logging, say) sees gradients averaged
-        over dp. The dp engine here finishes after backward returns, so this runs it before that hook, as the
-        pipelined path does; otherwise the hook would see this rank's unreduced gradients
-        (tests/distributed/test_ddp_overlap.py). Replicated parameters' partial gradients over tp (sequence-parallel
-        norms) are summed once per optimizer step, before ``on_before_optimizer_step`` (see :meth:`optimizer_step`).
-        """
-        if self._pp:
-            return self._pipelined.backward(closure_loss)
-        module = self.lightning_module
-        with self.loss_context():
-            self.pre_backward(closure_loss)
-            closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-            if self.parallel is not None:
-                self.log_comm(self.parallel.engine.post_backward())
-            return self.precision_plugin.post_backward(closure_loss, module)
-
-    @override
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        if self.parallel is not None:
-            self.parallel.engine.pre_backward()
+        """The parallel model's backward (:meth:`lightning_par.steps.StepHooks.backward`): backward, the end of the dp
+        reduction, then ``on_after_backward``, so a user's hook sees averaged gradients as under ``DDPStrategy``."""
+        assert self.parallel is not None
+        return self.parallel.steps.backward(self, closure_loss, optimizer, *args, **kwargs)
 
     def log_comm(self, stats: Any) -> None:
         """Log a synchronised backward's exposed communication time as ``parallel/comm_exposed_ms``, every
@@ -414,32 +418,24 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Under tensor parallelism without pipelining, once the step's last backward and its dp reduction are done
-        (inside ``closure``), sum the replicated parameters' partial gradients over tp (sequence-parallel norms),
-        before clipping and the step. (Pipelined: in the schedule's ``backward``.)"""
-        if self._pp or self.parallel is None or self.parallel_dims is None or not self.parallel_dims.tp_enabled:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        """Once the step's last backward and its dp reduction are done (inside ``closure``), the parallel model's
+        gradient finishers (tp: replicated parameters' partial gradients summed), before clipping and the step."""
         parallel = self.parallel
+        if parallel is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
-        def closure_then_sync() -> Any:
+        def closure_then_finish() -> Any:
             out = closure()
-            sync_tp_partial_grads(parallel.module, self.group("tp"), parallel.engine)
+            parallel.finish_gradients()
             return out
 
-        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning enters this for every batch of an accumulation window but the last: no dp reduction then."""
-        if self._pp:
-            previous, self._pipelined.sync_blocked = self._pipelined.sync_blocked, True
-            try:
-                yield
-            finally:
-                self._pipelined.sync_blocked = previous
-            return
-        with self.parallel.engine.no_sync() if self.parallel is not None else nullcontext():
+        with self.parallel.steps.block_sync() if self.parallel is not None else nullcontext():
             yield
 
     @property
@@ -449,52 +445,34 @@ class MeshStrategy(ParallelStrategy):
         return False
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        assert self.parallel is not None
+        assert self.parallel is not None and self.parallel_dims is not None
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        groups = [self.group("pp")] if self.parallel_dims is not None and self.parallel_dims.pp_enabled else []
+        groups = [self.parallel_dims.group("pp")] if self.parallel_dims.pp_enabled else []
         self.parallel.engine.clip_grad_norm_(params, float(clip_val), 2.0, groups)
+
+    def _eval_step(self, stage: str, call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        assert self.parallel is not None
+        return self.parallel.steps.eval_step(self, stage, call, args[0] if args else kwargs.get("batch"))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pp:
-            loss = self._pipelined.eval_loss(args[0] if args else kwargs["batch"])
-            self.lightning_module.log("val_loss", loss, prog_bar=True, sync_dist=True)
-            return loss
-        with self.loss_context():
-            return super().validation_step(*args, **kwargs)
+        return self._eval_step("val", lambda: super(MeshStrategy, self).validation_step(*args, **kwargs), args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pp:
-            loss = self._pipelined.eval_loss(args[0] if args else kwargs["batch"])
-            self.lightning_module.log("test_loss", loss, sync_dist=True)
-            return loss
-        with self.loss_context():
-            return super().test_step(*args, **kwargs)
+        return self._eval_step("test", lambda: super(MeshStrategy, self).test_step(*args, **kwargs), args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._pp:
-            raise NotImplementedError(
-                "predict is not supported under pipelining (pp_size > 1): the outputs live on the last stage only. "
-                "Consolidate the checkpoint (python -m lightning_par.checkpoint.consolidate DIR FILE) and predict "
-                "with one process or pp_size=1."
-            )
-        with self.loss_context():
-            return super().predict_step(*args, **kwargs)
+        return self._eval_step("predict", lambda: super(MeshStrategy, self).predict_step(*args, **kwargs), args,
+                               kwargs)
 
     @override
     def on_train_start(self) -> None:
-        """Refuse, before any step, a pipelined loader whose batch size is not a multiple of ``num_microbatches``."""
+        """Refuse, before any step, a loader batch size the layout cannot split (a pipeline's micro-batches)."""
         super().on_train_start()
-        m = self.options.pipeline.num_microbatches
         loader = getattr(self.lightning_module.trainer, "train_dataloader", None) if self.lightning_module else None
-        batch_size = getattr(loader, "batch_size", None)
-        if self._sizes["pp_size"] > 1 and isinstance(batch_size, int) and batch_size % m != 0:
-            raise ValueError(
-                f"batch_size={batch_size} is not valid with num_microbatches={m}: expected a batch size that is a "
-                f"multiple of {m}."
-            )
+        self.options.check_batch_size(getattr(loader, "batch_size", None), self._sizes["pp_size"])
 
     def _reshard(self) -> None:
         if self.parallel is not None:
@@ -514,9 +492,9 @@ class MeshStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ collectives
     def group(self, axis: str) -> dist.ProcessGroup:
-        """The process group of one mesh axis (``"pp"``, ``"dp"`` or ``"tp"``) that contains this rank."""
+        """The process group of one mesh axis or derived mesh (:meth:`ParallelDims.get_mesh`) containing this rank."""
         assert self.parallel_dims is not None
-        return self.parallel_dims.get_mesh(axis).get_group()
+        return self.parallel_dims.group(axis)
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -560,22 +538,18 @@ class MeshStrategy(ParallelStrategy):
         if self.parallel is None:
             assert self.lightning_module is not None
             return self.lightning_module.state_dict()
-        state = self.parallel.engine.model_state_dict()
-        unpad_vocab_state(self.parallel.module, state, [])
-        return state
+        return self.parallel.model_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """This rank's part of the optimizer state, keyed by one-process parameter name."""
         assert self.parallel is not None
-        state = self.parallel.engine.optimizer_state_dict(getattr(optimizer, "_optimizer", optimizer))
-        unpad_vocab_state(self.parallel.module, {}, [state])
-        return state
+        return self.parallel.optimizer_state_dict(getattr(optimizer, "_optimizer", optimizer))
 
     def checkpoint_record(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """What this strategy writes into a checkpoint's record (``lightning_par.json``)."""
         dims = self.parallel_dims
-        layout = {} if dims is None else {"dp_size": dims.dp_size, "tp_size": dims.tp_size, "pp_size": dims.pp_size}
+        layout = {} if dims is None else {"tp_size": dims.tp_size, "pp_size": dims.pp_size, **dims.sizes()}
         return {
             "strategy": self.strategy_name,
             "layout": layout,
@@ -616,7 +590,7 @@ class MeshStrategy(ParallelStrategy):
         model_state = engine.model_state_dict()
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         optimizer_states = [engine.optimizer_state_dict(o) for o in optimizers]
-        unpad_vocab_state(self.parallel.module, model_state, optimizer_states)
+        self.parallel.to_one_process(model_state, optimizer_states)
         # DCP keeps one copy of a non-tensor entry such as ``param_groups`` (the coordinator's): under pipelining its
         # parameter names are those of one stage. Keep the saved hyper-parameters and this rank's own names.
         own_names = [[list(g["params"]) for g in state["param_groups"]] for state in optimizer_states]
@@ -642,28 +616,14 @@ class MeshStrategy(ParallelStrategy):
         """Nothing to do: :meth:`load_checkpoint` has loaded the optimizers."""
 
     def full_state_dict(self) -> dict[str, Tensor]:
-        """Every parameter of the whole model in full, keyed by one-process name, on every rank (fp32 masters under
-        mixed precision). Collective over the whole world (tp/dp gathers, then the pp group); for tests and small
-        models — checkpoints never gather."""
+        """Every parameter of the whole model in full, keyed by one-process name, on every rank (see
+        :meth:`lightning_par.parallelize.ParallelModel.full_state_dict`); collective, for tests and small models."""
         assert self.parallel is not None
-        local = {
-            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-            for k, v in self.parallel.engine.full_state_dict().items()
-        }
-        from lightning_par.tensor_parallel.state_dict import padded_parameters
-
-        for name, vocab in padded_parameters(self.parallel.module).items():
-            if name in local:
-                local[name] = local[name][:vocab].clone()
-        if self.parallel_dims is None or not self.parallel_dims.pp_enabled:
-            return local
-        parts: list[Any] = [None] * self.parallel_dims.pp_size
-        dist.all_gather_object(parts, local, group=self.group("pp"))
-        return {k: v for part in parts for k, v in part.items()}
+        return self.parallel.full_state_dict()
 
     # ------------------------------------------------------------------ reporting
     def summary_extras(self) -> dict[str, Any]:
-        """Strategy figures for ``summary.json``: layout, dp mode, the dp engine's and the pipeline's figures."""
+        """Strategy figures for ``summary.json``: layout, dp mode, and every axis's figures."""
         dims = self.parallel_dims
         if dims is None:
             return {}
@@ -671,6 +631,7 @@ class MeshStrategy(ParallelStrategy):
             "dp_size": dims.dp_size,
             "tp_size": dims.tp_size,
             "pp_size": dims.pp_size,
+            **dims.sizes(),
             "dp_mode": self.dp_mode,
             "sequence_parallel": self.options.tensor_parallel.sequence_parallel,
             "activation_checkpointing": self.options.activation_checkpointing,
@@ -681,20 +642,7 @@ class MeshStrategy(ParallelStrategy):
             extras["zero_param_dtype"] = str(zero.param_dtype) if zero.param_dtype else None
             extras["zero_reduce_dtype"] = str(zero.reduce_dtype) if zero.reduce_dtype else None
         if self.parallel is not None:
-            extras["activation_checkpointed_modules"] = len(self.parallel.checkpointed)
-            extras.update(self.parallel.engine.summary())
-            if self.parallel.pipeline is not None:
-                extras.update(self._pipelined.summary())
-            if dims.tp_enabled:
-                extras["param_bytes_per_rank"] = model_state_bytes(self.parallel.module)["param_bytes"]
-                module = self.parallel.module
-                padded = {
-                    name: f"{getattr(m, VOCAB_SIZE_ATTR)} -> {m.weight.shape[0]}"
-                    for name, m in module.named_modules()
-                    if getattr(m, VOCAB_SIZE_ATTR, None) is not None and m.weight.shape[0] != getattr(m, VOCAB_SIZE_ATTR)
-                }
-                if padded:
-                    extras["vocab_padding"] = padded
+            extras.update(self.parallel.summary())
         return extras
 
     @classmethod
@@ -706,4 +654,3 @@ class MeshStrategy(ParallelStrategy):
                 strategy_registry.register(
                     name, cls, description=cls.description, **cls.registry_presets.get(name, {})
                 )
-

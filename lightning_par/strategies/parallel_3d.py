@@ -33,7 +33,7 @@ class Parallel3DStrategy(MeshStrategy):
     """
 
     strategy_name: ClassVar[str] = "parallel_3d"
-    axes: ClassVar[tuple[str, ...]] = ("pp", "dp", "tp")
+    axes: ClassVar[frozenset[str] | None] = None
     description: ClassVar[str] = "3D parallel: TP in each pipeline stage, PP across stages, ddp/zero1/zero2/zero3 on dp"
 
     def __init__(self, dp_size: int = -1, tp_size: int = 1, pp_size: int = 1, dp_mode: str = "ddp",

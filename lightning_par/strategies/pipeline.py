@@ -2,7 +2,7 @@
 
 Lightning removed its only pipeline strategy in 1.4 (Lightning issue #17180 asks for one). This one cuts the network
 into stages, runs one of torch's schedules over micro-batches inside ``training_step``
-(:mod:`lightning_par.strategies.pipelined`, :mod:`lightning_par.pipeline_parallel.engine`), and leaves the rest to
+(:mod:`lightning_par.pipeline_parallel.steps`, :mod:`lightning_par.pipeline_parallel.engine`), and leaves the rest to
 Lightning: the optimizer step, schedulers, accumulation, clipping (by the whole model's norm), validation, logging,
 callbacks and checkpoints.
 """
@@ -44,7 +44,7 @@ class PipelineStrategy(MeshStrategy):
     """
 
     strategy_name: ClassVar[str] = "gpipe"
-    axes: ClassVar[tuple[str, ...]] = ("dp", "pp")
+    axes: ClassVar[frozenset[str] | None] = frozenset({"dp", "pp"})
     description: ClassVar[str] = "Pipeline parallel on the pp axis (torch's schedules), bucketed all-reduce on dp"
     registry_names: ClassVar[tuple[str, ...]] = ("gpipe", "1f1b", "pipeline")
     registry_presets: ClassVar[dict[str, dict[str, Any]]] = {

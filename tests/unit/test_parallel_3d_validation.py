@@ -56,7 +56,7 @@ def test_invalid_options(options: dict, match: str) -> None:
 
 def test_layout_must_match_world_size() -> None:
     strategy = Parallel3DStrategy(dp_size=2, tp_size=2, pp_size=2)
-    assert strategy.resolve_parallel_dims(8).shape == (2, 2, 2)
+    assert strategy.resolve_parallel_dims(8).shape == (2, 1, 2, 1, 2)
     assert Parallel3DStrategy(dp_size=-1, tp_size=2, pp_size=2).resolve_parallel_dims(16).dp_size == 4
     with pytest.raises(ValueError, match=r"dp_size \* tp_size \* pp_size = 2 \* 2 \* 2 = 8 does not equal world_size=4"):
         strategy.resolve_parallel_dims(4)

@@ -23,7 +23,8 @@ def test_valid_layouts(kwargs, expected):
     dims = ParallelDims(**kwargs)
     assert (dims.dp_size, dims.tp_size, dims.pp_size) == expected
     assert dims.dp_size * dims.tp_size * dims.pp_size == dims.world_size
-    assert dims.shape == (expected[2], expected[0], expected[1])
+    # (pp, dp_replicate, dp_shard, cp, tp): plain data parallelism is all dp_shard
+    assert dims.shape == (expected[2], 1, expected[0], 1, expected[1])
 
 
 @pytest.mark.parametrize(
@@ -54,7 +55,7 @@ def test_invalid_layouts_name_field_value_and_valid(kwargs, message):
 
 def test_coordinates_follow_pp_dp_tp_order():
     dims = ParallelDims(dp_size=2, tp_size=2, pp_size=2, world_size=8)
-    assert [tuple(dims.coordinates(r).values()) for r in range(8)] == [
+    assert [tuple(dims.coordinates(r)[a] for a in ("pp", "dp", "tp")) for r in range(8)] == [
         (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)
     ]
     with pytest.raises(ValueError, match=re.escape("rank=8 is not valid: expected 0 <= rank < world_size=8.")):
@@ -63,7 +64,9 @@ def test_coordinates_follow_pp_dp_tp_order():
 
 def test_get_mesh_checks_axis_and_build():
     dims = ParallelDims(world_size=2)
-    with pytest.raises(ValueError, match=re.escape("axis='xy' is not valid: expected one of ['pp', 'dp', 'tp'].")):
+    with pytest.raises(ValueError, match=re.escape(
+            "axis='xy' is not valid: expected one of ['pp', 'dp_replicate', 'dp_shard', 'cp', 'tp', 'dp', "
+            "'dp_shard_cp', 'dp_cp'].")):
         dims.get_mesh("xy")
     with pytest.raises(RuntimeError, match="before build_mesh"):
         dims.get_mesh("dp")

@@ -202,7 +202,7 @@ def test_strategy_options():
     with pytest.raises(ValueError, match="tp_size=0 is not valid"):
         TensorParallelStrategy(tp_size=0)
     strategy = TensorParallelStrategy(tp_size=2, dp_size=2)
-    assert strategy.resolve_parallel_dims(4).shape == (1, 2, 2)
+    assert strategy.resolve_parallel_dims(4).shape == (1, 1, 2, 1, 2)
     with pytest.raises(ValueError, match="does not equal world_size=6"):
         strategy.resolve_parallel_dims(6)
 

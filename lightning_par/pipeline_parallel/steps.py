@@ -1,4 +1,4 @@
-"""The Lightning side of a pipelined step: a schedule runs forward and backward inside ``training_step``.
+"""The pp axis's step hooks: a schedule runs forward and backward inside ``training_step``.
 
 How it fits Lightning's automatic optimization (``Closure``: ``training_step``, then ``zero_grad`` on the first batch of
 an accumulation window, then ``backward``, then clipping and ``optimizer.step``):
@@ -16,6 +16,8 @@ an accumulation window, then ``backward``, then clipping and ``optimizer.step``)
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -25,42 +27,38 @@ from torch import Tensor
 from lightning_par import contract
 from lightning_par.pipeline_parallel.bubble import summarize_bubble
 from lightning_par.pipeline_parallel.schedules import bubble_formula
-from lightning_par.tensor_parallel.apply import reduce_partial_grads
-from lightning_par.tensor_parallel.styles import sync_tp_partial_grads
+from lightning_par.steps import StepHooks
 
 __all__ = ["PipelinedSteps"]
 
 
-class PipelinedSteps:
-    """The pipelined training and evaluation steps of a :class:`~lightning_par.strategies.base.MeshStrategy`.
+class PipelinedSteps(StepHooks):
+    """The step hooks of a parallel model with a pipeline (``parallel.pipeline``).
 
     Args:
-        strategy: the strategy whose ``parallel`` model has a pipeline.
+        parallel: the parallel model; its ``pipeline`` runs the schedule over its ``stage_modules``.
     """
 
-    def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy
+    def __init__(self, parallel: Any) -> None:
+        super().__init__(parallel)
         self.sync_blocked = False
         self._held: list[Tensor | None] | None = None
         self.step_stats: list[list[tuple[float, float, int]]] = []  # per step, per pp rank
 
-    @property
-    def _parallel(self) -> Any:
-        return self.strategy.parallel
-
     def _params(self) -> list[torch.nn.Parameter]:
-        return [p for p in self._parallel.network.parameters() if p.requires_grad]
+        return [p for p in self.parallel.network.parameters() if p.requires_grad]
 
     def bubble_formula(self) -> float:
         """The schedule's idle share for uniform stages (interleaved: ``(p - 1) / (v m + p - 1)``)."""
-        options = self.strategy.options.pipeline
-        return bubble_formula(self.strategy.parallel_dims.pp_size, options.num_microbatches, options.virtual_stages)
+        options = self.parallel.options.pipeline
+        return bubble_formula(self.parallel.dims.pp_size, options.num_microbatches, options.virtual_stages)
 
     # ------------------------------------------------------------------ training
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        """Run the schedule on the batch (forward and backward) and return the batch's mean loss on every rank."""
-        parallel, strategy = self._parallel, self.strategy
-        module = strategy.lightning_module
+    def training_step(self, host: Any, call: Any, batch: Any, batch_idx: int) -> Tensor:
+        """Run the schedule on the batch (forward and backward) and return the batch's mean loss on every rank (the
+        LightningModule's own ``training_step``, ``call``, is not run)."""
+        parallel = self.parallel
+        module = host.lightning_module
         inputs, targets = contract.pipeline_batch(module, batch)
         accumulate = module.trainer.accumulate_grad_batches
         params = self._params()
@@ -72,39 +70,38 @@ class PipelinedSteps:
             m.train(module.training)
         with parallel.engine.defer_sync():
             loss = parallel.pipeline.train_step(inputs, targets, loss_scale=1.0 / accumulate)
-        if strategy.parallel_dims.tp_enabled:
-            reduce_partial_grads(parallel.network)  # deferred out of the schedule (see apply_tensor_parallel)
+        for after in parallel.after_schedule:  # e.g. tp's partial gradients, deferred out of the schedule
+            after()
         if opens_window:  # hold the new gradients aside while Lightning zeroes; backward() hands them back
             self._held = [p.grad for p in params]
             for p in params:
                 p.grad = None
-        loss = self._share_step(loss)
+        loss = self._share_step(loss, host.root_device)
         module.log("train_loss", loss, prog_bar=True)
         stages = self.step_stats[-1]
         window = max(s[0] for s in stages)
-        if strategy.options.pipeline.measure_bubble and window > 0:
+        if parallel.options.pipeline.measure_bubble and window > 0:
             measured = sum(1.0 - s[1] / window for s in stages) / len(stages)
-            module.log("parallel/pp_bubble", measured, on_step=True, on_epoch=False, prog_bar=strategy.prog_bar)
+            module.log("parallel/pp_bubble", measured, on_step=True, on_epoch=False, prog_bar=host.prog_bar)
             module.log("parallel/pp_bubble_formula", self.bubble_formula(), on_step=True, on_epoch=False)
         return loss
 
-    def _share_step(self, loss: Tensor | None) -> Tensor:
+    def _share_step(self, loss: Tensor | None, device: torch.device) -> Tensor:
         """One all-gather over the pp group: the loss from the last stage, and every pp rank's step timings."""
-        record = self._parallel.pipeline.history[-1]
+        record = self.parallel.pipeline.history[-1]
         mine = torch.tensor([float(loss) if loss is not None else float("nan"), *record.compact()], dtype=torch.float64)
-        dims = self.strategy.parallel_dims
+        dims = self.parallel.dims
         parts = [torch.empty_like(mine) for _ in range(dims.pp_size)]
-        dist.all_gather(parts, mine, group=self.strategy.group("pp"))
+        dist.all_gather(parts, mine, group=dims.group("pp"))
         self.step_stats.append([(p[1].item(), p[2].item(), int(p[3].item())) for p in parts])
-        last = parts[self.strategy.options.pipeline.last_stage_rank(dims.pp_size)]
-        return last[0].to(torch.float32).to(self.strategy.root_device)
+        last = parts[self.parallel.options.pipeline.last_stage_rank(dims.pp_size)]
+        return last[0].to(torch.float32).to(device)
 
-    def backward(self, closure_loss: Tensor) -> Tensor:
+    def backward(self, host: Any, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """No autograd: hand back the gradients held aside during Lightning's ``zero_grad``, then reduce them over dp
         once at the end of an accumulation window."""
-        strategy = self.strategy
-        module = strategy.lightning_module
-        closure_loss = strategy.precision_plugin.pre_backward(closure_loss, module)
+        module, precision = host.lightning_module, host.precision_plugin
+        closure_loss = precision.pre_backward(closure_loss, module)
         if self._held is not None:
             for p, g in zip(self._params(), self._held):
                 if g is None:
@@ -115,40 +112,58 @@ class PipelinedSteps:
                     p.grad.add_(g)
             self._held = None
         if not self.sync_blocked:
-            stats = self._parallel.engine.reduce_now()
-            strategy.log_comm(stats)
-            if strategy.parallel_dims.tp_enabled:  # replicated parameters' partial gradients: once per step
-                sync_tp_partial_grads(self._parallel.module, strategy.group("tp"), self._parallel.engine)
-        return strategy.precision_plugin.post_backward(closure_loss, module)
+            host.log_comm(self.parallel.engine.reduce_now())
+        return precision.post_backward(closure_loss, module)
+
+    @contextmanager
+    def block_sync(self) -> Generator[None, None, None]:
+        previous, self.sync_blocked = self.sync_blocked, True
+        try:
+            yield
+        finally:
+            self.sync_blocked = previous
 
     # ------------------------------------------------------------------ evaluation
-    def eval_loss(self, batch: Any) -> Tensor:
-        """Forward only through the stages; the batch loss on every rank (broadcast from the last stage)."""
-        strategy = self.strategy
-        module = strategy.lightning_module
+    def eval_step(self, host: Any, stage: str, call: Any, batch: Any) -> Tensor:
+        """Forward only through the stages; the batch loss on every rank (broadcast from the last stage), logged as
+        ``{stage}_loss``.
+
+        Raises:
+            NotImplementedError: ``stage="predict"``: the outputs live on the last stage only.
+        """
+        if stage == "predict":
+            raise NotImplementedError(
+                "predict is not supported under pipelining (pp_size > 1): the outputs live on the last stage only. "
+                "Consolidate the checkpoint (python -m lightning_par.checkpoint.consolidate DIR FILE) and predict "
+                "with one process or pp_size=1."
+            )
+        parallel = self.parallel
+        module = host.lightning_module
         inputs, targets = contract.pipeline_batch(module, batch)
-        for m in self._parallel.stage_modules:
+        for m in parallel.stage_modules:
             m.train(module.training)
-        with strategy.precision_plugin.forward_context():
-            loss = self._parallel.pipeline.eval_step(inputs, targets)
+        with host.precision_plugin.forward_context():
+            loss = parallel.pipeline.eval_step(inputs, targets)
         value = torch.tensor([float(loss) if loss is not None else 0.0], dtype=torch.float32)
-        pp_group = strategy.group("pp")
-        last = strategy.options.pipeline.last_stage_rank(strategy.parallel_dims.pp_size)
+        pp_group = parallel.dims.group("pp")
+        last = parallel.options.pipeline.last_stage_rank(parallel.dims.pp_size)
         dist.broadcast(value, src=dist.get_global_rank(pp_group, last), group=pp_group)
-        return value[0].to(strategy.root_device)
+        loss = value[0].to(host.root_device)
+        module.log(f"{stage}_loss", loss, prog_bar=stage == "val", sync_dist=True)
+        return loss
 
     # ------------------------------------------------------------------ reporting
     def summary(self) -> dict[str, Any]:
         """Schedule, split and bubble figures (the first step, with its one-off costs, left out when there are
         others)."""
-        options = self.strategy.options.pipeline
+        options = self.parallel.options.pipeline
         extras: dict[str, Any] = {
             "pp_schedule": options.schedule,
             "num_microbatches": options.num_microbatches,
             "virtual_stages": options.virtual_stages,
-            "pp_layers_per_stage": self._parallel.layer_counts if self._parallel is not None else None,
+            "pp_layers_per_stage": self.parallel.layer_counts,
             "pp_bubble_formula": self.bubble_formula(),
-            "pp_sent_dtypes": self._parallel.pipeline.sent_dtypes() if self._parallel is not None else [],
+            "pp_sent_dtypes": self.parallel.pipeline.sent_dtypes(),
         }
         steps = self.step_stats[1:] or self.step_stats
         if steps:

@@ -1,0 +1,117 @@
+"""The axis registry: each parallelism says, in its own folder, what it adds to :func:`~lightning_par.parallelize.
+parallelize` and to a run.
+
+An :class:`Axis` is one entry: the mesh axis it works on, the option groups it owns, its checks against a model
+(no process group needed), and its step in ``parallelize()``. A step reads and extends one :class:`Build` (the model
+being parallelised); what it leaves there (a step protocol of its own, a gradient finisher, a state-dict transform, a
+loss context, summary figures) is how the axis takes part in the run, so the strategy has no per-axis branch.
+
+The registry itself, in ``parallelize()``'s order, is :data:`lightning_par.axes.AXES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from lightning_par.data_parallel.engine import DataParallelEngine
+    from lightning_par.parallel_dims import ParallelDims
+    from lightning_par.parallelize import ParallelOptions
+    from lightning_par.steps import StepHooks
+
+__all__ = ["PHASES", "Axis", "Build", "Check", "StateTransform"]
+
+#: ``parallelize()``'s order: a step's phase places it (Megatron-LM's PTD-P order as torchtitan applies it: the pipeline
+#: cut, tensor parallelism, context parallelism, activation checkpointing inside the tp styles' hooks and outside the dp
+#: mode's, the dp mode, then the schedule over the stage modules).
+#: ``read`` comes first: a model's plans are read from the whole network, before any cut.
+PHASES: dict[str, int] = {"read": 0, "cut": 1, "split": 2, "context": 3, "recompute": 4, "data": 5, "schedule": 6}
+
+#: ``check(module, network, dims, options)``: raise ``ValueError`` naming the field and value if the layout cannot run.
+Check = Callable[["nn.Module", "nn.Module", "ParallelDims", "ParallelOptions"], None]
+#: ``transform(model_state, optimizer_states)``: rewrite states in place into their one-process form (and the same
+#: function is used for the state a checkpoint is loaded into).
+StateTransform = Callable[[dict[str, Any], list[dict[str, Any]]], None]
+
+
+@dataclass
+class Build:
+    """The model as :func:`~lightning_par.parallelize.parallelize` builds it, step by step, on this rank.
+
+    Attributes:
+        module: the LightningModule (or any ``nn.Module`` meeting :mod:`lightning_par.contract`).
+        dims: the layout, whose meshes exist.
+        options: the option groups.
+        device: this rank's device.
+        training: built for training (``False``: validate/test/predict).
+        step_context: entered around each pipeline schedule run (autocast, the vocab-parallel loss context).
+        network: this rank's part of the network (after a pipeline cut: the holder of its stages' parameters).
+        plan: the tensor-parallel plan of the whole network, read before any cut (``None``: no tp).
+        checkpoint_paths: the modules to recompute, read from the whole network before any cut.
+        stage_ids: this rank's virtual stages (``None`` without pipelining).
+        stage_modules: the modules a pipeline schedule runs, in chunk order.
+        layer_counts: layers per virtual stage.
+        checkpointed: paths of the modules whose activations are recomputed on this rank.
+        engine: the dp axis's engine (set by the dp step).
+        pipeline: the pipeline schedule's engine (set by the pp step).
+        steps: the class of the step hooks (:class:`~lightning_par.steps.StepHooks`; the pp step replaces it).
+        loss_context: a factory of the context the loss's forward and backward must run in (vocab-parallel loss).
+        after_schedule: run after a pipeline schedule's backward pieces, before the dp reduction.
+        finishers: run once per optimizer step after the dp reduction, before clipping (tp partial-gradient sums).
+        state_transforms: turn this rank's states into their one-process form (vocabulary padding cut off).
+        full_state_transforms: the same for full (gathered) tensors, ``{name: tensor}`` in place.
+        summaries: figures for ``summary.json``, each a function returning a dict.
+    """
+
+    module: nn.Module
+    dims: ParallelDims
+    options: ParallelOptions
+    device: torch.device
+    training: bool = True
+    step_context: Callable[[], AbstractContextManager[Any]] | None = None
+    network: nn.Module | None = None
+    plan: dict[str, Any] | None = None
+    checkpoint_paths: list[str] = field(default_factory=list)
+    stage_ids: list[int] | None = None
+    stage_modules: list[nn.Module] = field(default_factory=list)
+    layer_counts: list[int] | None = None
+    checkpointed: list[str] = field(default_factory=list)
+    engine: DataParallelEngine | None = None
+    pipeline: Any = None
+    steps: type[StepHooks] | None = None
+    loss_context: Callable[[], AbstractContextManager[Any]] = nullcontext
+    after_schedule: list[Callable[[], None]] = field(default_factory=list)
+    finishers: list[Callable[[], None]] = field(default_factory=list)
+    state_transforms: list[StateTransform] = field(default_factory=list)
+    full_state_transforms: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)
+    summaries: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One parallelism in the registry.
+
+    Attributes:
+        name: the mesh axis it uses (one of :data:`~lightning_par.parallel_dims.MESH_AXES`, or ``"dp"`` for the
+            data-parallel pair ``dp_replicate`` x ``dp_shard``); a technique on no axis (activation checkpointing)
+            names itself.
+        size_fields: the :class:`~lightning_par.parallel_dims.ParallelDims` size fields it owns.
+        option_groups: the option groups of :class:`~lightning_par.parallelize.ParallelOptions` it owns; an option of
+            these is refused by a strategy that does not have this axis.
+        check: its checks against a model, without any process group (``None``: nothing to check).
+        steps: its steps in ``parallelize()``, each ``(phase, step)`` with a phase of :data:`PHASES`; every step is
+            called for every build and decides from ``build.dims`` and ``build.options`` whether there is anything to
+            do.
+    """
+
+    name: str
+    size_fields: tuple[str, ...] = ()
+    option_groups: tuple[str, ...] = ()
+    check: Check | None = None
+    steps: tuple[tuple[str, Callable[[Build], None]], ...] = ()

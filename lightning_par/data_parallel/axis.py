@@ -1,0 +1,45 @@
+"""The dp axis in the registry: its check and its step in ``parallelize()`` (the dp mode on the dp meshes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lightning_par.axis_registry import Axis, Build
+from lightning_par.data_parallel.engine import apply_data_parallel
+from lightning_par.data_parallel.meshes import DataParallelMeshes
+from lightning_par.parallel_dims import ParallelDims
+
+__all__ = ["DATA_PARALLEL"]
+
+
+def _check(module: nn.Module, network: nn.Module, dims: ParallelDims, options: Any) -> None:
+    if options.dp_mode != "ddp" and not any(p.requires_grad for p in module.parameters()):
+        raise ValueError(
+            f"{type(module).__name__} has no parameter that requires a gradient: dp_mode={options.dp_mode!r} has "
+            f"nothing to shard. Build the layers in __init__ or configure_model, or use dp_mode='ddp'."
+        )
+
+
+def _apply(build: Build) -> None:
+    """The dp mode over the whole LightningModule (its state names are the checkpoint's). For evaluation ZeRO-1/2
+    keep plain replicas (there is no optimizer to shard); ``zero3`` still shards."""
+    options = build.options
+    dp_mode = options.dp_mode if build.training or options.dp_mode == "zero3" else None
+    build.engine = apply_data_parallel(
+        build.module, DataParallelMeshes.from_dims(build.dims), dp_mode or "ddp", options.reducer,
+        options.zero if dp_mode not in (None, "ddp") else None,
+        stage_modules=build.stage_modules or None, communicate=dp_mode is not None,
+    )
+    build.summaries.append(build.engine.summary)
+
+
+#: Data parallelism (ddp, ZeRO-1/2/3) over dp_replicate x dp_shard, HSDP when dp_replicate_size > 1.
+DATA_PARALLEL = Axis(
+    name="dp",
+    size_fields=("dp_size", "dp_replicate_size", "dp_shard_size"),
+    option_groups=("reducer", "zero"),
+    check=_check,
+    steps=(("data", _apply),),
+)

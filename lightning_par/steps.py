@@ -1,0 +1,69 @@
+"""The step protocol of a parallel model: how the strategy runs a training or evaluation step, whatever the layout.
+
+:class:`StepHooks` runs the LightningModule's own ``*_step`` methods with the dp engine's hooks around backward (the
+bucketed reduction overlaps it, and is skipped inside an accumulation window). A parallelism that runs steps itself
+(pipelining: a schedule runs forward and backward inside ``training_step``) replaces it in its ``parallelize()`` step
+with a subclass (:class:`~lightning_par.pipeline_parallel.steps.PipelinedSteps`); the strategy only calls the protocol.
+
+The *host* passed to each hook is the strategy: the hooks read its ``lightning_module``, ``precision_plugin``,
+``root_device``, ``prog_bar`` and call its ``log_comm``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from lightning_par.parallelize import ParallelModel
+
+__all__ = ["StepHooks"]
+
+
+class StepHooks:
+    """The LightningModule's own steps, with the dp engine's hooks around backward.
+
+    Args:
+        parallel: the parallel model the steps run.
+    """
+
+    def __init__(self, parallel: ParallelModel) -> None:
+        self.parallel = parallel
+
+    def training_step(self, host: Any, call: Callable[[], Any], batch: Any, batch_idx: int) -> Any:
+        """One training step: ``call()`` runs the LightningModule's ``training_step`` (inside the loss context)."""
+        with self.parallel.loss_context():
+            return call()
+
+    def backward(self, host: Any, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Backward, then the end of the dp reduction, then ``on_after_backward``.
+
+        Lightning's own ``Strategy.backward`` calls ``on_after_backward`` (in the precision plugin's ``post_backward``)
+        before the strategy's ``post_backward``; under ``DDPStrategy`` and ``FSDPStrategy`` the reduction has ended
+        inside backward by then, so a user's ``on_after_backward`` (gradient-norm logging, say) sees gradients averaged
+        over dp. The dp engine here finishes after backward returns, so this runs it before that hook; otherwise the
+        hook would see this rank's unreduced gradients (tests/distributed/test_ddp_overlap.py).
+        """
+        module, precision, engine = host.lightning_module, host.precision_plugin, self.parallel.engine
+        with self.parallel.loss_context():
+            engine.pre_backward()
+            closure_loss = precision.pre_backward(closure_loss, module)
+            precision.backward(closure_loss, module, optimizer, *args, **kwargs)
+            host.log_comm(engine.post_backward())
+            return precision.post_backward(closure_loss, module)
+
+    def block_sync(self) -> AbstractContextManager[None]:
+        """Entered for every batch of an accumulation window but the last: no dp reduction then."""
+        return self.parallel.engine.no_sync()
+
+    def eval_step(self, host: Any, stage: str, call: Callable[[], Any], batch: Any) -> Any:
+        """A validation (``stage="val"``), test or predict step: ``call()`` runs the LightningModule's own."""
+        with self.parallel.loss_context():
+            return call()
+
+    def summary(self) -> dict[str, Any]:
+        """Figures for ``summary.json``."""
+        return {}
