@@ -9,12 +9,16 @@ strategy refuses a size or an option of an axis it does not have from the entrie
 from __future__ import annotations
 
 from lightning_par.activation_checkpointing import ACTIVATION_CHECKPOINTING_STEP
+from collections.abc import Callable
+from typing import Any
+
 from lightning_par.axis_registry import Axis
 from lightning_par.data_parallel.axis import DATA_PARALLEL
+from lightning_par.parallel_dims import AXIS_OF_SIZE
 from lightning_par.pipeline_parallel.axis import PIPELINE_PARALLEL
 from lightning_par.tensor_parallel.axis import TENSOR_PARALLEL
 
-__all__ = ["AXES", "axis_of_group", "axis_of_size"]
+__all__ = ["AXES", "axis_of_group", "axis_of_size", "check_sizes"]
 
 #: Every registered parallelism.
 AXES: tuple[Axis, ...] = (PIPELINE_PARALLEL, DATA_PARALLEL, TENSOR_PARALLEL, ACTIVATION_CHECKPOINTING_STEP)
@@ -29,3 +33,35 @@ def axis_of_size(size_field: str) -> Axis | None:
 def axis_of_group(group: str) -> Axis | None:
     """The registered axis owning an option group."""
     return next((a for a in AXES if group in a.option_groups), None)
+
+
+def check_sizes(sizes: dict[str, Any], has_axis: Callable[[str], bool], prefix: str, label: str) -> None:
+    """Refuse a size > 1 on an axis a strategy does not have, or on an axis no registered parallelism runs on (no
+    process group needed).
+
+    Args:
+        sizes: size fields of :class:`~lightning_par.parallel_dims.ParallelDims` and their values.
+        has_axis: whether the strategy has a registered axis (by ``Axis.name``).
+        prefix: how the fields are named in the message (``"parallel."`` for a recipe).
+        label: how the strategy is named in the message.
+
+    Raises:
+        ValueError: naming the field, the value, and what would be valid.
+    """
+    from lightning_par.validation import check_int
+
+    for name, value in sizes.items():
+        check_int(name, value, 1, allow_infer=name in ("dp_size", "dp_shard_size"))
+        if value in (1, -1):
+            continue
+        axis = axis_of_size(name)
+        if axis is None:
+            raise ValueError(
+                f"{prefix}{name}={value} is not valid: no registered parallelism runs on the "
+                f"{AXIS_OF_SIZE.get(name, name)} axis in this version. Use {prefix}{name}=1."
+            )
+        if not has_axis(axis.name):
+            raise ValueError(
+                f"{prefix}{name}={value} is not valid for {label}, which has no {axis.name} axis: use "
+                f"{prefix}{name}=1 or a strategy that has it (parallel_3d has all three)."
+            )

@@ -37,13 +37,15 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["DERIVED_MESHES", "MESH_AXES", "SIZE_FIELDS", "ParallelDims", "broadcast_from_rank0"]
+__all__ = ["AXIS_OF_SIZE", "DERIVED_MESHES", "MESH_AXES", "SIZE_FIELDS", "ParallelDims", "broadcast_from_rank0"]
 
 #: Names of the mesh axes, outermost first.
 MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 #: The size field of each axis.
 SIZE_FIELDS: dict[str, str] = {axis: f"{axis}_size" for axis in MESH_AXES}
+#: The axis of each size field.
+AXIS_OF_SIZE: dict[str, str] = {size: axis for axis, size in SIZE_FIELDS.items()}
 
 #: Flattened meshes: name -> the axes it spans (outermost first).
 DERIVED_MESHES: dict[str, tuple[str, ...]] = {

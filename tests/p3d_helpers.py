@@ -3,7 +3,7 @@
 A *step* of the worker's plan is a picklable dict with ``"kind"``:
 
 * every step may name ``"strategy"`` (a registry name, default ``parallel_3d``; ``"options"`` are its keyword
-  arguments) and ``"model"`` (``"gpt"``, the default, ``"gpt8"`` with 8 blocks, or a user's MLP: see :func:`_model`);
+  arguments), ``"bytes": True`` (the rank's model-state bytes, the maximum over its optimizer steps) and ``"model"`` (``"gpt"``, the default, ``"gpt8"`` with 8 blocks, or a user's MLP: see :func:`_model`);
 * ``"fit"``: ``{"kind": "fit", "name", "options" (the strategy's kwargs), "steps", "micro_batch", "clip",
   "accumulate": int (``accumulate_grad_batches``, default 1), "precision": Lightning's (default ``"32-true"``),
   "resume": path | None, "save": path | None, "val": bool,
@@ -104,6 +104,11 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
     dp_rank = dims.coordinates(rank)["dp"]
     micro = step["micro_batch"]
     recorder = LossRecorder()
+    callbacks: list[Any] = [recorder]
+    if step.get("bytes"):  # model-state bytes of this rank at every optimizer step (the maximum)
+        from tests.zero_helpers import StateBytesProbe
+
+        callbacks.append(StateBytesProbe())
     validate_only = step["kind"] == "validate"
     trainer = quiet_trainer(
         strategy,
@@ -114,7 +119,7 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
         val_check_interval=step.get("val_every", step.get("steps", 1)),
         gradient_clip_val=step.get("clip"),
         accumulate_grad_batches=step.get("accumulate", 1),
-        callbacks=[recorder],
+        callbacks=callbacks,
         **_precision(step.get("precision", "32-true")),
     )
     module = _model(step)
@@ -129,6 +134,9 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
     out["losses"] = recorder.losses
     out["state"] = strategy.full_state_dict()
     out["extras"] = strategy.summary_extras()
+    if step.get("bytes"):
+        out["bytes"] = callbacks[-1].bytes
+        out["trainable_numel"] = sum(p.numel() for p in _model(step).parameters() if p.requires_grad)
     out["optimizer_state_dtypes"] = sorted({
         str(v.dtype) for o in trainer.optimizers for s in o.state.values() for v in s.values()
         if isinstance(v, torch.Tensor) and v.dim() > 0

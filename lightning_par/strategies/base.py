@@ -42,46 +42,20 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_par.axes import axis_of_group, axis_of_size
+from lightning_par.axes import axis_of_group, check_sizes
+from lightning_par.checkpoint.strategy_io import ShardedCheckpointIO
 from lightning_par.callbacks.metrics import log_comm_stats
 from lightning_par.checkpoint.sharded import load_sharded, save_sharded
 from lightning_par.fault.elastic import init_process_group_per_attempt
-from lightning_par.parallel_dims import ParallelDims
+from lightning_par.fault.process_group_exit import FAILED, destroy_process_group_at_exit
+from lightning_par.parallel_dims import AXIS_OF_SIZE, ParallelDims
 from lightning_par.parallelize import OPTION_GROUPS, ParallelModel, ParallelOptions, parallelize, validate
 from lightning_par.precision import check_precision, distributed_scaler, fsdp_mixed_precision
 from lightning_par.validation import check_int, check_number
 
 __all__ = ["MeshStrategy"]
 
-#: Set when Lightning reports an exception in this process: then nothing is synchronised at exit.
-_FAILED: list[bool] = [False]
-_EXIT_KEY = "lightning_par/exited"
-
-
-def _destroy_process_group() -> None:
-    """At interpreter exit, after a successful run: wait (at most 30 s) until every rank got here, then destroy the
-    default process group.
-
-    Left to interpreter finalisation, a gloo process may abort after a successful fit ("terminate called without an
-    active exception"): measured here with Lightning's own DDPStrategy in 6 of 12 two-process runs. The ranks meet
-    through the rendezvous store, not a collective, so a peer that is still inside a collective can never match it.
-    After a failure nothing is done: the peers learn of it from the closed connections.
-    """
-    if _FAILED[0] or not (dist.is_available() and dist.is_initialized()):
-        return
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        world = dist.get_world_size()
-        store.add(_EXIT_KEY, 1)
-        deadline = time.monotonic() + 30.0
-        while store.add(_EXIT_KEY, 0) < world and time.monotonic() < deadline:
-            time.sleep(0.02)
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - best effort at exit (rank 0's store may already be gone)
-        pass
-
-
-class MeshStrategy(ParallelStrategy):
+class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
     """Every registered axis on one mesh, for any LightningModule meeting :mod:`lightning_par.contract`.
 
     Args:
@@ -184,33 +158,12 @@ class MeshStrategy(ParallelStrategy):
 
     @classmethod
     def check_axes(cls, sizes: dict[str, Any], prefix: str = "", label: str | None = None) -> None:
-        """Refuse a size > 1 on an axis this strategy does not have, or on an axis no registered parallelism runs
-        on (no process group needed).
-
-        Args:
-            sizes: size fields of :class:`~lightning_par.parallel_dims.ParallelDims` and their values.
-            prefix: how the fields are named in the message (``"parallel."`` for a recipe).
-            label: how the strategy is named in the message (default: the class name).
+        """Refuse a size > 1 on an axis this strategy does not have (:func:`lightning_par.axes.check_sizes`).
 
         Raises:
             ValueError: naming the field, the value, and what would be valid.
         """
-        label = label or cls.__name__
-        for name, value in sizes.items():
-            check_int(name, value, 1, allow_infer=name in ("dp_size", "dp_shard_size"))
-            axis = axis_of_size(name)
-            if value in (1, -1):
-                continue
-            if axis is None:
-                raise ValueError(
-                    f"{prefix}{name}={value} is not valid: no registered parallelism runs on that axis in this "
-                    f"version. Use {prefix}{name}=1."
-                )
-            if not cls.has_axis(axis.name):
-                raise ValueError(
-                    f"{prefix}{name}={value} is not valid for {label}, which has no {axis.name} axis: use "
-                    f"{prefix}{name}=1 or a strategy that has it (parallel_3d has all three)."
-                )
+        check_sizes(sizes, cls.has_axis, prefix, label or cls.__name__)
 
     @property
     def dp_mode(self) -> str:
@@ -296,7 +249,7 @@ class MeshStrategy(ParallelStrategy):
             self.cluster_environment, self._process_group_backend, timeout=timedelta(seconds=self._timeout_s)
         )
         if started:
-            atexit.register(_destroy_process_group)
+            atexit.register(destroy_process_group_at_exit)
         mesh = dims.build_mesh(self.root_device.type)
         self.parallel_dims = dims
         if self.lightning_module is not None:  # as Lightning's ModelParallelStrategy: visible in configure_model
@@ -380,8 +333,9 @@ class MeshStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Remember the failure: the exit hook then leaves the process group alone (see ``_destroy_process_group``)."""
-        _FAILED[0] = True
+        """Remember the failure: the exit hook then leaves the process group alone (see
+        :func:`~lightning_par.fault.process_group_exit.destroy_process_group_at_exit`)."""
+        FAILED[0] = True
         super().on_exception(exception)
 
     # ------------------------------------------------------------------ steps (the parallel model's step hooks)
@@ -517,109 +471,6 @@ class MeshStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-    # ------------------------------------------------------------------ checkpoints
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        """Load after :meth:`setup`, into the cut, split and sharded model and optimizers."""
-        return True
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        """:meth:`load_checkpoint` restores the optimizers itself."""
-        return False
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This rank's part of the model, keyed by one-process name (sharded tensors as DTensors of their global
-        shape, vocabulary padding cut off)."""
-        if self.parallel is None:
-            assert self.lightning_module is not None
-            return self.lightning_module.state_dict()
-        return self.parallel.model_state_dict()
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """This rank's part of the optimizer state, keyed by one-process parameter name."""
-        assert self.parallel is not None
-        return self.parallel.optimizer_state_dict(getattr(optimizer, "_optimizer", optimizer))
-
-    def checkpoint_record(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """What this strategy writes into a checkpoint's record (``lightning_par.json``)."""
-        dims = self.parallel_dims
-        layout = {} if dims is None else {"tp_size": dims.tp_size, "pp_size": dims.pp_size, **dims.sizes()}
-        return {
-            "strategy": self.strategy_name,
-            "layout": layout,
-            "dp_mode": self.dp_mode,
-            "global_step": checkpoint.get("global_step"),
-            "epoch": checkpoint.get("epoch"),
-            "pp_schedule": self.options.pipeline.schedule if dims is not None and dims.pp_enabled else None,
-            "sequence_parallel": self.options.tensor_parallel.sequence_parallel,
-            "torch": torch.__version__,
-        }
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write a sharded checkpoint directory at ``filepath`` atomically (see :mod:`lightning_par.checkpoint`).
-        Every rank calls it.
-
-        Raises:
-            TypeError: ``storage_options`` is given (there is no ``CheckpointIO``).
-        """
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported.")
-        path = Path(self.broadcast(str(filepath)))
-        record = self.checkpoint_record(checkpoint)
-        save_sharded(path, checkpoint, record, is_rank0=self.global_rank == 0, barrier=self.barrier)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a checkpoint of any layout, dp mode or strategy into this rank's part of the model (and the optimizers
-        when fitting); return the rest (loops, LR schedulers, ...) for Lightning to restore.
-
-        Raises:
-            FileNotFoundError, ValueError: a missing, torn, garbage or incompatible checkpoint (see
-                :func:`lightning_par.checkpoint.read_record`), with what to do.
-        """
-        assert self.parallel is not None
-        path = Path(self.broadcast(str(checkpoint_path)))
-        engine = self.parallel.engine
-        model_state = engine.model_state_dict()
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        optimizer_states = [engine.optimizer_state_dict(o) for o in optimizers]
-        self.parallel.to_one_process(model_state, optimizer_states)
-        # DCP keeps one copy of a non-tensor entry such as ``param_groups`` (the coordinator's): under pipelining its
-        # parameter names are those of one stage. Keep the saved hyper-parameters and this rank's own names.
-        own_names = [[list(g["params"]) for g in state["param_groups"]] for state in optimizer_states]
-        meta = load_sharded(path, model_state, optimizer_states)
-        for state, names in zip(optimizer_states, own_names):
-            if len(state["param_groups"]) != len(names):
-                raise ValueError(
-                    f"checkpoint {str(path)!r} has an optimizer with {len(state['param_groups'])} param groups, this "
-                    f"one has {len(names)}: configure_optimizers must build the same groups."
-                )
-            state["param_groups"] = [{**g, "params": n} for g, n in zip(state["param_groups"], names)]
-        engine.load_model_state_dict(model_state)
-        for optimizer, state in zip(optimizers, optimizer_states):
-            engine.load_optimizer_state_dict(optimizer, state)
-        return meta
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        """Nothing to do: :meth:`load_checkpoint` has loaded the model."""
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Nothing to do: :meth:`load_checkpoint` has loaded the optimizers."""
-
-    def full_state_dict(self) -> dict[str, Tensor]:
-        """Every parameter of the whole model in full, keyed by one-process name, on every rank (see
-        :meth:`lightning_par.parallelize.ParallelModel.full_state_dict`); collective, for tests and small models."""
-        assert self.parallel is not None
-        return self.parallel.full_state_dict()
 
     # ------------------------------------------------------------------ reporting
     def summary_extras(self) -> dict[str, Any]:
