@@ -66,6 +66,7 @@ class Build:
         finishers: run once per optimizer step after the dp reduction, before clipping (tp partial-gradient sums).
         state_transforms: turn this rank's states into their one-process form (vocabulary padding cut off).
         full_state_transforms: the same for full (gathered) tensors, ``{name: tensor}`` in place.
+        norm_groups: process groups whose ranks hold *other* parameters: a gradient norm sums over them (pp).
         summaries: figures for ``summary.json``, each a function returning a dict.
     """
 
@@ -90,6 +91,7 @@ class Build:
     finishers: list[Callable[[], None]] = field(default_factory=list)
     state_transforms: list[StateTransform] = field(default_factory=list)
     full_state_transforms: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)
+    norm_groups: list[Any] = field(default_factory=list)
     summaries: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
 
 

@@ -20,7 +20,8 @@ Derived meshes, each one flattened axis built once (:data:`DERIVED_MESHES`): ``d
 ``dp_shard_cp`` (ZeRO's sharding and gradient reduction group) and ``dp_cp`` (loss averaging). Everything asks for a
 mesh by name through :meth:`ParallelDims.get_mesh`; no other module lists the axes.
 
-``ParallelDims`` is the only place a layout is validated: everything else trusts it.
+````ParallelDims`` is the only place a layout is validated: everything else trusts it. Importing this module imports no
+torch (the planner uses it without one).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lightning_par.compat import flatten_mesh, local_tensor
 from lightning_par.validation import check_int
 
 if TYPE_CHECKING:
@@ -212,6 +212,8 @@ class ParallelDims:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
+        from lightning_par.compat import flatten_mesh
+
         if not dist.is_initialized():
             raise RuntimeError("ParallelDims.build_mesh needs an initialized default process group.")
         if dist.get_world_size() != self.world_size:
@@ -264,6 +266,8 @@ def broadcast_from_rank0(module: nn.Module, group: ProcessGroup) -> None:
     """Give every rank of ``group`` (the ranks of one mesh axis or derived mesh) the parameters and buffers of the
     group's rank 0, in place (a DTensor's local shard); a no-op for a group of one."""
     import torch.distributed as dist
+
+    from lightning_par.compat import local_tensor
 
     if dist.get_world_size(group) == 1:
         return

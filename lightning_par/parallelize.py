@@ -239,6 +239,7 @@ class ParallelModel:
         self._state_transforms = list(build.state_transforms)
         self._full_state_transforms = list(build.full_state_transforms)
         self._summaries = list(build.summaries)
+        self._norm_groups = list(build.norm_groups)
         self.steps: StepHooks = (build.steps or StepHooks)(self)
 
     def loss_context(self) -> AbstractContextManager[Any]:
@@ -250,6 +251,11 @@ class ParallelModel:
         tp partial-gradient sum of replicated parameters)."""
         for finish in self._finishers:
             finish()
+
+    def clip_grad_norm_(self, params: list[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the gradients of ``params`` (an optimizer's) by the whole model's norm: every shard (the dp engine),
+        every stage (the groups holding other parameters). Returns the norm before clipping."""
+        return self.engine.clip_grad_norm_(params, max_norm, norm_type, self._norm_groups)
 
     def model_state_dict(self) -> dict[str, Any]:
         """This rank's part of the model, keyed by one-process name (sharded tensors as DTensors of their global

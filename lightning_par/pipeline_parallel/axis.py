@@ -57,6 +57,7 @@ def _cut(build: Build) -> None:
     build.stage_ids = options.stage_ids(dims.coordinates(dist.get_rank())["pp"], dims.pp_size)
     build.network, build.stage_modules = cut_network(build.network, build.layer_counts, build.stage_ids)
     setattr(build.module, build.options.module_attr, build.network)  # type: ignore[arg-type]
+    build.norm_groups.append(dims.group("pp"))  # the other stages hold the rest of the model
 
 
 def _schedule(build: Build) -> None:

@@ -1,6 +1,6 @@
 """Layouts: how a training step is spread over devices, and the enumeration of every valid one.
 
-A :class:`Layout` fixes the three mesh sizes (``dp_size x tp_size x pp_size = world_size``, the ``("pp", "dp", "tp")``
+A :class:`Layout` fixes the three mesh sizes (``dp_size x tp_size x pp_size = world_size``, the
 mesh of :class:`~lightning_par.parallel_dims.ParallelDims`: tp innermost, pp outermost) and the choices that change
 memory or time without changing the mesh: the dp mode (ZeRO stage), the micro-batching, the pipeline schedule,
 activation checkpointing and sequence parallelism.

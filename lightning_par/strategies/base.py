@@ -399,10 +399,8 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         return False
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        assert self.parallel is not None and self.parallel_dims is not None
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        groups = [self.parallel_dims.group("pp")] if self.parallel_dims.pp_enabled else []
-        self.parallel.engine.clip_grad_norm_(params, float(clip_val), 2.0, groups)
+        assert self.parallel is not None
+        self.parallel.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], float(clip_val))
 
     def _eval_step(self, stage: str, call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         assert self.parallel is not None

@@ -15,7 +15,7 @@ class DDPOverlapStrategy(MeshStrategy):
     Each rank keeps a full replica. As backward produces gradients they are copied into buckets of at most
     ``bucket_cap_mb`` MiB, and each full bucket is all-reduced asynchronously while backward goes on (PyTorch DDP,
     Li et al., VLDB 2020, §3.2); the optimizer step waits for the rest. Over Lightning's ``DDPStrategy`` it adds: it
-    works on the dp sub-mesh of a ``("pp", "dp", "tp")`` mesh (the same reducer serves the dp axis of 2D/3D layouts,
+    works on the data-parallel ranks of the mesh (the same reducer serves the dp axis of 2D/3D layouts,
     where torch's DDP does not compose), and it measures the communication left exposed after backward
     (``parallel/comm_exposed_ms`` in the logs, ``comm_exposed_s`` in ``summary.json``). A preset of :class:`MeshStrategy` with
     ``dp_mode="ddp"`` and only the dp axis.

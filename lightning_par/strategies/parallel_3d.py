@@ -1,5 +1,5 @@
 """``Parallel3DStrategy``: tensor parallelism inside each pipeline stage, pipelining across stages, data parallelism
-across replicas (ddp, ZeRO-1, ZeRO-2 or ZeRO-3), on one ``("pp", "dp", "tp")`` mesh."""
+across replicas (ddp, ZeRO-1, ZeRO-2 or ZeRO-3), on one mesh of named axes."""
 
 from __future__ import annotations
 

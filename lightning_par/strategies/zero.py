@@ -1,4 +1,4 @@
-"""``ZeroStrategy``: ZeRO stages 1, 2 and 3 on the dp axis of the ``("pp", "dp", "tp")`` mesh."""
+"""``ZeroStrategy``: ZeRO stages 1, 2 and 3 on the data-parallel axes of the mesh (HSDP with ``dp_replicate_size > 1``)."""
 
 from __future__ import annotations
 
