@@ -34,6 +34,7 @@ from lightning_par import contract
 from lightning_par.activation_checkpointing import ACTIVATION_CHECKPOINTING, apply_activation_checkpointing
 from lightning_par.data_parallel.engine import DataParallelEngine, apply_data_parallel
 from lightning_par.data_parallel.options import DP_MODES, ReducerOptions, ZeroOptions, resolve_zero_options, zero_stage
+from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.pipeline_parallel.engine import PipelineEngine
 from lightning_par.pipeline_parallel.options import PipelineOptions
@@ -47,7 +48,7 @@ __all__ = ["OPTION_GROUPS", "ParallelModel", "ParallelOptions", "parallelize", "
 
 #: User-facing ZeRO fields (``strategy.zero.*``); the rest of :class:`ZeroOptions` comes from ``dp_mode`` and the
 #: reducer group.
-_ZERO_DEFAULTS: dict[str, Any] = {"cpu_offload": False, "mixed_precision": None, "reshard_after_forward": True}
+_ZERO_DEFAULTS: dict[str, Any] = ZERO_GROUP_DEFAULTS
 _ZERO_FIELDS: tuple[str, ...] = tuple(_ZERO_DEFAULTS)
 
 #: Option group name -> the flat keyword names it owns.
@@ -89,7 +90,7 @@ class ParallelOptions:
         check_choice("activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
         stage = zero_stage(self.dp_mode)
         if stage and self.zero is None:
-            object.__setattr__(self, "zero", resolve_zero_options(stage, bucket_cap_mb=None if stage == 3 else 25.0))
+            object.__setattr__(self, "zero", resolve_zero_options(stage))
         if not stage and self.zero is not None:
             raise ValueError(f"zero={self.zero!r} is not valid with dp_mode='ddp': expected None.")
         if stage and self.zero.stage != stage:  # type: ignore[union-attr]
@@ -137,13 +138,15 @@ class ParallelOptions:
                     f"bucket_cap_mb={reducer_given['bucket_cap_mb']!r} is not valid with dp_mode='zero3': stage 3 "
                     f"gathers and reduces one fully_shard unit (one block) at a time. Leave it unset."
                 )
-            hook = reducer_given.get("comm_hook", "none")
+            hook = reducer_given.get("comm_hook", ReducerOptions.comm_hook)
             zero = resolve_zero_options(
                 stage,
                 **groups["zero"],
                 bucket_cap_mb=reducer_given.get("bucket_cap_mb") if stage < 3 else None,
-                gradient_as_bucket_view=reducer_given.get("gradient_as_bucket_view", True),
-                static_graph=reducer_given.get("static_graph", False),
+                gradient_as_bucket_view=reducer_given.get(
+                    "gradient_as_bucket_view", ReducerOptions.gradient_as_bucket_view
+                ),
+                static_graph=reducer_given.get("static_graph", ReducerOptions.static_graph),
                 comm_hook=hook,
             )
         elif any(v != _ZERO_DEFAULTS[k] for k, v in groups["zero"].items()):

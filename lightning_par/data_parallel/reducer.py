@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_par.data_parallel.compression import CAST_DTYPES, PowerSGDState, validate_comm_hook
+from lightning_par.data_parallel.options import ReducerOptions
 
 __all__ = ["Bucket", "CommStats", "GradientReducer", "reducer_options"]
 
@@ -34,12 +35,12 @@ _FIRST_BUCKET_BYTES = _MiB
 
 
 def reducer_options(
-    bucket_cap_mb: float = 25.0,
-    gradient_as_bucket_view: bool = False,
-    static_graph: bool = False,
-    comm_hook: str = "none",
-    powersgd_rank: int = 1,
-    powersgd_start_iter: int = 2,
+    bucket_cap_mb: float = ReducerOptions.bucket_cap_mb,
+    gradient_as_bucket_view: bool = ReducerOptions.gradient_as_bucket_view,
+    static_graph: bool = ReducerOptions.static_graph,
+    comm_hook: str = ReducerOptions.comm_hook,
+    powersgd_rank: int = ReducerOptions.powersgd_rank,
+    powersgd_start_iter: int = ReducerOptions.powersgd_start_iter,
 ) -> dict[str, Any]:
     """Validate :class:`GradientReducer`'s options (the one place that does) and return them as keyword arguments.
 
@@ -135,6 +136,8 @@ class CommStats:
 class GradientReducer:
     """Average the gradients of ``params`` over ``group`` with bucketed, overlapped all-reduces.
 
+    The keyword defaults are :class:`~lightning_par.data_parallel.options.ReducerOptions`'s.
+
     Args:
         params: parameters to reduce (those with ``requires_grad``); plain tensors or DTensors (their local shards
             are reduced, which is what a dp axis beside a tp axis needs).
@@ -142,7 +145,8 @@ class GradientReducer:
         bucket_cap_mb: bucket size in MiB of fp32 gradient (torch DDP's default is 25); the first bucket (the last
             layers' gradients) is capped at 1 MiB, as in DDP, so that communication starts early.
         gradient_as_bucket_view: after reduction, point each plain tensor's ``.grad`` at its slice of the bucket
-            instead of copying back, so gradients and buckets share memory.
+            instead of copying back, so gradients and buckets share memory (the default; torch's DDP defaults to
+            False).
         static_graph: the set and order of gradients is the same every step: after the first synchronised step the
             buckets are rebuilt in the order gradients actually arrived on the group's first rank, the same on
             every rank (DDP's bucket rebuilding), so the first bucket launches as early as possible.
@@ -159,12 +163,12 @@ class GradientReducer:
         params: list[nn.Parameter],
         group: dist.ProcessGroup,
         *,
-        bucket_cap_mb: float = 25.0,
-        gradient_as_bucket_view: bool = False,
-        static_graph: bool = False,
-        comm_hook: str = "none",
-        powersgd_rank: int = 1,
-        powersgd_start_iter: int = 2,
+        bucket_cap_mb: float = ReducerOptions.bucket_cap_mb,
+        gradient_as_bucket_view: bool = ReducerOptions.gradient_as_bucket_view,
+        static_graph: bool = ReducerOptions.static_graph,
+        comm_hook: str = ReducerOptions.comm_hook,
+        powersgd_rank: int = ReducerOptions.powersgd_rank,
+        powersgd_start_iter: int = ReducerOptions.powersgd_start_iter,
     ) -> None:
         reducer_options(bucket_cap_mb, gradient_as_bucket_view, static_graph, comm_hook, powersgd_rank, powersgd_start_iter)
         self.params = [p for p in params if p.requires_grad]
