@@ -99,8 +99,8 @@ class ParallelOptions:
             raise ValueError(f"module_attr={self.module_attr!r} is not valid: expected an attribute name or None.")
 
     @classmethod
-    def build(cls, dp_mode: str = "ddp", module_attr: str | None = "model", activation_checkpointing: str = "none",
-              **options: Any) -> ParallelOptions:
+    def build(cls, dp_mode: str = dp_mode, module_attr: str | None = module_attr,  # the fields' defaults above
+              activation_checkpointing: str = activation_checkpointing, **options: Any) -> ParallelOptions:
         """Options from plain values, flat (``schedule="1f1b", bucket_cap_mb=10``) or nested by group
         (``pipeline={"schedule": "1f1b"}``, as the Hydra schemas give them); see :data:`OPTION_GROUPS`.
 
