@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_par.data_parallel.compression import CAST_DTYPES, PowerSGDState, validate_comm_hook
+from lightning_par.data_parallel.compression import CAST_DTYPES, PowerSGDState
 from lightning_par.data_parallel.options import ReducerOptions
 
 __all__ = ["Bucket", "CommStats", "GradientReducer", "reducer_options"]
@@ -34,30 +34,16 @@ _MiB = 1024 * 1024
 _FIRST_BUCKET_BYTES = _MiB
 
 
-def reducer_options(
-    bucket_cap_mb: float = ReducerOptions.bucket_cap_mb,
-    gradient_as_bucket_view: bool = ReducerOptions.gradient_as_bucket_view,
-    static_graph: bool = ReducerOptions.static_graph,
-    comm_hook: str = ReducerOptions.comm_hook,
-    powersgd_rank: int = ReducerOptions.powersgd_rank,
-    powersgd_start_iter: int = ReducerOptions.powersgd_start_iter,
-) -> dict[str, Any]:
-    """Validate :class:`GradientReducer`'s options (the one place that does) and return them as keyword arguments.
+def reducer_options(**options: Any) -> dict[str, Any]:
+    """:class:`GradientReducer`'s options validated, with their defaults, by
+    :class:`~lightning_par.data_parallel.options.ReducerOptions` (the one place that checks them), as keyword
+    arguments.
 
     Raises:
         ValueError: an invalid option; the message names it, its value and what would be valid.
+        TypeError: an unknown option.
     """
-    validate_comm_hook(comm_hook, powersgd_rank, powersgd_start_iter)
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
-        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is not valid: expected a number > 0 (MiB).")
-    return dict(
-        bucket_cap_mb=bucket_cap_mb,
-        gradient_as_bucket_view=bool(gradient_as_bucket_view),
-        static_graph=bool(static_graph),
-        comm_hook=comm_hook,
-        powersgd_rank=powersgd_rank,
-        powersgd_start_iter=powersgd_start_iter,
-    )
+    return ReducerOptions(**options).reducer_kwargs()
 
 
 def _local(t: Tensor) -> Tensor:
@@ -170,16 +156,18 @@ class GradientReducer:
         powersgd_rank: int = ReducerOptions.powersgd_rank,
         powersgd_start_iter: int = ReducerOptions.powersgd_start_iter,
     ) -> None:
-        reducer_options(bucket_cap_mb, gradient_as_bucket_view, static_graph, comm_hook, powersgd_rank, powersgd_start_iter)
+        checked = ReducerOptions(
+            bucket_cap_mb, gradient_as_bucket_view, static_graph, comm_hook, powersgd_rank, powersgd_start_iter
+        )
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("The model has no parameter that requires a gradient: there is nothing to reduce.")
         self.group = group if group is not None else dist.group.WORLD
         self.world = dist.get_world_size(group)
-        self.bucket_cap_bytes = int(bucket_cap_mb * _MiB)
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.static_graph = static_graph
-        self.comm_hook = comm_hook
+        self.bucket_cap_bytes = int(checked.bucket_cap_mb * _MiB)
+        self.gradient_as_bucket_view = checked.gradient_as_bucket_view
+        self.static_graph = checked.static_graph
+        self.comm_hook = checked.comm_hook
         self.powersgd = PowerSGDState(powersgd_rank, powersgd_start_iter) if comm_hook == "powersgd" else None
         self.require_sync = True
         self.history: list[CommStats] = []
