@@ -42,6 +42,7 @@ from lightning_par.axes import AXES
 from lightning_par.axis_registry import PHASES, Build
 from lightning_par.data_parallel.engine import DataParallelEngine
 from lightning_par.data_parallel.options import DP_MODES, ReducerOptions, ZeroOptions, resolve_zero_options, zero_stage
+from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.pipeline_parallel.options import PipelineOptions
 from lightning_par.steps import StepHooks
@@ -52,7 +53,7 @@ __all__ = ["OPTION_GROUPS", "ParallelModel", "ParallelOptions", "parallelize", "
 
 #: User-facing ZeRO fields (``strategy.zero.*``); the rest of :class:`ZeroOptions` comes from ``dp_mode`` and the
 #: reducer group.
-_ZERO_DEFAULTS: dict[str, Any] = {"cpu_offload": False, "mixed_precision": None, "reshard_after_forward": True}
+_ZERO_DEFAULTS: dict[str, Any] = ZERO_GROUP_DEFAULTS
 _ZERO_FIELDS: tuple[str, ...] = tuple(_ZERO_DEFAULTS)
 
 #: Option group name -> the flat keyword names it owns.
@@ -94,7 +95,7 @@ class ParallelOptions:
         check_choice("activation_checkpointing", self.activation_checkpointing, ACTIVATION_CHECKPOINTING)
         stage = zero_stage(self.dp_mode)
         if stage and self.zero is None:
-            object.__setattr__(self, "zero", resolve_zero_options(stage, bucket_cap_mb=None if stage == 3 else 25.0))
+            object.__setattr__(self, "zero", resolve_zero_options(stage))
         if not stage and self.zero is not None:
             raise ValueError(f"zero={self.zero!r} is not valid with dp_mode='ddp': expected None.")
         if stage and self.zero.stage != stage:  # type: ignore[union-attr]
@@ -103,8 +104,8 @@ class ParallelOptions:
             raise ValueError(f"module_attr={self.module_attr!r} is not valid: expected an attribute name or None.")
 
     @classmethod
-    def build(cls, dp_mode: str = "ddp", module_attr: str | None = "model", activation_checkpointing: str = "none",
-              **options: Any) -> ParallelOptions:
+    def build(cls, dp_mode: str = dp_mode, module_attr: str | None = module_attr,  # the fields' defaults above
+              activation_checkpointing: str = activation_checkpointing, **options: Any) -> ParallelOptions:
         """Options from plain values, flat (``schedule="1f1b", bucket_cap_mb=10``) or nested by group
         (``pipeline={"schedule": "1f1b"}``, as the Hydra schemas give them); see :data:`OPTION_GROUPS`.
 
@@ -142,13 +143,15 @@ class ParallelOptions:
                     f"bucket_cap_mb={reducer_given['bucket_cap_mb']!r} is not valid with dp_mode='zero3': stage 3 "
                     f"gathers and reduces one fully_shard unit (one block) at a time. Leave it unset."
                 )
-            hook = reducer_given.get("comm_hook", "none")
+            hook = reducer_given.get("comm_hook", ReducerOptions.comm_hook)
             zero = resolve_zero_options(
                 stage,
                 **groups["zero"],
                 bucket_cap_mb=reducer_given.get("bucket_cap_mb") if stage < 3 else None,
-                gradient_as_bucket_view=reducer_given.get("gradient_as_bucket_view", True),
-                static_graph=reducer_given.get("static_graph", False),
+                gradient_as_bucket_view=reducer_given.get(
+                    "gradient_as_bucket_view", ReducerOptions.gradient_as_bucket_view
+                ),
+                static_graph=reducer_given.get("static_graph", ReducerOptions.static_graph),
                 comm_hook=hook,
             )
         elif any(v != _ZERO_DEFAULTS[k] for k, v in groups["zero"].items()):

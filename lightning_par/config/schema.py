@@ -6,6 +6,11 @@ extend it (``defaults: [schema_ddp_overlap, _self_]``). A type error (``parallel
 then reported by OmegaConf at compose time; an unknown option of a group (``strategy=foo``) by Hydra, which lists the
 options it has.
 
+Each default is written once: the strategy option groups (``strategy.reducer``, ``.zero``, ``.tensor_parallel``,
+``.pipeline``) are generated from the options dataclasses (:func:`lightning_par.config.option_schema.options_schema`),
+and the fields every strategy accepts take their defaults from ``MeshStrategy``'s constructor. The YAML options under
+``conf/strategy/`` set only what makes the preset (``tests/config/test_option_defaults.py`` checks both).
+
 ``model``, ``data`` and ``logger`` entries carry a ``_target_`` and are built with ``hydra.utils.instantiate``: our
 entries (the reference GPT, the byte corpora, Lightning's loggers) have closed schemas, ``model=custom`` and
 ``data=custom`` an open one for any user class.
@@ -19,6 +24,12 @@ from typing import Any, Optional
 from omegaconf import II, MISSING
 
 from hydra.core.config_store import ConfigStore
+
+from lightning_par.config.option_schema import options_schema, signature_defaults
+from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS, ReducerOptions, ZeroOptions
+from lightning_par.pipeline_parallel.options import PipelineOptions
+from lightning_par.strategies import MeshStrategy, Parallel3DStrategy
+from lightning_par.tensor_parallel.options import TensorParallelOptions
 
 __all__ = [
     "BYTE_CORPUS_TARGET",
@@ -75,73 +86,54 @@ class ParallelConfig:
     cp_size: int = 1
 
 
-@dataclass
-class ReducerGroup:
-    """``strategy.reducer``: the dp axis's bucketed gradient reducer (:class:`lightning_par.data_parallel.options.
-    ReducerOptions`)."""
+ReducerGroup = options_schema(
+    "ReducerGroup", ReducerOptions, unset=("bucket_cap_mb",), module=__name__,
+    doc="""``strategy.reducer``: the dp axis's bucketed gradient reducer, generated from :class:`lightning_par.
+    data_parallel.options.ReducerOptions` (fields and defaults). ``bucket_cap_mb`` is unset (None: the default, 25;
+    ZeRO-1/2 also bucket their all-gather and reduce-scatter with it; zero3 needs it unset).""",
+)
 
-    #: bucket size in MiB (None: 25; ZeRO-1/2 also bucket their all-gather and reduce-scatter with it; unset at zero3).
-    bucket_cap_mb: Optional[float] = None
-    #: gradients as views of the buckets (None: the default, True).
-    gradient_as_bucket_view: Optional[bool] = None
-    static_graph: bool = False
-    #: none | fp16 | bf16 | powersgd (ddp and zero1).
-    comm_hook: str = "none"
-    powersgd_rank: int = 1
-    powersgd_start_iter: int = 2
+ZeroGroup = options_schema(
+    "ZeroGroup", ZeroOptions, defaults=ZERO_GROUP_DEFAULTS, module=__name__,
+    doc="""``strategy.zero``: ZeRO's options (the stage comes from the strategy name or ``dp_mode``), generated from
+    :data:`lightning_par.data_parallel.options.ZERO_GROUP_DEFAULTS`. ``mixed_precision``: None, a dtype name ("bf16",
+    "fp16") or {"param_dtype": ..., "reduce_dtype": ...}.""",
+)
 
+TensorParallelGroup = options_schema(
+    "TensorParallelGroup", TensorParallelOptions, module=__name__,
+    doc="""``strategy.tensor_parallel``: the tp axis's options, generated from :class:`lightning_par.tensor_parallel.
+    options.TensorParallelOptions`. ``plan`` is typed Any so that a command-line dict works
+    (``strategy.tensor_parallel.plan={up:colwise,down:rowwise}``); None uses the model's own tp_plan().""",
+)
 
-@dataclass
-class ZeroGroup:
-    """``strategy.zero``: ZeRO's options (the stage comes from the strategy name or ``dp_mode``)."""
+PipelineGroup = options_schema(
+    "PipelineGroup", PipelineOptions, module=__name__,
+    doc="""``strategy.pipeline``: the pp axis's options, generated from :class:`lightning_par.pipeline_parallel.
+    options.PipelineOptions`. ``schedule``: gpipe | 1f1b | interleaved_1f1b | interleaved_zero_bubble |
+    zbv_zero_bubble | dualpipev; ``split`` (typed Any): params | time | size | [layers per virtual stage].""",
+)
 
-    #: stage 3 only, needs an accelerator: keep the shards in CPU memory and step there.
-    cpu_offload: bool = False
-    #: None, a dtype name ("bf16", "fp16") or {"param_dtype": ..., "reduce_dtype": ...}.
-    mixed_precision: Any = None
-    #: stage 3: free gathered parameters after each block's forward.
-    reshard_after_forward: bool = True
-
-
-@dataclass
-class TensorParallelGroup:
-    """``strategy.tensor_parallel``: the tp axis's options."""
-
-    sequence_parallel: bool = False
-    #: module path (relative to the network) -> style name; None uses the model's own tp_plan(). Typed Any so that a
-    #: command-line dict works (``strategy.tensor_parallel.plan={up:colwise,down:rowwise}``).
-    plan: Any = None
-
-
-@dataclass
-class PipelineGroup:
-    """``strategy.pipeline``: the pp axis's options (:class:`lightning_par.pipeline_parallel.options.
-    PipelineOptions`)."""
-
-    #: gpipe | 1f1b | interleaved_1f1b | interleaved_zero_bubble | zbv_zero_bubble | dualpipev
-    schedule: str = "1f1b"
-    num_microbatches: int = 4
-    #: model chunks per rank (None: 2 for interleaved and V schedules, else 1).
-    virtual_stages: Optional[int] = None
-    #: params | time | size | [layers per virtual stage]
-    split: Any = "params"
-    split_timeout_s: float = 1.0
-    measure_bubble: bool = True
+#: ``MeshStrategy``'s own keywords, with their defaults (the constructor is their source).
+_STRATEGY_DEFAULTS: dict[str, Any] = signature_defaults(
+    MeshStrategy.__init__, ("timeout_s", "module_attr", "activation_checkpointing", "prog_bar")
+)
 
 
 @dataclass
 class StrategyConfig:
-    """Fields every strategy accepts; ``name`` is the Lightning registry name. The sizes come from ``parallel``."""
+    """Fields every strategy accepts; ``name`` is the Lightning registry name. The sizes come from ``parallel``; the
+    defaults are :class:`lightning_par.strategies.MeshStrategy`'s."""
 
     name: str = "ddp_overlap"
     #: seconds a collective may wait for a peer before it raises (a dead rank ends the job, never hangs it).
-    timeout_s: float = 1800.0
+    timeout_s: float = _STRATEGY_DEFAULTS["timeout_s"]
     #: attribute of the LightningModule holding the network (see lightning_par.contract).
-    module_attr: Optional[str] = "model"
+    module_attr: Optional[str] = _STRATEGY_DEFAULTS["module_attr"]
     #: none | full (recompute every block in backward) | selective (the attention of every block).
-    activation_checkpointing: str = "none"
+    activation_checkpointing: str = _STRATEGY_DEFAULTS["activation_checkpointing"]
     #: also show the strategy's own figures (parallel/...) in the progress bar.
-    prog_bar: bool = False
+    prog_bar: bool = _STRATEGY_DEFAULTS["prog_bar"]
 
 
 @dataclass
@@ -186,7 +178,7 @@ class Parallel3DConfig(StrategyConfig):
 
     name: str = "parallel_3d"
     #: ddp | zero1 | zero2 | zero3
-    dp_mode: str = "ddp"
+    dp_mode: str = signature_defaults(Parallel3DStrategy.__init__, ("dp_mode",))["dp_mode"]
     reducer: ReducerGroup = field(default_factory=ReducerGroup)
     zero: ZeroGroup = field(default_factory=ZeroGroup)
     tensor_parallel: TensorParallelGroup = field(default_factory=TensorParallelGroup)

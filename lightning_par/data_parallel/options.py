@@ -17,6 +17,7 @@ from lightning_par.validation import check_bool, check_choice, check_number
 __all__ = [
     "DP_MODES",
     "DTYPE_NAMES",
+    "ZERO_GROUP_DEFAULTS",
     "ZERO_STAGES",
     "ReducerOptions",
     "ZeroOptions",
@@ -42,7 +43,6 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "float32": torch.float32,
 }
-_DEFAULT_BUCKET_CAP_MB = 25.0
 
 
 def zero_stage(dp_mode: str) -> int:
@@ -59,9 +59,14 @@ def zero_stage(dp_mode: str) -> int:
 class ReducerOptions:
     """The bucketed gradient reducer of the dp axis (``dp_mode="ddp"``; ``"zero1"`` all-reduces with it too).
 
+    These defaults are the only ones: the Hydra schema ``strategy.reducer`` is generated from this class, and
+    :class:`~lightning_par.data_parallel.reducer.GradientReducer`, :class:`ZeroOptions` and the strategies take theirs
+    from it.
+
     Attributes:
         bucket_cap_mb: bucket size in MiB of fp32 gradient (torch DDP's default, 25). With ``zero1``/``zero2`` also the
-            bucket of the parameter all-gather and of ZeRO-2's reduce-scatter.
+            bucket of the parameter all-gather and of ZeRO-2's reduce-scatter. ``None`` means this default (the Hydra
+            schema leaves it at ``None``, unset, because ``zero3`` has no buckets and refuses a value).
         gradient_as_bucket_view: ``.grad`` tensors become views of the buckets: one copy per parameter per step and
             one gradient's memory less (profiled: the copies were about 2% of ``ddp_overlap``'s CPU time per step on
             the small GPT). The default, as in the ZeRO modes; torch's DDP defaults to False.
@@ -74,7 +79,7 @@ class ReducerOptions:
         ValueError: an invalid field (named in the message).
     """
 
-    bucket_cap_mb: float = _DEFAULT_BUCKET_CAP_MB
+    bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
     comm_hook: str = "none"
@@ -82,7 +87,8 @@ class ReducerOptions:
     powersgd_start_iter: int = 2
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "bucket_cap_mb", check_number("bucket_cap_mb", self.bucket_cap_mb, unit="MiB"))
+        cap = type(self).bucket_cap_mb if self.bucket_cap_mb is None else self.bucket_cap_mb
+        object.__setattr__(self, "bucket_cap_mb", check_number("bucket_cap_mb", cap, unit="MiB"))
         check_bool("gradient_as_bucket_view", self.gradient_as_bucket_view)
         check_bool("static_graph", self.static_graph)
         validate_comm_hook(self.comm_hook, self.powersgd_rank, self.powersgd_start_iter)
@@ -126,13 +132,23 @@ class ZeroOptions:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     reshard_after_forward: bool = True
-    bucket_cap_mb: float = _DEFAULT_BUCKET_CAP_MB
-    gradient_as_bucket_view: bool = True
-    static_graph: bool = False
-    comm_hook: str = "none"
+    bucket_cap_mb: float = ReducerOptions.bucket_cap_mb
+    gradient_as_bucket_view: bool = ReducerOptions.gradient_as_bucket_view
+    static_graph: bool = ReducerOptions.static_graph
+    comm_hook: str = ReducerOptions.comm_hook
 
     def __post_init__(self) -> None:
         _check_zero(self)
+
+
+#: The user-facing ``zero`` option group (``strategy.zero.*``) and its defaults, :class:`ZeroOptions`'s:
+#: ``mixed_precision`` stands for ``param_dtype`` and ``reduce_dtype`` (``None``: both ``None``, full precision; see
+#: :func:`parse_mixed_precision`). The stage comes from ``dp_mode``, the other fields from the reducer group.
+ZERO_GROUP_DEFAULTS: dict[str, Any] = {
+    "cpu_offload": ZeroOptions.cpu_offload,
+    "mixed_precision": None,
+    "reshard_after_forward": ZeroOptions.reshard_after_forward,
+}
 
 
 def _dtype(field: str, value: Any) -> torch.dtype | None:
@@ -213,15 +229,16 @@ def _check_zero(o: ZeroOptions) -> None:
 def resolve_zero_options(
     stage: Any,
     *,
-    cpu_offload: Any = False,
-    mixed_precision: Any = None,
-    reshard_after_forward: Any = True,
+    cpu_offload: Any = ZeroOptions.cpu_offload,
+    mixed_precision: Any = ZERO_GROUP_DEFAULTS["mixed_precision"],
+    reshard_after_forward: Any = ZeroOptions.reshard_after_forward,
     bucket_cap_mb: Any = None,
-    gradient_as_bucket_view: Any = True,
-    static_graph: Any = False,
-    comm_hook: Any = "none",
+    gradient_as_bucket_view: Any = ZeroOptions.gradient_as_bucket_view,
+    static_graph: Any = ZeroOptions.static_graph,
+    comm_hook: Any = ZeroOptions.comm_hook,
 ) -> ZeroOptions:
-    """Check ZeRO options given as plain values and return them as :class:`ZeroOptions`.
+    """Check ZeRO options given as plain values and return them as :class:`ZeroOptions` (``bucket_cap_mb=None``:
+    :class:`ReducerOptions`'s default at stages 1 and 2, and the only value stage 3 accepts).
 
     Raises:
         ValueError: naming the field, the value and what is valid, for: a stage other than 1, 2, 3; ``cpu_offload``
@@ -243,7 +260,7 @@ def resolve_zero_options(
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
         reshard_after_forward=reshard_after_forward,
-        bucket_cap_mb=_DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb,
+        bucket_cap_mb=ZeroOptions.bucket_cap_mb if bucket_cap_mb is None else bucket_cap_mb,
         gradient_as_bucket_view=gradient_as_bucket_view,
         static_graph=static_graph,
         comm_hook=comm_hook,

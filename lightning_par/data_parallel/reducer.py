@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_par.data_parallel.compression import CAST_DTYPES, PowerSGDState, validate_comm_hook
+from lightning_par.data_parallel.compression import CAST_DTYPES, PowerSGDState
+from lightning_par.data_parallel.options import ReducerOptions
 
 __all__ = ["Bucket", "CommStats", "GradientReducer", "reducer_options"]
 
@@ -33,30 +34,16 @@ _MiB = 1024 * 1024
 _FIRST_BUCKET_BYTES = _MiB
 
 
-def reducer_options(
-    bucket_cap_mb: float = 25.0,
-    gradient_as_bucket_view: bool = False,
-    static_graph: bool = False,
-    comm_hook: str = "none",
-    powersgd_rank: int = 1,
-    powersgd_start_iter: int = 2,
-) -> dict[str, Any]:
-    """Validate :class:`GradientReducer`'s options (the one place that does) and return them as keyword arguments.
+def reducer_options(**options: Any) -> dict[str, Any]:
+    """:class:`GradientReducer`'s options validated, with their defaults, by
+    :class:`~lightning_par.data_parallel.options.ReducerOptions` (the one place that checks them), as keyword
+    arguments.
 
     Raises:
         ValueError: an invalid option; the message names it, its value and what would be valid.
+        TypeError: an unknown option.
     """
-    validate_comm_hook(comm_hook, powersgd_rank, powersgd_start_iter)
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
-        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} is not valid: expected a number > 0 (MiB).")
-    return dict(
-        bucket_cap_mb=bucket_cap_mb,
-        gradient_as_bucket_view=bool(gradient_as_bucket_view),
-        static_graph=bool(static_graph),
-        comm_hook=comm_hook,
-        powersgd_rank=powersgd_rank,
-        powersgd_start_iter=powersgd_start_iter,
-    )
+    return ReducerOptions(**options).reducer_kwargs()
 
 
 def _local(t: Tensor) -> Tensor:
@@ -135,6 +122,8 @@ class CommStats:
 class GradientReducer:
     """Average the gradients of ``params`` over ``group`` with bucketed, overlapped all-reduces.
 
+    The keyword defaults are :class:`~lightning_par.data_parallel.options.ReducerOptions`'s.
+
     Args:
         params: parameters to reduce (those with ``requires_grad``); plain tensors or DTensors (their local shards
             are reduced, which is what a dp axis beside a tp axis needs).
@@ -142,7 +131,8 @@ class GradientReducer:
         bucket_cap_mb: bucket size in MiB of fp32 gradient (torch DDP's default is 25); the first bucket (the last
             layers' gradients) is capped at 1 MiB, as in DDP, so that communication starts early.
         gradient_as_bucket_view: after reduction, point each plain tensor's ``.grad`` at its slice of the bucket
-            instead of copying back, so gradients and buckets share memory.
+            instead of copying back, so gradients and buckets share memory (the default; torch's DDP defaults to
+            False).
         static_graph: the set and order of gradients is the same every step: after the first synchronised step the
             buckets are rebuilt in the order gradients actually arrived on the group's first rank, the same on
             every rank (DDP's bucket rebuilding), so the first bucket launches as early as possible.
@@ -159,23 +149,25 @@ class GradientReducer:
         params: list[nn.Parameter],
         group: dist.ProcessGroup,
         *,
-        bucket_cap_mb: float = 25.0,
-        gradient_as_bucket_view: bool = False,
-        static_graph: bool = False,
-        comm_hook: str = "none",
-        powersgd_rank: int = 1,
-        powersgd_start_iter: int = 2,
+        bucket_cap_mb: float = ReducerOptions.bucket_cap_mb,
+        gradient_as_bucket_view: bool = ReducerOptions.gradient_as_bucket_view,
+        static_graph: bool = ReducerOptions.static_graph,
+        comm_hook: str = ReducerOptions.comm_hook,
+        powersgd_rank: int = ReducerOptions.powersgd_rank,
+        powersgd_start_iter: int = ReducerOptions.powersgd_start_iter,
     ) -> None:
-        reducer_options(bucket_cap_mb, gradient_as_bucket_view, static_graph, comm_hook, powersgd_rank, powersgd_start_iter)
+        checked = ReducerOptions(
+            bucket_cap_mb, gradient_as_bucket_view, static_graph, comm_hook, powersgd_rank, powersgd_start_iter
+        )
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("The model has no parameter that requires a gradient: there is nothing to reduce.")
         self.group = group if group is not None else dist.group.WORLD
         self.world = dist.get_world_size(group)
-        self.bucket_cap_bytes = int(bucket_cap_mb * _MiB)
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.static_graph = static_graph
-        self.comm_hook = comm_hook
+        self.bucket_cap_bytes = int(checked.bucket_cap_mb * _MiB)
+        self.gradient_as_bucket_view = checked.gradient_as_bucket_view
+        self.static_graph = checked.static_graph
+        self.comm_hook = checked.comm_hook
         self.powersgd = PowerSGDState(powersgd_rank, powersgd_start_iter) if comm_hook == "powersgd" else None
         self.require_sync = True
         self.history: list[CommStats] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from lightning_par.parallelize import ParallelOptions
 from lightning_par.strategies.base import MeshStrategy
 
 __all__ = ["Parallel3DStrategy"]
@@ -36,6 +37,6 @@ class Parallel3DStrategy(MeshStrategy):
     axes: ClassVar[frozenset[str] | None] = None
     description: ClassVar[str] = "3D parallel: TP in each pipeline stage, PP across stages, ddp/zero1/zero2/zero3 on dp"
 
-    def __init__(self, dp_size: int = -1, tp_size: int = 1, pp_size: int = 1, dp_mode: str = "ddp",
+    def __init__(self, dp_size: int = -1, tp_size: int = 1, pp_size: int = 1, dp_mode: str = ParallelOptions.dp_mode,
                  **options: Any) -> None:
         super().__init__(dp_size=dp_size, tp_size=tp_size, pp_size=pp_size, dp_mode=dp_mode, **options)

@@ -56,7 +56,10 @@ class PipelineStrategy(MeshStrategy):
     def __init__(self, pp_size: int = 2, dp_size: int = -1, schedule: str | None = None, **options: Any) -> None:
         if schedule is None:  # given nested (the Hydra schema's strategy.pipeline.schedule), or the default
             nested = dict(options.get("pipeline") or {})
-            schedule = nested.pop("schedule", None) or "gpipe"
+            # A bare PipelineStrategy() is the preset of its strategy_name, "gpipe", as documented (and so is
+            # Trainer(strategy="pipeline"), which builds one); Hydra's strategy=pipeline and parallel_3d take
+            # PipelineOptions.schedule, "1f1b", instead.
+            schedule = nested.pop("schedule", None) or self.registry_presets[self.strategy_name]["schedule"]
             if "pipeline" in options:
                 options["pipeline"] = nested
         super().__init__(dp_size=dp_size, pp_size=pp_size, dp_mode="ddp", schedule=schedule, **options)

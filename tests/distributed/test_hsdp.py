@@ -50,7 +50,10 @@ def _launch(world: int, cases: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world4() -> dict:
+def world4(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("hsdp")
+    for mode in MODES:  # each dp mode saves its checkpoint after the fit
+        WORLD4[f"hsdp-{mode}-sgd"]["save"] = str(root / f"{mode}.ckpt")
     return _launch(4, WORLD4)
 
 
@@ -89,6 +92,15 @@ def test_model_state_bytes_follow_the_formula_with_n_dp_shard(world4, mode):
         expected = paper_state_bytes(stage, r["trainable_numel"], 2)
         assert abs(measured / expected - 1) <= 0.02, (mode, r["rank"], r["bytes"], expected)
         assert abs(measured / paper_state_bytes(stage, r["trainable_numel"], 4) - 1) > 0.02
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_checkpoint_saved_under_hsdp_loads_into_one_process(world4, mode):
+    from lightning_par.checkpoint import load_model_weights
+
+    module = make_mlp(optimizer="sgd")
+    load_model_weights(WORLD4[f"hsdp-{mode}-sgd"]["save"], module)
+    assert_params_close(world4[f"hsdp-{mode}-sgd"][0]["state"], dict(module.named_parameters()))
 
 
 def test_summary_names_the_replicas(world4):
