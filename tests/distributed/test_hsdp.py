@@ -106,3 +106,19 @@ def test_a_checkpoint_saved_under_hsdp_loads_into_one_process(world4, mode):
 def test_summary_names_the_replicas(world4):
     extras = world4["hsdp-zero3-sgd"][0]["extras"]
     assert extras["dp_size"] == 4 and extras["dp_replicate_size"] == 2
+
+
+def _mesh_strategy():
+    from lightning_par.strategies import MeshStrategy
+
+    return MeshStrategy(dp_replicate_size=2, dp_shard_size=2, dp_mode="zero3", timeout_s=60)
+
+
+def test_mesh_strategy_with_hsdp_keywords():
+    """``MeshStrategy(dp_replicate_size=2, dp_shard_size=2, dp_mode="zero3")`` under a plain ``Trainer``."""
+    from tests.helpers import run_fit
+
+    runs = run_fit(4, _mesh_strategy, lambda: make_mlp(optimizer="sgd"), RegressionDataset(n=MICRO * 4 * STEPS),
+                   MICRO, STEPS, None, lambda module, strategy: strategy.full_state_dict())
+    _check(runs, "sgd")
+    assert runs[0]["extras"]["dp_replicate_size"] == 2
