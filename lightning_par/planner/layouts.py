@@ -5,20 +5,23 @@ mesh of :class:`~lightning_par.parallel_dims.ParallelDims`: tp innermost, pp out
 memory or time without changing the mesh: the dp mode (ZeRO stage), the micro-batching, the pipeline schedule,
 activation checkpointing and sequence parallelism.
 
-Validity (checked by :func:`check_layout`, used by :func:`enumerate_layouts`):
+Validity (checked by :func:`check_layout`, used by :func:`enumerate_layouts`), on the runtime's own validators where
+the runtime has the rule:
 
-* ``dp_size * tp_size * pp_size == num_devices``;
-* ``tp_size`` divides the number of heads (whole heads per rank) and is at most ``max_tp_size``; with
+* the sizes: :class:`~lightning_par.parallel_dims.ParallelDims` (``dp_size * tp_size * pp_size == num_devices``, each a
+  positive integer); the dp mode: the runtime's :data:`~lightning_par.data_parallel.options.DP_MODES`; the schedule,
+  ``virtual_stages`` and ``num_microbatches`` against ``pp_size`` and the dp mode: the runtime's
+  :class:`~lightning_par.pipeline_parallel.options.PipelineOptions` and its ``check_layout`` (so ``1f1b`` needs
+  ``num_microbatches >= pp_size``, as torch's ``Schedule1F1B``);
+* and the planner's own choices on top, which narrow what it enumerates to what its cost model covers:
+  ``tp_size`` divides the number of heads (whole heads per rank) and is at most ``max_tp_size``; with
   ``devices_per_node`` given, a tensor-parallel group lies inside one node: ``tp_size`` divides ``devices_per_node``
-  (the per-layer all-reduces need the fast links; Narayanan et al. 2021, §3.3);
-* the layers split evenly over the virtual stages: ``num_layers % (pp_size * virtual_stages) == 0`` (as Megatron-LM
-  requires; the emitted runs pass the same split explicitly);
-* the global batch splits into ``dp_size * num_microbatches`` micro-batches of ``micro_batch_size`` sequences;
-* ``1f1b`` needs ``num_microbatches >= pp_size`` (torch's ``Schedule1F1B``); ``interleaved_1f1b`` needs
-  ``num_microbatches % pp_size == 0`` (as Megatron-LM) and at least 2 virtual stages;
-* ZeRO modes only with ``dp_size > 1``; sequence parallelism only with ``tp_size > 1``.
-
-Pure Python: no torch import.
+  (the per-layer all-reduces need the fast links; Narayanan et al. 2021, §3.3); the layers split evenly over the
+  virtual stages (as Megatron-LM requires; the emitted runs pass the same split explicitly); the global batch splits
+  into ``dp_size * num_microbatches`` micro-batches of ``micro_batch_size`` sequences; ``interleaved_1f1b`` with
+  ``num_microbatches % pp_size == 0`` (Megatron-LM's rule, which the bubble formula assumes); the schedules it models
+  (:data:`SCHEDULES`, ``"none"`` when ``pp_size == 1``); ZeRO modes only with ``dp_size > 1``; sequence parallelism
+  only with ``tp_size > 1``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from lightning_par.data_parallel.options import DP_MODES
+from lightning_par.parallel_dims import ParallelDims
+from lightning_par.pipeline_parallel.options import SCHEDULES as RUNTIME_SCHEDULES
+from lightning_par.pipeline_parallel.options import PipelineOptions
 from lightning_par.planner.model import ModelSpec
 
 __all__ = [
@@ -38,10 +45,9 @@ __all__ = [
     "enumerate_layouts",
 ]
 
-#: Data-parallel modes: plain all-reduce, then ZeRO stages 1-3 (Rajbhandari et al. 2020).
-DP_MODES: tuple[str, ...] = ("ddp", "zero1", "zero2", "zero3")
-#: Pipeline schedules (``"none"`` when ``pp_size == 1``: micro-batches are gradient accumulation).
-SCHEDULES: tuple[str, ...] = ("none", "gpipe", "1f1b", "interleaved_1f1b")
+#: The runtime's schedules whose step time the planner models (``"none"`` when ``pp_size == 1``: micro-batches are
+#: gradient accumulation).
+SCHEDULES: tuple[str, ...] = ("none", *(s for s in ("gpipe", "1f1b", "interleaved_1f1b") if s in RUNTIME_SCHEDULES))
 #: Activation checkpointing (Korthikanti et al. 2022): keep all, recompute attention cores, recompute whole layers.
 CHECKPOINTING: tuple[str, ...] = ("none", "selective", "full")
 
@@ -84,6 +90,16 @@ class Layout:
     def world_size(self) -> int:
         """``dp_size * tp_size * pp_size``."""
         return self.dp_size * self.tp_size * self.pp_size
+
+    def dims(self, world_size: int | None = None) -> ParallelDims:
+        """The runtime's layout of these sizes on ``world_size`` devices (default: :attr:`world_size`).
+
+        Raises:
+            ValueError: as :class:`~lightning_par.parallel_dims.ParallelDims` (a size that is not a positive integer,
+                a product that is not ``world_size``).
+        """
+        return ParallelDims(dp_size=self.dp_size, tp_size=self.tp_size, pp_size=self.pp_size,
+                            world_size=self.world_size if world_size is None else world_size)
 
     @property
     def global_batch_size(self) -> int:
@@ -138,16 +154,12 @@ def check_layout(
     """
     for name in ("dp_size", "tp_size", "pp_size", "micro_batch_size", "num_microbatches", "virtual_stages"):
         _check_int(name, getattr(layout, name))
+    layout.dims(num_devices)  # the runtime's size rules
     _check_choice("dp_mode", layout.dp_mode, DP_MODES)
     _check_choice("schedule", layout.schedule, SCHEDULES)
     _check_choice("activation_checkpointing", layout.activation_checkpointing, CHECKPOINTING)
     if not isinstance(layout.sequence_parallel, bool):
         raise ValueError(f"sequence_parallel={layout.sequence_parallel!r} is not valid: expected True or False.")
-    if num_devices is not None and layout.world_size != num_devices:
-        raise ValueError(
-            f"dp_size * tp_size * pp_size = {layout.dp_size} * {layout.tp_size} * {layout.pp_size} = "
-            f"{layout.world_size} is not valid: expected num_devices={num_devices}."
-        )
     if global_batch_size is not None and layout.global_batch_size != global_batch_size:
         raise ValueError(
             f"dp_size * num_microbatches * micro_batch_size = {layout.global_batch_size} is not valid: expected "
@@ -180,24 +192,17 @@ def check_layout(
         raise ValueError(
             f"schedule='none' is not valid with pp_size={layout.pp_size}: expected one of {list(SCHEDULES[1:])}."
         )
-    if layout.schedule == "interleaved_1f1b":
-        if layout.virtual_stages < 2:
-            raise ValueError(
-                f"virtual_stages={layout.virtual_stages} is not valid for schedule='interleaved_1f1b': expected >= 2."
-            )
-        if layout.num_microbatches % layout.pp_size:
-            raise ValueError(
-                f"num_microbatches={layout.num_microbatches} is not valid for schedule='interleaved_1f1b' with "
-                f"pp_size={layout.pp_size}: expected a multiple of pp_size."
-            )
+    if layout.pp_size > 1:  # the runtime's schedule rules (virtual stages, micro-batches against pp_size)
+        PipelineOptions(
+            schedule=layout.schedule, num_microbatches=layout.num_microbatches, virtual_stages=layout.virtual_stages
+        ).check_layout(layout.pp_size, layout.dp_mode)
     elif layout.virtual_stages != 1:
+        raise ValueError(f"virtual_stages={layout.virtual_stages} is not valid with pp_size=1: expected 1.")
+    if layout.schedule == "interleaved_1f1b" and layout.num_microbatches % layout.pp_size:
         raise ValueError(
-            f"virtual_stages={layout.virtual_stages} is not valid for schedule={layout.schedule!r}: expected 1."
-        )
-    if layout.schedule == "1f1b" and layout.num_microbatches < layout.pp_size:
-        raise ValueError(
-            f"num_microbatches={layout.num_microbatches} is not valid for schedule='1f1b' with pp_size="
-            f"{layout.pp_size}: expected at least pp_size micro-batches (schedule='gpipe' takes fewer)."
+            f"num_microbatches={layout.num_microbatches} is not valid for schedule='interleaved_1f1b' with "
+            f"pp_size={layout.pp_size}: expected a multiple of pp_size (Megatron-LM's rule, which the planner's bubble "
+            f"formula assumes)."
         )
     if layout.dp_size == 1 and layout.dp_mode != "ddp":
         raise ValueError(f"dp_mode={layout.dp_mode!r} is not valid with dp_size=1: expected 'ddp' (nothing to shard).")

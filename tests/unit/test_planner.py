@@ -183,7 +183,7 @@ def test_enumeration_is_exactly_the_valid_layouts():
 @pytest.mark.parametrize(
     ("layout", "match"),
     [
-        (Layout(3, 1, 1), "expected num_devices=4"),
+        (Layout(3, 1, 1), "does not equal world_size=4"),  # the runtime's ParallelDims, num_devices=4
         (Layout(1, 8, 1), r"tp_size=8 is not valid for num_heads=4.*\[1, 2, 4\]"),
         (Layout(1, 1, 4, schedule="1f1b", virtual_stages=1, num_microbatches=4), None),
         (Layout(1, 1, 8, schedule="1f1b"), r"num_layers=4: expected a divisor"),
@@ -199,7 +199,7 @@ def test_enumeration_is_exactly_the_valid_layouts():
 )
 def test_invalid_layouts_name_the_field(layout, match):
     spec = model_spec(SMALL)
-    devices = 4 if match and "num_devices" in match else layout.world_size
+    devices = 4 if match and "world_size=4" in match else layout.world_size
     if match is None:
         check_layout(layout, spec, num_devices=devices)
         return
