@@ -137,11 +137,11 @@ def broadcast_from_rank0(module: nn.Module, group: ProcessGroup) -> None:
     """Give every rank of ``group`` (one mesh axis: dp or tp) the parameters and buffers of the group's rank 0, in
     place (a DTensor's local shard); a no-op for a group of one."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
+    from lightning_par.compat import local_tensor
 
     if dist.get_world_size(group) == 1:
         return
     src = dist.get_global_rank(group, 0)
     for t in list(module.parameters()) + list(module.buffers()):
-        local = t._local_tensor if isinstance(t, DTensor) else t
+        local = local_tensor(t)
         dist.broadcast(local.data, src=src, group=group)

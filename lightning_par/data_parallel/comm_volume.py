@@ -21,8 +21,14 @@ from typing import Any
 
 import lightning as L
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from lightning_par.compat import (
+    FUNCTIONAL_COLLECTIVES_NAMESPACE,
+    TorchDispatchMode,
+    op_name,
+    resolve_process_group,
+    tree_leaves,
+)
 
 __all__ = ["CommCounter", "CommVolumeCallback"]
 
@@ -61,7 +67,7 @@ def _group_size(args: tuple, kwargs: dict) -> int:
     for a in tree_leaves((args, kwargs)):
         if isinstance(a, str):  # functional collectives name their group
             try:
-                return dist.distributed_c10d._resolve_process_group(a).size()
+                return resolve_process_group(a).size()
             except Exception:  # noqa: BLE001 - not a group name
                 continue
         size = getattr(a, "size", None)
@@ -98,8 +104,8 @@ class CommCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         namespace = getattr(func, "namespace", "")
-        if namespace in ("c10d", "_c10d_functional"):
-            self._charge(func._opname if hasattr(func, "_opname") else str(func).split(".")[1], args, kwargs)
+        if namespace in ("c10d", FUNCTIONAL_COLLECTIVES_NAMESPACE):
+            self._charge(op_name(func), args, kwargs)
         return func(*args, **kwargs)
 
     def _charge(self, op: str, args: tuple, kwargs: dict) -> None:

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_par.compat import local_tensor
 from lightning_par.data_parallel.options import ReducerOptions, ZeroOptions, zero_stage
 from lightning_par.data_parallel.reducer import CommStats, GradientReducer
 from lightning_par.parallel_dims import broadcast_from_rank0
@@ -127,8 +128,8 @@ class DataParallelEngine:
             target = own.get(name)
             if not isinstance(target, Tensor) or not isinstance(value, Tensor):
                 continue
-            dst = target._local_tensor if isinstance(target, DTensor) else target
-            src = value._local_tensor if isinstance(value, DTensor) else value
+            dst = local_tensor(target)
+            src = local_tensor(value)
             if src.data_ptr() != dst.data_ptr():
                 dst.copy_(src)
 

@@ -20,13 +20,14 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from lightning_par.compat import local_tensor
 from lightning_par.memory import model_state_bytes, storage_bytes
 
 __all__ = ["paper_comm_bytes", "paper_state_bytes", "zero_state_bytes"]
 
 
 def _storage_key(t: Tensor) -> tuple[str, int | None, int]:
-    local = t._local_tensor if hasattr(t, "_local_tensor") else t
+    local = local_tensor(t)
     return (local.device.type, local.device.index, local.untyped_storage().data_ptr())
 
 

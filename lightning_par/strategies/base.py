@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_par.callbacks.metrics import log_comm_stats
+from lightning_par.compat import default_store
 from lightning_par.checkpoint.sharded import load_sharded, save_sharded
 from lightning_par.fault.elastic import init_process_group_per_attempt
 from lightning_par.parallel_dims import ParallelDims
@@ -81,7 +82,7 @@ def _destroy_process_group() -> None:
     if _FAILED[0] or not (dist.is_available() and dist.is_initialized()):
         return
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
         world = dist.get_world_size()
         store.add(_EXIT_KEY, 1)
         deadline = time.monotonic() + 30.0

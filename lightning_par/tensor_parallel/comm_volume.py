@@ -17,17 +17,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_par.compat import FUNCTIONAL_COLLECTIVES, HigherOrderOperator, TorchDispatchMode, resolve_process_group
 
 __all__ = ["CollectiveRecord", "CommVolume", "megatron_layer_comm_bytes"]
 
-_F = torch.ops._c10d_functional
+_F = FUNCTIONAL_COLLECTIVES
 
 
 def _group_size(group_name: str) -> int:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name).size()
+    return resolve_process_group(group_name).size()
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,7 @@ class CommVolume(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
+        if isinstance(func, HigherOrderOperator):
             return func(*args, **kwargs)
         if any(issubclass(t, DTensor) for t in types):
             # Let DTensor run first and desugar into collectives on local tensors, which then come back here.
@@ -64,7 +63,7 @@ class CommVolume(TorchDispatchMode):
         return out
 
     def _record(self, func: Any, args: tuple) -> None:
-        packet = func._overloadpacket
+        packet = func.overloadpacket
         if packet is torch.ops.c10d.allreduce_:  # dist.all_reduce: (tensors, process group, ...)
             pg = args[1]
             if isinstance(pg, torch.ScriptObject):
