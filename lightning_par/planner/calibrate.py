@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_par.comm_cost import all_reduce_bytes, ring_steps
 from lightning_par.planner.devices import DeviceSpec
 
 __all__ = ["CpuCalibration", "calibrate_cpu", "default_calibration_path", "load_cpu_device"]
@@ -246,9 +247,9 @@ def _calibration_worker(window_s: float) -> dict[str, float]:
                 dist.all_reduce(buf)
                 calls.append(time.perf_counter() - t0)
             secs.append(statistics.median(calls))
-            sent.append(2.0 * size * (world - 1) / world)
+            sent.append(all_reduce_bytes(size, world))
         out["allreduce_latency_s"], out["allreduce_bandwidth"] = _fit_alpha_beta(sent, secs)
-        out["message_latency_s"] = out["allreduce_latency_s"] / (2 * (world - 1))  # a ring all-reduce's steps
+        out["message_latency_s"] = out["allreduce_latency_s"] / ring_steps("all_reduce", world)
     out["reserved_bytes"] = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     dist.barrier()
     dist.destroy_process_group()
