@@ -4,7 +4,7 @@
 
 * :class:`DDPEngine` (``dp_mode="ddp"``): full replicas; gradients averaged by the bucketed, overlapped
   :class:`~lightning_par.data_parallel.reducer.GradientReducer` (torch's DDP does not compose with DTensor tensor
-  parallelism or pipelining: see ``NOTES-cpu-distributed.md``);
+  parallelism or pipelining: it wraps the module, and there it crashes or trains with silently wrong losses);
 * :class:`~lightning_par.data_parallel.zero.ZeroShardedDataParallel` (``"zero1"``, ``"zero2"``);
 * :class:`~lightning_par.data_parallel.fsdp.FSDPZero` (``"zero3"``, FSDP2 ``fully_shard``).
 

@@ -12,8 +12,8 @@ DDP        ``(4 + 4 + 8) Psi``        all-reduce gradients: ``2 Psi (N-1)/N``
 3          ``16 Psi / N``             all-gather forward + all-gather backward + reduce-scatter: ``3 Psi (N-1)/N``
 =========  =========================  =====================================================
 
-Stage 1 here all-reduces the gradients (the issue's choice, with ``ddp_overlap``'s bucketed, overlapped reducer,
-so every rank still has the full averaged gradient, e.g. for logging) and then all-gathers the updated parameters:
+Stage 1 here all-reduces the gradients with ``ddp_overlap``'s bucketed, overlapped reducer, so that every rank keeps
+the full averaged gradient (for logging, e.g. its norm), and then all-gathers the updated parameters:
 ``3 Psi (N-1)/N``, 1.5 times the paper's ``2 Psi (N-1)/N`` for P_os, which reduce-scatters (§7.2.1). Stage 2
 reduce-scatters, so it sends the paper's ``2 Psi (N-1)/N``.
 

@@ -95,7 +95,7 @@ class CpuCalibration:
             intra_node_latency_s=latency,
             inter_node_latency_s=latency,
             matmul_efficiency=1.0,
-            comm_overlap=0.0,  # gloo and compute share the cores (NOTES: overlap hides ~0 here)
+            comm_overlap=0.0,  # gloo and compute share the cores: the ddp benchmark's A/B finds ~0 ms hidden a step
             reserved_bytes=min(w["reserved_bytes"], 0.5 * memory),
             idle_speedup=min(float(num_processes), max(1.0, w["idle_speedup"])),
             op_overhead_s=w["op_overhead_s"],
