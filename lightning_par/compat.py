@@ -1,23 +1,66 @@
 """The one place that touches torch's private names, gated by the torch version.
 
 lightning_par builds on torch's distributed engines where they are public; where a feature is only reachable through
-a private name (a DeviceMesh flatten, a DTensor's local shard without a dispatch), that name is used here and nowhere
-else, so a torch upgrade that moves it breaks one module with a clear message instead of seventeen.
+a private name (a DeviceMesh flatten, a DTensor's local shard without a dispatch, the pipelining runtime), that name
+is used here and nowhere else, so a torch upgrade that moves it breaks one module with a clear message instead of
+seventeen.
 
-Supported: torch ``>= 2.10`` (pyproject.toml). Each helper says which private name it wraps.
+Supported: torch ``>= 2.10, < 2.16`` (pyproject.toml; the suite passed on 2.10.0, 2.13.0 and 2.15.0). Each helper
+says which private name it wraps and since when torch has it; "present in 2.10" means it exists in every supported
+torch but was not traced further back. Where a name moved between versions, both places are tried, newest first.
+
+Left where they are: ``torch._foreach_*`` and ``torch._amp_foreach_non_finite_check_and_unscale_`` (the kernels
+torch's own optimizers and gradient scaler call, public in all but name), ``Tensor._values()`` of a sparse gradient
+(as torch's scalers read it), ``nn.Module``'s ``_modules`` / ``_parameters`` / ``_buffers``, and the private methods
+a subclass overrides or extends (``DataLoader._index_sampler``, ``ShardedGradScaler._unscale_grads_``,
+``ParallelStyle._apply``), which only work at their definition.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import importlib
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from torch._ops import HigherOrderOperator
+from torch.utils._python_dispatch import TorchDispatchMode
+
+try:  # a public home, should torch give the pytree utilities one
+    from torch.utils.pytree import tree_leaves  # type: ignore[import-not-found]
+except ImportError:
+    from torch.utils._pytree import tree_leaves
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, Store
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["TORCH_VERSION", "concatenate_meshes", "flatten_mesh", "local_tensor"]
+__all__ = [
+    "FUNCTIONAL_COLLECTIVES",
+    "FUNCTIONAL_COLLECTIVES_NAMESPACE",
+    "HigherOrderOperator",
+    "PRIVATE_NAMES",
+    "TORCH_VERSION",
+    "TorchDispatchMode",
+    "concatenate_meshes",
+    "default_store",
+    "dtensor_spec",
+    "flatten_mesh",
+    "forward_only_schedule",
+    "grad_scaler_init_kwargs",
+    "is_view",
+    "local_tensor",
+    "multi_device_replicator",
+    "op_name",
+    "pipeline_stage_meta",
+    "profiler_enabled",
+    "replicated_tensors",
+    "resolve_process_group",
+    "stage_to_rank_mapping",
+    "strided_shard",
+    "tree_leaves",
+]
 
 
 def _version(text: str) -> tuple[int, int]:
@@ -28,13 +71,92 @@ def _version(text: str) -> tuple[int, int]:
 #: ``(major, minor)`` of the installed torch.
 TORCH_VERSION: tuple[int, int] = _version(torch.__version__)
 
+#: Name of the functional collectives' operator namespace (``torch.ops._c10d_functional``: what DTensor and
+#: ``torch.distributed._functional_collectives`` issue; present in 2.10, older torch had ``c10d_functional``).
+FUNCTIONAL_COLLECTIVES_NAMESPACE = "_c10d_functional"
 
+#: The functional collectives' operators (``torch.ops._c10d_functional``, e.g. ``.all_reduce``); resolved lazily
+#: by torch, so importing this module registers nothing.
+FUNCTIONAL_COLLECTIVES: Any = getattr(torch.ops, FUNCTIONAL_COLLECTIVES_NAMESPACE)
+
+# Re-exported as they are, each present in 2.10: ``TorchDispatchMode`` (``torch.utils._python_dispatch``, the base
+# of the byte counters), ``tree_leaves`` (``torch.utils._pytree``; ``torch.utils.pytree`` is tried first) and
+# ``HigherOrderOperator`` (``torch._ops``: control-flow operators a dispatch mode passes through).
+
+
+#: Every module-level private name wrapped here, and the modules it is looked up in (newest home first).
+PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
+    "_StridedShard": ("torch.distributed.tensor.placement_types", "torch.distributed._tensor.placement_types"),
+    "_resolve_process_group": ("torch.distributed.distributed_c10d",),
+    "_get_default_store": ("torch.distributed.distributed_c10d",),
+    "generate_stage_to_rank_mapping": (
+        "torch.distributed.pipelining._utils",
+        "torch.distributed.pipelining.schedules",
+    ),
+    "_PipelineScheduleRuntime": ("torch.distributed.pipelining.schedules",),
+    "_Action": ("torch.distributed.pipelining.schedules",),
+    "FORWARD": ("torch.distributed.pipelining.schedules",),
+    "_add_send_recv": ("torch.distributed.pipelining.schedules",),
+    "_GeneralMultiDeviceReplicator": ("torch.distributed.fsdp.sharded_grad_scaler",),
+}
+
+
+def _private(name: str) -> Any:
+    """``name`` from the first of its :data:`PRIVATE_NAMES` modules that has it (imported on first use).
+
+    Raises:
+        RuntimeError: none of them has it (the message names the torch version and the modules tried).
+    """
+    places = PRIVATE_NAMES[name]
+    for module in places:
+        try:
+            value = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            continue
+        if value is not None:
+            return value
+    raise RuntimeError(
+        f"torch {torch.__version__} has no {name} in {', '.join(places)}: lightning_par needs torch >= 2.10, < 2.16."
+    )
+
+
+# ------------------------------------------------------------------------------------------------ tensors, DTensor
 def local_tensor(t: Tensor) -> Tensor:
-    """The tensor this rank holds: a ``DTensor``'s local shard (``DTensor._local_tensor``, no dispatch, keeps
-    autograd's view of the data), or ``t`` itself for a plain tensor."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
+    """The tensor this rank holds: a ``DTensor``'s local shard, or ``t`` itself for a plain tensor.
+
+    Wraps ``DTensor._local_tensor`` (since DTensor's first release, torch 2.0): no dispatch, and autograd sees the
+    shard's own data. Should a torch lack it, a DTensor falls back to the public ``to_local()``.
+    """
+    local = getattr(t, "_local_tensor", None)
+    if local is not None:
+        return local
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
+def dtensor_spec(t: Tensor) -> Any:
+    """A ``DTensor``'s sharding spec (``DTensor._spec``, a ``DTensorSpec``: ``mesh``, ``placements``,
+    ``num_shards_map``, ...; since torch 2.0)."""
+    return t._spec  # type: ignore[attr-defined]
+
+
+def strided_shard(dim: int, split_factor: int) -> Placement:
+    """The placement FSDP2 gives dim ``dim`` of a parameter that tensor parallelism already split ``split_factor``
+    ways (``_StridedShard``, present in 2.10, in ``torch.distributed.tensor.placement_types``; tried too in
+    ``torch.distributed._tensor.placement_types``, DTensor's home before torch 2.5 made it public).
+
+    Raises:
+        RuntimeError: the installed torch has no ``_StridedShard``.
+    """
+    return _private("_StridedShard")(dim, split_factor=split_factor)
+
+
+def is_view(t: Tensor) -> bool:
+    """Whether ``t`` is a view of another tensor's storage (``Tensor._base is not None``; since torch 1.x)."""
+    return t._base is not None
+
+
+# ------------------------------------------------------------------------------------------------ meshes, groups
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """A 1-D mesh over the ranks of ``mesh`` (a sub-mesh of one or more axes), registered on the root mesh under
     ``name`` so that ``root[name]`` and ``root[(..., name)]`` find it (``DeviceMesh._flatten``, torch >= 2.5).
@@ -50,7 +172,7 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
 
 def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
     """One mesh whose axes are those of ``meshes`` in order (sub-meshes of one root), as FSDP2 builds for FSDP + TP
-    state (``DeviceMesh._concatenate``).
+    state (``DeviceMesh._concatenate``: absent in torch 2.7.1, present in 2.10).
 
     Raises:
         RuntimeError: the installed torch has no ``DeviceMesh._concatenate``.
@@ -63,3 +185,118 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
             f"torch {torch.__version__} has no DeviceMesh._concatenate: lightning_par needs torch >= 2.10."
         )
     return concatenate(meshes)
+
+
+def resolve_process_group(group_name: str) -> ProcessGroup:
+    """The process group registered under ``group_name`` (the name functional collectives carry;
+    ``torch.distributed.distributed_c10d._resolve_process_group``, present in 2.10).
+
+    Raises:
+        RuntimeError: the installed torch has no ``_resolve_process_group``.
+        ValueError: (from torch) no group has that name.
+    """
+    return _private("_resolve_process_group")(group_name)
+
+
+def default_store() -> Store:
+    """The key-value store of the default process group (``torch.distributed.distributed_c10d._get_default_store``,
+    since torch 1.x).
+
+    Raises:
+        RuntimeError: the default process group is not initialised (from torch), or the function is missing.
+    """
+    return _private("_get_default_store")()
+
+
+# ------------------------------------------------------------------------------------------------ dispatcher
+def op_name(func: Any) -> str:
+    """An operator's name without namespace or overload, e.g. ``"allreduce_"`` for ``torch.ops.c10d.allreduce_.default``
+    (``OpOverload._opname``, present in 2.10; otherwise parsed from ``str(func)``, ``"c10d.allreduce_.default"``)."""
+    name = getattr(func, "_opname", None)
+    return name if name is not None else str(func).split(".")[1]
+
+
+def profiler_enabled() -> bool:
+    """Whether a ``torch.profiler`` is recording (``torch._C._autograd._profiler_enabled``, since torch 1.x: a cheap
+    check, unlike entering ``record_function`` unconditionally)."""
+    return bool(torch._C._autograd._profiler_enabled())
+
+
+# ------------------------------------------------------------------------------------------------ pipelining
+def stage_to_rank_mapping(pp_size: int, num_stages: int, style: str = "loop") -> dict[int, int]:
+    """Stage index -> pipeline rank for ``num_stages`` stages on ``pp_size`` ranks, ``style`` ``"loop"`` or ``"v"``
+    (``generate_stage_to_rank_mapping``: ``torch.distributed.pipelining._utils``, present in 2.10; also tried in
+    ``torch.distributed.pipelining.schedules``).
+
+    Raises:
+        RuntimeError: the installed torch has neither.
+    """
+    return _private("generate_stage_to_rank_mapping")(pp_size, num_stages, style=style)
+
+
+def forward_only_schedule(stages: list[Any], num_microbatches: int, stage_to_rank: dict[int, int]) -> Any:
+    """A schedule that runs, on every rank, each of its stages' forwards for every micro-batch in turn (stage by
+    stage, lowest index first), with the sends and receives between them, on torch's action runtime.
+
+    Wraps ``torch.distributed.pipelining.schedules``' ``_PipelineScheduleRuntime``, ``_Action``, ``FORWARD`` and
+    ``_add_send_recv`` (present in 2.10): no public multi-stage schedule runs forward only in an arbitrary stage
+    placement.
+
+    Args:
+        stages: this rank's ``PipelineStage`` objects.
+        num_microbatches: micro-batches per step.
+        stage_to_rank: every stage's pipeline rank (:func:`stage_to_rank_mapping`).
+
+    Returns:
+        The schedule (``step(...)`` as any torch pipeline schedule).
+
+    Raises:
+        RuntimeError: the installed torch lacks one of the names.
+    """
+    runtime, action, forward, add_send_recv = (
+        _private(n) for n in ("_PipelineScheduleRuntime", "_Action", "FORWARD", "_add_send_recv")
+    )
+    num_stages = len(stage_to_rank)
+    order = {
+        rank: [
+            action(s, forward, i)
+            for s in sorted(k for k, r in stage_to_rank.items() if r == rank)
+            for i in range(num_microbatches)
+        ]
+        for rank in sorted(set(stage_to_rank.values()))
+    }
+    schedule = runtime(stages=stages, n_microbatches=num_microbatches, loss_fn=None, scale_grads=False)
+    schedule.stage_index_to_group_rank = stage_to_rank
+    for stage in stages:
+        stage.stage_index_to_group_rank = stage_to_rank
+    schedule.pipeline_order = order
+    schedule.pipeline_order_with_comms = add_send_recv(
+        {r: list(a) for r, a in order.items()}, stage_to_rank=lambda s: stage_to_rank[s], num_stages=num_stages
+    )
+    return schedule
+
+
+def pipeline_stage_meta(stage: Any) -> Any:
+    """The metadata a ``PipelineStage`` inferred on its first step (``_stage_meta``, present in 2.10: ``.outputs``
+    holds a ``TensorMeta`` per output), or ``None`` before that or on a torch without it."""
+    return getattr(stage, "_stage_meta", None)
+
+
+# ------------------------------------------------------------------------------------------------ gradient scaling
+def multi_device_replicator(master: Tensor) -> Any:
+    """A lazy per-device copy of ``master`` that also takes CPU tensors, as ``ShardedGradScaler`` uses
+    (``torch.distributed.fsdp.sharded_grad_scaler._GeneralMultiDeviceReplicator``, present in 2.10):
+    ``.get(device)`` returns (making on first use) ``master`` on ``device``; :func:`replicated_tensors` lists them."""
+    return _private("_GeneralMultiDeviceReplicator")(master)
+
+
+def replicated_tensors(replicator: Any) -> dict[torch.device, Tensor]:
+    """The copies a :func:`multi_device_replicator` made, by device (its ``_per_device_tensors``): the mapping a
+    gradient scaler's ``_unscale_grads_`` returns (present in 2.10)."""
+    return replicator._per_device_tensors
+
+
+def grad_scaler_init_kwargs(scaler: Any) -> dict[str, Any]:
+    """``device`` and ``init_scale`` a ``torch.amp.GradScaler`` was built with (its ``_device`` and ``_init_scale``,
+    present in 2.10; ``"cuda"`` and ``2**16``, torch's defaults, where missing), as keyword arguments for another."""
+    return {"device": getattr(scaler, "_device", "cuda"), "init_scale": getattr(scaler, "_init_scale", 2.0**16)}

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from lightning_par.compat import TorchDispatchMode, local_tensor, tree_leaves
 
 __all__ = [
     "LiveStorageBytes",
@@ -31,18 +31,6 @@ __all__ = [
     "peak_memory_bytes",
     "storage_bytes",
 ]
-
-
-def _local(tensor: Tensor) -> Tensor:
-    """The tensor whose storage holds ``tensor``'s data on this rank (a ``DTensor``'s local shard, else itself)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed support
-        return tensor
-    if isinstance(tensor, DTensor):
-        local = getattr(tensor, "_local_tensor", None)
-        return local if local is not None else tensor.to_local()
-    return tensor
 
 
 def storage_bytes(tensors: Iterable[Tensor]) -> int:
@@ -73,7 +61,7 @@ def storage_bytes(tensors: Iterable[Tensor]) -> int:
             continue
         if not isinstance(tensor, Tensor):
             raise TypeError(f"storage_bytes expects tensors, got {type(tensor).__name__}.")
-        local = _local(tensor)
+        local = local_tensor(tensor)
         if local.device.type == "meta":
             continue
         key = _storage_key(local)
@@ -86,7 +74,7 @@ def storage_bytes(tensors: Iterable[Tensor]) -> int:
 
 def _storage_key(tensor: Tensor) -> tuple[str, int | None, int]:
     """Identity of the storage holding ``tensor``'s data on this rank (a ``DTensor``'s local shard's)."""
-    local = _local(tensor)
+    local = local_tensor(tensor)
     return (local.device.type, local.device.index, local.untyped_storage().data_ptr())
 
 
@@ -129,8 +117,10 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimi
         opt_params.extend(p for group in optimizer.param_groups for p in group["params"])
     # An optimizer may step tensors of its own (ZeRO 1/2 step shards of the parameters): their gradients are
     # gradients, and those whose storage is not a module parameter's (fp32 master copies) are optimizer state.
-    module_storages = {_storage_key(p) for p in params if _local(p).device.type != "meta"}
-    masters = [p for p in opt_params if _local(p).device.type != "meta" and _storage_key(p) not in module_storages]
+    module_storages = {_storage_key(p) for p in params if local_tensor(p).device.type != "meta"}
+    masters = [
+        p for p in opt_params if local_tensor(p).device.type != "meta" and _storage_key(p) not in module_storages
+    ]
     return {
         "param_bytes": storage_bytes(params),
         "grad_bytes": storage_bytes([p.grad for p in params] + [p.grad for p in opt_params]),
@@ -212,7 +202,7 @@ class LiveStorageBytes:
 
     def add(self, tensor: Tensor) -> None:
         """Count ``tensor``'s storage if it is not counted yet."""
-        local = _local(tensor)
+        local = local_tensor(tensor)
         if local.device.type == "meta":
             return
         try:

@@ -30,8 +30,9 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler, _GeneralMultiDeviceReplicator
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from lightning_par.compat import grad_scaler_init_kwargs, local_tensor, multi_device_replicator, replicated_tensors
 
 __all__ = [
     "DistributedGradScaler",
@@ -95,8 +96,8 @@ class DistributedGradScaler(ShardedGradScaler):
     def _unscale_grads_(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool = True
     ) -> dict[torch.device, torch.Tensor]:
-        per_device_inv_scale = _GeneralMultiDeviceReplicator(inv_scale)
-        per_device_found_inf = _GeneralMultiDeviceReplicator(found_inf)
+        per_device_inv_scale = multi_device_replicator(inv_scale)
+        per_device_found_inf = multi_device_replicator(found_inf)
         grads: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
         with torch.no_grad():
             for group in optimizer.param_groups:
@@ -104,7 +105,7 @@ class DistributedGradScaler(ShardedGradScaler):
                     grad = param.grad
                     if grad is None:
                         continue
-                    grad = grad._local_tensor if isinstance(grad, DTensor) else grad
+                    grad = local_tensor(grad)
                     if not allow_fp16 and grad.dtype == torch.float16:
                         raise ValueError("Attempting to unscale FP16 gradients.")
                     if grad.is_sparse:
@@ -115,10 +116,10 @@ class DistributedGradScaler(ShardedGradScaler):
                     torch._amp_foreach_non_finite_check_and_unscale_(
                         tensors, per_device_found_inf.get(device), per_device_inv_scale.get(device)
                     )
-        if not per_device_found_inf._per_device_tensors:  # a rank with no gradient still takes part in the all-reduce
+        if not replicated_tensors(per_device_found_inf):  # a rank with no gradient still takes part in the all-reduce
             assert self._scale is not None
             per_device_found_inf.get(self._scale.device)
-        return per_device_found_inf._per_device_tensors
+        return replicated_tensors(per_device_found_inf)
 
 
 def distributed_scaler(scaler: Any, process_group: Any = None) -> Any:
@@ -137,8 +138,7 @@ def distributed_scaler(scaler: Any, process_group: Any = None) -> Any:
     if isinstance(scaler, ShardedGradScaler):
         return scaler
     new = DistributedGradScaler(
-        device=getattr(scaler, "_device", "cuda"),
-        init_scale=getattr(scaler, "_init_scale", 2.0**16),
+        **grad_scaler_init_kwargs(scaler),
         growth_factor=scaler.get_growth_factor(),
         backoff_factor=scaler.get_backoff_factor(),
         growth_interval=scaler.get_growth_interval(),

@@ -51,14 +51,15 @@ _TIMED = ("tp 1", "ours tp 2", "torch stock tp 2", "ours tp 2 + SP", "torch stoc
 def _saved_bytes(fn: Any, exclude: set[int]) -> tuple[int, Any]:
     """Run ``fn()`` and return the bytes of distinct storages autograd saved for backward (and fn's result)."""
     import torch
-    from torch.distributed.tensor import DTensor
+
+    from lightning_par.compat import local_tensor
 
     seen: set[int] = set()
     total = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal total
-        local = t._local_tensor if isinstance(t, DTensor) else t
+        local = local_tensor(t)
         key = local.untyped_storage().data_ptr()
         if key not in seen and key not in exclude:
             seen.add(key)
@@ -76,8 +77,8 @@ def _worker(model_cfg: dict, batch: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
 
+    from lightning_par.compat import local_tensor
     from lightning_par.launcher import init_process_group_from_env
     from lightning_par.memory import model_state_bytes
     from lightning_par.models import GPT, GPTConfig
@@ -117,8 +118,7 @@ def _worker(model_cfg: dict, batch: int) -> dict[str, Any]:
         comm, acts = {}, {}
         for layers in (n, n - 1):
             model = build(layers, sp)
-            params = {(p._local_tensor if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
-                      for p in model.parameters()}
+            params = {local_tensor(p).untyped_storage().data_ptr() for p in model.parameters()}
             counter = CommVolume(mesh.get_group())
             with counter, vocab_parallel_loss():
                 acts[layers], loss = _saved_bytes(lambda: loss_of(model), params)

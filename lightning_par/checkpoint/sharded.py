@@ -191,7 +191,7 @@ def load_sharded(
 
 
 def _first_line(err: BaseException) -> str:
-    failures = getattr(err, "_failures", None)
+    failures = getattr(err, "failures", None)  # a CheckpointException's, by rank
     if failures:
         err = next(iter(failures.values()))
         err = getattr(err, "exc", err)

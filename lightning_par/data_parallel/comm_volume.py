@@ -3,7 +3,8 @@
 :class:`CommCounter` is a ``TorchDispatchMode``: every ``c10d`` collective (``torch.distributed.*``) and every
 functional collective (``_c10d_functional``, what DTensor issues) passes through the dispatcher, where it is seen with
 its tensors and process group. Each call is charged what a rank sends in the bandwidth-optimal (ring) algorithm for
-a group of ``N`` ranks (Thakur, Rabenseifner & Gropp 2005; the cost model of the ZeRO paper's §7):
+a group of ``N`` ranks (:mod:`lightning_par.comm_cost`; Thakur, Rabenseifner & Gropp 2005; the cost model of the ZeRO
+paper's §7):
 
 * all-reduce of ``B`` bytes: ``2 B (N-1)/N``;
 * all-gather into ``B`` bytes of output, reduce-scatter of ``B`` bytes of input: ``B (N-1)/N``;
@@ -21,8 +22,21 @@ from typing import Any
 
 import lightning as L
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from lightning_par.comm_cost import (
+    all_gather_bytes,
+    all_reduce_bytes,
+    broadcast_bytes,
+    reduce_scatter_bytes,
+    send_bytes,
+)
+from lightning_par.compat import (
+    FUNCTIONAL_COLLECTIVES_NAMESPACE,
+    TorchDispatchMode,
+    op_name,
+    resolve_process_group,
+    tree_leaves,
+)
 
 __all__ = ["CommCounter", "CommVolumeCallback"]
 
@@ -31,27 +45,30 @@ def _nbytes(tensors: list[Tensor]) -> int:
 
 
 # Charge per op (bytes this rank sends), from its tensors ``ts`` (flattened arguments, outputs first for c10d ops)
-# and the group size ``n``; ``f = (n - 1) / n``.
+# and the group size ``n``: the buffer each formula of lightning_par.comm_cost takes (an all-gather's output, a
+# reduce-scatter's input: ``n`` times the one tensor a list op or a functional op sees).
 _CHARGES: dict[str, tuple[str, Any]] = {
     # c10d (in place, outputs first)
-    "allreduce_": ("all_reduce", lambda ts, n, f: 2 * f * _nbytes(ts)),
-    "allreduce_coalesced_": ("all_reduce", lambda ts, n, f: 2 * f * _nbytes(ts)),
-    "_allgather_base_": ("all_gather", lambda ts, n, f: f * _nbytes(ts[:1])),
-    "allgather_": ("all_gather", lambda ts, n, f: f * _nbytes(ts[-1:]) * n),
-    "allgather_into_tensor_coalesced_": ("all_gather", lambda ts, n, f: f * _nbytes(ts[: len(ts) // 2])),
-    "_reduce_scatter_base_": ("reduce_scatter", lambda ts, n, f: f * _nbytes(ts[1:2])),
-    "reduce_scatter_": ("reduce_scatter", lambda ts, n, f: f * _nbytes(ts[:1]) * n),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", lambda ts, n, f: f * _nbytes(ts[len(ts) // 2 :])),
-    "broadcast_": ("broadcast", lambda ts, n, f: f * _nbytes(ts)),
-    "send": ("send", lambda ts, n, f: float(_nbytes(ts))),
+    "allreduce_": ("all_reduce", lambda ts, n: all_reduce_bytes(_nbytes(ts), n)),
+    "allreduce_coalesced_": ("all_reduce", lambda ts, n: all_reduce_bytes(_nbytes(ts), n)),
+    "_allgather_base_": ("all_gather", lambda ts, n: all_gather_bytes(_nbytes(ts[:1]), n)),
+    "allgather_": ("all_gather", lambda ts, n: all_gather_bytes(_nbytes(ts[-1:]) * n, n)),
+    "allgather_into_tensor_coalesced_": ("all_gather", lambda ts, n: all_gather_bytes(_nbytes(ts[: len(ts) // 2]), n)),
+    "_reduce_scatter_base_": ("reduce_scatter", lambda ts, n: reduce_scatter_bytes(_nbytes(ts[1:2]), n)),
+    "reduce_scatter_": ("reduce_scatter", lambda ts, n: reduce_scatter_bytes(_nbytes(ts[:1]) * n, n)),
+    "reduce_scatter_tensor_coalesced_": (
+        "reduce_scatter", lambda ts, n: reduce_scatter_bytes(_nbytes(ts[len(ts) // 2 :]), n)
+    ),
+    "broadcast_": ("broadcast", lambda ts, n: broadcast_bytes(_nbytes(ts), n)),
+    "send": ("send", lambda ts, n: send_bytes(_nbytes(ts))),
     # functional collectives (input only, output returned)
-    "all_reduce": ("all_reduce", lambda ts, n, f: 2 * f * _nbytes(ts[:1])),
-    "all_reduce_coalesced": ("all_reduce", lambda ts, n, f: 2 * f * _nbytes(ts)),
-    "all_gather_into_tensor": ("all_gather", lambda ts, n, f: f * _nbytes(ts[:1]) * n),
-    "all_gather_into_tensor_coalesced": ("all_gather", lambda ts, n, f: f * _nbytes(ts) * n),
-    "reduce_scatter_tensor": ("reduce_scatter", lambda ts, n, f: f * _nbytes(ts[:1])),
-    "reduce_scatter_tensor_coalesced": ("reduce_scatter", lambda ts, n, f: f * _nbytes(ts)),
-    "broadcast": ("broadcast", lambda ts, n, f: f * _nbytes(ts[:1])),
+    "all_reduce": ("all_reduce", lambda ts, n: all_reduce_bytes(_nbytes(ts[:1]), n)),
+    "all_reduce_coalesced": ("all_reduce", lambda ts, n: all_reduce_bytes(_nbytes(ts), n)),
+    "all_gather_into_tensor": ("all_gather", lambda ts, n: all_gather_bytes(_nbytes(ts[:1]) * n, n)),
+    "all_gather_into_tensor_coalesced": ("all_gather", lambda ts, n: all_gather_bytes(_nbytes(ts) * n, n)),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda ts, n: reduce_scatter_bytes(_nbytes(ts[:1]), n)),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", lambda ts, n: reduce_scatter_bytes(_nbytes(ts), n)),
+    "broadcast": ("broadcast", lambda ts, n: broadcast_bytes(_nbytes(ts[:1]), n)),
 }
 
 
@@ -61,7 +78,7 @@ def _group_size(args: tuple, kwargs: dict) -> int:
     for a in tree_leaves((args, kwargs)):
         if isinstance(a, str):  # functional collectives name their group
             try:
-                return dist.distributed_c10d._resolve_process_group(a).size()
+                return resolve_process_group(a).size()
             except Exception:  # noqa: BLE001 - not a group name
                 continue
         size = getattr(a, "size", None)
@@ -98,8 +115,8 @@ class CommCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         namespace = getattr(func, "namespace", "")
-        if namespace in ("c10d", "_c10d_functional"):
-            self._charge(func._opname if hasattr(func, "_opname") else str(func).split(".")[1], args, kwargs)
+        if namespace in ("c10d", FUNCTIONAL_COLLECTIVES_NAMESPACE):
+            self._charge(op_name(func), args, kwargs)
         return func(*args, **kwargs)
 
     def _charge(self, op: str, args: tuple, kwargs: dict) -> None:
@@ -110,7 +127,7 @@ class CommCounter(TorchDispatchMode):
             return
         n = _group_size(args, kwargs)
         kind, charge = _CHARGES[op]
-        sent = charge(tensors, n, (n - 1) / n if n > 0 else 0.0)
+        sent = charge(tensors, max(n, 1))  # a group of at least one rank
         self.bytes_sent += sent
         self.by_op[kind] += sent
         self.calls[kind] += 1

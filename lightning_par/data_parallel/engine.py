@@ -4,7 +4,7 @@
 
 * :class:`DDPEngine` (``dp_mode="ddp"``): full replicas; gradients averaged by the bucketed, overlapped
   :class:`~lightning_par.data_parallel.reducer.GradientReducer` (torch's DDP does not compose with DTensor tensor
-  parallelism or pipelining: see ``NOTES-cpu-distributed.md``);
+  parallelism or pipelining: it wraps the module, and there it crashes or trains with silently wrong losses);
 * :class:`~lightning_par.data_parallel.zero.ZeroShardedDataParallel` (``"zero1"``, ``"zero2"``);
 * :class:`~lightning_par.data_parallel.fsdp.FSDPZero` (``"zero3"``, FSDP2 ``fully_shard``).
 
@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_par.compat import local_tensor
 from lightning_par.data_parallel.meshes import DataParallelMeshes
 from lightning_par.data_parallel.options import ReducerOptions, ZeroOptions, zero_stage
 from lightning_par.data_parallel.reducer import CommStats, GradientReducer
@@ -128,8 +129,8 @@ class DataParallelEngine:
             target = own.get(name)
             if not isinstance(target, Tensor) or not isinstance(value, Tensor):
                 continue
-            dst = target._local_tensor if isinstance(target, DTensor) else target
-            src = value._local_tensor if isinstance(value, DTensor) else value
+            dst = local_tensor(target)
+            src = local_tensor(value)
             if src.data_ptr() != dst.data_ptr():
                 dst.copy_(src)
 

@@ -24,7 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
+from lightning_par.compat import local_tensor
 from lightning_par.data_parallel.compression import CAST_DTYPES, PowerSGDState
 from lightning_par.data_parallel.options import ReducerOptions
 
@@ -44,11 +46,6 @@ def reducer_options(**options: Any) -> dict[str, Any]:
         TypeError: an unknown option.
     """
     return ReducerOptions(**options).reducer_kwargs()
-
-
-def _local(t: Tensor) -> Tensor:
-    """The tensor this rank holds: a DTensor's local shard, or the tensor itself."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 @dataclass
@@ -184,7 +181,7 @@ class GradientReducer:
         current: list[nn.Parameter] = []
         size = 0
         for p in order:
-            nbytes = _local(p).numel() * 4
+            nbytes = local_tensor(p).numel() * 4
             # As torch DDP does, the first bucket is capped at 1 MiB so that communication starts early.
             cap = min(self.bucket_cap_bytes, _FIRST_BUCKET_BYTES) if not self.buckets else self.bucket_cap_bytes
             if current and size + nbytes > cap:
@@ -199,11 +196,11 @@ class GradientReducer:
         offsets, total = [], 0
         for p in params:
             offsets.append(total)
-            total += _local(p).numel()
-        dtype = _local(params[0]).dtype
-        buffer = torch.zeros(total, dtype=dtype, device=_local(params[0]).device)
-        views = [buffer[o : o + _local(p).numel()].view(_local(p).shape) for o, p in zip(offsets, params)]
-        is_dtensor = [hasattr(p, "_local_tensor") for p in params]
+            total += local_tensor(p).numel()
+        dtype = local_tensor(params[0]).dtype
+        buffer = torch.zeros(total, dtype=dtype, device=local_tensor(params[0]).device)
+        views = [buffer[o : o + local_tensor(p).numel()].view(local_tensor(p).shape) for o, p in zip(offsets, params)]
+        is_dtensor = [isinstance(p, DTensor) for p in params]
         bucket = Bucket(len(self.buckets), params, offsets, buffer, views, is_dtensor)
         for i, p in enumerate(params):
             self._where[id(p)] = (bucket, i)
@@ -299,7 +296,7 @@ class GradientReducer:
                 view.zero_()
                 continue
             grad = p.grad
-            local = grad._local_tensor if is_dtensor else grad
+            local = local_tensor(grad) if is_dtensor else grad
             if local.data_ptr() != view.data_ptr():
                 div(local, divisor, out=view)
             elif divisor != 1:
@@ -369,7 +366,8 @@ class GradientReducer:
         index = {id(p): i for i, p in enumerate(self.params)}
         arrived = {id(p) for p in self._arrival}
         order = self._arrival + [p for p in reversed(self.params) if id(p) not in arrived]
-        indices = torch.tensor([index[id(p)] for p in order], dtype=torch.int64, device=_local(self.params[0]).device)
+        device = local_tensor(self.params[0]).device
+        indices = torch.tensor([index[id(p)] for p in order], dtype=torch.int64, device=device)
         dist.broadcast(indices, src=dist.get_global_rank(self.group, 0), group=self.group)
         return [self.params[i] for i in indices.tolist()]
 
@@ -393,7 +391,7 @@ class GradientReducer:
         assert self.powersgd is not None
         plain: list[int] = []
         for i, p in enumerate(bucket.params):
-            view = self._slice(bucket, i).view(_local(p).shape)
+            view = self._slice(bucket, i).view(local_tensor(p).shape)
             if self.powersgd.compressible(view):
                 self.powersgd.allreduce_(id(p) % (1 << 30), view, self.group, self.world)
                 stats.bytes_sent += 4 * self.powersgd.rank * (view.shape[0] + view[0].numel())
@@ -412,7 +410,7 @@ class GradientReducer:
 
     @staticmethod
     def _slice(bucket: Bucket, i: int) -> Tensor:
-        n = _local(bucket.params[i]).numel()
+        n = local_tensor(bucket.params[i]).numel()
         return bucket.buffer[bucket.offsets[i] : bucket.offsets[i] + n]
 
     def _write_back(self, bucket: Bucket) -> None:
@@ -428,7 +426,7 @@ class GradientReducer:
                 continue
             if grad is None:
                 p.grad = grad = torch.zeros_like(p)
-            into.append(_local(grad))
+            into.append(local_tensor(grad))
             sources.append(reduced)
         if into:
             torch._foreach_copy_(into, sources)  # one call per bucket instead of one per parameter

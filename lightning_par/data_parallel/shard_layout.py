@@ -33,14 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_par.compat import local_tensor  # re-exported for callers that import it from here
+
 __all__ = ["LayoutBucket", "ParamShard", "ShardLayout", "local_tensor"]
 
 _MiB = 1024 * 1024
-
-
-def local_tensor(t: Tensor) -> Tensor:
-    """The tensor this rank holds: a ``DTensor``'s local shard, or ``t`` itself."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 @dataclass

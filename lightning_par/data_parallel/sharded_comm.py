@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_par.data_parallel.reducer import CommStats
-from lightning_par.data_parallel.shard_layout import LayoutBucket, ParamShard, ShardLayout, local_tensor
+from lightning_par.compat import local_tensor
+from lightning_par.data_parallel.shard_layout import LayoutBucket, ParamShard, ShardLayout
 from lightning_par.memory import LiveStorageBytes
 
 __all__ = ["ParamGather", "ReduceScatterReducer", "all_gather_params"]

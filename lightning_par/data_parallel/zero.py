@@ -12,8 +12,8 @@ DDP        ``(4 + 4 + 8) Psi``        all-reduce gradients: ``2 Psi (N-1)/N``
 3          ``16 Psi / N``             all-gather forward + all-gather backward + reduce-scatter: ``3 Psi (N-1)/N``
 =========  =========================  =====================================================
 
-Stage 1 here all-reduces the gradients (the issue's choice, with ``ddp_overlap``'s bucketed, overlapped reducer,
-so every rank still has the full averaged gradient, e.g. for logging) and then all-gathers the updated parameters:
+Stage 1 here all-reduces the gradients with ``ddp_overlap``'s bucketed, overlapped reducer, so that every rank keeps
+the full averaged gradient (for logging, e.g. its norm), and then all-gathers the updated parameters:
 ``3 Psi (N-1)/N``, 1.5 times the paper's ``2 Psi (N-1)/N`` for P_os, which reduce-scatters (§7.2.1). Stage 2
 reduce-scatters, so it sends the paper's ``2 Psi (N-1)/N``.
 
@@ -38,7 +38,7 @@ checkpoints move between stages and dp sizes, :mod:`lightning_par.checkpoint`) a
 
 Composition (the dp axis of a 2-D / 3-D layout): everything takes the module and the dp sub-mesh explicitly. A
 tensor-parallel ``DTensor`` parameter is sharded along dim 0 of its local tensor; in checkpoints its chunk is a
-DTensor on the ``(dp, tp)`` mesh with FSDP2's placements (``_StridedShard`` when TP also split dim 0), so they see
+DTensor on the ``(dp, tp)`` mesh with FSDP2's placements (a strided shard when TP also split dim 0), so they see
 the whole tensor. A pipeline stage is just a smaller module: apply the engine to it, run the schedule's backward
 pieces under :meth:`ZeroEngine.defer_sync` and call :meth:`ZeroEngine.reduce_now` once (stage 3: FSDP2, which
 ``torch.distributed.pipelining`` drives itself).
@@ -55,10 +55,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_par.compat import concatenate_meshes, dtensor_spec, is_view, local_tensor, strided_shard
 from lightning_par.data_parallel.reducer import CommStats, GradientReducer
-from lightning_par.data_parallel.shard_layout import LayoutBucket, ParamShard, ShardLayout, local_tensor
+from lightning_par.data_parallel.shard_layout import LayoutBucket, ParamShard, ShardLayout
 from lightning_par.data_parallel.engine import ZeroEngine, sync_off
 from lightning_par.data_parallel.meshes import DataParallelMeshes
 from lightning_par.data_parallel.sharded_comm import ParamGather, ReduceScatterReducer
@@ -71,14 +71,14 @@ def _shard_dtensor(local: Tensor, param: nn.Parameter, dp_mesh: DeviceMesh) -> D
     """``local`` (this rank's dim-0 chunk of ``param``'s local tensor) as a DTensor of ``param``'s global shape.
 
     A plain parameter gives ``Shard(0)`` on the dp mesh. A tensor-parallel DTensor parameter gives a DTensor on the
-    concatenated ``(dp, *param mesh)`` mesh with placements ``(Shard(0) | _StridedShard(0), *param placements)``:
-    FSDP2's layout for FSDP + TP, where ``_StridedShard`` records that dim 0 was first split by TP.
+    concatenated ``(dp, *param mesh)`` mesh with placements ``(Shard(0) | strided Shard(0), *param placements)``:
+    FSDP2's layout for FSDP + TP, where the strided shard records that dim 0 was first split by TP.
     """
     if isinstance(param, DTensor):
-        spec = param._spec
+        spec = dtensor_spec(param)
         split = spec.num_shards_map[0]
-        mesh = DeviceMesh._concatenate([dp_mesh, spec.mesh])
-        placements = (_StridedShard(0, split_factor=split) if split > 1 else Shard(0), *spec.placements)
+        mesh = concatenate_meshes([dp_mesh, spec.mesh])
+        placements = (strided_shard(0, split) if split > 1 else Shard(0), *spec.placements)
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
     return DTensor.from_local(local, dp_mesh, (Shard(0),), run_check=False, shape=param.shape, stride=param.stride())
 
@@ -394,7 +394,7 @@ class ZeroShardedDataParallel(ZeroEngine):
                 grad = cached[1]
             else:
                 grad = s.own_rows(local_tensor(full))
-                if full._base is not None:  # a view of a persistent bucket: caching keeps nothing extra alive
+                if is_view(full):  # a view of a persistent bucket: caching keeps nothing extra alive
                     cache[s.name] = (full, grad)
             lp.grad = grad if grad.dtype == lp.dtype else grad.to(lp.dtype)
 
@@ -487,7 +487,7 @@ class ZeroShardedDataParallel(ZeroEngine):
         for name, value in state.items():
             if name in self.local_params:
                 target = self.local_params[name].detach()
-                source = value._local_tensor if isinstance(value, DTensor) else value
+                source = local_tensor(value)
                 if source.data_ptr() != target.data_ptr():
                     target.copy_(source)
             elif name in own and isinstance(value, Tensor) and value.data_ptr() != own[name].data_ptr():
@@ -606,8 +606,8 @@ def _apply_optimizer_state(
         for key, value in per_param.items():
             current = target.get(key)
             if isinstance(current, Tensor) and isinstance(value, Tensor):
-                dst = current._local_tensor if isinstance(current, DTensor) else current
-                src = value._local_tensor if isinstance(value, DTensor) else value
+                dst = local_tensor(current)
+                src = local_tensor(value)
                 if src.data_ptr() != dst.data_ptr() or src.numel() == 0:
                     dst.copy_(src)
             else:

@@ -20,13 +20,15 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from lightning_par.comm_cost import ring_pass_bytes
+from lightning_par.compat import local_tensor
 from lightning_par.memory import model_state_bytes, storage_bytes
 
 __all__ = ["paper_comm_bytes", "paper_state_bytes", "zero_state_bytes"]
 
 
 def _storage_key(t: Tensor) -> tuple[str, int | None, int]:
-    local = t._local_tensor if hasattr(t, "_local_tensor") else t
+    local = local_tensor(t)
     return (local.device.type, local.device.index, local.untyped_storage().data_ptr())
 
 
@@ -77,5 +79,5 @@ def paper_comm_bytes(stage: int, numel: int, dp_size: int, element_size: int = 4
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage={stage!r} is not valid: expected 0, 1, 2 or 3.")
-    factor = 3.0 if stage == 3 else 2.0
-    return factor * numel * element_size * (dp_size - 1) / dp_size
+    passes = 3.0 if stage == 3 else 2.0  # ring passes over the parameters' bytes
+    return ring_pass_bytes(passes * numel * element_size, dp_size)

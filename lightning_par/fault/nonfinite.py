@@ -36,6 +36,8 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from lightning_par.compat import local_tensor
+
 __all__ = ["NONFINITE_ACTIONS", "NonFiniteError", "NonFiniteGuard"]
 
 #: What :class:`NonFiniteGuard` does about a non-finite step.
@@ -46,11 +48,6 @@ _NAMES_SHOWN = 3
 
 class NonFiniteError(RuntimeError):
     """A non-finite loss or gradient stopped the run; the message names the step, the ranks and the values."""
-
-
-def _local(t: Tensor) -> Tensor:
-    """The part of ``t`` held by this rank (a DTensor's local shard; ``t`` itself otherwise)."""
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 def _optimizer_params(trainer: L.Trainer, optimizer: Any) -> list[Tensor]:
@@ -64,7 +61,7 @@ def _optimizer_params(trainer: L.Trainer, optimizer: Any) -> list[Tensor]:
 
 
 def _grads_finite(params: Iterable[Tensor]) -> bool:
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     grads = [g for g in grads if g.numel() > 0]
     if not grads:
         return True
@@ -83,7 +80,7 @@ def _nonfinite_names(trainer: L.Trainer, params: list[Tensor]) -> list[str]:
     module = trainer.lightning_module
     names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
     bad = [names.get(id(p), f"<optimizer parameter {i}>") for i, p in enumerate(params)
-           if p.grad is not None and not bool(_local(p.grad).isfinite().all())]
+           if p.grad is not None and not bool(local_tensor(p.grad).isfinite().all())]
     return bad[:_NAMES_SHOWN] + ([f"... {len(bad) - _NAMES_SHOWN} more"] if len(bad) > _NAMES_SHOWN else [])
 
 

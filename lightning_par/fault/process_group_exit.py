@@ -6,6 +6,8 @@ import time
 
 import torch.distributed as dist
 
+from lightning_par.compat import default_store
+
 __all__ = ["FAILED", "destroy_process_group_at_exit"]
 
 #: Set when Lightning reports an exception in this process: then nothing is synchronised at exit.
@@ -25,7 +27,7 @@ def destroy_process_group_at_exit() -> None:
     if FAILED[0] or not (dist.is_available() and dist.is_initialized()):
         return
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
         world = dist.get_world_size()
         store.add(_EXIT_KEY, 1)
         deadline = time.monotonic() + 30.0

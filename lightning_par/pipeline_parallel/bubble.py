@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from lightning_par.compat import profiler_enabled
+
 __all__ = ["COMPUTE_KINDS", "OpEvent", "StepRecord", "StepTimer", "summarize_bubble"]
 
 #: Computation kinds: ``"F"`` forward, ``"B"`` full backward, ``"I"`` input-gradient half and ``"W"`` weight-gradient
@@ -106,7 +108,7 @@ class _Timed:
         self.range: Any = None
 
     def __enter__(self) -> None:
-        if torch._C._autograd._profiler_enabled():  # a profiler is recording (private, cheap)
+        if profiler_enabled():  # a profiler is recording (cheap)
             from lightning_par.profiling.trace import pipeline_annotation
 
             self.range = torch.profiler.record_function(pipeline_annotation(self.kind, self.stage, self.microbatch))

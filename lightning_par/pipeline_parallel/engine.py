@@ -13,7 +13,8 @@ What this module adds, where torch stops:
 * **Evaluation.** Forward only, then the loss of the whole batch from the merged outputs on the last stage (exact,
   whatever the micro-batch split). torch 2.13's ZB-V and DualPipeV schedules cannot run forward only ("can't
   steal_bwd_input if this stage doesn't have backward", measured), so multi-stage ranks evaluate with torch's own
-  runtime (``_PipelineScheduleRuntime``, private) over a forward-only action list, chunk by chunk.
+  runtime (private, :func:`~lightning_par.compat.forward_only_schedule`) over a forward-only action list, chunk by
+  chunk.
 * **Measured bubble.** Every compute call the schedule makes on a stage (``forward_one_chunk``, ``backward_one_chunk``,
   ``backward_weight_one_chunk``) is timed (:mod:`~lightning_par.pipeline_parallel.bubble`).
 """
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_par.compat import forward_only_schedule, pipeline_stage_meta, stage_to_rank_mapping
 from lightning_par.pipeline_parallel.bubble import StepRecord, StepTimer
 from lightning_par.pipeline_parallel.options import PipelineOptions
 
@@ -163,7 +165,7 @@ class PipelineEngine:
         step of each schedule; private ``PipelineStage`` metadata), e.g. ``["torch.bfloat16"]``."""
         dtypes: set[str] = set()
         for stage in self._built:
-            meta = getattr(getattr(stage, "_stage_meta", None), "outputs", None)
+            meta = getattr(pipeline_stage_meta(stage), "outputs", None)
             if stage.stage_index < self.num_stages - 1 and meta:
                 dtypes.update(str(t.dtype) for t in meta if getattr(t, "dtype", None) is not None)  # TensorMeta
         return sorted(dtypes)
@@ -297,34 +299,9 @@ def _shape_key(inputs: tuple[Tensor, ...]) -> tuple:
 def _forward_only_multi(stages: list[Any], num_microbatches: int, options: PipelineOptions, pp_size: int) -> Any:
     """A forward-only schedule for a rank with several stages: each stage's forwards in turn, on torch's runtime.
 
-    Private torch API (``_PipelineScheduleRuntime``, ``_Action``, ``_add_send_recv``): the V schedules of torch 2.13
-    refuse to run forward only, and no public multi-stage schedule takes the V placement.
+    Private torch API (:func:`~lightning_par.compat.forward_only_schedule`): the V schedules of torch 2.13 refuse to
+    run forward only, and no public multi-stage schedule takes the V placement.
     """
-    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
-    from torch.distributed.pipelining.schedules import FORWARD, _Action, _add_send_recv, _PipelineScheduleRuntime
-
-    num_stages = options.num_stages(pp_size)
     style = "v" if options.spec.placement == "v" else "loop"
-    mapping = generate_stage_to_rank_mapping(pp_size, num_stages, style=style)
-
-    class _ForwardOnly(_PipelineScheduleRuntime):
-        def __init__(self) -> None:
-            super().__init__(stages=stages, n_microbatches=num_microbatches, loss_fn=None, scale_grads=False)
-            self.stage_index_to_group_rank = mapping
-            for stage in stages:
-                stage.stage_index_to_group_rank = mapping
-            self.pipeline_order = {
-                rank: [
-                    _Action(s, FORWARD, i)
-                    for s in sorted(k for k, r in mapping.items() if r == rank)
-                    for i in range(num_microbatches)
-                ]
-                for rank in range(pp_size)
-            }
-            self.pipeline_order_with_comms = _add_send_recv(
-                {r: list(a) for r, a in self.pipeline_order.items()},
-                stage_to_rank=lambda s: mapping[s],
-                num_stages=num_stages,
-            )
-
-    return _ForwardOnly()
+    mapping = stage_to_rank_mapping(pp_size, options.num_stages(pp_size), style=style)
+    return forward_only_schedule(stages, num_microbatches, mapping)

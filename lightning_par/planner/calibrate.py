@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_par.comm_cost import all_reduce_bytes, ring_steps
 from lightning_par.planner.devices import DeviceSpec
 
 __all__ = ["CpuCalibration", "calibrate_cpu", "default_calibration_path", "load_cpu_device"]
@@ -94,7 +95,7 @@ class CpuCalibration:
             intra_node_latency_s=latency,
             inter_node_latency_s=latency,
             matmul_efficiency=1.0,
-            comm_overlap=0.0,  # gloo and compute share the cores (NOTES: overlap hides ~0 here)
+            comm_overlap=0.0,  # gloo and compute share the cores: the ddp benchmark's A/B finds ~0 ms hidden a step
             reserved_bytes=min(w["reserved_bytes"], 0.5 * memory),
             idle_speedup=min(float(num_processes), max(1.0, w["idle_speedup"])),
             op_overhead_s=w["op_overhead_s"],
@@ -246,9 +247,9 @@ def _calibration_worker(window_s: float) -> dict[str, float]:
                 dist.all_reduce(buf)
                 calls.append(time.perf_counter() - t0)
             secs.append(statistics.median(calls))
-            sent.append(2.0 * size * (world - 1) / world)
+            sent.append(all_reduce_bytes(size, world))
         out["allreduce_latency_s"], out["allreduce_bandwidth"] = _fit_alpha_beta(sent, secs)
-        out["message_latency_s"] = out["allreduce_latency_s"] / (2 * (world - 1))  # a ring all-reduce's steps
+        out["message_latency_s"] = out["allreduce_latency_s"] / ring_steps("all_reduce", world)
     out["reserved_bytes"] = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     dist.barrier()
     dist.destroy_process_group()

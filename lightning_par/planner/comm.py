@@ -1,10 +1,9 @@
 """Communication volumes and times: ring collectives, tensor-parallel layers, ZeRO steps, pipeline messages.
 
-Volumes are bytes *sent per rank* under bandwidth-optimal ring algorithms (Patarasuk & Yuan 2009; the model of
-Narayanan et al. 2021, §3.2 and Rajbhandari et al. 2020, §7): an all-reduce of ``n`` bytes over ``k`` ranks sends
-``2 n (k-1)/k``; an all-gather with output ``n`` or a reduce-scatter with input ``n`` sends ``n (k-1)/k``. Times follow
-the alpha-beta model per ring step: a ring all-reduce takes ``2 (k-1)`` steps, an all-gather or reduce-scatter
-``k-1``, a point-to-point send one, each paying the link's per-message latency, plus ``bytes / bandwidth``.
+Volumes are bytes *sent per rank* under bandwidth-optimal ring algorithms, times follow the alpha-beta model per ring
+step; the formulas are :mod:`lightning_par.comm_cost`'s (re-exported here under the planner's names): an all-reduce
+of ``n`` bytes over ``k`` ranks sends ``2 n (k-1)/k`` in ``2 (k-1)`` steps, an all-gather with output ``n`` or a
+reduce-scatter with input ``n`` sends ``n (k-1)/k`` in ``k-1``, each step paying the link's per-message latency.
 
 Which link a group uses follows the ``("pp", "dp", "tp")`` mesh (rank = ``pp_idx * dp * tp + dp_idx * tp + tp_idx``)
 on nodes of ``devices_per_node`` consecutive ranks: a tp group stays in a node when ``tp <= devices_per_node``, a dp
@@ -23,6 +22,10 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
+from lightning_par.comm_cost import all_gather_bytes as allgather_bytes
+from lightning_par.comm_cost import all_reduce_bytes as allreduce_bytes
+from lightning_par.comm_cost import collective_time, reduce_scatter_bytes, ring_fraction, ring_steps
+from lightning_par.comm_cost import megatron_layer_bytes as tp_layer_comm_bytes
 from lightning_par.planner.devices import DeviceSpec
 from lightning_par.planner.layouts import Layout
 
@@ -39,33 +42,6 @@ __all__ = [
 ]
 
 
-def allreduce_bytes(size_bytes: float, group_size: int) -> float:
-    """Bytes one rank sends in a ring all-reduce of ``size_bytes``: ``2 n (k-1)/k``."""
-    return 2.0 * size_bytes * (group_size - 1) / group_size
-
-
-def allgather_bytes(output_bytes: float, group_size: int) -> float:
-    """Bytes one rank sends in a ring all-gather with ``output_bytes`` of output: ``n (k-1)/k``."""
-    return output_bytes * (group_size - 1) / group_size
-
-
-def reduce_scatter_bytes(input_bytes: float, group_size: int) -> float:
-    """Bytes one rank sends in a ring reduce-scatter of ``input_bytes`` of input: ``n (k-1)/k``."""
-    return input_bytes * (group_size - 1) / group_size
-
-
-def tp_layer_comm_bytes(micro_batch_size: int, seq_len: int, hidden_size: int, tp_size: int,
-                        element_bytes: int, recompute_forward: bool = False) -> float:
-    """Bytes one rank sends per transformer layer per micro-batch under Megatron tensor parallelism.
-
-    Two all-reduces forward and two backward of ``b s h`` elements: ``8 b s h (t-1)/t`` elements (Narayanan et al.
-    2021, §3.2); sequence parallelism replaces each by an all-gather and a reduce-scatter of the same volume
-    (Korthikanti et al. 2022, §4.2.2). Full recomputation repeats the two forward ones: ``12 b s h (t-1)/t``.
-    """
-    count = 6 if recompute_forward else 4
-    return count * allreduce_bytes(micro_batch_size * seq_len * hidden_size * element_bytes, tp_size)
-
-
 def zero_step_comm_bytes(dp_mode: str, params: float, dp_size: int, param_bytes: int, grad_bytes: int,
                          num_microbatches: int = 1) -> float:
     """Bytes one rank sends per optimizer step on the dp axis, as lightning_par's dp modes run.
@@ -80,7 +56,7 @@ def zero_step_comm_bytes(dp_mode: str, params: float, dp_size: int, param_bytes:
     Raises:
         ValueError: an unknown ``dp_mode``.
     """
-    f = (dp_size - 1) / dp_size
+    f = ring_fraction(dp_size)
     volumes = {
         "ddp": 2 * grad_bytes,
         "zero1": 2 * grad_bytes + param_bytes,
@@ -90,26 +66,6 @@ def zero_step_comm_bytes(dp_mode: str, params: float, dp_size: int, param_bytes:
     if dp_mode not in volumes:
         raise ValueError(f"dp_mode={dp_mode!r} is not valid: expected one of {sorted(volumes)}.")
     return volumes[dp_mode] * params * f
-
-
-def collective_time(sent_bytes: float, bandwidth: float, latency_s: float, num_ops: int = 1, steps: int = 1) -> float:
-    """Seconds for ``num_ops`` operations of ``steps`` ring steps each, sending ``sent_bytes`` in total:
-    ``num_ops * steps * latency + bytes / bandwidth``."""
-    return num_ops * steps * latency_s + sent_bytes / bandwidth
-
-
-def ring_steps(op: str, group_size: int) -> int:
-    """Ring steps of a collective over ``group_size`` ranks: all-reduce ``2 (k-1)``, all-gather and reduce-scatter
-    ``k-1``, point-to-point 1.
-
-    Raises:
-        ValueError: an unknown ``op``.
-    """
-    steps = {"all_reduce": 2 * (group_size - 1), "all_gather": group_size - 1, "reduce_scatter": group_size - 1,
-             "p2p": 1}
-    if op not in steps:
-        raise ValueError(f"op={op!r} is not valid: expected one of {sorted(steps)}.")
-    return steps[op]
 
 
 def group_ranks_per_node(layout: Layout, axis: str, devices_per_node: int) -> int:

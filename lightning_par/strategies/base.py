@@ -14,12 +14,10 @@ one-process state. Checkpoints are sharded ``torch.distributed.checkpoint`` dire
 from __future__ import annotations
 
 import atexit
-import time
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -45,13 +43,12 @@ from typing_extensions import override
 from lightning_par.axes import axis_of_group, check_sizes
 from lightning_par.checkpoint.strategy_io import ShardedCheckpointIO
 from lightning_par.callbacks.metrics import log_comm_stats
-from lightning_par.checkpoint.sharded import load_sharded, save_sharded
 from lightning_par.fault.elastic import init_process_group_per_attempt
 from lightning_par.fault.process_group_exit import FAILED, destroy_process_group_at_exit
-from lightning_par.parallel_dims import AXIS_OF_SIZE, ParallelDims
+from lightning_par.parallel_dims import ParallelDims
 from lightning_par.parallelize import OPTION_GROUPS, ParallelModel, ParallelOptions, parallelize, validate
 from lightning_par.precision import check_precision, distributed_scaler, fsdp_mixed_precision
-from lightning_par.validation import check_int, check_number
+from lightning_par.validation import check_number
 
 __all__ = ["MeshStrategy"]
 

@@ -92,8 +92,9 @@ def apply_tensor_parallel(
         # src_data_rank=None: every rank already holds tp-rank 0's values, so each cuts its shard with no traffic.
         style_obj = resolve_style(style, sequence_parallel)
         parallelize_module(module.get_submodule(path), tp_mesh, style_obj, src_data_rank=None)
-    # Replicated parameters stay plain tensors (issue 11); DTensor ones with Partial gradients (a user's torch
-    # SequenceParallel) are still summed, eagerly or by reduce_partial_grads.
+    # Replicated parameters stay plain tensors (a Replicate DTensor makes AdamW about 6x slower per tensor, see
+    # styles.ReplicateParallel); DTensor ones with Partial gradients (a user's torch SequenceParallel) are still
+    # summed, eagerly or by reduce_partial_grads.
     if eager_grad_reduction:
         reduce_partial_grads_eagerly(module)
     return module

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_par.compat import local_tensor
 from lightning_par.tensor_parallel.vocab import VOCAB_SIZE_ATTR
 
 __all__ = ["padded_parameters", "unpad_vocab_state"]
@@ -45,7 +46,7 @@ def _unpadded(t: Any, vocab: int, name: str) -> Any:
             f"FSDP on the dp axis): a checkpoint of it would not load into another layout. Use a vocabulary divisible "
             f"by every tp size involved (e.g. 256), or dp_mode='ddp'."
         )
-    local = t._local_tensor
+    local = local_tensor(t)
     rows = local.shape[0]
     valid = max(0, min(rows, vocab - t.device_mesh.get_local_rank() * rows))
     shape = torch.Size((vocab, *t.shape[1:]))

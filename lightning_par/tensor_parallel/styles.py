@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
+from lightning_par.compat import local_tensor
 from lightning_par.tensor_parallel.vocab import VOCAB_SIZE_ATTR, mask_padded_logits, pad_rows, padded_vocab_size
 
 __all__ = [
@@ -203,7 +204,7 @@ def sync_partial_grads(grads: Iterable[Tensor | None], tp_group: dist.ProcessGro
     Returns:
         The number of elements summed (0 when there is nothing to do or ``tp_group`` has one rank).
     """
-    tensors = [g._local_tensor if isinstance(g, DTensor) else g for g in grads if g is not None]
+    tensors = [local_tensor(g) for g in grads if g is not None]
     if not tensors or dist.get_world_size(tp_group) == 1:
         return 0
     by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}

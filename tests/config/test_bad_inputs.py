@@ -1,6 +1,6 @@
 """Every bad input of the recipe fails before any process starts, with a message naming the field, the value and what
-would be valid (issue 12's table). ``launch_job`` runs with the launcher replaced by a function that fails the test:
-each case must be rejected by the config composition or by ``preflight``, never inside a rank."""
+would be valid (one row per bad input below). ``launch_job`` runs with the launcher replaced by a function that
+fails the test: each case must be rejected by the config composition or by ``preflight``, never inside a rank."""
 
 from __future__ import annotations
 

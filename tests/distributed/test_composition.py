@@ -69,12 +69,12 @@ WORLD4 = {
        for s in SCHEDULES for mode, extra in _dp_modes(s)},
 }
 WORLD8 = {
-    # issue 9: the user's nn.Sequential with its own plan, every dp mode, 1F1B
+    # the user's nn.Sequential with its own tp plan (the model contract), every dp mode, 1F1B
     **{f"3d-user-{mode}-sgd": ("mlp-sgd", dict(dp_size=2, tp_size=2, pp_size=2, schedule="1f1b",
                                                 num_microbatches=4, dp_mode=mode)) for mode in ("ddp", "zero1",
                                                                                                  "zero2", "zero3")},
     "3d-user-zero1-adamw": ("mlp-adamw", dict(dp_size=2, tp_size=2, pp_size=2, num_microbatches=4, dp_mode="zero1")),
-    # issue 10: every schedule at dp2·tp2·pp2
+    # every schedule at dp2·tp2·pp2
     **{f"3d-{s}-mlp": ("mlp-sgd", dict(dp_size=2, tp_size=2, pp_size=2, schedule=s, num_microbatches=_m(s, 2),
                                        dp_mode="zero2")) for s in SCHEDULES},
     **{f"3d-{s}-gpt": ("gpt", dict(dp_size=2, tp_size=2, pp_size=2, schedule=s, num_microbatches=_m(s, 2),

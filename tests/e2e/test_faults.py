@@ -1,4 +1,4 @@
-"""Fault injection, bounded and on CPU (issue 12): a rank killed (SIGKILL) or stopped (SIGSTOP), the launcher killed,
+"""Fault injection, bounded and on CPU: a rank killed (SIGKILL) or stopped (SIGSTOP), the launcher killed,
 a NaN, a run killed and resumed (the same losses step by step as an uninterrupted run, under our launcher and under
 ``torchrun --max-restarts``), and two jobs started in the same second. Every test has an outer timeout."""
 

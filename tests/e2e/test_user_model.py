@@ -54,12 +54,13 @@ def test_user_module_trains_under_ddp_overlap_and_zero3_with_the_same_losses(tmp
 
 
 def _has_model_contract() -> bool:
-    """The strategy core reads ``tp_plan()`` from the network (issue 9's lightning_par/contract.py)."""
+    """The strategy core reads ``tp_plan()`` from the network (lightning_par/contract.py)."""
     return (ROOT / "lightning_par" / "contract.py").exists()
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _has_model_contract(), reason="needs the model contract (tp_plan() on the network), issue 9")
+@pytest.mark.skipif(not _has_model_contract(),
+                    reason="needs the model contract (tp_plan() on the network, lightning_par/contract.py)")
 def test_user_module_trains_under_tensor_parallel_with_its_own_plan(tmp_path):
     run_dir = tmp_path / "run"
     proc = run([sys.executable, str(ROOT / "recipes" / "train.py"), "strategy=tensor_parallel", "parallel=tp2",

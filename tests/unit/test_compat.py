@@ -1,0 +1,130 @@
+"""lightning_par.compat on the installed torch: every wrapped private name resolves and every helper does its job."""
+
+from collections.abc import Generator
+
+import pytest
+import torch
+
+from lightning_par import compat
+
+
+@pytest.fixture
+def world_of_one() -> Generator[None, None, None]:
+    """A one-rank gloo process group (in this process), destroyed afterwards."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("2.13.0+cpu", (2, 13)), ("2.10.0a0+git1234abc", (2, 10)), ("2.15.1", (2, 15)), ("3.0", (3, 0))],
+)
+def test_version_parse(text: str, expected: tuple[int, int]) -> None:
+    assert compat._version(text) == expected
+
+
+def test_torch_version_is_the_installed_one() -> None:
+    major, minor = compat.TORCH_VERSION
+    assert torch.__version__.startswith(f"{major}.{minor}.")
+    assert (2, 10) <= compat.TORCH_VERSION < (2, 16)
+
+
+@pytest.mark.parametrize("name", sorted(compat.PRIVATE_NAMES))
+def test_every_private_name_resolves(name: str) -> None:
+    assert compat._private(name) is not None
+
+
+def test_every_export_exists() -> None:
+    for name in compat.__all__:
+        assert getattr(compat, name) is not None, name
+
+
+def test_missing_private_name_says_which_and_where(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(compat.PRIVATE_NAMES, "_no_such_name", ("torch", "torch.no_such_module"))
+    with pytest.raises(RuntimeError, match=r"no _no_such_name in torch, torch.no_such_module"):
+        compat._private("_no_such_name")
+
+
+def test_local_tensor_of_a_plain_tensor_is_the_tensor() -> None:
+    t = torch.zeros(3)
+    assert compat.local_tensor(t) is t
+
+
+def test_is_view() -> None:
+    base = torch.zeros(4, 2)
+    assert not compat.is_view(base)
+    assert compat.is_view(base[1:]) and compat.is_view(base.view(-1))
+
+
+def test_reexports_are_torch_classes() -> None:
+    assert hasattr(compat.TorchDispatchMode, "__torch_dispatch__")
+    assert compat.tree_leaves(([1, (2,)], {"a": 3})) == [1, 2, 3]
+    assert isinstance(compat.HigherOrderOperator, type)
+    assert compat.FUNCTIONAL_COLLECTIVES.all_reduce is not None
+
+
+def test_op_name() -> None:
+    assert compat.op_name(torch.ops.aten.add.Tensor) == "add"
+
+    class NoOpname:
+        def __str__(self) -> str:
+            return "c10d.allreduce_.default"
+
+    assert compat.op_name(NoOpname()) == "allreduce_"
+
+
+def test_profiler_enabled() -> None:
+    assert compat.profiler_enabled() is False
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert compat.profiler_enabled() is True
+
+
+def test_stage_to_rank_mapping() -> None:
+    assert compat.stage_to_rank_mapping(2, 4, "loop") == {0: 0, 1: 1, 2: 0, 3: 1}
+    assert compat.stage_to_rank_mapping(2, 4, "v") == {0: 0, 1: 1, 2: 1, 3: 0}
+
+
+def test_pipeline_stage_meta_of_an_unbuilt_stage_is_none() -> None:
+    assert compat.pipeline_stage_meta(object()) is None
+
+
+def test_grad_scaler_helpers() -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=128.0)
+    assert compat.grad_scaler_init_kwargs(scaler) == {"device": "cpu", "init_scale": 128.0}
+    assert compat.grad_scaler_init_kwargs(object()) == {"device": "cuda", "init_scale": 2.0**16}
+    replicator = compat.multi_device_replicator(torch.ones(1))
+    assert compat.replicated_tensors(replicator) == {}
+    copy = replicator.get(torch.device("cpu"))
+    assert compat.replicated_tensors(replicator) == {torch.device("cpu"): copy}
+
+
+def test_dtensor_and_mesh_helpers(world_of_one: None) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    dt = distribute_tensor(torch.arange(8.0), mesh["tp"], [Shard(0)])
+    local = compat.local_tensor(dt)
+    assert type(local) is torch.Tensor and local.data_ptr() == dt.to_local().data_ptr()
+    assert compat.dtensor_spec(dt).placements == dt.placements and compat.dtensor_spec(dt).mesh == dt.device_mesh
+
+    placement = compat.strided_shard(0, 2)
+    assert type(placement).__name__ == "_StridedShard" and (placement.dim, placement.split_factor) == (0, 2)
+
+    assert compat.concatenate_meshes([mesh["dp"], mesh["tp"]]).mesh_dim_names == ("dp", "tp")
+    assert compat.flatten_mesh(mesh, "dp_tp").size() == 1
+    assert mesh["dp_tp"].size() == 1
+
+    world = dist.group.WORLD
+    assert compat.resolve_process_group(world.group_name).size() == 1
+    store = compat.default_store()
+    store.set("compat", "1")
+    assert store.get("compat") == b"1"
