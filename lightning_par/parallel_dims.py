@@ -144,6 +144,18 @@ class ParallelDims:
         self._check_name(axis)
         return getattr(self, SIZE_FIELDS[axis])
 
+    def stride(self, name: str) -> int:
+        """Distance in global rank order between consecutive ranks of one group of ``name`` (an axis or a derived
+        mesh): the product of the sizes of the axes inside it (``tp``: 1; ``dp``: ``cp_size * tp_size``). A group
+        spans ``size(name) * stride(name)`` consecutive ranks.
+
+        Raises:
+            ValueError: an unknown name.
+        """
+        self._check_name(name)
+        innermost = DERIVED_MESHES.get(name, (name,))[-1]
+        return math.prod(self.size(a) for a in MESH_AXES[MESH_AXES.index(innermost) + 1:])
+
     def enabled(self, axis: str) -> bool:
         """Whether ``axis`` (or a derived mesh) has more than one rank."""
         return self.size(axis) > 1

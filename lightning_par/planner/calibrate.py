@@ -188,6 +188,7 @@ def _calibration_worker(window_s: float) -> dict[str, float]:
 
     from lightning_par.launcher import init_process_group_from_env
     from lightning_par.models.gpt import GPT, GPTConfig
+    from lightning_par.parallel_dims import ParallelDims
     from lightning_par.models.gpt_tp_plan import gpt_tp_plan
     from lightning_par.tensor_parallel import apply_tensor_parallel
     from lightning_par.planner.model import GPT_BLOCK_OPS
@@ -215,7 +216,9 @@ def _calibration_worker(window_s: float) -> dict[str, float]:
     plain_block = together(lambda: block(x).sum().backward())
     out["op_overhead_s"] = plain_block / GPT_BLOCK_OPS
     # The same block tensor-parallel over a mesh of one rank: DTensor's host cost without any communication.
-    tp_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))["tp"]
+    dims = ParallelDims(dp_size=world, tp_size=1, world_size=world)
+    dims.build_mesh("cpu")
+    tp_mesh = dims.get_mesh("tp")
     tp_block = apply_tensor_parallel(GPT(tiny), tp_mesh, gpt_tp_plan()).blocks["0"]
     out["tp_layer_overhead_s"] = max(0.0, together(lambda: tp_block(x).sum().backward()) - plain_block)
 

@@ -5,9 +5,10 @@ step; the formulas are :mod:`lightning_par.comm_cost`'s (re-exported here under 
 of ``n`` bytes over ``k`` ranks sends ``2 n (k-1)/k`` in ``2 (k-1)`` steps, an all-gather with output ``n`` or a
 reduce-scatter with input ``n`` sends ``n (k-1)/k`` in ``k-1``, each step paying the link's per-message latency.
 
-Which link a group uses follows the ``("pp", "dp", "tp")`` mesh (rank = ``pp_idx * dp * tp + dp_idx * tp + tp_idx``)
-on nodes of ``devices_per_node`` consecutive ranks: a tp group stays in a node when ``tp <= devices_per_node``, a dp
-group when ``tp * dp <= devices_per_node``, pipeline neighbours when ``tp * dp * pp <= devices_per_node``.
+Which link a group uses follows the runtime's rank order (:class:`~lightning_par.parallel_dims.ParallelDims`: tp
+innermost, pp outermost; a group of ``axis`` is ``size(axis)`` ranks ``stride(axis)`` apart) on nodes of
+``devices_per_node`` consecutive ranks: a tp group stays in a node when ``tp <= devices_per_node``, a dp group when
+``tp * dp <= devices_per_node``, pipeline neighbours when ``tp * dp * pp <= devices_per_node``.
 
 Across nodes, each device has its own network adapter (DGX A100: eight 200 Gb/s HDR adapters per node, one per GPU;
 Narayanan et al. 2021, §5), and ``inter_node_bandwidth`` is one device's share. A collective whose group has ``k``
@@ -78,12 +79,11 @@ def group_ranks_per_node(layout: Layout, axis: str, devices_per_node: int) -> in
     Raises:
         ValueError: an unknown axis.
     """
+    dims = layout.dims()
+    size, stride = dims.size(axis), dims.stride(axis)  # raises for an unknown axis
     if axis == "pp":
         return 1
-    if axis not in ("tp", "dp"):
-        raise ValueError(f"axis={axis!r} is not valid: expected 'tp', 'dp' or 'pp'.")
-    g, tp, dp = devices_per_node, layout.tp_size, layout.dp_size
-    size, stride = (tp, 1) if axis == "tp" else (dp, tp)
+    g = devices_per_node
     if (size * stride) % g == 0 and g % stride == 0:  # the group fills whole nodes evenly
         return max(1, min(size, g // stride))
     fewest = size
@@ -106,11 +106,8 @@ def group_link(device: DeviceSpec, layout: Layout, axis: str, devices_per_node: 
     Raises:
         ValueError: an unknown axis.
     """
-    span = {"tp": layout.tp_size, "dp": layout.tp_size * layout.dp_size,
-            "pp": layout.tp_size * layout.dp_size * layout.pp_size}
-    if axis not in span:
-        raise ValueError(f"axis={axis!r} is not valid: expected 'tp', 'dp' or 'pp'.")
-    if span[axis] <= devices_per_node:
+    dims = layout.dims()
+    if dims.size(axis) * dims.stride(axis) <= devices_per_node:  # the ranks one group spans (raises for an unknown axis)
         return device.intra_node_bandwidth, device.intra_node_latency_s
     adapters = group_ranks_per_node(layout, axis, devices_per_node)
     bandwidth = min(adapters * device.inter_node_bandwidth, device.intra_node_bandwidth)  # rings also cross NVLink
