@@ -187,7 +187,7 @@ def validate_run(cfg: DictConfig, dims: ParallelDims | None = None) -> None:
     check_lr_scaling(scaling.rule, scaling.reference_batch, scaling.warmup_samples, prefix="lr_scaling.")
     dims = dims or build_parallel_dims(cfg)
     gpu = _accelerator(cfg) == "gpu"
-    strategy = build_strategy(cfg)
+    strategy = build_strategy(cfg, dims)
     # What the Trainer's accelerator connector would set (device objects only: no GPU is needed to validate).
     strategy.accelerator = CUDAAccelerator() if gpu else CPUAccelerator()
     strategy.parallel_devices = [torch.device("cuda", i) if gpu else torch.device("cpu") for i in range(dims.world_size)]

@@ -59,9 +59,10 @@ def build_parallel_dims(cfg: Any) -> ParallelDims:
     return ParallelDims(**_plain(cfg.parallel))
 
 
-def build_strategy(cfg: Any) -> Any:
+def build_strategy(cfg: Any, dims: ParallelDims | None = None) -> Any:
     """The strategy named by ``strategy.name`` with the layout of ``parallel`` and its own options (option groups
-    nested as in the schemas: ``strategy.pipeline.schedule``, ``strategy.reducer.comm_hook``, ...).
+    nested as in the schemas: ``strategy.pipeline.schedule``, ``strategy.reducer.comm_hook``, ...). ``dims`` is the
+    layout already validated from ``cfg.parallel`` (``None``: validated here).
 
     Raises:
         ValueError: an unknown strategy name; an option that contradicts the name (``strategy=gpipe
@@ -86,7 +87,7 @@ def build_strategy(cfg: Any) -> Any:
             )
         if group and given is not None:
             options[group].pop(key)
-    dims = build_parallel_dims(cfg)
+    dims = dims or build_parallel_dims(cfg)
     sizes = {"dp_size": dims.dp_size, **dims.sizes()}
     cls.check_axes(sizes, prefix="parallel.", label=f"strategy {name!r}")
     # Every size of an axis the strategy has (a preset's default is not the layout's), and the rest where not 1.
