@@ -34,7 +34,8 @@ _CPU_MFU_NOTE = "not meaningful on CPU: no peak FLOP/s for this device"
 
 
 def parallel_sizes(trainer: L.Trainer) -> dict[str, int]:
-    """``{"dp_size", "tp_size", "pp_size", "world_size"}`` of the run.
+    """``{"dp_size", "tp_size", "pp_size", "world_size"}`` of the run, and every other size that is not 1
+    (``dp_replicate_size`` under HSDP, ...).
 
     Read from ``trainer.strategy.parallel_dims`` (a :class:`lightning_par.parallel_dims.ParallelDims`) when the
     strategy has one; otherwise every rank is a data-parallel replica: ``dp_size = trainer.world_size``,
@@ -43,7 +44,7 @@ def parallel_sizes(trainer: L.Trainer) -> dict[str, int]:
     dims = getattr(trainer.strategy, "parallel_dims", None)
     if dims is None:
         return {"dp_size": trainer.world_size, "tp_size": 1, "pp_size": 1, "world_size": trainer.world_size}
-    return {"dp_size": dims.dp_size, "tp_size": dims.tp_size, "pp_size": dims.pp_size, "world_size": dims.world_size}
+    return {"tp_size": dims.tp_size, "pp_size": dims.pp_size, **dims.sizes(), "world_size": dims.world_size}
 
 
 def _batch_tokens(batch: Any) -> int | None:
