@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_par.axis_registry import Axis
+from lightning_par.context_parallel.axis import CONTEXT_PARALLEL
 from lightning_par.data_parallel.axis import DATA_PARALLEL
 from lightning_par.parallel_dims import AXIS_OF_SIZE
 from lightning_par.pipeline_parallel.axis import PIPELINE_PARALLEL
@@ -21,7 +22,9 @@ from lightning_par.tensor_parallel.axis import TENSOR_PARALLEL
 __all__ = ["AXES", "axis_of_group", "axis_of_size", "check_sizes"]
 
 #: Every registered parallelism.
-AXES: tuple[Axis, ...] = (PIPELINE_PARALLEL, DATA_PARALLEL, TENSOR_PARALLEL, ACTIVATION_CHECKPOINTING_STEP)
+AXES: tuple[Axis, ...] = (
+    PIPELINE_PARALLEL, DATA_PARALLEL, CONTEXT_PARALLEL, TENSOR_PARALLEL, ACTIVATION_CHECKPOINTING_STEP
+)
 
 
 def axis_of_size(size_field: str) -> Axis | None:

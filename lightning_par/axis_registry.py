@@ -62,6 +62,9 @@ class Build:
         pipeline: the pipeline schedule's engine (set by the pp step).
         steps: the class of the step hooks (:class:`~lightning_par.steps.StepHooks`; the pp step replaces it).
         loss_context: a factory of the context the loss's forward and backward must run in (vocab-parallel loss).
+        step_contexts: factories of further contexts each step's forward and backward run in (cp's attention).
+        batch_transforms: applied in order to each batch before the LightningModule's step sees it (cp's split of
+            the sequence).
         after_schedule: run after a pipeline schedule's backward pieces, before the dp reduction.
         finishers: run once per optimizer step after the dp reduction, before clipping (tp partial-gradient sums).
         state_transforms: turn this rank's states into their one-process form (vocabulary padding cut off).
@@ -87,6 +90,8 @@ class Build:
     pipeline: Any = None
     steps: type[StepHooks] | None = None
     loss_context: Callable[[], AbstractContextManager[Any]] = nullcontext
+    step_contexts: list[Callable[[], AbstractContextManager[Any]]] = field(default_factory=list)
+    batch_transforms: list[Callable[[Any], Any]] = field(default_factory=list)
     after_schedule: list[Callable[[], None]] = field(default_factory=list)
     finishers: list[Callable[[], None]] = field(default_factory=list)
     state_transforms: list[StateTransform] = field(default_factory=list)

@@ -31,6 +31,11 @@ activation checkpointing    ``network.checkpoint_modules(mode) -> list[str]``: p
                             attention of every block). Fallback for ``"full"``: the pipeline layers (the children of
                             an ``nn.Sequential`` / ``nn.ModuleList``, or ``pipeline_layers()``); ``"selective"``
                             needs the method (only the model knows which part is attention).
+context parallelism         attention through ``torch.nn.functional.scaled_dot_product_attention`` (no ``attn_mask``,
+                            ``dropout_p=0``; causal or full); ``network.forward(..., position_ids=)`` taking the global
+                            positions of the tokens a rank holds. Batches arrive with every tensor's sequence dim
+                            (dim 1) split and ``position_ids`` ``(seq_local,)`` appended (a tuple batch) or added under
+                            that key (a dict batch). For ``method="all_to_all"``: ``network.attention_heads()``.
 ==========================  ==========================================================================================
 """
 
@@ -43,7 +48,9 @@ from typing import Any
 from torch import Tensor, nn
 
 __all__ = [
+    "attention_heads",
     "checkpoint_modules",
+    "context_parallel_positions",
     "find_network",
     "pipeline_batch",
     "pipeline_layers",
@@ -225,3 +232,30 @@ def checkpoint_modules(network: nn.Module, mode: str) -> list[str]:
             f"and the network names none. Keep the network at .model as an nn.Sequential/nn.ModuleList of blocks, or "
             f"define {name}.checkpoint_modules(mode) -> [paths of the blocks] (see lightning_par.contract)."
         ) from err
+
+
+def context_parallel_positions(network: nn.Module) -> None:
+    """Check that ``network`` can run on a split sequence: its ``forward`` takes ``position_ids`` (the global positions
+    of the tokens a cp rank holds), since a model that computes positions from a local ``arange`` would give every
+    cp rank positions ``0..S/cp-1``.
+
+    Raises:
+        ValueError: ``forward`` has no ``position_ids`` parameter; the message says what to change.
+    """
+    import inspect
+
+    if "position_ids" in inspect.signature(network.forward).parameters:
+        return
+    raise ValueError(
+        f"context parallelism (cp_size > 1) is not valid for {type(network).__name__}: its forward takes no "
+        f"position_ids, so positions would be computed from each rank's local piece of the sequence. Add a "
+        f"position_ids argument (global positions, (seq,) or (batch, seq)) to forward and use it for position "
+        f"embeddings or rotary frequencies; the LightningModule receives it as the last element of each batch."
+    )
+
+
+def attention_heads(network: nn.Module) -> int | None:
+    """The number of attention heads, from ``network.attention_heads()`` (``None`` when the network does not say)."""
+    method = getattr(network, "attention_heads", None)
+    return int(method()) if callable(method) else None
+

@@ -27,8 +27,8 @@ steps leave behind (step hooks, gradient finishers, state transforms, the loss c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Generator, Mapping
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -40,6 +40,7 @@ from lightning_par import contract
 from lightning_par.activation_checkpointing import ACTIVATION_CHECKPOINTING
 from lightning_par.axes import AXES
 from lightning_par.axis_registry import PHASES, Build
+from lightning_par.context_parallel.options import ContextParallelOptions
 from lightning_par.data_parallel.engine import DataParallelEngine
 from lightning_par.data_parallel.options import DP_MODES, ReducerOptions, ZeroOptions, resolve_zero_options, zero_stage
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS
@@ -56,12 +57,19 @@ __all__ = ["OPTION_GROUPS", "ParallelModel", "ParallelOptions", "parallelize", "
 _ZERO_DEFAULTS: dict[str, Any] = ZERO_GROUP_DEFAULTS
 _ZERO_FIELDS: tuple[str, ...] = tuple(_ZERO_DEFAULTS)
 
+#: The option groups built from their own keywords alone (the dp axis's two are built together, from ``dp_mode``):
+#: group name (a field of :class:`ParallelOptions`) -> its options dataclass.
+PLAIN_GROUPS: dict[str, type] = {
+    "tensor_parallel": TensorParallelOptions,
+    "pipeline": PipelineOptions,
+    "context_parallel": ContextParallelOptions,
+}
+
 #: Option group name -> the flat keyword names it owns.
 OPTION_GROUPS: dict[str, tuple[str, ...]] = {
     "reducer": tuple(f.name for f in fields(ReducerOptions)),
     "zero": _ZERO_FIELDS,
-    "tensor_parallel": tuple(f.name for f in fields(TensorParallelOptions)),
-    "pipeline": tuple(f.name for f in fields(PipelineOptions)),
+    **{group: tuple(f.name for f in fields(cls)) for group, cls in PLAIN_GROUPS.items()},
 }
 
 
@@ -75,6 +83,7 @@ class ParallelOptions:
         zero: the ZeRO options (``None`` with ``ddp``); their stage is ``dp_mode``'s.
         tensor_parallel: the tp axis's options.
         pipeline: the pp axis's options.
+        context_parallel: the cp axis's options.
         module_attr: attribute of the LightningModule holding the network (see :mod:`lightning_par.contract`).
         activation_checkpointing: ``"none"``, ``"full"`` (every block) or ``"selective"`` (the attention of every
             block; :mod:`lightning_par.activation_checkpointing`).
@@ -88,6 +97,7 @@ class ParallelOptions:
     zero: ZeroOptions | None = None
     tensor_parallel: TensorParallelOptions = field(default_factory=TensorParallelOptions)
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+    context_parallel: ContextParallelOptions = field(default_factory=ContextParallelOptions)
     module_attr: str | None = "model"
     activation_checkpointing: str = "none"
 
@@ -165,8 +175,7 @@ class ParallelOptions:
             dp_mode=dp_mode,
             reducer=reducer,
             zero=zero,
-            tensor_parallel=TensorParallelOptions(**groups["tensor_parallel"]),
-            pipeline=PipelineOptions(**groups["pipeline"]),
+            **{group: options_cls(**groups[group]) for group, options_cls in PLAIN_GROUPS.items()},
             module_attr=module_attr,
             activation_checkpointing=activation_checkpointing,
         )
@@ -237,7 +246,8 @@ class ParallelModel:
         self.checkpointed = build.checkpointed
         self.loss_parallel = build.loss_context is not nullcontext
         self.after_schedule = list(build.after_schedule)
-        self._loss_context = build.loss_context
+        self._contexts = [build.loss_context, *build.step_contexts]
+        self._batch_transforms = list(build.batch_transforms)
         self._finishers = list(build.finishers)
         self._state_transforms = list(build.state_transforms)
         self._full_state_transforms = list(build.full_state_transforms)
@@ -245,9 +255,21 @@ class ParallelModel:
         self._norm_groups = list(build.norm_groups)
         self.steps: StepHooks = (build.steps or StepHooks)(self)
 
-    def loss_context(self) -> AbstractContextManager[Any]:
-        """The context the loss's forward and backward must run in (the vocab-parallel loss; else a no-op)."""
-        return self._loss_context()
+    @contextmanager
+    def loss_context(self) -> Generator[None, None, None]:
+        """The contexts a step's forward and backward run in: the vocab-parallel loss (tp ``vocab_head``), the
+        context-parallel attention (cp); a no-op without them."""
+        with ExitStack() as stack:
+            for factory in self._contexts:
+                stack.enter_context(factory())
+            yield
+
+    def prepare_batch(self, batch: Any) -> Any:
+        """The batch as the LightningModule's step sees it on this rank (cp: this rank's piece of the sequence and
+        its ``position_ids``); ``batch`` itself without such an axis."""
+        for transform in self._batch_transforms:
+            batch = transform(batch)
+        return batch
 
     def finish_gradients(self) -> None:
         """Once per optimizer step, after the dp reduction and before clipping: every axis's gradient finisher (the

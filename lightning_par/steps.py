@@ -33,10 +33,12 @@ class StepHooks:
     def __init__(self, parallel: ParallelModel) -> None:
         self.parallel = parallel
 
-    def training_step(self, host: Any, call: Callable[[], Any], batch: Any, batch_idx: int) -> Any:
-        """One training step: ``call()`` runs the LightningModule's ``training_step`` (inside the loss context)."""
+    def training_step(self, host: Any, call: Callable[[Any], Any], batch: Any, batch_idx: int) -> Any:
+        """One training step: ``call(batch)`` runs the LightningModule's ``training_step`` on this rank's batch
+        (:meth:`~lightning_par.parallelize.ParallelModel.prepare_batch`), inside the step's contexts."""
+        batch = self.parallel.prepare_batch(batch)
         with self.parallel.loss_context():
-            return call()
+            return call(batch)
 
     def backward(self, host: Any, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Backward, then the end of the dp reduction, then ``on_after_backward``.
@@ -59,10 +61,12 @@ class StepHooks:
         """Entered for every batch of an accumulation window but the last: no dp reduction then."""
         return self.parallel.engine.no_sync()
 
-    def eval_step(self, host: Any, stage: str, call: Callable[[], Any], batch: Any) -> Any:
-        """A validation (``stage="val"``), test or predict step: ``call()`` runs the LightningModule's own."""
+    def eval_step(self, host: Any, stage: str, call: Callable[[Any], Any], batch: Any) -> Any:
+        """A validation (``stage="val"``), test or predict step: ``call(batch)`` runs the LightningModule's own on
+        this rank's batch."""
+        batch = self.parallel.prepare_batch(batch)
         with self.parallel.loss_context():
-            return call()
+            return call(batch)
 
     def summary(self) -> dict[str, Any]:
         """Figures for ``summary.json``."""

@@ -75,6 +75,10 @@ def _model(step: dict[str, Any]) -> Any:
     name = step.get("model", "gpt")
     if name.startswith("gpt"):
         return make_gpt(int(name[3:] or CONFIG.n_layer))
+    if name.startswith("attn"):  # a user's causal LM with its own fused-qkv attention (tests.user_models.AttentionLM)
+        from tests.user_models import make_attention_lm
+
+        return make_attention_lm(optimizer=name.rsplit("-", 1)[1])
     from tests.user_models import make_mlp
 
     return make_mlp(optimizer=name.rsplit("-", 1)[1], depth=6 if "deep" in name else 3)
@@ -95,7 +99,7 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
     from lightning_par.checkpoint import sharded
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if not step.get("model", "gpt").startswith("gpt"):  # the user MLP learns a regression
+    if step.get("model", "gpt").startswith("mlp"):  # the user MLP learns a regression
         from tests.pp_helpers import RegressionDataset
 
         train, val = RegressionDataset(n=len(train)), RegressionDataset(n=len(val), seed=1)

@@ -173,3 +173,72 @@ class DictDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"x": self.x[i], "mask": self.mask[i], "y": self.y[i]}
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+class FusedQKVAttention(nn.Module):
+    """Causal self-attention with one fused ``qkv`` projection (unlike the GPT's three), through
+    ``F.scaled_dot_product_attention``: ``(batch, seq, width) -> (batch, seq, width)``."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, w = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)  # (b, heads, s, hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, w))
+
+
+class AttentionNet(nn.Module):
+    """Token embedding + learned positions read from ``position_ids`` + 2 residual attention/MLP layers + head."""
+
+    def __init__(self, vocab: int = 256, width: int = 24, heads: int = 4, max_len: int = 32) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(max_len, width)
+        self.layers = nn.ModuleList(FusedQKVAttention(width, heads) for _ in range(2))
+        self.mlps = nn.ModuleList(Block(width) for _ in range(2))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def attention_heads(self) -> int:
+        return self.heads
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(x.shape[1], device=x.device)
+        h = self.embed(x) + self.pos(position_ids)
+        for attn, mlp in zip(self.layers, self.mlps):
+            h = mlp(h + attn(h))
+        return self.head(self.norm(h))
+
+
+class AttentionLM(L.LightningModule):
+    """A user's causal language model (not the GPT): batches ``(x, y)``, or ``(x, y, position_ids)`` under context
+    parallelism; SGD with momentum or AdamW."""
+
+    def __init__(self, optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.optimizer_name = optimizer
+        self.model = AttentionNet()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, *positions = batch
+        logits = self.model(x, *positions)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=1e-6)
+        return torch.optim.SGD(self.parameters(), lr=0.3, momentum=0.9)
+
+
+def make_attention_lm(optimizer: str = "sgd") -> AttentionLM:
+    """Seeded: every rank and the reference build the same initial model."""
+    torch.manual_seed(0)
+    return AttentionLM(optimizer)

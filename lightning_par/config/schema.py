@@ -26,6 +26,7 @@ from omegaconf import II, MISSING
 from hydra.core.config_store import ConfigStore
 
 from lightning_par.config.option_schema import options_schema, signature_defaults
+from lightning_par.context_parallel.options import ContextParallelOptions
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS, ReducerOptions, ZeroOptions
 from lightning_par.pipeline_parallel.options import PipelineOptions
 from lightning_par.strategies import MeshStrategy, Parallel3DStrategy
@@ -39,6 +40,7 @@ __all__ = [
     "CustomModelConfig",
     "DataConfig",
     "LRScalingConfig",
+    "ContextParallelGroup",
     "PipelineGroup",
     "ReducerGroup",
     "TensorParallelGroup",
@@ -114,6 +116,12 @@ PipelineGroup = options_schema(
     zbv_zero_bubble | dualpipev; ``split`` (typed Any): params | time | size | [layers per virtual stage].""",
 )
 
+ContextParallelGroup = options_schema(
+    "ContextParallelGroup", ContextParallelOptions, module=__name__,
+    doc="""``strategy.context_parallel``: the cp axis's options, generated from :class:`lightning_par.
+    context_parallel.options.ContextParallelOptions`. ``method``: ring | all_to_all.""",
+)
+
 #: ``MeshStrategy``'s own keywords, with their defaults (the constructor is their source).
 _STRATEGY_DEFAULTS: dict[str, Any] = signature_defaults(
     MeshStrategy.__init__, ("timeout_s", "module_attr", "activation_checkpointing", "prog_bar")
@@ -183,6 +191,7 @@ class Parallel3DConfig(StrategyConfig):
     zero: ZeroGroup = field(default_factory=ZeroGroup)
     tensor_parallel: TensorParallelGroup = field(default_factory=TensorParallelGroup)
     pipeline: PipelineGroup = field(default_factory=PipelineGroup)
+    context_parallel: ContextParallelGroup = field(default_factory=ContextParallelGroup)
 
 
 #: The GPT factory that model entries with the reference GPT instantiate.

@@ -348,12 +348,18 @@ class GPT(nn.Module):
         device = next(self.parameters()).device
         return torch.randint(0, self.config.vocab_size, (batch_size, self.config.block_size), device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def attention_heads(self) -> int:
+        """Attention heads per block (the model contract's, for context parallelism's all-to-all)."""
+        return self.config.n_head
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Run the embeddings (if present), the remaining blocks, ``ln_f`` and ``lm_head`` (if present).
 
         Args:
             x: token ids ``(batch, seq)`` int64 when ``wte`` is present, else hidden states
                 ``(batch, seq, n_embd)`` from the previous pipeline stage.
+            position_ids: global positions of the tokens, ``(seq,)`` or ``(batch, seq)`` int64 (context parallelism
+                gives each rank a non-contiguous piece of the sequence); ``None``: ``0 .. seq-1``.
 
         Returns:
             Logits ``(batch, seq, vocab_size)`` when ``lm_head`` is present, else hidden states
@@ -374,7 +380,8 @@ class GPT(nn.Module):
         if self.wte is not None:
             h = self.wte(x)
             if self.wpe is not None:
-                h = h + self.wpe(torch.arange(seq, device=x.device))
+                positions = torch.arange(seq, device=x.device) if position_ids is None else position_ids
+                h = h + self.wpe(positions)
             x = self.drop(h)
         for block in self.blocks.values():
             x = block(x)

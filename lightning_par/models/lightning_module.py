@@ -121,21 +121,25 @@ class GPTLightningModule(L.LightningModule):
         """
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits ``(batch, seq, vocab_size)`` of token ids ``idx`` ``(batch, seq)``."""
-        return self.model(idx)
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(batch, seq, vocab_size)`` of token ids ``idx`` ``(batch, seq)`` at ``position_ids`` (default
+        ``0 .. seq-1``)."""
+        return self.model(idx, position_ids=position_ids)
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def _loss(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Loss of a batch ``(x, y)`` or, under context parallelism, ``(x, y, position_ids)``."""
+        x, y, *positions = batch
+        return self.loss_fn(self(x, *positions), y)
+
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         """Loss of a batch ``(x, y)``, each ``(batch, seq)``; logs ``train_loss``."""
-        x, y = batch
-        loss = self.loss_fn(self(x), y)
+        loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         """Loss of a batch ``(x, y)``; logs ``val_loss`` averaged over batches and ranks."""
-        x, y = batch
-        loss = self.loss_fn(self(x), y)
+        loss = self._loss(batch)
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 

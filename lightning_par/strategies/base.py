@@ -52,6 +52,14 @@ from lightning_par.validation import check_number
 
 __all__ = ["MeshStrategy"]
 
+def _split_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """``(batch, the other positional arguments, the other keyword arguments)`` of a Lightning step call."""
+    if args:
+        return args[0], args[1:], kwargs
+    rest = dict(kwargs)
+    return rest.pop("batch", None), (), rest
+
+
 class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
     """Every registered axis on one mesh, for any LightningModule meeting :mod:`lightning_par.contract`.
 
@@ -349,10 +357,10 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.parallel is not None
-        batch = args[0] if args else kwargs["batch"]
-        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        batch, rest, kwargs = _split_batch(args, kwargs)
+        batch_idx = rest[0] if rest else kwargs.get("batch_idx", 0)
         return self.parallel.steps.training_step(
-            self, lambda: super(MeshStrategy, self).training_step(*args, **kwargs), batch, batch_idx
+            self, lambda b: super(MeshStrategy, self).training_step(b, *rest, **kwargs), batch, batch_idx
         )
 
     @override
@@ -399,22 +407,22 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         assert self.parallel is not None
         self.parallel.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], float(clip_val))
 
-    def _eval_step(self, stage: str, call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _eval_step(self, stage: str, step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         assert self.parallel is not None
-        return self.parallel.steps.eval_step(self, stage, call, args[0] if args else kwargs.get("batch"))
+        batch, rest, kwargs = _split_batch(args, kwargs)
+        return self.parallel.steps.eval_step(self, stage, lambda b: step(b, *rest, **kwargs), batch)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("val", lambda: super(MeshStrategy, self).validation_step(*args, **kwargs), args, kwargs)
+        return self._eval_step("val", super().validation_step, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("test", lambda: super(MeshStrategy, self).test_step(*args, **kwargs), args, kwargs)
+        return self._eval_step("test", super().test_step, args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("predict", lambda: super(MeshStrategy, self).predict_step(*args, **kwargs), args,
-                               kwargs)
+        return self._eval_step("predict", super().predict_step, args, kwargs)
 
     @override
     def on_train_start(self) -> None:

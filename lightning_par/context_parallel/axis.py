@@ -1,0 +1,61 @@
+"""The cp axis in the registry: its checks, its step in ``parallelize()`` and what it adds to a run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from lightning_par import contract
+from lightning_par.axis_registry import Axis, Build
+from lightning_par.context_parallel.attention import CPAttentionMode, check_ulysses_heads
+from lightning_par.context_parallel.batch import SequenceSplit
+from lightning_par.parallel_dims import ParallelDims
+
+__all__ = ["CONTEXT_PARALLEL"]
+
+
+def _check(module: nn.Module, network: nn.Module, dims: ParallelDims, options: Any) -> None:
+    if not dims.cp_enabled:
+        return
+    if dims.pp_enabled:
+        raise ValueError(
+            f"cp_size={dims.cp_size} is not valid with pp_size={dims.pp_size} in this version: a pipeline schedule "
+            f"does not pass the split sequence's position_ids between stages yet. Use pp_size=1 or cp_size=1."
+        )
+    contract.context_parallel_positions(network)
+    if options.context_parallel.method == "all_to_all":
+        heads = contract.attention_heads(network)
+        if heads is None:
+            raise ValueError(
+                f"context_parallel.method='all_to_all' needs the number of attention heads: define attention_heads() "
+                f"on {type(network).__name__}, or use method='ring'."
+            )
+        check_ulysses_heads(heads, dims.cp_size, dims.tp_size)
+
+
+def _apply(build: Build) -> None:
+    """Split each batch's sequence over the cp ranks and run every ``scaled_dot_product_attention`` of a step as
+    context-parallel attention over the cp group (gradients and losses are averaged over ``dp_cp`` by the dp axis)."""
+    dims = build.dims
+    if not dims.cp_enabled:
+        return
+    rank = dims.coordinates(dist.get_rank())["cp"]
+    mode = CPAttentionMode(build.options.context_parallel.method, dims.group("cp"), positions=None)
+
+    def set_positions(positions: Any) -> None:
+        mode.positions = positions
+
+    build.batch_transforms.append(SequenceSplit(rank, dims.cp_size, on_positions=set_positions))
+    build.step_contexts.append(lambda: mode)
+
+
+#: Context parallelism: one sequence split over the cp ranks (ring or all-to-all attention).
+CONTEXT_PARALLEL = Axis(
+    name="cp",
+    size_fields=("cp_size",),
+    option_groups=("context_parallel",),
+    check=_check,
+    steps=(("context", _apply),),
+)

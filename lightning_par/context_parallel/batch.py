@@ -1,0 +1,56 @@
+"""Splitting a batch's sequence over the cp ranks, with causal load balancing."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+from lightning_par.context_parallel.attention import load_balanced_positions, split_sequence
+
+__all__ = ["SequenceSplit"]
+
+
+class SequenceSplit:
+    """This cp rank's piece of each batch: every tensor whose dim 1 is the sequence (as long as the batch's first
+    tensor's dim 1) cut into ``2 * cp_size`` chunks, rank ``i`` keeping chunks ``i`` and ``2 cp_size - 1 - i`` (so
+    every rank does the same causal-attention work: the "zigzag" layout of Megatron-Core's context parallelism and of
+    torch's ``context_parallel`` load balancer), and the global ``position_ids`` ``(seq / cp_size,)`` of what it
+    kept: appended to a tuple or list batch, under ``"position_ids"`` in a mapping.
+
+    Args:
+        cp_rank: this rank's coordinate on the cp axis.
+        cp_size: ranks on the cp axis.
+        on_positions: called with each batch's positions (the attention needs them too).
+
+    Raises:
+        ValueError: (at a batch) a sequence length that is not a multiple of ``2 * cp_size``.
+    """
+
+    def __init__(self, cp_rank: int, cp_size: int, on_positions: Any = None) -> None:
+        self.cp_rank, self.cp_size = cp_rank, cp_size
+        self.on_positions = on_positions
+
+    def __call__(self, batch: Any) -> Any:
+        tensors = list(batch.values()) if isinstance(batch, Mapping) else list(batch)
+        first = next((t for t in tensors if isinstance(t, Tensor) and t.dim() >= 2), None)
+        if first is None:
+            raise ValueError(
+                "context parallelism needs a batch with a (batch, seq, ...) tensor to split along dim 1; got "
+                f"{type(batch).__name__} without one."
+            )
+        seq = first.shape[1]
+        positions = load_balanced_positions(seq, self.cp_rank, self.cp_size).to(first.device)
+        if self.on_positions is not None:
+            self.on_positions(positions)
+
+        def split(t: Any) -> Any:
+            if isinstance(t, Tensor) and t.dim() >= 2 and t.shape[1] == seq:
+                return split_sequence(t, self.cp_rank, self.cp_size, dim=1)
+            return t
+
+        if isinstance(batch, Mapping):
+            return {**{k: split(v) for k, v in batch.items()}, "position_ids": positions}
+        return type(batch)([*(split(t) for t in batch), positions]) if isinstance(batch, list) else (
+            *(split(t) for t in batch), positions)
