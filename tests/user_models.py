@@ -227,10 +227,13 @@ class AttentionLM(L.LightningModule):
         self.optimizer_name = optimizer
         self.model = AttentionNet()
 
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, *positions = batch
-        logits = self.model(x, *positions)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        return self.loss_fn(self.model(x, *positions), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_name == "adamw":

@@ -1,5 +1,6 @@
 """Context parallelism: each sequence split over the ``cp`` ranks (causal load balancing), with ring or
-all-to-all (Ulysses) attention in :mod:`~lightning_par.context_parallel.attention`."""
+all-to-all (Ulysses) attention in :mod:`~lightning_par.context_parallel.attention`; the batch split in
+:mod:`~lightning_par.context_parallel.batch`; the registry entry in :mod:`~lightning_par.context_parallel.axis`."""
 
 from lightning_par.context_parallel.attention import (
     CP_ATTENTION_METHODS,

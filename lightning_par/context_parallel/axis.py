@@ -42,13 +42,15 @@ def _apply(build: Build) -> None:
     if not dims.cp_enabled:
         return
     rank = dims.coordinates(dist.get_rank())["cp"]
-    mode = CPAttentionMode(build.options.context_parallel.method, dims.group("cp"), positions=None)
-
-    def set_positions(positions: Any) -> None:
-        mode.positions = positions
-
-    build.batch_transforms.append(SequenceSplit(rank, dims.cp_size, on_positions=set_positions))
-    build.step_contexts.append(lambda: mode)
+    method, group = build.options.context_parallel.method, dims.group("cp")
+    split = SequenceSplit(rank, dims.cp_size)
+    build.batch_transforms.append(split)
+    # A fresh mode per step: the positions of the batch the split last cut.
+    build.step_contexts.append(lambda: CPAttentionMode(method, group, split.positions))
+    build.summaries.append(lambda: {
+        "cp_method": method,
+        "cp_tokens_per_sequence": None if split.positions is None else int(split.positions.numel()),
+    })
 
 
 #: Context parallelism: one sequence split over the cp ranks (ring or all-to-all attention).

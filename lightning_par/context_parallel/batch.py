@@ -22,15 +22,18 @@ class SequenceSplit:
     Args:
         cp_rank: this rank's coordinate on the cp axis.
         cp_size: ranks on the cp axis.
-        on_positions: called with each batch's positions (the attention needs them too).
+
+    Attributes:
+        positions: the global positions ``(seq / cp_size,)`` of the last batch's kept tokens (the attention reads
+            them too); ``None`` before the first batch.
 
     Raises:
         ValueError: (at a batch) a sequence length that is not a multiple of ``2 * cp_size``.
     """
 
-    def __init__(self, cp_rank: int, cp_size: int, on_positions: Any = None) -> None:
+    def __init__(self, cp_rank: int, cp_size: int) -> None:
         self.cp_rank, self.cp_size = cp_rank, cp_size
-        self.on_positions = on_positions
+        self.positions: Tensor | None = None
 
     def __call__(self, batch: Any) -> Any:
         tensors = list(batch.values()) if isinstance(batch, Mapping) else list(batch)
@@ -41,9 +44,7 @@ class SequenceSplit:
                 f"{type(batch).__name__} without one."
             )
         seq = first.shape[1]
-        positions = load_balanced_positions(seq, self.cp_rank, self.cp_size).to(first.device)
-        if self.on_positions is not None:
-            self.on_positions(positions)
+        positions = self.positions = load_balanced_positions(seq, self.cp_rank, self.cp_size).to(first.device)
 
         def split(t: Any) -> Any:
             if isinstance(t, Tensor) and t.dim() >= 2 and t.shape[1] == seq:

@@ -30,6 +30,8 @@ def _fit(name: str, model: str, **options) -> dict:
 
 WORLD2 = {f"cp2-{model}-{m}": _fit(f"cp2-{model}-{m}", model, cp_size=2, method=m)
           for model in ("gpt", "attn-sgd", "attn-adamw") for m in METHODS}
+BF16 = {f"cp2-bf16-{model}-{m}": {**_fit(f"cp2-bf16-{model}-{m}", model, cp_size=2, method=m),
+                                  "precision": "bf16-mixed"} for model in ("gpt", "attn-sgd") for m in METHODS}
 WORLD4 = {
     **{f"cp4-{model}-{m}": _fit(f"cp4-{model}-{m}", model, cp_size=4, method=m)
        for model, m in (("gpt", "ring"), ("attn-sgd", "ring"), ("attn-sgd", "all_to_all"))},
@@ -46,9 +48,19 @@ def _samples() -> int:
     return MICRO * 2 * STEPS
 
 
+WORLD8 = {f"dp2cp2tp2-{mode}-gpt": _fit(f"dp2cp2tp2-{mode}-gpt", "gpt", dp_size=2, cp_size=2, tp_size=2,
+                                        sequence_parallel=True, dp_mode=mode) for mode in ("zero1", "zero3")}
+
+
 @pytest.fixture(scope="module")
 def world2() -> dict:
-    return run_plan(2, list(WORLD2.values()), token_data(_samples()), token_data(8, seed=1), timeout_s=900)
+    cases = [*WORLD2.values(), *BF16.values()]
+    return run_plan(2, cases, token_data(_samples()), token_data(8, seed=1), timeout_s=900)
+
+
+@pytest.fixture(scope="module")
+def world8() -> dict:
+    return run_plan(8, list(WORLD8.values()), token_data(_samples()), token_data(8, seed=1), timeout_s=900)
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +89,9 @@ def _check(runs: list[dict], case: dict) -> None:
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     for r in runs:
         assert_params_close(r["state"], ref_params)
+        # each rank held 1/cp of every sequence (16 tokens), with the method asked for
+        assert r["extras"]["cp_tokens_per_sequence"] == 16 // options["cp_size"]
+        assert r["extras"]["cp_method"] == options.get("method", "ring")
 
 
 @pytest.mark.parametrize("name", list(WORLD2))
@@ -87,3 +102,32 @@ def test_cp2_matches_one_process(world2, name):
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_cp4_and_cp_with_dp_modes_and_tp_match_one_process(world4, name):
     _check(world4[name], WORLD4[name])
+
+
+@pytest.mark.parametrize("name", list(BF16))
+def test_bf16_mixed_through_cp(world2, name):
+    """bf16-mixed against one process in bf16-mixed, at the tolerance of the other strategies' half-precision runs
+    where a reduction order differs (tests/distributed/test_techniques.py): the ring merges blocks' partial softmax
+    results in fp32 where one process computes one softmax, so losses within ``u = 2**-8`` and parameters' updates
+    within ``2**-4`` relative."""
+    from tests.distributed.test_techniques import HALF_LOSS_RTOL, HALF_UPDATE_RTOL
+    from tests.precision_helpers import reference_fit_precision
+
+    case, runs = BF16[name], world2[name]
+    ref_losses, ref_params, initial = reference_fit_precision(
+        _factory(case["model"]), token_data(_samples()), MICRO, STEPS, 1, 1, "bf16-mixed"
+    )
+    losses = [sum(v) / len(v) for v in zip(*(r["losses"] for r in runs))]
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                               torch.tensor(ref_losses, dtype=torch.float64), rtol=HALF_LOSS_RTOL, atol=0)
+    for r in runs:
+        assert r["extras"]["precision"] == "bf16-mixed"
+        diff = sum(((r["state"][k].double() - ref_params[k].double()) ** 2).sum() for k in ref_params) ** 0.5
+        update = sum(((ref_params[k].double() - initial[k].double()) ** 2).sum() for k in ref_params) ** 0.5
+        assert diff / update <= HALF_UPDATE_RTOL, (float(diff / update), r["rank"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(WORLD8))
+def test_dp2_cp2_tp2_matches_one_process(world8, name):
+    _check(world8[name], WORLD8[name])
