@@ -63,9 +63,28 @@ def world8() -> dict:
     return run_plan(8, list(WORLD8.values()), token_data(_samples()), token_data(8, seed=1), timeout_s=900)
 
 
+#: the world-4 case that saves a checkpoint (parameters sharded by zero3 over dp_shard x cp = 4 ranks), and the
+#: layouts it is then validated under: none of them has cp, or the same sharding
+SAVER = "cp2dp2-zero3-gpt-all_to_all"
+RELOAD = {"reload-dp2-ddp": dict(dp_size=2), "reload-cp2-zero2": dict(cp_size=2, dp_mode="zero2")}
+
+
 @pytest.fixture(scope="module")
-def world4() -> dict:
+def checkpoint(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("cp") / "cp2dp2.ckpt")
+
+
+@pytest.fixture(scope="module")
+def world4(checkpoint) -> dict:
+    WORLD4[SAVER]["save"] = checkpoint
     return run_plan(4, list(WORLD4.values()), token_data(_samples()), token_data(8, seed=1), timeout_s=900)
+
+
+@pytest.fixture(scope="module")
+def reloaded(world4, checkpoint) -> dict:
+    plan = [{"kind": "validate", "name": name, "micro_batch": MICRO, "ckpt": checkpoint, "options": options}
+            for name, options in RELOAD.items()]
+    return run_plan(2, plan, token_data(_samples()), token_data(8, seed=1), timeout_s=900)
 
 
 def _factory(model: str):
@@ -131,3 +150,14 @@ def test_bf16_mixed_through_cp(world2, name):
 @pytest.mark.parametrize("name", list(WORLD8))
 def test_dp2_cp2_tp2_matches_one_process(world8, name):
     _check(world8[name], WORLD8[name])
+
+
+@pytest.mark.parametrize("name", list(RELOAD))
+def test_a_checkpoint_saved_under_cp_loads_into_other_layouts_and_one_process(world4, reloaded, checkpoint, name):
+    from tests.p3d_helpers import reference_val_loss
+
+    trained = world4[SAVER][0]["state"]
+    expected = reference_val_loss(trained, token_data(8, seed=1))
+    assert reference_val_loss(None, token_data(8, seed=1), path=checkpoint) == pytest.approx(expected, rel=1e-6)
+    for r in reloaded[name]:
+        assert r["val_loss"] == pytest.approx(expected, rel=1e-5)
