@@ -17,8 +17,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lightning_par.config.schema import (
-    STRATEGY_SCHEMAS, PipelineGroup, ReducerGroup, StrategyConfig, TensorParallelGroup, ZeroGroup, register_configs,
+    STRATEGY_SCHEMAS, ContextParallelGroup, PipelineGroup, ReducerGroup, StrategyConfig, TensorParallelGroup, ZeroGroup,
+    register_configs,
 )
+from lightning_par.context_parallel.options import ContextParallelOptions
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS, ReducerOptions, ZeroOptions, parse_mixed_precision
 from lightning_par.parallelize import ParallelOptions
 from lightning_par.pipeline_parallel.options import PipelineOptions
@@ -33,6 +35,7 @@ GROUP_OPTIONS: dict[str, type] = {
     "reducer": ReducerOptions,
     "tensor_parallel": TensorParallelOptions,
     "pipeline": PipelineOptions,
+    "context_parallel": ContextParallelOptions,
 }
 #: Option group -> the schema generated from it.
 GROUP_SCHEMAS: dict[str, type] = {
@@ -40,6 +43,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "zero": ZeroGroup,
     "tensor_parallel": TensorParallelGroup,
     "pipeline": PipelineGroup,
+    "context_parallel": ContextParallelGroup,
 }
 #: Schema fields left at None, which their options dataclass documents as its default.
 NONE_IS_DEFAULT: dict[str, tuple[str, ...]] = {"reducer": ("bucket_cap_mb",)}

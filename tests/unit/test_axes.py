@@ -20,16 +20,22 @@ def test_every_registered_axis_names_real_fields_groups_and_phases():
         assert set(axis.size_fields) <= fields, axis.name
         assert set(axis.option_groups) <= set(OPTION_GROUPS), axis.name
         assert {phase for phase, _ in axis.steps} <= set(PHASES), axis.name
-    # every option group and every size but cp's belongs to exactly one registered axis
+    # every option group and every size field belongs to exactly one registered axis
     assert all(axis_of_group(g) is not None for g in OPTION_GROUPS)
     assert sum(len(a.size_fields) for a in AXES) == len({f for a in AXES for f in a.size_fields})
-    assert axis_of_size("cp_size") is None and axis_of_size("dp_replicate_size").name == "dp"
+    assert {f for a in AXES for f in a.size_fields} == fields - {"world_size"}
+    assert axis_of_size("cp_size").name == "cp" and axis_of_size("dp_replicate_size").name == "dp"
 
 
 def test_a_size_on_an_axis_nothing_runs_on_is_refused_before_start():
+    from lightning_par.axes import check_sizes
+
     with pytest.raises(ValueError, match=re.escape(
-            "cp_size=2 is not valid: no registered parallelism runs on the cp axis in this version. Use cp_size=1.")):
-        MeshStrategy(cp_size=2)
+            "ep_size=2 is not valid: no registered parallelism runs on the ep_size axis in this version. Use "
+            "ep_size=1.")):
+        check_sizes({"ep_size": 2}, MeshStrategy.has_axis, "", "MeshStrategy")
+    with pytest.raises(ValueError, match=re.escape("cp_size=2 is not valid for PipelineStrategy, which has no cp axis")):
+        PipelineStrategy(cp_size=2)
 
 
 @pytest.mark.parametrize("cls", [DDPOverlapStrategy, ZeroStrategy, MeshStrategy])
