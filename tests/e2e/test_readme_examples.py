@@ -82,9 +82,10 @@ def test_the_errors_the_readme_quotes():
     full = _message(DDPOverlapStrategy(activation_checkpointing="full"), unnamed, ParallelDims(world_size=2))
     selective = _message(DDPOverlapStrategy(activation_checkpointing="selective"), ns["Regressor"](),
                          ParallelDims(world_size=2))
+    cp = _message(DDPOverlapStrategy(cp_size=2), ns["Regressor"](), ParallelDims(cp_size=2, world_size=2))
     section = README.read_text().split("## Bring your own model")[1]
     quoted = re.findall(r"`ValueError: ([^`]*?)\.\.\.`", section)
-    assert len(quoted) == 4
-    for message, quote in zip((tp, pp, full, selective), quoted):
+    assert len(quoted) == 5
+    for message, quote in zip((cp, tp, pp, full, selective), quoted):
         assert message.startswith(quote), (quote, message)
     assert "training_step is not called" in pp
