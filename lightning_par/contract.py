@@ -35,7 +35,8 @@ context parallelism         attention through ``torch.nn.functional.scaled_dot_p
                             ``dropout_p=0``; causal or full); ``network.forward(..., position_ids=)`` taking the global
                             positions of the tokens a rank holds. Batches arrive with every tensor's sequence dim
                             (dim 1) split and ``position_ids`` ``(seq_local,)`` appended (a tuple batch) or added under
-                            that key (a dict batch). For ``method="all_to_all"``: ``network.attention_heads()``.
+                            that key (a dict batch); under pipelining ``pipeline_batch`` maps them into the first
+                            stage's inputs. For ``method="all_to_all"``: ``network.attention_heads()``.
 ==========================  ==========================================================================================
 """
 

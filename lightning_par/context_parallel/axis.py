@@ -19,11 +19,6 @@ __all__ = ["CONTEXT_PARALLEL"]
 def _check(module: nn.Module, network: nn.Module, dims: ParallelDims, options: Any) -> None:
     if not dims.cp_enabled:
         return
-    if dims.pp_enabled:
-        raise ValueError(
-            f"cp_size={dims.cp_size} is not valid with pp_size={dims.pp_size} in this version: a pipeline schedule "
-            f"does not pass the split sequence's position_ids between stages yet. Use pp_size=1 or cp_size=1."
-        )
     contract.context_parallel_positions(network)
     if options.context_parallel.method == "all_to_all":
         heads = contract.attention_heads(network)

@@ -59,7 +59,7 @@ class PipelinedSteps(StepHooks):
         LightningModule's own ``training_step``, ``call``, is not run)."""
         parallel = self.parallel
         module = host.lightning_module
-        inputs, targets = contract.pipeline_batch(module, batch)
+        inputs, targets = contract.pipeline_batch(module, parallel.prepare_batch(batch))
         accumulate = module.trainer.accumulate_grad_batches
         params = self._params()
         opens_window = batch_idx % accumulate == 0
@@ -139,7 +139,7 @@ class PipelinedSteps(StepHooks):
             )
         parallel = self.parallel
         module = host.lightning_module
-        inputs, targets = contract.pipeline_batch(module, batch)
+        inputs, targets = contract.pipeline_batch(module, parallel.prepare_batch(batch))
         for m in parallel.stage_modules:
             m.train(module.training)
         with host.precision_plugin.forward_context():

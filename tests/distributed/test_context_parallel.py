@@ -1,5 +1,5 @@
 """Context parallelism against one process: the sequence split over cp ranks (causal load balancing), ring and
-all-to-all attention, alone and with every dp mode and with tensor parallelism.
+all-to-all attention, alone and with every dp mode, tensor parallelism and pipelining (1F1B).
 
 Models: the reference GPT (AdamW) and a user's causal LM with its own fused-qkv attention and learned positions read
 from ``position_ids`` (:class:`tests.user_models.AttentionLM`, SGD with momentum and AdamW). Each rank's loss is the
@@ -15,6 +15,7 @@ import torch
 from lightning_par.parallel_dims import ParallelDims
 from tests.helpers import assert_params_close, reference_fit
 from tests.p3d_helpers import make_gpt, run_plan, token_data
+from tests.pp_helpers import reference_fit_microbatched
 from tests.user_models import make_attention_lm
 
 pytestmark = pytest.mark.distributed
@@ -41,6 +42,8 @@ WORLD4 = {
                                         method="all_to_all"),
     **{f"cp2tp2-sp-gpt-{m}": _fit(f"cp2tp2-sp-gpt-{m}", "gpt", cp_size=2, tp_size=2, sequence_parallel=True,
                                   method=m) for m in ("ring",)},
+    **{f"cp2pp2-1f1b-gpt-{m}": _fit(f"cp2pp2-1f1b-gpt-{m}", "gpt", cp_size=2, pp_size=2, schedule="1f1b",
+                                    num_microbatches=2, method=m) for m in METHODS},
 }
 
 
@@ -48,8 +51,12 @@ def _samples() -> int:
     return MICRO * 2 * STEPS
 
 
-WORLD8 = {f"dp2cp2tp2-{mode}-gpt": _fit(f"dp2cp2tp2-{mode}-gpt", "gpt", dp_size=2, cp_size=2, tp_size=2,
-                                        sequence_parallel=True, dp_mode=mode) for mode in ("zero1", "zero3")}
+WORLD8 = {
+    **{f"dp2cp2tp2-{mode}-gpt": _fit(f"dp2cp2tp2-{mode}-gpt", "gpt", dp_size=2, cp_size=2, tp_size=2,
+                                     sequence_parallel=True, dp_mode=mode) for mode in ("zero1", "zero3")},
+    "cp2tp2pp2-1f1b-gpt": _fit("cp2tp2pp2-1f1b-gpt", "gpt", cp_size=2, tp_size=2, pp_size=2, schedule="1f1b",
+                               num_microbatches=2, sequence_parallel=True),
+}
 
 
 @pytest.fixture(scope="module")
@@ -97,14 +104,19 @@ def _check(runs: list[dict], case: dict) -> None:
     options = case["options"]
     world = len(runs)
     dims = ParallelDims(dp_size=options.get("dp_size", -1), tp_size=options.get("tp_size", 1),
-                        cp_size=options["cp_size"], world_size=world)
+                        pp_size=options.get("pp_size", 1), cp_size=options["cp_size"], world_size=world)
     one_per_piece = {}
     for r in runs:  # one rank per (dp, cp) piece of the global batch: tp ranks hold the same loss
         c = dims.coordinates(r["rank"])
         one_per_piece.setdefault((c["dp"], c["cp"]), r["losses"])
     losses = [sum(v[i] for v in one_per_piece.values()) / len(one_per_piece) for i in range(STEPS)]
-    ref_losses, ref_params = reference_fit(_factory(case["model"]), token_data(_samples()), MICRO * dims.dp_size,
-                                           STEPS)
+    if options.get("pp_size", 1) > 1:  # the micro-batches' gradients summed in the pipeline's order
+        ref_losses, ref_params = reference_fit_microbatched(
+            _factory(case["model"]), token_data(_samples()), MICRO, STEPS, options["num_microbatches"], dims.dp_size
+        )
+    else:
+        ref_losses, ref_params = reference_fit(_factory(case["model"]), token_data(_samples()),
+                                               MICRO * dims.dp_size, STEPS)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     for r in runs:
         assert_params_close(r["state"], ref_params)
@@ -148,7 +160,7 @@ def test_bf16_mixed_through_cp(world2, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(WORLD8))
-def test_dp2_cp2_tp2_matches_one_process(world8, name):
+def test_world8_dp2_cp2_tp2_and_cp2_tp2_pp2_match_one_process(world8, name):
     _check(world8[name], WORLD8[name])
 
 

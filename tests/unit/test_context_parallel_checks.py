@@ -33,9 +33,14 @@ def test_all_to_all_needs_heads_divisible_by_cp_times_tp():
     validate(gpt, ParallelDims(cp_size=2, tp_size=2, world_size=4), ParallelOptions.build(method="ring"))
 
 
-def test_cp_with_pipelining_is_refused_before_start():
-    with pytest.raises(ValueError, match="cp_size=2 is not valid with pp_size=2 in this version"):
-        validate(make_gpt(), ParallelDims(cp_size=2, pp_size=2, world_size=4), ParallelOptions.build())
+def test_cp_with_pipelining_validates_and_the_gpt_maps_positions_into_its_first_stage():
+    gpt = make_gpt()
+    validate(gpt, ParallelDims(cp_size=2, pp_size=2, world_size=4), ParallelOptions.build(schedule="1f1b",
+                                                                                          num_microbatches=2))
+    x = torch.zeros(4, 8, dtype=torch.long)
+    (inputs, positions), targets = gpt.pipeline_batch((x, x, torch.tensor([0, 1, 6, 7])))
+    assert positions.shape == (4, 4) and positions[3].tolist() == [0, 1, 6, 7] and targets is x
+    assert gpt.pipeline_batch((x, x)) == (x, x)
 
 
 def test_unknown_method_names_the_valid_ones():
