@@ -1,8 +1,9 @@
 """Communication cost of collectives: bytes each rank sends, ring steps, and alpha-beta time.
 
 The one home of these formulas: the planner predicts with them (:mod:`lightning_par.planner.comm`,
-:mod:`lightning_par.planner.calibrate`) and the byte counters charge the collectives they see with them
-(:mod:`lightning_par.data_parallel.comm_volume`, :mod:`lightning_par.tensor_parallel.comm_volume`).
+:mod:`lightning_par.planner.calibrate`, :mod:`lightning_par.planner.step_time`) and the byte counters charge the
+collectives they see with them (:mod:`lightning_par.data_parallel.comm_volume`,
+:mod:`lightning_par.tensor_parallel.comm_volume`).
 
 Volumes are the bytes *one rank sends* in the bandwidth-optimal ring algorithms over a group of ``n`` ranks (Thakur,
 Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in MPICH"; Patarasuk & Yuan
@@ -30,11 +31,13 @@ __all__ = [
     "broadcast_bytes",
     "collective_time",
     "megatron_layer_bytes",
+    "ring_attention_layer_bytes",
     "reduce_scatter_bytes",
     "ring_fraction",
     "ring_pass_bytes",
     "ring_steps",
     "send_bytes",
+    "ulysses_layer_bytes",
 ]
 
 
@@ -81,14 +84,14 @@ def send_bytes(nbytes: float) -> float:
 
 
 def ring_steps(op: str, group_size: int) -> int:
-    """Ring steps of a collective over ``group_size`` ranks: all-reduce ``2 (n-1)``, all-gather and reduce-scatter
-    ``n-1``, point-to-point (``"p2p"``) 1.
+    """Ring steps of a collective over ``group_size`` ranks: all-reduce ``2 (n-1)``, all-gather, reduce-scatter and
+    all-to-all (pairwise exchange) ``n-1``, point-to-point (``"p2p"``) 1.
 
     Raises:
         ValueError: an unknown ``op``.
     """
     steps = {"all_reduce": 2 * (group_size - 1), "all_gather": group_size - 1, "reduce_scatter": group_size - 1,
-             "p2p": 1}
+             "all_to_all": group_size - 1, "p2p": 1}
     if op not in steps:
         raise ValueError(f"op={op!r} is not valid: expected one of {sorted(steps)}.")
     return steps[op]
@@ -112,3 +115,50 @@ def megatron_layer_bytes(micro_batch_size: int, seq_len: int, hidden_size: int, 
     """
     count = 6 if recompute_forward else 4
     return count * all_reduce_bytes(micro_batch_size * seq_len * hidden_size * element_bytes, tp_size)
+
+
+def ring_attention_layer_bytes(micro_batch_size: int, seq_len: int, hidden_size: int, cp_size: int, tp_size: int,
+                               element_bytes: int, recompute_forward: bool = False) -> float:
+    """Bytes one rank sends per attention layer per micro-batch under ring attention over ``cp_size`` ranks.
+
+    Ring Attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers", §3): each rank holds ``S / cp`` of
+    the sequence's ``S`` tokens and passes the K/V block it holds to the next rank ``cp - 1`` times, so that its
+    queries meet every block; a block is K and V of those tokens for the rank's ``h / t`` hidden units (its heads
+    under tensor parallelism), ``2 b (S/cp) (h/t)`` elements. The backward passes each block's K/V gradient back
+    around the ring: as many bytes again. So ``2 (cp-1) * 2 b (S/cp) (h/t)`` elements, with a recomputed forward
+    (activation checkpointing of the attention) ``3 (cp-1) * 2 b (S/cp) (h/t)``.
+
+    Args:
+        micro_batch_size: sequences ``b`` per micro-batch.
+        seq_len: tokens ``S`` per whole sequence (before the cp split).
+        hidden_size: ``h``.
+        cp_size: ranks ``cp`` the sequence is split over.
+        tp_size: tensor-parallel ranks ``t`` the heads are split over.
+        element_bytes: bytes per K/V element.
+        recompute_forward: the forward ring runs twice (checkpointed attention).
+
+    Returns:
+        Bytes sent by one rank (0 for ``cp_size == 1``).
+    """
+    block = 2 * micro_batch_size * seq_len * hidden_size * element_bytes / (cp_size * tp_size)
+    passes = 3 if recompute_forward else 2
+    return passes * (cp_size - 1) * send_bytes(block)
+
+
+def ulysses_layer_bytes(micro_batch_size: int, seq_len: int, hidden_size: int, cp_size: int, tp_size: int,
+                        element_bytes: int, recompute_forward: bool = False) -> float:
+    """Bytes one rank sends per attention layer per micro-batch under DeepSpeed-Ulysses over ``cp_size`` ranks.
+
+    DeepSpeed-Ulysses (Jacobs et al. 2023, §3): all-to-alls of q, k and v trade the sequence split for a head split
+    before attention and one of the output trades back: four all-to-alls forward of ``b (S/cp) (h/t)`` elements of
+    input per rank (``4 N h / P`` per link per layer in the paper's terms, ``N = b S``, ``P = cp``, at ``t = 1``),
+    and their four reverse exchanges backward. Each all-to-all sends all but the rank's own ``1/cp``
+    (:func:`all_to_all_bytes`): ``8 b (S/cp) (h/t) (cp-1)/cp`` elements, with a recomputed forward ``12 ...``.
+    (lightning_par sends q, k and v as one tensor: fewer messages, the same bytes.)
+
+    Args and returns: as :func:`ring_attention_layer_bytes` (``recompute_forward``: the forward all-to-alls run
+    twice).
+    """
+    count = 12 if recompute_forward else 8
+    local = micro_batch_size * seq_len * hidden_size * element_bytes / (cp_size * tp_size)
+    return count * all_to_all_bytes(local, cp_size)

@@ -1,8 +1,9 @@
 """Plan a layout: rank every dp x tp x pp layout (dp mode, micro-batches, schedule, checkpointing) of a GPT on N
-devices.
+devices, and with ``planner.cp_sizes`` the dp x cp x tp layouts of context parallelism too.
 
     python recipes/plan.py model=gpt2 parallel.world_size=64 planner.device=h100-80gb planner.global_batch_size=512
     python recipes/plan.py model=small parallel.world_size=8 planner=cpu planner.top_k=4   # + a ready multirun
+    python recipes/plan.py model=gpt2 parallel.world_size=64 planner.cp_sizes=[1,2,4]     # context parallelism too
 
 Prints the ranked table (best first; layouts that do not fit last, with the reason) and writes ``plan.md`` and
 ``plan.csv`` into the Hydra run directory (``outputs/plan/<date>/<time>/``). With ``planner.top_k=K`` it also writes
@@ -36,7 +37,7 @@ _PASSED_ON = ("model", "data", "trainer", "seed")
 
 def _global_batch(cfg: DictConfig) -> int:
     par = cfg.parallel
-    dp = par.dp_size if par.dp_size != -1 else par.world_size // (par.tp_size * par.pp_size)
+    dp = par.dp_size if par.dp_size != -1 else par.world_size // (par.tp_size * par.pp_size * par.cp_size)
     return int(cfg.data.batch_size) * max(1, int(dp))
 
 
@@ -52,7 +53,8 @@ def main(cfg: DictConfig) -> None:
         seq_len=p.seq_len, precision=p.precision, dp_modes=list(p.dp_modes), schedules=list(p.schedules),
         checkpointing=list(p.checkpointing), micro_batch_sizes=p.micro_batch_sizes,
         max_virtual_stages=p.max_virtual_stages, sequence_parallel=list(p.sequence_parallel),
-        include_unfit=p.include_unfit, calibration=p.calibration,
+        cp_sizes=list(p.cp_sizes), cp_methods=list(p.cp_methods), include_unfit=p.include_unfit,
+        calibration=p.calibration,
     )
     spec = model_spec(gpt, p.seq_len)
     fits = sum(x.fits for x in predictions)

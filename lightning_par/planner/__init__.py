@@ -1,4 +1,5 @@
-"""A layout planner: the best dp x tp x pp (dp mode, micro-batches, schedule, checkpointing) for N devices.
+"""A layout planner: the best dp x tp x pp (dp mode, micro-batches, schedule, checkpointing) for N devices, and with
+``cp_sizes`` the dp x cp x tp layouts of context parallelism.
 
 Predicts, for every valid layout of a model, the memory per device (model state per ZeRO stage, activations per
 Korthikanti et al. 2022, buffers) and the step time (compute, exposed communication, pipeline bubble, optimizer),

@@ -6,9 +6,11 @@ of ``n`` bytes over ``k`` ranks sends ``2 n (k-1)/k`` in ``2 (k-1)`` steps, an a
 reduce-scatter with input ``n`` sends ``n (k-1)/k`` in ``k-1``, each step paying the link's per-message latency.
 
 Which link a group uses follows the runtime's rank order (:class:`~lightning_par.parallel_dims.ParallelDims`: tp
-innermost, pp outermost; a group of ``axis`` is ``size(axis)`` ranks ``stride(axis)`` apart) on nodes of
-``devices_per_node`` consecutive ranks: a tp group stays in a node when ``tp <= devices_per_node``, a dp group when
-``tp * dp <= devices_per_node``, pipeline neighbours when ``tp * dp * pp <= devices_per_node``.
+innermost, then cp, dp, pp outermost; a group of ``axis`` is ``size(axis)`` ranks ``stride(axis)`` apart) on nodes of
+``devices_per_node`` consecutive ranks: a tp group stays in a node when ``tp <= devices_per_node``, a cp group when
+``tp * cp <= devices_per_node``, a dp group when ``tp * cp * dp <= devices_per_node``, pipeline neighbours when
+``tp * cp * dp * pp <= devices_per_node``. The dp axis's collectives run over the derived mesh ``"dp_cp"`` (dp and cp
+together: the runtime averages gradients, and ZeRO shards, over both), ``dp * cp`` ranks ``tp`` apart.
 
 Across nodes, each device has its own network adapter (DGX A100: eight 200 Gb/s HDR adapters per node, one per GPU;
 Narayanan et al. 2021, §5), and ``inter_node_bandwidth`` is one device's share. A collective whose group has ``k``
@@ -16,7 +18,9 @@ members in each node runs ``k`` rings at once, each leaving the node through ano
 channels; the hops inside a node go over NVLink): its bytes cross the network at ``k * inter_node_bandwidth``
 (:func:`group_ranks_per_node`). All the groups of a node run at once, so the node's adapters are shared, not
 oversubscribed: with ``tp`` ranks per node on the tp axis, a dp group has ``devices_per_node / tp`` members per node.
-A pipeline send goes from one device to one device: one adapter, ``k = 1``.
+A pipeline send goes from one device to one device: one adapter, ``k = 1``; so does each step of ring attention on the
+cp axis (every rank sends its K/V block to the next; a step lasts as long as the sends that cross a node boundary).
+Ulysses' all-to-alls on the cp axis are collectives like the others.
 
 Pure Python: no torch import.
 """
@@ -27,6 +31,8 @@ from lightning_par.comm_cost import all_gather_bytes as allgather_bytes
 from lightning_par.comm_cost import all_reduce_bytes as allreduce_bytes
 from lightning_par.comm_cost import collective_time, reduce_scatter_bytes, ring_fraction, ring_steps
 from lightning_par.comm_cost import megatron_layer_bytes as tp_layer_comm_bytes
+from lightning_par.comm_cost import ring_attention_layer_bytes, ulysses_layer_bytes
+from lightning_par.context_parallel.options import CP_METHODS
 from lightning_par.planner.devices import DeviceSpec
 from lightning_par.planner.layouts import Layout
 
@@ -34,11 +40,14 @@ __all__ = [
     "allgather_bytes",
     "allreduce_bytes",
     "collective_time",
+    "cp_layer_comm_bytes",
     "group_link",
     "group_ranks_per_node",
     "reduce_scatter_bytes",
+    "ring_attention_layer_bytes",
     "ring_steps",
     "tp_layer_comm_bytes",
+    "ulysses_layer_bytes",
     "zero_step_comm_bytes",
 ]
 
@@ -69,19 +78,60 @@ def zero_step_comm_bytes(dp_mode: str, params: float, dp_size: int, param_bytes:
     return volumes[dp_mode] * params * f
 
 
+def cp_layer_comm_bytes(method: str, micro_batch_size: int, seq_len: int, hidden_size: int, cp_size: int,
+                        tp_size: int, element_bytes: int, recompute_forward: bool = False) -> tuple[float, int, int]:
+    """What one rank sends per attention layer per micro-batch on the cp axis, as lightning_par's cp methods run.
+
+    * ``"ring"``: :func:`~lightning_par.comm_cost.ring_attention_layer_bytes`; ``cp - 1`` point-to-point sends of
+      the K/V block forward and as many of its gradient backward (one more forward pass with recomputation);
+    * ``"all_to_all"``: :func:`~lightning_par.comm_cost.ulysses_layer_bytes`; lightning_par sends q, k and v as one
+      all-to-all, so two all-to-alls forward (q/k/v, output) and two backward (three forward passes' worth, six, with
+      recomputation), each of ``cp - 1`` pairwise steps.
+
+    Args:
+        method: ``"ring"`` or ``"all_to_all"``.
+        micro_batch_size, seq_len, hidden_size, cp_size, tp_size, element_bytes, recompute_forward: as the formulas
+            (``seq_len`` the whole sequence before the cp split).
+
+    Returns:
+        ``(bytes, operations, steps per operation)``, for :func:`collective_time`.
+
+    Raises:
+        ValueError: an unknown ``method``.
+    """
+    args = (micro_batch_size, seq_len, hidden_size, cp_size, tp_size, element_bytes, recompute_forward)
+    passes = 3 if recompute_forward else 2
+    if method == "ring":
+        return ring_attention_layer_bytes(*args), passes * (cp_size - 1), ring_steps("p2p", cp_size)
+    if method == "all_to_all":
+        return ulysses_layer_bytes(*args), 2 * passes, ring_steps("all_to_all", cp_size)
+    raise ValueError(f"method={method!r} is not valid: expected one of {list(CP_METHODS)}.")
+
+
 def group_ranks_per_node(layout: Layout, axis: str, devices_per_node: int) -> int:
     """Members of one ``axis`` group in each node it spans, at least (nodes of ``devices_per_node`` consecutive ranks).
 
-    A tp group is ``tp`` consecutive ranks, a dp group ``dp`` ranks ``tp`` apart; a ``"pp"`` send joins two devices
-    (1). When the group spans nodes unevenly (``tp * dp`` not a multiple of ``devices_per_node``), the node holding
-    the fewest members sets the rate.
+    A tp group is ``tp`` consecutive ranks, a cp group ``cp`` ranks ``tp`` apart, a dp group ``dp`` ranks ``cp * tp``
+    apart, a ``"dp_cp"`` group ``dp * cp`` ranks ``tp`` apart; a ``"pp"`` send joins two devices (1), and so does a
+    step of ring attention on ``"cp"`` (``layout.cp_method == "ring"``; Ulysses' all-to-alls count as a collective).
+    When the group spans nodes unevenly (its ranks not filling whole nodes), the node holding the fewest members sets
+    the rate.
+
+    Args:
+        layout: the layout (its mesh, and ``cp_method`` for ``"cp"``).
+        axis: an axis or derived mesh of :class:`~lightning_par.parallel_dims.ParallelDims` (``"tp"``, ``"cp"``,
+            ``"dp"``, ``"dp_cp"``, ``"pp"``).
+        devices_per_node: devices per node.
+
+    Returns:
+        Members per node (at least 1).
 
     Raises:
         ValueError: an unknown axis.
     """
     dims = layout.dims()
     size, stride = dims.size(axis), dims.stride(axis)  # raises for an unknown axis
-    if axis == "pp":
+    if axis == "pp" or (axis == "cp" and layout.cp_method == "ring"):
         return 1
     g = devices_per_node
     if (size * stride) % g == 0 and g % stride == 0:  # the group fills whole nodes evenly
@@ -97,11 +147,21 @@ def group_ranks_per_node(layout: Layout, axis: str, devices_per_node: int) -> in
 
 
 def group_link(device: DeviceSpec, layout: Layout, axis: str, devices_per_node: int) -> tuple[float, float]:
-    """``(bandwidth, latency)`` of the link a group of ``axis`` (``"tp"``, ``"dp"`` or ``"pp"``) uses.
+    """``(bandwidth, latency)`` of the link a group of ``axis`` (``"tp"``, ``"cp"``, ``"dp"``, ``"dp_cp"`` or
+    ``"pp"``) uses.
 
     Inside a node: ``intra_node_bandwidth``. Across nodes: ``k * inter_node_bandwidth`` with ``k`` the group's
-    members per node (:func:`group_ranks_per_node`: one adapter per member; 1 for a pipeline send), at most
-    ``intra_node_bandwidth``, and ``inter_node_latency_s`` per ring step.
+    members per node (:func:`group_ranks_per_node`: one adapter per member; 1 for a pipeline send or a ring-attention
+    step), at most ``intra_node_bandwidth``, and ``inter_node_latency_s`` per ring step.
+
+    Args:
+        device: the device spec (bandwidths in bytes/s, latencies in seconds).
+        layout: the layout.
+        axis: see :func:`group_ranks_per_node`.
+        devices_per_node: devices per node.
+
+    Returns:
+        ``(bytes/s, seconds per message)``.
 
     Raises:
         ValueError: an unknown axis.

@@ -43,6 +43,11 @@ class PlannerConfig:
     checkpointing: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
     micro_batch_sizes: Optional[list[int]] = None
     sequence_parallel: list[bool] = field(default_factory=lambda: [False, True])
+    #: context-parallel sizes to enumerate, e.g. [1,2,4] ([1]: no context parallelism; cp > 1 needs pp_size = 1 and
+    #: a sequence length divisible by 2 * cp)
+    cp_sizes: list[int] = field(default_factory=lambda: [1])
+    #: context-parallel attentions to enumerate when cp > 1: ring | all_to_all
+    cp_methods: list[str] = field(default_factory=lambda: ["ring", "all_to_all"])
     max_virtual_stages: int = 4
     #: rows of the printed table (the markdown and CSV files hold every layout)
     top: int = 15

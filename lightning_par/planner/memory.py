@@ -5,12 +5,15 @@
   on the first rank, the final norm and vocab-parallel head on the last (Megatron-LM, Shoeybi et al. 2019, §3;
   Narayanan et al. 2021, §2.2). An untied head on one rank is not shared.
 * **Model state** (:func:`model_state_bytes`): the ZeRO paper's per-stage formulas (Rajbhandari et al. 2020, §5.1 and
-  Figure 1) over the dp axis, with the precision's bytes per parameter, gradient and optimizer state:
-  ddp ``(P+G+K) Psi``, zero1 ``(P+G) Psi + K Psi / d``, zero2 ``P Psi + (G+K) Psi / d``, zero3 ``(P+G+K) Psi / d``.
+  Figure 1) over the ``d`` ranks that shard it, with the precision's bytes per parameter, gradient and optimizer
+  state: ddp ``(P+G+K) Psi``, zero1 ``(P+G) Psi + K Psi / d``, zero2 ``P Psi + (G+K) Psi / d``, zero3
+  ``(P+G+K) Psi / d``. With context parallelism the ZeRO modes shard over ``d = dp_size * cp_size`` (the runtime's
+  ``dp_shard_cp`` mesh); ddp keeps a whole copy on every rank.
 * **Activations** (:func:`activation_bytes_per_layer`): Korthikanti et al. 2022, Table 2, per layer and micro-batch,
-  generalised to any activation element size (the paper counts 2-byte activations and 1-byte dropout masks), times
+  generalised to any activation element size (the paper counts 2-byte activations and 1-byte dropout masks) and to
+  a sequence split over ``cp`` ranks (each holds ``s / cp`` tokens and their ``s / cp x s`` attention scores), times
   the micro-batches a rank holds at once under its schedule (:func:`microbatches_in_flight`; §4.2.3 for 1F1B and the
-  interleaved schedule), plus the last rank's logits.
+  interleaved schedule), plus the last rank's logits (of its ``s / cp`` tokens).
 * **Buffers** (:func:`buffer_bytes`): the dp reducer's gradient buckets, ZeRO-3's gathered blocks, pipeline send and
   receive buffers.
 
@@ -77,7 +80,8 @@ def model_state_bytes(params: float, dp_mode: str, dp_size: int, precision: Prec
     Args:
         params: parameters ``Psi`` of the rank before dp sharding (:func:`rank_params`).
         dp_mode: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"zero3"``.
-        dp_size: ``d``.
+        dp_size: ``d``, the ranks the ZeRO modes shard over (``dp_size * cp_size`` of a layout: the runtime's
+            ``dp_shard_cp`` mesh).
         precision: bytes per parameter ``P``, gradient ``G`` and optimizer state ``K``.
 
     Returns:
@@ -107,6 +111,8 @@ def activation_bytes_per_layer(
     sequence_parallel: bool = False,
     checkpointing: str = "none",
     element_bytes: int = 2,
+    cp_size: int = 1,
+    cp_method: str = "ring",
 ) -> float:
     """Activation bytes one transformer layer keeps for backward, per micro-batch, on one rank.
 
@@ -122,19 +128,41 @@ def activation_bytes_per_layer(
     elements (``12 s b h + 2 a s^2 b`` of them split by TP) and ``2 s b h + a s^2 b`` mask bytes (``a s^2 b`` split).
     Here elements take ``element_bytes``, so ``element_bytes=2`` gives the table exactly.
 
+    Context parallelism over ``cp`` ranks (``cp_size``): each rank holds ``s / cp`` tokens, so every ``s b h`` term
+    becomes ``(s / cp) b h``; the attention core holds ``s / cp x s`` scores per head with ring attention (its queries
+    against every K/V block; Liu et al. 2023, §3) and ``s x s`` for ``a / cp`` heads with Ulysses (Jacobs et al. 2023,
+    §3): ``a s^2 b / cp`` both. Ring attention without recomputation also keeps the ``cp - 1`` K/V blocks that
+    visited the rank, ``2 (s - s / cp) b h / t`` elements (what its autograd saves; selective and full recomputation
+    recompute them). So the whole layer falls as ``1 / cp``, plus the ring's visiting blocks.
+
+    Args:
+        seq_len: tokens ``s`` per whole sequence (before the cp split).
+        micro_batch_size: sequences ``b`` per micro-batch.
+        hidden_size: ``h``.
+        num_heads: ``a``.
+        tp_size: tensor-parallel ranks ``t``.
+        sequence_parallel: norms and dropouts sharded over the sequence inside tensor parallelism.
+        checkpointing: ``"none"``, ``"selective"`` or ``"full"``.
+        element_bytes: bytes per activation element.
+        cp_size: context-parallel ranks ``cp`` the sequence is split over.
+        cp_method: ``"ring"`` or ``"all_to_all"`` (only read when ``cp_size > 1``).
+
     Returns:
         Bytes.
 
     Raises:
         ValueError: an unknown ``checkpointing``.
     """
-    s, b, h, a, t, e = seq_len, micro_batch_size, hidden_size, num_heads, tp_size, element_bytes
-    sbh = s * b * h
+    s, b, h, a, t, e, cp = seq_len, micro_batch_size, hidden_size, num_heads, tp_size, element_bytes, cp_size
+    s_local = s // cp if s % cp == 0 else s / cp  # tokens per cp rank (whole when the runtime's split allows it)
+    sbh = s_local * b * h
     if checkpointing == "full":
         return sbh * e / (t if sequence_parallel else 1)
     if checkpointing not in ("none", "selective"):
         raise ValueError(f"checkpointing={checkpointing!r} is not valid: expected 'none', 'selective' or 'full'.")
-    attn_core = 0.0 if checkpointing == "selective" else a * s * s * b * (2 * e + 1)
+    attn_core = 0.0 if checkpointing == "selective" else a * s_local * s * b * (2 * e + 1)
+    if cp > 1 and cp_method == "ring" and checkpointing == "none":
+        attn_core += 2 * (s - s_local) * b * h * e  # the K/V blocks that visited this rank
     split = 12 * sbh * e + attn_core
     replicated = 4 * sbh * e + 2 * sbh  # norm and matmul inputs, two dropout masks
     if sequence_parallel:
@@ -170,9 +198,12 @@ def buffer_bytes(model: ModelSpec, layout: Layout, params: float, precision: Pre
       zero1 and zero2: two buckets in flight (``2 x 25 MiB``);
     * zero3: two gathered blocks (current and prefetched) and one block's full gradients;
     * pipelining: a send and a receive buffer of one micro-batch's activations per chunk boundary.
+
+    The dp reducers work over ``dp_size * cp_size`` ranks (the runtime's ``dp_cp`` / ``dp_shard_cp`` meshes), so a
+    layout with ``cp_size > 1`` has them even at ``dp_size == 1``.
     """
     out = 0.0
-    if layout.dp_size > 1:
+    if layout.dp_size * layout.cp_size > 1:
         if layout.dp_mode == "ddp":
             out += params * precision.grad_bytes
         elif layout.dp_mode in ("zero1", "zero2"):
@@ -183,7 +214,7 @@ def buffer_bytes(model: ModelSpec, layout: Layout, params: float, precision: Pre
             out += block * (2 * precision.param_bytes + precision.grad_bytes)
     if layout.pp_size > 1:
         sbh = model.seq_len * layout.micro_batch_size * model.hidden_size
-        shard = layout.tp_size if layout.sequence_parallel else 1
+        shard = (layout.tp_size if layout.sequence_parallel else 1) * layout.cp_size
         out += 2 * sbh * precision.activation_bytes / shard
     return out
 
@@ -219,13 +250,15 @@ def _activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, pp
     e = precision.activation_bytes
     args = (model.seq_len, layout.micro_batch_size, model.hidden_size, model.num_heads, layout.tp_size,
             layout.sequence_parallel)
-    per_layer = activation_bytes_per_layer(*args, checkpointing=layout.activation_checkpointing, element_bytes=e)
+    cp = {"cp_size": layout.cp_size, "cp_method": layout.cp_method}
+    per_layer = activation_bytes_per_layer(*args, checkpointing=layout.activation_checkpointing, element_bytes=e, **cp)
     layers = model.num_layers / layout.pp_size
     held = per_layer * layers * microbatches_in_flight(layout, pp_rank)
     if layout.activation_checkpointing == "full":  # one layer recomputed in full during its backward
-        held += activation_bytes_per_layer(*args, checkpointing="none", element_bytes=e)
-    if pp_rank == layout.pp_size - 1:  # one micro-batch's logits and their fp32 softmax for the loss
-        held += model.seq_len * layout.micro_batch_size * math.ceil(model.vocab_size / layout.tp_size) * (e + 4)
+        held += activation_bytes_per_layer(*args, checkpointing="none", element_bytes=e, **cp)
+    if pp_rank == layout.pp_size - 1:  # one micro-batch's logits (of this rank's tokens) and their fp32 softmax
+        logits = model.seq_len * layout.micro_batch_size * math.ceil(model.vocab_size / layout.tp_size) * (e + 4)
+        held += logits if layout.cp_size == 1 else logits / layout.cp_size
     return held
 
 
@@ -242,7 +275,7 @@ def predict_memory(model: ModelSpec, layout: Layout, precision: Precision) -> Me
         mb = MemoryBreakdown(
             pp_rank=r,
             params=params,
-            model_state_bytes=model_state_bytes(params, layout.dp_mode, layout.dp_size, precision),
+            model_state_bytes=model_state_bytes(params, layout.dp_mode, layout.dp_size * layout.cp_size, precision),
             activation_bytes=_activation_bytes(model, layout, precision, r),
             buffer_bytes=buffer_bytes(model, layout, params, precision),
         )

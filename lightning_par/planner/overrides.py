@@ -1,11 +1,12 @@
 """A planned layout as Hydra overrides of ``recipes/train.py``: ``parallel=``/``strategy=`` options and their fields.
 
 Each layout maps to the simplest registry name that runs it (``ddp_overlap``, ``zero1``-``zero3``,
-``tensor_parallel``, ``gpipe``/``1f1b``/``pipeline``) and to ``parallel_3d`` otherwise, with the per-replica batch
-``data.batch_size = micro_batch_size * num_microbatches`` (the pipeline strategies cut it into ``num_microbatches``
-micro-batches; the others take one micro-batch per step) and, with pipelining, the even layer split the planner
-assumed (``strategy.split``), and its activation checkpointing (``strategy.activation_checkpointing``). What the
-overrides cannot say is in :func:`layout_notes`.
+``tensor_parallel``, ``gpipe``/``1f1b``/``pipeline``) and to ``parallel_3d`` otherwise (always with context
+parallelism, whose ``parallel.cp_size`` and ``strategy.context_parallel.method`` are written out), with the
+per-replica batch ``data.batch_size = micro_batch_size * num_microbatches`` (the pipeline strategies cut it into
+``num_microbatches`` micro-batches; the others take one micro-batch per step) and, with pipelining, the even layer
+split the planner assumed (``strategy.split``), and its activation checkpointing
+(``strategy.activation_checkpointing``). What the overrides cannot say is in :func:`layout_notes`.
 
 The strategy field names live in :data:`STRATEGY_FIELDS`, in one place, so a rename of the strategy schema is a
 one-line change here.
@@ -28,6 +29,7 @@ STRATEGY_FIELDS: dict[str, str] = {
     "split": "pipeline.split",
     "sequence_parallel": "tensor_parallel.sequence_parallel",
     "activation_checkpointing": "activation_checkpointing",
+    "cp_method": "context_parallel.method",
 }
 
 
@@ -37,14 +39,18 @@ _PIPELINED = ("parallel_3d", "pipeline", "gpipe", "1f1b")
 
 def parallel_option_name(layout: Layout) -> str:
     """The conf/parallel option name this layout would have by the existing convention (``tp2_pp2_dp2``,
-    ``tp2_dp4``, ``pp2``, ``dp8``): the axes of size > 1 in the order tp, pp, dp; ``dp1`` for one device."""
-    parts = [f"{axis}{size}" for axis, size in (("tp", layout.tp_size), ("pp", layout.pp_size), ("dp", layout.dp_size))
-             if size > 1]
+    ``tp2_dp4``, ``pp2``, ``dp8``; ``cp2_dp2``, ``cp2_tp2``): the axes of size > 1 in the order cp, tp, pp, dp; ``dp1``
+    for one device."""
+    sizes = (("cp", layout.cp_size), ("tp", layout.tp_size), ("pp", layout.pp_size), ("dp", layout.dp_size))
+    parts = [f"{axis}{size}" for axis, size in sizes if size > 1]
     return "_".join(parts) or "dp1"
 
 
 def strategy_name(layout: Layout) -> str:
-    """The registry name that runs ``layout`` most simply."""
+    """The registry name that runs ``layout`` most simply (``parallel_3d`` for context parallelism: the strategy
+    that has the cp axis)."""
+    if layout.cp_size > 1:
+        return "parallel_3d"
     single_step = layout.num_microbatches == 1
     if layout.pp_size == 1 and layout.tp_size == 1 and single_step:
         return "ddp_overlap" if layout.dp_mode == "ddp" else layout.dp_mode
@@ -63,7 +69,8 @@ def layout_overrides(
     Args:
         layout: the layout.
         parallel_options: option names of the ``parallel`` config group (``conf/parallel/*.yaml``); a layout whose
-            conventional name is among them is given as ``parallel=<name>``, any other as its four fields.
+            conventional name is among them is given as ``parallel=<name>``, any other as its four fields (five, with
+            ``parallel.cp_size``, for a layout with context parallelism, always written out).
         num_layers: the model's layers; with pipelining, the even split ``strategy.split=[L/(p v), ...]`` is added.
 
     Returns:
@@ -71,16 +78,21 @@ def layout_overrides(
     """
     out: list[str] = []
     name = parallel_option_name(layout)
-    if parallel_options is not None and name in parallel_options:
+    # A cp layout states every size, parallel.cp_size among them, rather than trusting an option file by its name.
+    if layout.cp_size == 1 and parallel_options is not None and name in parallel_options:
         out.append(f"parallel={name}")
     else:
         out += [f"parallel.world_size={layout.world_size}", f"parallel.dp_size={layout.dp_size}",
                 f"parallel.tp_size={layout.tp_size}", f"parallel.pp_size={layout.pp_size}"]
+        if layout.cp_size > 1:
+            out.append(f"parallel.cp_size={layout.cp_size}")
     strategy = strategy_name(layout)
     out.append(f"strategy={strategy}")
     f = STRATEGY_FIELDS
     if strategy == "parallel_3d":
         out.append(f"strategy.{f['dp_mode']}={layout.dp_mode}")
+    if layout.cp_size > 1:
+        out.append(f"strategy.{f['cp_method']}={layout.cp_method}")
     if strategy in ("parallel_3d", "pipeline") and layout.pp_size > 1:
         out.append(f"strategy.{f['schedule']}={layout.schedule}")
     if strategy in _PIPELINED:

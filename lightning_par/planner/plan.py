@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_par.planner.devices import DeviceSpec, get_device
-from lightning_par.planner.layouts import CHECKPOINTING, DP_MODES, Layout, check_layout, enumerate_layouts
+from lightning_par.planner.layouts import CHECKPOINTING, CP_METHODS, DP_MODES, Layout, check_layout, enumerate_layouts
 from lightning_par.planner.memory import MemoryBreakdown, predict_memory
 from lightning_par.planner.model import ModelSpec, model_spec
 from lightning_par.planner.overrides import layout_notes
@@ -63,6 +63,16 @@ class Prediction:
     def pp_size(self) -> int:
         """Pipeline stages."""
         return self.layout.pp_size
+
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel ranks each sequence is split over."""
+        return self.layout.cp_size
+
+    @property
+    def cp_method(self) -> str:
+        """Context-parallel attention: ``ring`` or ``all_to_all``."""
+        return self.layout.cp_method
 
     @property
     def dp_mode(self) -> str:
@@ -208,6 +218,8 @@ def plan(
     max_tp_size: int | None = None,
     max_virtual_stages: int = 4,
     sequence_parallel: Sequence[bool] = (False, True),
+    cp_sizes: Sequence[int] = (1,),
+    cp_methods: Sequence[str] = CP_METHODS,
     include_unfit: bool = True,
     calibration: Any = None,
     pp_scatter_gather: bool = False,
@@ -235,6 +247,9 @@ def plan(
             ``"mixed-bf16"`` on GPUs, ``"fp32"`` on the CPU).
         dp_modes, schedules, checkpointing, micro_batch_sizes, max_virtual_stages, sequence_parallel: the choices
             to enumerate (see :func:`~lightning_par.planner.layouts.enumerate_layouts`).
+        cp_sizes: context-parallel sizes to enumerate (default ``(1,)``: none), e.g. ``(1, 2, 4)``.
+        cp_methods: context-parallel attentions to enumerate when ``cp_size > 1``: a non-empty subset of
+            :data:`~lightning_par.context_parallel.options.CP_METHODS`.
         max_tp_size: largest tensor-parallel size (None: any divisor of ``devices_per_node``: tensor parallelism
             stays inside a node).
         include_unfit: also return the layouts that do not fit (after all that fit, each with its ``reason``).
@@ -270,13 +285,20 @@ def plan(
     if micro_batch_sizes is not None:
         for b in micro_batch_sizes:
             _check_positive_int("micro_batch_sizes", b)
+    if not cp_sizes or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in cp_sizes):
+        raise ValueError(f"cp_sizes={list(cp_sizes)!r} is not valid: expected a non-empty list of positive integers.")
+    if not cp_methods or any(x not in CP_METHODS for x in cp_methods):
+        raise ValueError(
+            f"cp_methods={list(cp_methods)!r} is not valid: expected a non-empty subset of {list(CP_METHODS)}."
+        )
     dev = get_device(device, min(num_devices, devices_per_node), calibration)
     prec = get_precision(precision if precision is not None else dev.default_precision)
     layouts = list(enumerate_layouts(
         spec, num_devices, global_batch_size,
         max_tp_size=max_tp_size, devices_per_node=min(devices_per_node, num_devices),
         dp_modes=dp_modes, schedules=schedules, checkpointing=checkpointing, micro_batch_sizes=micro_batch_sizes,
-        max_virtual_stages=max_virtual_stages, sequence_parallel=sequence_parallel,
+        max_virtual_stages=max_virtual_stages, sequence_parallel=sequence_parallel, cp_sizes=cp_sizes,
+        cp_methods=cp_methods,
     ))
     if not layouts:
         raise ValueError(

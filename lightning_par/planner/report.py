@@ -1,5 +1,8 @@
 """Tables of predictions: rows of plain values, a fixed-width text table, markdown and CSV.
 
+The context-parallel columns (:data:`CP_COLUMNS`) are in every row and CSV; the text and markdown tables show them
+only when some layout of the predictions given has ``cp_size > 1``.
+
 Pure Python: no torch import.
 """
 
@@ -12,7 +15,7 @@ from typing import Any
 
 from lightning_par.planner.plan import Prediction
 
-__all__ = ["COLUMNS", "format_table", "to_csv", "to_markdown", "to_rows"]
+__all__ = ["COLUMNS", "CP_COLUMNS", "format_table", "to_csv", "to_markdown", "to_rows"]
 
 _GiB = 1 << 30
 
@@ -22,6 +25,8 @@ COLUMNS: dict[str, str] = {
     "dp_size": "dp",
     "tp_size": "tp",
     "pp_size": "pp",
+    "cp_size": "cp",
+    "cp_method": "cp method",
     "dp_mode": "dp mode",
     "schedule": "schedule",
     "num_microbatches": "m",
@@ -38,8 +43,11 @@ COLUMNS: dict[str, str] = {
     "bubble": "bubble",
     "dp_comm_s": "dp comm s",
     "tp_comm_s": "tp comm s",
+    "cp_comm_s": "cp comm s",
     "reason": "why not / notes",
 }
+#: The columns of context parallelism (left out of the text and markdown tables when no layout uses it).
+CP_COLUMNS: tuple[str, ...] = ("cp_size", "cp_method", "cp_comm_s")
 
 
 def to_rows(predictions: Sequence[Prediction]) -> list[dict[str, Any]]:
@@ -53,6 +61,8 @@ def to_rows(predictions: Sequence[Prediction]) -> list[dict[str, Any]]:
             "dp_size": lay.dp_size,
             "tp_size": lay.tp_size,
             "pp_size": lay.pp_size,
+            "cp_size": lay.cp_size,
+            "cp_method": lay.cp_method if lay.cp_size > 1 else "",
             "dp_mode": lay.dp_mode,
             "schedule": schedule,
             "num_microbatches": lay.num_microbatches,
@@ -69,6 +79,7 @@ def to_rows(predictions: Sequence[Prediction]) -> list[dict[str, Any]]:
             "bubble": p.bubble,
             "dp_comm_s": p.time.dp_comm_s,
             "tp_comm_s": p.time.tp_comm_s,
+            "cp_comm_s": p.time.cp_comm_s,
             "reason": p.reason or "; ".join(p.notes),
         })
     return rows
@@ -89,9 +100,12 @@ def _fmt(key: str, value: Any) -> str:
 
 
 def _cells(predictions: Sequence[Prediction], top: int | None) -> tuple[list[str], list[list[str]]]:
-    rows = to_rows(predictions[:top] if top else predictions)
-    headers = list(COLUMNS.values())
-    return headers, [[_fmt(k, r[k]) for k in COLUMNS] for r in rows]
+    shown = predictions[:top] if top else predictions
+    rows = to_rows(shown)
+    with_cp = any(p.layout.cp_size > 1 for p in predictions)  # any layout planned, shown or not
+    keys = [k for k in COLUMNS if with_cp or k not in CP_COLUMNS]
+    headers = [COLUMNS[k] for k in keys]
+    return headers, [[_fmt(k, r[k]) for k in keys] for r in rows]
 
 
 def format_table(predictions: Sequence[Prediction], top: int | None = None) -> str:

@@ -2,8 +2,9 @@
 stores), so a sweep report can put predicted next to measured.
 
 Reads the run config the way ``recipes/train.py`` builds the run: the GPT from ``model`` (preset + overrides), the
-layout from ``parallel``, the dp mode / schedule / micro-batches / sequence parallelism from ``strategy`` (flat keys,
-or nested ``strategy.pipeline.*`` / ``strategy.tensor_parallel.*``), the per-replica batch from ``data.batch_size``
+layout from ``parallel`` (``cp_size`` included), the dp mode / schedule / micro-batches / sequence parallelism / cp
+method from ``strategy`` (flat keys, or nested ``strategy.pipeline.*`` / ``strategy.tensor_parallel.*`` /
+``strategy.context_parallel.method``), the per-replica batch from ``data.batch_size``
 (cut into ``num_microbatches`` by the pipelined strategies) and ``trainer.accumulate_grad_batches``, the precision
 from ``trainer.precision``.
 """
@@ -65,9 +66,10 @@ def layout_from_run(cfg: Mapping[str, Any]) -> Layout:
     """
     par = cfg.get("parallel") or {}
     tp, pp, world = int(par.get("tp_size", 1)), int(par.get("pp_size", 1)), int(par.get("world_size", 1))
+    cp = int(par.get("cp_size", 1))
     dp = int(par.get("dp_size", -1))
     if dp == -1:
-        dp = world // (tp * pp)
+        dp = world // (tp * pp * cp)
     name = _get(cfg, "strategy.name", default="ddp_overlap")
     if name == "parallel_3d":
         dp_mode = _get(cfg, "strategy.dp_mode", default="ddp")
@@ -92,10 +94,12 @@ def layout_from_run(cfg: Mapping[str, Any]) -> Layout:
     if virtual is None:
         virtual = 2 if schedule == "interleaved_1f1b" else 1
     sp = bool(_get(cfg, "strategy.tensor_parallel.sequence_parallel", "strategy.sequence_parallel", default=False))
+    method = _get(cfg, "strategy.context_parallel.method", default="ring") if cp > 1 else "ring"
     return Layout(
-        dp_size=dp, tp_size=tp, pp_size=pp, dp_mode=dp_mode if dp > 1 else "ddp",
+        dp_size=dp, tp_size=tp, pp_size=pp, dp_mode=dp_mode if dp * cp > 1 else "ddp",
         micro_batch_size=batch // chunks, num_microbatches=chunks * accumulate, schedule=schedule,
         virtual_stages=int(virtual), activation_checkpointing="none", sequence_parallel=sp and tp > 1,
+        cp_size=cp, cp_method=method,
     )
 
 
@@ -116,9 +120,10 @@ def predict_run(
 
     Returns:
         ``{"layout", "device", "step_time_s", "tokens_per_s", "model_state_bytes", "bytes_per_device",
-        "activation_bytes", "fits", "mfu", "compute_s", "memory_bound_s", "overhead_s", "tp_comm_s", "pp_comm_s",
-        "bubble_s", "dp_comm_s", "optimizer_s"}``: ``model_state_bytes`` is the largest of any rank (parameters + gradients +
-        optimizer state), the other bytes those of the fullest device; times in seconds per optimizer step.
+        "activation_bytes", "fits", "mfu", "compute_s", "memory_bound_s", "overhead_s", "tp_comm_s", "cp_comm_s",
+        "pp_comm_s", "bubble_s", "dp_comm_s", "optimizer_s"}``: ``model_state_bytes`` is the largest of any rank
+        (parameters + gradients + optimizer state), the other bytes those of the fullest device; times in seconds per
+        optimizer step.
 
     Raises:
         ValueError: a config the planner cannot read, an accelerator without ``device=``, or no CPU calibration.
@@ -153,6 +158,7 @@ def predict_run(
         "memory_bound_s": t.memory_bound_s,
         "overhead_s": t.overhead_s,
         "tp_comm_s": t.tp_comm_s,
+        "cp_comm_s": t.cp_comm_s,
         "pp_comm_s": t.pp_comm_s,
         "bubble_s": t.bubble_s,
         "dp_comm_s": t.dp_comm_s,

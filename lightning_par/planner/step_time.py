@@ -13,6 +13,13 @@ Per pipeline rank and micro-batch (``b`` sequences of ``s`` tokens), the rank's 
   ``tp_layer_overhead_s`` per tensor-parallel layer (DTensor dispatch);
 * **tensor-parallel communication**: four all-reduces of ``b s h`` elements per layer (six with full recomputation),
   ``8 b s h (t-1)/t`` elements sent (Narayanan et al. 2021, §3.2), not overlapped;
+* **context parallelism** over ``cp`` ranks (the sequence split, each rank holding ``s / cp`` tokens): compute,
+  memory-bound kernels and tensor-parallel messages per rank fall as ``1 / cp`` (each rank's queries still attend
+  over the whole sequence, so the attention FLOPs per token do not change); per layer and micro-batch the cp axis
+  adds ring attention's ``cp - 1`` K/V block sends forward and backward (Liu et al. 2023, §3) or Ulysses' four
+  all-to-alls forward and four backward (Jacobs et al. 2023, §3), repeated forward under recomputation
+  (:func:`~lightning_par.planner.comm.cp_layer_comm_bytes`), over the cp group's link, not overlapped (lightning_par's
+  exchanges are blocking);
 * **pipeline point-to-point**: one activation send forward and one gradient send backward per chunk and
   micro-batch, ``b s h`` elements each, so ``v`` times as many with ``v`` chunks per rank (Narayanan et al. 2021,
   §2.2.2: "the amount of communication also increases by v"); ``/ t`` with sequence parallelism; with Megatron's
@@ -21,7 +28,8 @@ Per pipeline rank and micro-batch (``b`` sequences of ``s`` tokens), the rank's 
 
 A step of a pipeline runs ``m + (p-1)/v`` such slots on the slowest rank (GPipe and 1F1B: ``v = 1``): the bubble is
 ``(p-1)/v`` slots, i.e. a fraction ``(p-1) / (v m + p - 1)`` of the pipeline time (Narayanan et al. 2021, §2.2).
-Without pipelining it runs ``m`` slots. Then the dp axis (:func:`~lightning_par.planner.comm.zero_step_comm_bytes`):
+Without pipelining it runs ``m`` slots. Then the dp axis (:func:`~lightning_par.planner.comm.zero_step_comm_bytes`,
+over the ``dp * cp`` ranks of the runtime's ``dp_cp`` mesh):
 the gradient reduction overlaps the last micro-batch's backward only in the single-micro-batch, unpipelined layouts
 whose strategy reduces during backward (``ddp_overlap``, ``zero1``, ``zero2``); the other layouts reduce once after
 the schedule; ZeRO-3's gathers overlap compute (prefetch); ``comm_overlap`` of the overlappable part is hidden. Last,
@@ -45,6 +53,7 @@ from dataclasses import dataclass
 from lightning_par.planner.comm import (
     allgather_bytes,
     collective_time,
+    cp_layer_comm_bytes,
     group_link,
     ring_steps,
     tp_layer_comm_bytes,
@@ -124,6 +133,7 @@ class TimeBreakdown:
             (:func:`~lightning_par.planner.elementwise.elementwise_bytes_per_layer`).
         overhead_s: framework overhead over the step (per-layer dispatch).
         tp_comm_s: tensor-parallel collectives over the step.
+        cp_comm_s: context-parallel attention exchanges over the step (ring sends or Ulysses all-to-alls).
         pp_comm_s: pipeline sends over the step.
         bubble_s: idle pipeline time (its slots), after what a shared-compute device recovers.
         dp_comm_s: exposed dp-axis communication.
@@ -143,6 +153,7 @@ class TimeBreakdown:
     optimizer_s: float
     model_flops: float
     hardware_flops: float
+    cp_comm_s: float = 0.0
 
 
 def predict_step_time(
@@ -168,49 +179,62 @@ def predict_step_time(
         The :class:`TimeBreakdown`.
     """
     p, t, d, m, v = layout.pp_size, layout.tp_size, layout.dp_size, layout.num_microbatches, layout.virtual_stages
+    cp = layout.cp_size
     b, s, h = layout.micro_batch_size, model.seq_len, model.hidden_size
+    s_rank = s // cp  # tokens per cp rank (check_layout: s is a multiple of 2 cp)
     e = precision.activation_bytes
-    tokens_mb = b * s
+    tokens_mb = b * s_rank
     layers = model.num_layers / p
     flops = device.achieved_flops
 
-    # --- one micro-batch on the slowest pipeline rank: compute, overhead, tp and pp communication
-    f_layer = model.layer_flops_per_token()
+    # --- one micro-batch on the slowest pipeline rank: compute, overhead, tp, cp and pp communication
+    f_layer = model.layer_flops_per_token()  # per token over the whole sequence's keys, whatever the cp split
     f_extra = recompute_flops_per_token(model, layout.activation_checkpointing)
     layer_compute = tokens_mb * (f_layer + f_extra) / t / flops
     head_compute = tokens_mb * model.head_flops_per_token() / t / flops
     slot_compute = layers * layer_compute + head_compute  # the last rank, which also runs the head
-    memory_bound = layers * elementwise_bytes_per_layer(
+    elementwise = elementwise_bytes_per_layer(
         s, b, h, model.num_heads, t, layout.sequence_parallel, layout.activation_checkpointing, e, model.ffn,
-    ) / device.memory_bandwidth
+    )
+    if cp > 1:  # s / cp tokens per rank, their s / cp x s scores: every term / cp
+        elementwise /= cp
+    memory_bound = layers * elementwise / device.memory_bandwidth
     overhead = layers * (model.layer_ops * device.op_overhead_s + (device.tp_layer_overhead_s if t > 1 else 0.0))
     tp_comm = 0.0
     if t > 1:
         bw, lat = group_link(device, layout, "tp", devices_per_node)
         recompute = layout.activation_checkpointing == "full"
         n_ops = 6 if recompute else 4  # all-reduces (with sp: as many all-gather + reduce-scatter pairs, same steps)
-        sent = tp_layer_comm_bytes(b, s, h, t, e, recompute_forward=recompute)
+        sent = tp_layer_comm_bytes(b, s_rank, h, t, e, recompute_forward=recompute)
         tp_comm = layers * collective_time(sent, bw, lat, n_ops, ring_steps("all_reduce", t))
+    cp_comm = 0.0
+    if cp > 1:
+        bw, lat = group_link(device, layout, "cp", devices_per_node)
+        # Selective recomputation reruns the attention, whose exchanges are inside it; full reruns the whole forward.
+        recompute = layout.activation_checkpointing != "none"
+        sent, n_ops, steps = cp_layer_comm_bytes(layout.cp_method, b, s, h, cp, t, e, recompute_forward=recompute)
+        cp_comm = layers * collective_time(sent, bw, lat, n_ops, steps)
     pp_comm = 0.0
     if p > 1:
         pp_comm = 2 * v * pp_message_time(tokens_mb * h * e, layout, device, devices_per_node, pp_scatter_gather)
-    slot = slot_compute + memory_bound + overhead + tp_comm + pp_comm
+    slot = slot_compute + memory_bound + overhead + tp_comm + cp_comm + pp_comm
     slots = m + (p - 1) / v if p > 1 else float(m)
     pipeline = slots * slot
     busy = m * slot  # a rank's own work, without waiting
 
-    # --- dp axis
+    # --- dp axis: gradients averaged (and ZeRO's shards) over the dp x cp ranks (the runtime's dp_cp / dp_shard_cp)
     params = max(rank_params(model, layout, 0), rank_params(model, layout, p - 1))
+    dcp = d * cp
     dp_comm = 0.0
-    if d > 1:
-        bw, lat = group_link(device, layout, "dp", devices_per_node)
-        sent = zero_step_comm_bytes(layout.dp_mode, params, d, precision.param_bytes, precision.grad_bytes, m)
+    if dcp > 1:
+        bw, lat = group_link(device, layout, "dp_cp", devices_per_node)
+        sent = zero_step_comm_bytes(layout.dp_mode, params, dcp, precision.param_bytes, precision.grad_bytes, m)
         buckets = max(1, math.ceil(params * precision.grad_bytes / (25 * (1 << 20))))  # 25 MiB buckets
         steps = {  # ring steps per step: reductions and gathers over the buckets, or per block for zero3
-            "ddp": buckets * ring_steps("all_reduce", d),
-            "zero1": buckets * (ring_steps("all_reduce", d) + ring_steps("all_gather", d)),
-            "zero2": buckets * (ring_steps("reduce_scatter", d) + ring_steps("all_gather", d)),
-            "zero3": math.ceil(m * model.num_layers / p) * 3 * ring_steps("all_gather", d),
+            "ddp": buckets * ring_steps("all_reduce", dcp),
+            "zero1": buckets * (ring_steps("all_reduce", dcp) + ring_steps("all_gather", dcp)),
+            "zero2": buckets * (ring_steps("reduce_scatter", dcp) + ring_steps("all_gather", dcp)),
+            "zero3": math.ceil(m * model.num_layers / p) * 3 * ring_steps("all_gather", dcp),
         }[layout.dp_mode]
         total = collective_time(sent, bw, lat, 1, steps)
         if layout.dp_mode == "zero3":
@@ -222,10 +246,10 @@ def predict_step_time(
         dp_comm = total - device.comm_overlap * min(total, window)
 
     # --- optimizer: its shard of parameters, gradients and state, read and written once
-    opt_params = params / d if layout.dp_mode != "ddp" else params
+    opt_params = params / dcp if layout.dp_mode != "ddp" else params
     traffic = precision.param_bytes + precision.grad_bytes + 2 * precision.optimizer_bytes
     tensors = model.layer_tensors * layers + 4
-    per_tensor = device.sharded_optimizer_tensor_overhead_s if layout.dp_mode != "ddp" and d > 1 else (
+    per_tensor = device.sharded_optimizer_tensor_overhead_s if layout.dp_mode != "ddp" and dcp > 1 else (
         device.optimizer_tensor_overhead_s)
     optimizer = opt_params * traffic / device.memory_bandwidth + tensors * per_tensor
 
@@ -245,6 +269,7 @@ def predict_step_time(
         memory_bound_s=m * memory_bound,
         overhead_s=m * overhead,
         tp_comm_s=m * tp_comm,
+        cp_comm_s=m * cp_comm,
         pp_comm_s=m * pp_comm,
         bubble_s=bubble,
         dp_comm_s=dp_comm,
