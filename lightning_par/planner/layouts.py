@@ -17,8 +17,6 @@ the runtime has the rule:
   :data:`~lightning_par.context_parallel.options.CP_METHODS`; the sequence length a multiple of ``2 * cp_size``
   (causal load balancing cuts it into ``2 * cp_size`` chunks); ``all_to_all`` (Ulysses) with whole heads per rank,
   ``num_heads % (cp_size * tp_size) == 0`` (:func:`~lightning_par.context_parallel.attention.check_ulysses_heads`);
-  no pipelining with ``cp_size > 1`` (the cp axis refuses it in this version: a pipeline schedule does not pass the
-  split sequence's ``position_ids`` between stages);
 * and the planner's own choices on top, which narrow what it enumerates to what its cost model covers:
   ``tp_size`` divides the number of heads (whole heads per rank) and is at most ``max_tp_size``; with
   ``devices_per_node`` given, a tensor-parallel group lies inside one node: ``tp_size`` divides ``devices_per_node``
@@ -248,8 +246,7 @@ def _check_context_parallel(layout: Layout, model: ModelSpec) -> None:
     """The cp axis's rules (:mod:`lightning_par.context_parallel`), on the runtime's own checks where it has them.
 
     Raises:
-        ValueError: ``cp_method`` other than ``"ring"`` with ``cp_size == 1``; ``cp_size > 1`` with ``pp_size > 1``;
-            a sequence length that is not a multiple of ``2 * cp_size``; ``all_to_all`` with heads that do not split
+        ValueError: ``cp_method`` other than ``"ring"`` with ``cp_size == 1``; a sequence length that is not a multiple of ``2 * cp_size``; ``all_to_all`` with heads that do not split
             over ``cp_size * tp_size`` ranks.
     """
     cp = layout.cp_size
@@ -259,14 +256,6 @@ def _check_context_parallel(layout: Layout, model: ModelSpec) -> None:
                 f"cp_method={layout.cp_method!r} is not valid with cp_size=1: expected 'ring' (nothing to split)."
             )
         return
-    if layout.pp_size > 1:
-        # The runtime's cp axis (lightning_par.context_parallel.axis) raises this at set-up; its check needs the
-        # network, so the planner states the rule here.
-        raise ValueError(
-            f"cp_size={cp} is not valid with pp_size={layout.pp_size}: context parallelism with pipelining is refused "
-            f"in this version (a pipeline schedule does not pass the split sequence's position_ids between stages); "
-            f"expected cp_size=1 or pp_size=1."
-        )
     # The runtime's own rule (private there: split_sequence and load_balanced_positions call it on tensors):
     # causal load balancing cuts the sequence into 2 * cp_size equal chunks.
     check_cp_seq_len(model.seq_len, cp)
@@ -348,7 +337,7 @@ def _enumerate_pp_dp(
 ) -> Iterator[Layout]:
     """The valid layouts of :func:`enumerate_layouts` with tensor-parallel size ``tp`` and cp size ``cp``."""
     for pp in divisors(num_devices // (tp * cp)):
-        if model.num_layers % pp or (cp > 1 and pp > 1):
+        if model.num_layers % pp:
             continue
         dp = num_devices // (tp * cp * pp)
         if global_batch_size % dp:
