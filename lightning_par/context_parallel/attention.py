@@ -36,6 +36,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 __all__ = [
+    "COMM_BYTES_SENT",
     "CP_ATTENTION_METHODS",
     "CPAttentionMode",
     "check_ulysses_heads",
@@ -134,6 +135,22 @@ def gather_sequence(t_local: Tensor, group: dist.ProcessGroup | None, cp_size: i
 # Collectives
 
 
+#: Bytes this process's cp exchanges (every all-to-all below: the ring's K/V shifts, Ulysses' two trades, and their
+#: backward) have sent to other ranks, ``"forward"`` and ``"backward"``: the rows addressed to itself are not counted.
+#: A plain count (no synchronisation, no tensor work); ``lightning_par.benchmarks.context_parallel`` resets and reads
+#: it. The positions' all-gather (integers, no gradient) is not counted.
+COMM_BYTES_SENT: dict[str, int] = {"forward": 0, "backward": 0}
+
+
+def _count_sent(phase: str, x: Tensor, in_splits: list[int] | None, group: dist.ProcessGroup | None) -> None:
+    """Add to :data:`COMM_BYTES_SENT` the bytes of ``x`` (split along dim 0 by ``in_splits``, or evenly) that an
+    all-to-all sends to the other ranks of ``group``."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    row_bytes = x[0].numel() * x.element_size() if x.size(0) else 0
+    rows = x.size(0) - (in_splits[rank] if in_splits is not None else x.size(0) // n)
+    COMM_BYTES_SENT[phase] += rows * row_bytes
+
+
 class _AllToAllSingle(torch.autograd.Function):
     """``dist.all_to_all_single`` along dim 0 whose backward is the same exchange reversed.
 
@@ -149,6 +166,7 @@ class _AllToAllSingle(torch.autograd.Function):
         rows = sum(out_splits) if out_splits is not None else x.size(0)
         out = x.new_empty((rows, *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        _count_sent("forward", x, in_splits, group)
         return out
 
     @staticmethod
@@ -156,6 +174,7 @@ class _AllToAllSingle(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
         grad_in = grad.new_empty(ctx.in_shape)
         dist.all_to_all_single(grad_in, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        _count_sent("backward", grad, ctx.out_splits, ctx.group)
         return grad_in, None, None, None
 
 
