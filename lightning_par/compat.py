@@ -46,6 +46,8 @@ __all__ = [
     "concatenate_meshes",
     "default_store",
     "dtensor_spec",
+    "flash_attention_cpu",
+    "flash_attention_cpu_backward",
     "flatten_mesh",
     "forward_only_schedule",
     "grad_scaler_init_kwargs",
@@ -220,6 +222,29 @@ def profiler_enabled() -> bool:
     """Whether a ``torch.profiler`` is recording (``torch._C._autograd._profiler_enabled``, since torch 1.x: a cheap
     check, unlike entering ``record_function`` unconditionally)."""
     return bool(torch._C._autograd._profiler_enabled())
+
+
+# ------------------------------------------------------------------------------------------------ attention kernels
+def flash_attention_cpu(
+    q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None
+) -> tuple[Tensor, Tensor]:
+    """``(out, logsumexp)`` of the CPU fused attention kernel behind ``F.scaled_dot_product_attention``
+    (``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``, present in 2.10): ``out`` in ``q``'s dtype,
+    ``logsumexp`` ``(batch, heads, seq_q)`` in float32 (float64 for float64 inputs). No dropout, no mask; with
+    ``is_causal`` query ``i`` sees keys ``<= i``. Keeps no ``seq_q x seq_k`` tensor."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+
+
+def flash_attention_cpu_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, is_causal: bool, scale: float | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(grad_q, grad_k, grad_v)`` of :func:`flash_attention_cpu` from its ``out`` and ``lse``
+    (``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward``, present in 2.10). Given the ``out``
+    and ``lse`` of a whole row (all key blocks merged), it returns one key block's share of the gradients, as
+    FlashAttention's backward does per block."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, is_causal, scale=scale
+    )
 
 
 # ------------------------------------------------------------------------------------------------ pipelining

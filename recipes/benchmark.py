@@ -27,6 +27,7 @@ SECTIONS = {
     "zero": "lightning_par.benchmarks.zero",
     "pp": "lightning_par.benchmarks.pipeline",
     "ac": "lightning_par.benchmarks.activation_checkpointing",
+    "cp": "lightning_par.benchmarks.context_parallel",
     "gpu": "lightning_par.benchmarks.single_gpu",
 }
 

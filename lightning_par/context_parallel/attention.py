@@ -22,6 +22,11 @@ from those positions and assumes no order: a query at position ``p`` attends to 
 * :func:`ulysses_attention` (Jacobs et al. 2023, §3): an all-to-all trades the sequence split for a head split, full
   attention runs on ``heads / cp`` heads, and a second all-to-all trades back.
 * :class:`CPAttentionMode` routes ``F.scaled_dot_product_attention`` calls of an unchanged model to either.
+
+Memory: in the load-balanced layout neither builds an ``S x S`` (or ``S_local x S_local``) tensor on CPU: the ring
+runs each block in torch's fused kernel and recomputes in backward, Ulysses runs the fused kernel with
+``is_causal=True`` on the gathered tokens put in position order. Each rank then keeps for backward about ``1 / cp``
+of what one process keeps (``lightning_par.benchmarks.context_parallel`` measures it).
 """
 
 from __future__ import annotations
@@ -35,7 +40,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from lightning_par.compat import flash_attention_cpu, flash_attention_cpu_backward
+
 __all__ = [
+    "COMM_BYTES_SENT",
     "CP_ATTENTION_METHODS",
     "CPAttentionMode",
     "check_ulysses_heads",
@@ -134,6 +142,33 @@ def gather_sequence(t_local: Tensor, group: dist.ProcessGroup | None, cp_size: i
 # Collectives
 
 
+#: Bytes this process's cp exchanges (every all-to-all below: the ring's K/V and dK/dV shifts, Ulysses' two trades,
+#: and their backward) have sent to other ranks, ``"forward"`` and ``"backward"``: the rows addressed to itself are
+#: not counted. A plain count (no synchronisation, no tensor work); ``lightning_par.benchmarks.context_parallel``
+#: resets and reads it. The positions' all-gather (integers, no gradient) is not counted.
+COMM_BYTES_SENT: dict[str, int] = {"forward": 0, "backward": 0}
+
+
+def _count_sent(phase: str, x: Tensor, in_splits: list[int] | None, group: dist.ProcessGroup | None) -> None:
+    """Add to :data:`COMM_BYTES_SENT` the bytes of ``x`` (split along dim 0 by ``in_splits``, or evenly) that an
+    all-to-all sends to the other ranks of ``group``."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    row_bytes = x[0].numel() * x.element_size() if x.size(0) else 0
+    rows = x.size(0) - (in_splits[rank] if in_splits is not None else x.size(0) // n)
+    COMM_BYTES_SENT[phase] += rows * row_bytes
+
+
+def _all_to_all(
+    x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: dist.ProcessGroup | None, phase: str
+) -> Tensor:
+    """``dist.all_to_all_single`` along dim 0 into a new tensor, counted in :data:`COMM_BYTES_SENT` under ``phase``."""
+    rows = sum(out_splits) if out_splits is not None else x.size(0)
+    out = x.new_empty((rows, *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    _count_sent(phase, x, in_splits, group)
+    return out
+
+
 class _AllToAllSingle(torch.autograd.Function):
     """``dist.all_to_all_single`` along dim 0 whose backward is the same exchange reversed.
 
@@ -145,30 +180,26 @@ class _AllToAllSingle(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx, x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: dist.ProcessGroup | None
     ) -> Tensor:
-        ctx.in_shape, ctx.out_splits, ctx.in_splits, ctx.group = x.shape, out_splits, in_splits, group
-        rows = sum(out_splits) if out_splits is not None else x.size(0)
-        out = x.new_empty((rows, *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        return _all_to_all(x, out_splits, in_splits, group, "forward")
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
-        grad_in = grad.new_empty(ctx.in_shape)
-        dist.all_to_all_single(grad_in, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
-        return grad_in, None, None, None
+        return _all_to_all(grad, ctx.in_splits, ctx.out_splits, ctx.group, "backward"), None, None, None
 
 
-def _ring_shift(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-    """Send ``x`` whole to the next cp rank and return the previous rank's; the backward sends gradients back.
+def _ring_shift(x: Tensor, group: dist.ProcessGroup | None, phase: str) -> Tensor:
+    """Send ``x`` whole to the next cp rank and return the previous rank's (no autograd: the ring attention's own
+    backward sends what it needs).
 
-    An all-to-all with one non-empty split each way (gloo supports uneven splits), so that autograd carries it.
+    An all-to-all with one non-empty split each way (gloo supports uneven splits).
     """
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     in_splits, out_splits = [0] * n, [0] * n
     in_splits[(rank + 1) % n] = 1
     out_splits[(rank - 1) % n] = 1
-    return _AllToAllSingle.apply(x.unsqueeze(0), out_splits, in_splits, group).squeeze(0)
+    return _all_to_all(x.unsqueeze(0), out_splits, in_splits, group, phase).squeeze(0)
 
 
 def _all_gather_positions(positions: Tensor, group: dist.ProcessGroup | None) -> Tensor:
@@ -183,54 +214,191 @@ def _causal_mask(q_pos: Tensor, k_pos: Tensor) -> Tensor:
     return k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
 
 
+def _strictly_increasing(pos: Tensor) -> bool:
+    return bool((pos[1:] > pos[:-1]).all())
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Ring attention
 
+#: A piece of a (local queries x one K/V block) attention: query rows, key rows, and its mask: ``"full"`` (every
+#: query sees every key), ``"causal"`` (the same strictly increasing positions on both sides: the lower triangle) or
+#: ``"mask"`` (anything else: an explicit mask from the positions).
+_Piece = tuple[slice, slice, str]
 
-def _block_attention(
-    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, is_causal: bool, scale: float
-) -> tuple[Tensor, Tensor]:
-    """Attention of the local queries against one K/V block, normalised within the block, and its log-sum-exp.
 
-    Args:
-        q: ``(batch, heads, seq_q, head_dim)``.
-        k: ``(batch, heads, seq_k, head_dim)``.
-        v: ``(batch, heads, seq_k, head_dim_v)``.
-        q_pos: ``(seq_q,)`` global positions of the queries.
-        k_pos: ``(seq_k,)`` global positions of the keys.
+def _pieces(q_pos: Tensor, k_pos: Tensor, is_causal: bool) -> list[_Piece]:
+    """The pieces that cover every (query, key) pair a query may attend in one block, none of the others.
 
-    Returns:
-        ``(out, lse)``: ``out`` of shape ``(batch, heads, seq_q, head_dim_v)`` and ``lse`` of shape
-        ``(batch, heads, seq_q)``; ``lse`` is ``-inf`` on rows with no allowed key (their ``out`` is finite but
-        meaningless, and the merge gives it weight 0).
+    Without a causal mask: the whole block, ``"full"``. With it, from the positions (no order assumed): the block
+    whole if its mask is all true (``"full"``), empty (no piece) or the lower triangle (``"causal"``); else the
+    queries are cut in two halves, then the keys, and each part tried again; what is still mixed is a ``"mask"``
+    piece. Under the load-balanced layout (each rank holds chunks ``i`` and ``2 cp - 1 - i``) the own block is one
+    ``"causal"`` piece and every other block one or two ``"full"`` pieces: no mask is ever built.
     """
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    if is_causal:
-        allowed = _causal_mask(q_pos, k_pos)
-        has_key = allowed.any(dim=-1)
-        # A row of only -inf would make logsumexp's backward 0 * nan; fully masked rows keep their finite scores and
-        # are dropped through lse = -inf instead.
-        scores = scores.masked_fill(~allowed & has_key.unsqueeze(-1), float("-inf"))
+    sq, sk = q_pos.numel(), k_pos.numel()
+    if not is_causal:
+        return [(slice(0, sq), slice(0, sk), "full")]
+
+    def cover(qs: slice, ks: slice, cut_q: bool, cut_k: bool) -> list[_Piece]:
+        qp, kp = q_pos[qs], k_pos[ks]
+        if int(kp.max()) <= int(qp.min()):
+            return [(qs, ks, "full")]
+        if int(kp.min()) > int(qp.max()):
+            return []
+        if qp.numel() == kp.numel() and torch.equal(qp, kp) and _strictly_increasing(qp):
+            return [(qs, ks, "causal")]
+        if cut_q and qp.numel() > 1:
+            mid = qs.start + qp.numel() // 2
+            return cover(slice(qs.start, mid), ks, False, cut_k) + cover(slice(mid, qs.stop), ks, False, cut_k)
+        if cut_k and kp.numel() > 1:
+            mid = ks.start + kp.numel() // 2
+            return cover(qs, slice(ks.start, mid), False, False) + cover(qs, slice(mid, ks.stop), False, False)
+        return [(qs, ks, "mask")]
+
+    return cover(slice(0, sq), slice(0, sk), True, True)
+
+
+def _finite(lse: Tensor) -> Tensor:
+    """``lse`` with ``-inf`` (a row that sees no key) as 0, to subtract without NaNs."""
+    return lse.masked_fill(torch.isneginf(lse), 0.0)
+
+
+def _scores(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, kind: str, scale: float, acc: torch.dtype) -> Tensor:
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * scale
+    if kind != "full":
+        scores = scores.masked_fill(~_causal_mask(q_pos, k_pos), float("-inf"))
+    return scores
+
+
+def _piece_forward(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, kind: str, scale: float, acc: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of one piece, in ``acc``; ``lse`` is ``-inf`` on rows that see no key of the piece.
+
+    On CPU, ``"full"`` and ``"causal"`` pieces run in torch's fused kernel (no ``seq_q x seq_k`` tensor); a
+    ``"mask"`` piece, or another device, in plain operators that hold the piece's scores while they run.
+    """
+    if kind != "mask" and q.device.type == "cpu":
+        out, lse = flash_attention_cpu(q, k, v, kind == "causal", scale)
+        return out.to(acc), lse.to(acc)
+    scores = _scores(q, k, q_pos, k_pos, kind, scale, acc)
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v)
-    if is_causal:
-        lse = lse.masked_fill(~has_key, float("-inf"))
+    out = torch.matmul(torch.exp(scores - _finite(lse).unsqueeze(-1)), v.to(acc))
     return out, lse
+
+
+def _piece_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_pos: Tensor, k_pos: Tensor,
+    kind: str, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One piece's share of the gradients of ``q``, ``k`` and ``v``, from the whole rows' ``out`` and ``lse`` (all
+    blocks merged): FlashAttention's backward per block, ``dS = P (dP - rowsum(dO * O))`` with
+    ``P = exp(S - lse)`` (Dao et al. 2022, Algorithm 4)."""
+    if kind != "mask" and q.device.type == "cpu":
+        return flash_attention_cpu_backward(grad_out, q, k, v, out, lse, kind == "causal", scale)
+    acc = lse.dtype
+    p = torch.exp(_scores(q, k, q_pos, k_pos, kind, scale, acc) - _finite(lse).unsqueeze(-1))
+    do = grad_out.to(acc)
+    grad_v = torch.matmul(p.transpose(-2, -1), do)
+    dp = torch.matmul(do, v.to(acc).transpose(-2, -1))
+    ds = p * (dp - (do * out.to(acc)).sum(dim=-1, keepdim=True))
+    return torch.matmul(ds, k.to(acc)) * scale, torch.matmul(ds.transpose(-2, -1), q.to(acc)) * scale, grad_v
 
 
 def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
     """Online-softmax merge of two partial attentions (Milakov & Gimelshein 2018; FlashAttention's rescaling).
 
-    ``lse`` must be finite (the running result always holds the local block, where every query sees itself);
-    ``block_lse`` may be ``-inf``, which gives the block weight 0.
+    Either ``lse`` may be ``-inf`` (rows that have seen no key yet, or see none in the block): such a side gets
+    weight 0, and a row with both ``-inf`` stays ``(0, -inf)``.
     """
     new_lse = torch.logaddexp(lse, block_lse)
-    out = out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1)
+    ref = _finite(new_lse).unsqueeze(-1)
+    out = out * torch.exp(lse.unsqueeze(-1) - ref) + block_out * torch.exp(block_lse.unsqueeze(-1) - ref)
     return out, new_lse
 
 
 def _default_scale(q: Tensor, scale: float | None) -> float:
     return 1.0 / math.sqrt(q.size(-1)) if scale is None else scale
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention with its own backward: it keeps ``q``, ``k``, ``v``, the output and the log-sum-exp of the
+    local queries (what one process's fused attention keeps), and passes the K/V blocks around the ring again in
+    backward, each with the sum of its dK/dV so far (Liu et al. 2023, §3)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, group: dist.ProcessGroup | None, is_causal: bool,
+        scale: float,
+    ) -> Tensor:
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        all_positions = _all_gather_positions(positions, group) if is_causal and n > 1 else None
+        # The block a rank holds at step s started on rank r - s; its keys' positions decide the pieces (without a
+        # causal mask only their number does, the same on every rank).
+        k_positions = [positions if s == 0 or all_positions is None else all_positions[(rank - s) % n]
+                       for s in range(n)]
+        plans = [_pieces(positions, k_pos, is_causal) for k_pos in k_positions]
+        # Merge in at least float32: the log-sum-exp rescaling loses too much in half precision.
+        acc = torch.promote_types(q.dtype, torch.float32)
+        # (batch, seq, heads, head_dim) in memory, as the fused kernel lays its output out: a model's usual
+        # out.transpose(1, 2).reshape(batch, seq, -1) is then a view, and the next layer keeps no second copy.
+        b, h, sq = q.shape[:3]
+        out = q.new_zeros((b, sq, h, v.size(-1)), dtype=acc).transpose(1, 2)
+        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
+        kv = torch.cat([k, v], dim=-1)  # K and V travel as one tensor: one exchange a step instead of two
+        for s in range(n):
+            if s:
+                kv = _ring_shift(kv, group, "forward")
+            k_blk, v_blk = kv.split([k.size(-1), v.size(-1)], dim=-1)
+            for qs, ks, kind in plans[s]:
+                part = _piece_forward(q[:, :, qs], k_blk[:, :, ks], v_blk[:, :, ks], positions[qs],
+                                      k_positions[s][ks], kind, scale, acc)
+                out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], *part)
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.plans, ctx.positions, ctx.k_positions = plans, positions, k_positions
+        ctx.group, ctx.scale = group, scale
+        return result
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        group, n = ctx.group, dist.get_world_size(ctx.group)
+        dk_width = k.size(-1)
+        grad_q = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+
+        def block_grads(s: int, kv: Tensor) -> Tensor:
+            """Add the local queries' gradient against the block held at step ``s``; return the block's dK/dV."""
+            k_blk, v_blk = kv.split([dk_width, kv.size(-1) - dk_width], dim=-1)
+            grad_kv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)
+            for qs, ks, kind in ctx.plans[s]:
+                gq, gk, gv = _piece_backward(grad_out[:, :, qs], q[:, :, qs], k_blk[:, :, ks], v_blk[:, :, ks],
+                                             out[:, :, qs], lse[:, :, qs], ctx.positions[qs], ctx.k_positions[s][ks],
+                                             kind, ctx.scale)
+                grad_q[:, :, qs] += gq
+                grad_kv[:, :, ks, :dk_width] += gk
+                grad_kv[:, :, ks, dk_width:] += gv
+            return grad_kv
+
+        # The visiting blocks first, then the own block. The dK/dV of block j starts on rank j + 1 and travels with
+        # the block (one exchange a step carries both), summing each rank's share; after the last step, rank j - 1
+        # sends it home: 2 (cp - 1) K/V-sized sends in all.
+        kv = torch.cat([k, v], dim=-1)
+        carried: Tensor | None = None
+        for s in range(1, n):
+            if carried is None:
+                kv = _ring_shift(kv, group, "backward")
+            else:
+                kv, carried = _ring_shift(torch.cat([kv, carried], dim=-1), group, "backward").chunk(2, dim=-1)
+            share = block_grads(s, kv)
+            carried = (share if carried is None else carried + share).to(kv.dtype)
+        grad_kv = block_grads(0, torch.cat([k, v], dim=-1))
+        if carried is not None:
+            grad_kv = grad_kv + _ring_shift(carried, group, "backward")
+        grad_k, grad_v = grad_kv.split([dk_width, grad_kv.size(-1) - dk_width], dim=-1)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
 
 
 def ring_attention(
@@ -248,16 +416,18 @@ def ring_attention(
     Each rank starts with its own K/V block, then passes the block it holds to the next rank ``(r + 1) % cp`` and
     receives the previous rank's, ``cp - 1`` times, so that its queries meet every block once. The partial attention
     against each block is merged into the running output with the log-sum-exp (online softmax; Milakov & Gimelshein
-    2018). The local block comes first, so every query's running log-sum-exp is finite (it sees at least itself),
-    and a query that may see no key of a visiting block gives that block weight 0 instead of a NaN. The masks come
-    from ``positions`` (all-gathered once: they are small and need no gradient), not from an assumed order.
+    2018). The masks come from ``positions`` (all-gathered once: they are small and need no gradient), not from an
+    assumed order: each block is cut into pieces whose mask is all true or the lower triangle (:func:`_pieces`;
+    under the load-balanced layout that is every piece), which run in torch's fused CPU kernel; any other piece
+    runs in plain operators with an explicit mask.
 
-    Backward: autograd, through the ring exchange's own backward, which sends each visiting block's K/V gradient
-    back one hop per step in the reverse direction, so that it arrives, summed, at the rank that owns the block
-    (the paper's backward pass, which passes dK/dV around the ring). Memory: autograd keeps, for each of the ``cp``
-    steps, the block's scores and probabilities, ``(batch, heads, S_local, S_local)`` each, i.e. ``S_local x S`` per
-    rank in total against ``S x S`` for one process, plus every visiting K/V block (the whole sequence's K and V per
-    rank). The exchanges are blocking: communication is not overlapped with the block computation as in the paper.
+    Backward (a custom autograd function, as in the paper): the K/V blocks go around the ring again, and each
+    block's dK/dV travels with it, summing every rank's share, until it is sent home; each rank recomputes its
+    queries' attention against the block it holds from the saved output and log-sum-exp (FlashAttention's
+    backward). Memory: per rank, what one process's fused attention keeps for its tokens (``q``, ``k``, ``v``, the
+    output and the log-sum-exp, ``S / cp`` tokens each), no ``S x S`` tensor on CPU and no visiting block kept.
+    Communication per rank: ``cp - 1`` K/V blocks forward, ``2 (cp - 1)`` backward (K/V again, and dK/dV). The
+    exchanges are blocking: communication is not overlapped with the block computation as in the paper.
 
     Args:
         q: ``(batch, heads, S_local, head_dim)``, this rank's queries.
@@ -271,24 +441,7 @@ def ring_attention(
     Returns:
         ``(batch, heads, S_local, head_dim_v)``, the attention output for the local queries, in ``q``'s dtype.
     """
-    scale = _default_scale(q, scale)
-    # Merge in at least float32: the log-sum-exp rescaling loses too much in half precision.
-    acc_dtype = torch.promote_types(q.dtype, torch.float32)
-    out, lse = _block_attention(q, k, v, positions, positions, is_causal, scale)
-    out, lse = out.to(acc_dtype), lse.to(acc_dtype)
-    n = dist.get_world_size(group)
-    if n > 1:
-        all_positions = _all_gather_positions(positions, group)
-        rank = dist.get_rank(group)
-        # K and V travel as one tensor: one exchange a step instead of two.
-        kv = torch.cat([k, v], dim=-1)
-        for step in range(1, n):
-            kv = _ring_shift(kv, group)
-            k_blk, v_blk = kv.split([k.size(-1), v.size(-1)], dim=-1)
-            k_pos = all_positions[(rank - step) % n]  # the block that started on rank r - step
-            blk_out, blk_lse = _block_attention(q, k_blk, v_blk, positions, k_pos, is_causal, scale)
-            out, lse = _merge(out, lse, blk_out.to(acc_dtype), blk_lse.to(acc_dtype))
-    return out.to(q.dtype)
+    return _RingAttention.apply(q, k, v, positions, group, is_causal, _default_scale(q, scale))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -344,11 +497,12 @@ def ulysses_attention(
     """DeepSpeed-Ulysses attention (Jacobs et al. 2023, §3) over the cp group.
 
     An all-to-all gives each rank every token (every cp rank's, in rank order) for ``heads / cp`` of the heads; the
-    positions are all-gathered (no gradient) to build the mask, since the gathered sequence is in rank order, not in
-    position order; ``F.scaled_dot_product_attention`` runs over the whole sequence for those heads; a second
-    all-to-all returns ``(batch, heads, S_local, head_dim)``. Gradients flow through both all-to-alls (their
-    backward is the reverse exchange). Memory per rank: the ``(batch, heads / cp, S, S)`` attention of its heads (or
-    less, with a fused SDPA kernel).
+    positions are all-gathered (no gradient). The gathered tokens are put in position order, so that
+    ``F.scaled_dot_product_attention`` runs with ``is_causal=True`` and no mask over the whole sequence for those
+    heads, then back in rank order, and a second all-to-all returns ``(batch, heads, S_local, head_dim)``. Positions
+    that are not all distinct (no such order) fall back to an explicit ``S x S`` mask. Gradients flow through both
+    all-to-alls (their backward is the reverse exchange). Memory per rank: what one process's fused attention keeps
+    for ``S`` tokens and ``heads / cp`` heads.
 
     Args:
         q: ``(batch, heads, S_local, head_dim)``.
@@ -371,14 +525,21 @@ def ulysses_attention(
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
     # q, k and v travel as one tensor (one all-to-all instead of three); v's head_dim may differ.
     dims = [q.size(-1), k.size(-1), v.size(-1)]
-    q_full, k_full, v_full = _seq_to_heads(torch.cat([q, k, v], dim=-1), group, n).split(dims, dim=-1)
-    mask = None
+    qkv = _seq_to_heads(torch.cat([q, k, v], dim=-1), group, n)
+    mask, order = None, None
     if is_causal:
         all_positions = _all_gather_positions(positions, group).reshape(-1)
-        mask = _causal_mask(all_positions, all_positions)
-    out = F.scaled_dot_product_attention(q_full, k_full, v_full, attn_mask=mask, scale=scale)
+        order = torch.argsort(all_positions)
+        if _strictly_increasing(all_positions[order]):
+            qkv = qkv.index_select(2, order)  # in position order the causal mask is the lower triangle
+        else:
+            order, mask = None, _causal_mask(all_positions, all_positions)
+    q_full, k_full, v_full = qkv.split(dims, dim=-1)
+    out = F.scaled_dot_product_attention(q_full, k_full, v_full, attn_mask=mask, is_causal=order is not None,
+                                         scale=scale)
+    if order is not None:
+        out = out.index_select(2, torch.argsort(order))  # back to rank order
     return _heads_to_seq(out, group, n)
-
 
 # --------------------------------------------------------------------------------------------------------------------
 # Routing F.scaled_dot_product_attention

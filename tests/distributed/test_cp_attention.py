@@ -1,6 +1,6 @@
 """Context-parallel attention on gloo ranks against one process's F.scaled_dot_product_attention: outputs and the
-gradients of q, k and v, for ring and Ulysses (all_to_all), causal and not, at cp=2 and cp=4; the layout helpers and
-the checks without processes."""
+gradients of q, k and v, for ring and Ulysses (all_to_all), causal and not, at cp=2 and cp=4, in the load-balanced
+layout and with arbitrary positions; the layout helpers, the ring's pieces and the checks without processes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_par.context_parallel.attention import _pieces
 from lightning_par.context_parallel import (
     CPAttentionMode,
     check_ulysses_heads,
@@ -66,12 +67,32 @@ def _mode_diff(group, cp_rank: int, cp_size: int) -> float:
     return (routed - direct).abs().max().item()
 
 
+def _shuffled_diffs(method: str, group, cp_rank: int, cp_size: int) -> dict:
+    """As :func:`_max_diffs`, causal, float64, with each rank holding an arbitrary set of positions (a random
+    permutation of the sequence cut in cp pieces): no piece of the ring is all-visible or triangular, so the plain
+    operators with an explicit mask run (and Ulysses' explicit mask, since the positions stay distinct but the check
+    of order is exercised with a permutation)."""
+    (q, k, v), grad = _inputs(torch.float64)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    seq = SHAPE[SEQ_DIM]
+    positions = torch.randperm(seq, generator=torch.Generator().manual_seed(1)).chunk(cp_size)[cp_rank]
+    local = [t.detach()[:, :, positions].requires_grad_() for t in (q, k, v)]
+    out = METHODS[method](*local, positions, group, is_causal=True)
+    out.backward(grad[:, :, positions])
+    diffs = {"out": (out.detach() - ref[:, :, positions]).abs().max().item()}
+    for name, t, ref_grad in zip("qkv", local, ref_grads):
+        diffs[f"d{name}"] = (t.grad - ref_grad[:, :, positions]).abs().max().item()
+    return diffs
+
+
 def _all_cases(group, cp_rank: int, cp_size: int) -> dict:
     cases = {}
     for method in METHODS:
         for is_causal in (True, False):
             for dtype in TOLERANCE:
                 cases[(method, is_causal, dtype)] = _max_diffs(method, is_causal, dtype, group, cp_rank, cp_size)
+        cases[(f"{method} shuffled", True, torch.float64)] = _shuffled_diffs(method, group, cp_rank, cp_size)
     return {"cases": cases, "mode": _mode_diff(group, cp_rank, cp_size)}
 
 
@@ -147,3 +168,33 @@ def test_mode_rejects_a_mask_dropout_and_an_unknown_method():
         F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
     with pytest.raises(ValueError, match="method='tree'"):
         CPAttentionMode("tree", None, torch.arange(4))
+
+
+def test_ring_pieces_in_the_load_balanced_layout_need_no_mask():
+    """The own block is one triangle; every other block one or two all-visible pieces, or none; together they cover
+    exactly the pairs a causal mask allows."""
+    seq, cp = 32, 4
+    positions = [load_balanced_positions(seq, r, cp) for r in range(cp)]
+    for r in range(cp):
+        q_pos = positions[r]
+        for j in range(cp):
+            pieces = _pieces(q_pos, positions[j], is_causal=True)
+            assert all(kind != "mask" for _, _, kind in pieces), (r, j, pieces)
+            if j == r:
+                assert pieces == [(slice(0, 8), slice(0, 8), "causal")]
+            covered = torch.zeros(8, 8, dtype=torch.bool)
+            for qs, ks, kind in pieces:
+                assert not covered[qs, ks].any()
+                block = torch.ones(qs.stop - qs.start, ks.stop - ks.start, dtype=torch.bool)
+                covered[qs, ks] = block.tril() if kind == "causal" else block
+            assert torch.equal(covered, positions[j].unsqueeze(0) <= q_pos.unsqueeze(1)), (r, j)
+
+
+def test_ring_pieces_fall_back_to_a_mask_and_skip_what_no_query_sees():
+    assert _pieces(torch.tensor([3, 1]), torch.tensor([0, 2]), is_causal=True) == [
+        (slice(0, 1), slice(0, 2), "full"), (slice(1, 2), slice(0, 1), "full")]
+    assert _pieces(torch.tensor([0, 1]), torch.tensor([2, 3]), is_causal=True) == []
+    unordered = _pieces(torch.tensor([2, 0, 3]), torch.tensor([2, 0, 3]), is_causal=True)
+    assert [kind for _, _, kind in unordered] == ["full", "mask", "mask", "causal"]  # q and k cut at [2] / [0, 3]
+    assert _pieces(torch.tensor([0, 1]), torch.tensor([2, 3]), is_causal=False) == [
+        (slice(0, 2), slice(0, 2), "full")]
