@@ -124,9 +124,10 @@ def ring_attention_layer_bytes(micro_batch_size: int, seq_len: int, hidden_size:
     Ring Attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers", §3): each rank holds ``S / cp`` of
     the sequence's ``S`` tokens and passes the K/V block it holds to the next rank ``cp - 1`` times, so that its
     queries meet every block; a block is K and V of those tokens for the rank's ``h / t`` hidden units (its heads
-    under tensor parallelism), ``2 b (S/cp) (h/t)`` elements. The backward passes each block's K/V gradient back
-    around the ring: as many bytes again. So ``2 (cp-1) * 2 b (S/cp) (h/t)`` elements, with a recomputed forward
-    (activation checkpointing of the attention) ``3 (cp-1) * 2 b (S/cp) (h/t)``.
+    under tensor parallelism), ``2 b (S/cp) (h/t)`` elements. The backward keeps no visiting block (as the paper's):
+    the K/V blocks go around the ring again and each block's dK/dV travels with it back home, twice the forward's
+    bytes. So ``3 (cp-1) * 2 b (S/cp) (h/t)`` elements, with a recomputed forward (activation checkpointing of the
+    attention) ``4 (cp-1) * 2 b (S/cp) (h/t)``. (:func:`ring_attention_forward_bytes` is the forward's share.)
 
     Args:
         micro_batch_size: sequences ``b`` per micro-batch.
@@ -140,9 +141,16 @@ def ring_attention_layer_bytes(micro_batch_size: int, seq_len: int, hidden_size:
     Returns:
         Bytes sent by one rank (0 for ``cp_size == 1``).
     """
+    passes = 4 if recompute_forward else 3
+    return passes * ring_attention_forward_bytes(micro_batch_size, seq_len, hidden_size, cp_size, tp_size, element_bytes)
+
+
+def ring_attention_forward_bytes(micro_batch_size: int, seq_len: int, hidden_size: int, cp_size: int, tp_size: int,
+                                 element_bytes: int) -> float:
+    """Bytes one rank sends in one attention layer's forward under ring attention: ``cp - 1`` K/V blocks of
+    ``2 b (S/cp) (h/t)`` elements (see :func:`ring_attention_layer_bytes`; the backward sends twice as much)."""
     block = 2 * micro_batch_size * seq_len * hidden_size * element_bytes / (cp_size * tp_size)
-    passes = 3 if recompute_forward else 2
-    return passes * (cp_size - 1) * send_bytes(block)
+    return (cp_size - 1) * send_bytes(block)
 
 
 def ulysses_layer_bytes(micro_batch_size: int, seq_len: int, hidden_size: int, cp_size: int, tp_size: int,

@@ -63,17 +63,19 @@ def formula_bytes(method: str, cp: int, *, batch: int, n_head: int, seq: int, he
         ValueError: an unknown method, or sizes that do not split (``seq`` by ``cp``; ``n_head`` by ``cp`` for
             ``all_to_all``).
     """
+    from lightning_par import comm_cost
+
     if cp < 1 or seq % cp:
         raise ValueError(f"seq={seq} does not split over cp={cp}")
-    block = batch * n_head * (seq // cp) * head_dim * elem_bytes  # one (batch, heads, seq / cp, head_dim) tensor
+    hidden = n_head * head_dim
     if method == "ring":
-        forward = n_layer * (cp - 1) * 2 * block
-        return forward, 2 * forward
+        forward = n_layer * comm_cost.ring_attention_forward_bytes(batch, seq, hidden, cp, 1, elem_bytes)
+        return int(forward), int(2 * forward)
     if method == "all_to_all":
         if n_head % cp:
             raise ValueError(f"n_head={n_head} does not split over cp={cp}")
-        forward = n_layer * 4 * batch * (n_head // cp) * (seq // cp) * head_dim * elem_bytes * (cp - 1)
-        return forward, forward
+        forward = n_layer * comm_cost.ulysses_layer_bytes(batch, seq, hidden, cp, 1, elem_bytes) / 2
+        return int(forward), int(forward)
     raise ValueError(f"method={method!r}: expected 'ring' or 'all_to_all'")
 
 

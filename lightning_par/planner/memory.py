@@ -131,9 +131,8 @@ def activation_bytes_per_layer(
     Context parallelism over ``cp`` ranks (``cp_size``): each rank holds ``s / cp`` tokens, so every ``s b h`` term
     becomes ``(s / cp) b h``; the attention core holds ``s / cp x s`` scores per head with ring attention (its queries
     against every K/V block; Liu et al. 2023, §3) and ``s x s`` for ``a / cp`` heads with Ulysses (Jacobs et al. 2023,
-    §3): ``a s^2 b / cp`` both. Ring attention without recomputation also keeps the ``cp - 1`` K/V blocks that
-    visited the rank, ``2 (s - s / cp) b h / t`` elements (what its autograd saves; selective and full recomputation
-    recompute them). So the whole layer falls as ``1 / cp``, plus the ring's visiting blocks.
+    §3): ``a s^2 b / cp`` both. The ring keeps no visiting K/V block for backward (they go around the ring again, as
+    in the paper). So the whole layer falls as ``1 / cp``.
 
     Args:
         seq_len: tokens ``s`` per whole sequence (before the cp split).
@@ -161,8 +160,6 @@ def activation_bytes_per_layer(
     if checkpointing not in ("none", "selective"):
         raise ValueError(f"checkpointing={checkpointing!r} is not valid: expected 'none', 'selective' or 'full'.")
     attn_core = 0.0 if checkpointing == "selective" else a * s_local * s * b * (2 * e + 1)
-    if cp > 1 and cp_method == "ring" and checkpointing == "none":
-        attn_core += 2 * (s - s_local) * b * h * e  # the K/V blocks that visited this rank
     split = 12 * sbh * e + attn_core
     replicated = 4 * sbh * e + 2 * sbh  # norm and matmul inputs, two dropout masks
     if sequence_parallel:

@@ -167,9 +167,8 @@ def test_activations_per_layer_fall_as_one_over_cp(ckpt, tp, sp, cp):
     ulysses = activation_bytes_per_layer(s, b, h, a, tp, sp, ckpt, e, cp_size=cp, cp_method="all_to_all")
     ring = activation_bytes_per_layer(s, b, h, a, tp, sp, ckpt, e, cp_size=cp, cp_method="ring")
     assert ulysses == pytest.approx(whole / cp)  # s / cp tokens; a / cp heads of s x s scores
-    # the ring: s / cp x s scores per head, plus the cp - 1 visiting K/V blocks when nothing is recomputed
-    visiting = 2 * (s - s // cp) * b * h * e / tp if ckpt == "none" else 0.0
-    assert ring == pytest.approx(whole / cp + visiting)
+    # the ring: s / cp x s scores per head; it keeps no visiting K/V block
+    assert ring == pytest.approx(whole / cp)
     assert ring < whole / cp * 1.1
 
 
@@ -179,7 +178,7 @@ def test_activations_per_layer_on_small_numbers():
     core = 2 * 4 * 8 * 1 * (2 * 2 + 1)
     expected = 12 * sbh * 2 + core + 4 * sbh * 2 + 2 * sbh
     assert activation_bytes_per_layer(8, 1, 4, 2, cp_size=2, cp_method="all_to_all") == expected
-    assert activation_bytes_per_layer(8, 1, 4, 2, cp_size=2) == expected + 2 * 4 * 1 * 4 * 2  # + one K/V block
+    assert activation_bytes_per_layer(8, 1, 4, 2, cp_size=2) == expected  # the ring keeps no visiting K/V block
 
 
 def test_memory_per_rank_falls_as_one_over_cp():
@@ -192,8 +191,7 @@ def test_memory_per_rank_falls_as_one_over_cp():
         assert ulysses.activation_bytes == pytest.approx(base.activation_bytes / cp)
         # the ring also keeps the K/V blocks that visited: 2 (s - s/cp) b h elements per layer (bf16), at most the
         # whole sequence's K and V
-        visiting = spec.num_layers * 2 * (spec.seq_len - spec.seq_len // cp) * spec.hidden_size * 2
-        assert ring.activation_bytes == pytest.approx(base.activation_bytes / cp + visiting)
+        assert ring.activation_bytes == pytest.approx(base.activation_bytes / cp)
         assert ring.activation_bytes < previous / 1.6  # still falls nearly as 1/cp: 8 ranks hold 16% of one's
         previous = ring.activation_bytes
         assert ring.model_state_bytes == ulysses.model_state_bytes == base.model_state_bytes  # ddp: a whole copy
@@ -220,17 +218,18 @@ def test_ddp_with_cp_keeps_the_reducer_buckets_of_a_dp_group():
 # ------------------------------------------------------------------------------------------------ communication
 def test_cp_bytes_follow_the_formulas_on_small_numbers():
     # ring: (cp - 1) K/V blocks of 2 b (s/cp) (h/t) elements, forward and backward (Liu et al. 2023, §3)
-    assert cc.ring_attention_layer_bytes(2, 8, 4, 2, 1, 2) == 2 * 1 * (2 * 2 * 4 * 4 * 2)  # 256
-    assert cc.ring_attention_layer_bytes(2, 8, 4, 4, 1, 2) == 2 * 3 * (2 * 2 * 2 * 4 * 2)  # 384
-    assert cc.ring_attention_layer_bytes(2, 8, 4, 4, 2, 2) == 384 / 2  # heads split over tp
-    assert cc.ring_attention_layer_bytes(2, 8, 4, 4, 1, 2, recompute_forward=True) == 3 * 3 * 64
+    # forward: cp - 1 blocks of 2 b (S/cp) (h/t) elements; backward twice that (the blocks again, and their dK/dV)
+    assert cc.ring_attention_layer_bytes(2, 8, 4, 2, 1, 2) == 3 * 1 * (2 * 2 * 4 * 4 * 2)  # 384
+    assert cc.ring_attention_layer_bytes(2, 8, 4, 4, 1, 2) == 3 * 3 * (2 * 2 * 2 * 4 * 2)  # 576
+    assert cc.ring_attention_layer_bytes(2, 8, 4, 4, 2, 2) == 576 / 2  # heads split over tp
+    assert cc.ring_attention_layer_bytes(2, 8, 4, 4, 1, 2, recompute_forward=True) == 4 * 3 * 64
     # Ulysses: 4 all-to-alls forward and 4 backward of b (s/cp) (h/t) elements, (cp-1)/cp sent (Jacobs et al. 2023)
     local = 2 * 2 * 4 * 2  # b (s/cp) h e = 32 bytes at cp = 4
     assert cc.ulysses_layer_bytes(2, 8, 4, 4, 1, 2) == 8 * local * 3 / 4  # 192
     assert cc.ulysses_layer_bytes(2, 8, 4, 4, 1, 2, recompute_forward=True) == 12 * local * 3 / 4
     assert cc.ring_attention_layer_bytes(2, 8, 4, 1, 1, 2) == cc.ulysses_layer_bytes(2, 8, 4, 1, 1, 2) == 0
     # the messages: ring sends point to point, Ulysses' 2 + 2 all-to-alls (q/k/v as one) of cp - 1 steps
-    assert cp_layer_comm_bytes("ring", 2, 8, 4, 4, 1, 2) == (384, 6, 1)
+    assert cp_layer_comm_bytes("ring", 2, 8, 4, 4, 1, 2) == (576, 6, 1)
     assert cp_layer_comm_bytes("all_to_all", 2, 8, 4, 4, 1, 2) == (192, 4, 3)
     assert cp_layer_comm_bytes("all_to_all", 2, 8, 4, 4, 1, 2, recompute_forward=True)[1:] == (6, 3)
     assert cc.ring_steps("all_to_all", 4) == 3
