@@ -176,51 +176,88 @@ class DictDataset(torch.utils.data.Dataset):
 
 
 # ---------------------------------------------------------------------------------------------------- attention
-class FusedQKVAttention(nn.Module):
-    """Causal self-attention with one fused ``qkv`` projection (unlike the GPT's three), through
-    ``F.scaled_dot_product_attention``: ``(batch, seq, width) -> (batch, seq, width)``."""
+class Attention(nn.Module):
+    """Causal self-attention without biases through ``F.scaled_dot_product_attention``:
+    ``(batch, seq, width) -> (batch, seq, width)``. Under tensor parallelism ``q``/``k``/``v`` are column shards and
+    ``o`` a row shard; the local head count follows from the local width."""
 
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(width, 3 * width)
-        self.out = nn.Linear(width, width)
+        self.head_dim = width // heads
+        self.q, self.k, self.v = (nn.Linear(width, width, bias=False) for _ in range(3))
+        self.o = nn.Linear(width, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, w = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)  # (b, heads, s, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, s, w))
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, local heads, s, head_dim)
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Layer(nn.Module):
+    """Post-norm residual layer: ``norm1(x + attn(x))``, then ``norm2(h + down(relu(up(h))))``."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.attn = Attention(width, heads)
+        self.norm1 = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.norm2 = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x + self.attn(x))
+        return self.norm2(h + self.down(F.relu(self.up(h))))
 
 
 class AttentionNet(nn.Module):
-    """Token embedding + learned positions read from ``position_ids`` + 2 residual attention/MLP layers + head."""
+    """A user's causal LM network: token embedding plus learned positions read from ``position_ids``, post-norm
+    layers in a ``ModuleDict``, a head. Speaks the model contract itself: ``tp_plan()``, ``pipeline_layers()`` /
+    ``pipeline_stage()``, ``attention_heads()``."""
 
-    def __init__(self, vocab: int = 256, width: int = 24, heads: int = 4, max_len: int = 32) -> None:
+    def __init__(self, vocab: int = 256, width: int = 32, heads: int = 4, depth: int = 2, max_len: int = 32) -> None:
         super().__init__()
         self.heads = heads
-        self.embed = nn.Embedding(vocab, width)
-        self.pos = nn.Embedding(max_len, width)
-        self.layers = nn.ModuleList(FusedQKVAttention(width, heads) for _ in range(2))
-        self.mlps = nn.ModuleList(Block(width) for _ in range(2))
-        self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab)
+        self.embed: nn.Module | None = nn.Embedding(vocab, width)
+        self.pos: nn.Module | None = nn.Embedding(max_len, width)
+        self.layers = nn.ModuleDict({str(i): Layer(width, heads) for i in range(depth)})
+        self.head: nn.Module | None = nn.Linear(width, vocab)
 
     def attention_heads(self) -> int:
         return self.heads
 
+    def tp_plan(self) -> dict[str, str]:
+        plan = {"embed": "replicate", "pos": "replicate", "head": "replicate"}
+        for i in self.layers:
+            plan |= {f"layers.{i}.attn.{p}": "colwise" for p in ("q", "k", "v")}
+            plan |= {f"layers.{i}.attn.o": "rowwise", f"layers.{i}.up": "colwise", f"layers.{i}.down": "rowwise"}
+        return plan
+
+    def pipeline_layers(self) -> list[str]:
+        return [f"layers.{i}" for i in self.layers]
+
+    def pipeline_stage(self, layers: list[str], *, first: bool, last: bool) -> AttentionNet:
+        view = AttentionNet.__new__(AttentionNet)
+        nn.Module.__init__(view)
+        view.heads = self.heads
+        view.embed, view.pos = (self.embed, self.pos) if first else (None, None)
+        view.layers = nn.ModuleDict({name.split(".")[1]: self.layers[name.split(".")[1]] for name in layers})
+        view.head = self.head if last else None
+        return view
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if position_ids is None:
-            position_ids = torch.arange(x.shape[1], device=x.device)
-        h = self.embed(x) + self.pos(position_ids)
-        for attn, mlp in zip(self.layers, self.mlps):
-            h = mlp(h + attn(h))
-        return self.head(self.norm(h))
+        if self.embed is not None:
+            if position_ids is None:
+                position_ids = torch.arange(x.shape[1], device=x.device)
+            x = self.embed(x) + self.pos(position_ids)
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.head(x) if self.head is not None else x
 
 
 class AttentionLM(L.LightningModule):
     """A user's causal language model (not the GPT): batches ``(x, y)``, or ``(x, y, position_ids)`` under context
-    parallelism; SGD with momentum or AdamW."""
+    parallelism (``pipeline_batch`` then hands the positions to the first stage); SGD with momentum or AdamW."""
 
     def __init__(self, optimizer: str = "sgd") -> None:
         super().__init__()
@@ -230,6 +267,10 @@ class AttentionLM(L.LightningModule):
     @staticmethod
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+    def pipeline_batch(self, batch: Any) -> tuple[Any, torch.Tensor]:
+        x, y, *positions = batch
+        return ((x, positions[0].expand(x.shape[0], -1).contiguous()) if positions else x), y
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, *positions = batch

@@ -1,8 +1,9 @@
 """Context parallelism against one process: the sequence split over cp ranks (causal load balancing), ring and
 all-to-all attention, alone and with every dp mode, tensor parallelism and pipelining (1F1B).
 
-Models: the reference GPT (AdamW) and a user's causal LM with its own fused-qkv attention and learned positions read
-from ``position_ids`` (:class:`tests.user_models.AttentionLM`, SGD with momentum and AdamW). Each rank's loss is the
+Models: the reference GPT (AdamW) and a user's causal LM with post-norm layers, learned positions read from
+``position_ids``, its own tensor-parallel plan and pipeline stages (:class:`tests.user_models.AttentionLM`, SGD with
+momentum and AdamW). Each rank's loss is the
 mean over the tokens it holds, every rank holds as many, so the global batch's loss is the mean over the (dp, cp)
 ranks; it must match one process on the whole batch (``rtol=1e-5``), and the gathered parameters too.
 """
@@ -44,6 +45,13 @@ WORLD4 = {
                                   method=m) for m in ("ring",)},
     **{f"cp2pp2-1f1b-gpt-{m}": _fit(f"cp2pp2-1f1b-gpt-{m}", "gpt", cp_size=2, pp_size=2, schedule="1f1b",
                                     num_microbatches=2, method=m) for m in METHODS},
+    # the user's model (4 heads: all-to-all splits them over cp x tp = 4) with its own plan and pipeline stages
+    **{f"cp2tp2-attn-sgd-{m}": _fit(f"cp2tp2-attn-sgd-{m}", "attn-sgd", cp_size=2, tp_size=2, method=m)
+       for m in METHODS},
+    **{f"cp2pp2-1f1b-attn-sgd-{m}": _fit(f"cp2pp2-1f1b-attn-sgd-{m}", "attn-sgd", cp_size=2, pp_size=2,
+                                         schedule="1f1b", num_microbatches=2, method=m) for m in METHODS},
+    "cp2dp2-zero2-attn-adamw-all_to_all": _fit("cp2dp2-zero2-attn-adamw-all_to_all", "attn-adamw", cp_size=2,
+                                               dp_size=2, dp_mode="zero2", method="all_to_all"),
 }
 
 
@@ -56,6 +64,11 @@ WORLD8 = {
                                      sequence_parallel=True, dp_mode=mode) for mode in ("zero1", "zero3")},
     "cp2tp2pp2-1f1b-gpt": _fit("cp2tp2pp2-1f1b-gpt", "gpt", cp_size=2, tp_size=2, pp_size=2, schedule="1f1b",
                                num_microbatches=2, sequence_parallel=True),
+    "dp2cp2tp2-zero1-attn-sgd-all_to_all": _fit("dp2cp2tp2-zero1-attn-sgd-all_to_all", "attn-sgd", dp_size=2,
+                                                cp_size=2, tp_size=2, dp_mode="zero1", method="all_to_all"),
+    "cp2tp2pp2-1f1b-attn-sgd-all_to_all": _fit("cp2tp2pp2-1f1b-attn-sgd-all_to_all", "attn-sgd", cp_size=2,
+                                               tp_size=2, pp_size=2, schedule="1f1b", num_microbatches=2,
+                                               method="all_to_all"),
 }
 
 
