@@ -50,6 +50,8 @@ WORLD4 = {
        for m in METHODS},
     **{f"cp2pp2-1f1b-attn-sgd-{m}": _fit(f"cp2pp2-1f1b-attn-sgd-{m}", "attn-sgd", cp_size=2, pp_size=2,
                                          schedule="1f1b", num_microbatches=2, method=m) for m in METHODS},
+    **{f"cp2dp2-{mode}-gpt-ring": _fit(f"cp2dp2-{mode}-gpt-ring", "gpt", cp_size=2, dp_size=2, dp_mode=mode)
+       for mode in ("ddp", "zero1", "zero2")},
     "cp2dp2-zero2-attn-adamw-all_to_all": _fit("cp2dp2-zero2-attn-adamw-all_to_all", "attn-adamw", cp_size=2,
                                                dp_size=2, dp_mode="zero2", method="all_to_all"),
 }
@@ -186,3 +188,18 @@ def test_a_checkpoint_saved_under_cp_loads_into_other_layouts_and_one_process(wo
     assert reference_val_loss(None, token_data(8, seed=1), path=checkpoint) == pytest.approx(expected, rel=1e-6)
     for r in reloaded[name]:
         assert r["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_mesh_strategy_with_cp_size_under_a_plain_trainer():
+    """``Trainer(strategy=MeshStrategy(cp_size=2))`` on the user's LM: the same losses and parameters as one process."""
+    from lightning_par.strategies import MeshStrategy
+    from tests.helpers import run_fit
+
+    runs = run_fit(2, lambda: MeshStrategy(cp_size=2, timeout_s=60), lambda: make_attention_lm("sgd"),
+                   token_data(_samples()), MICRO, STEPS, None, lambda module, strategy: strategy.full_state_dict())
+    ref_losses, ref_params = reference_fit(lambda: make_attention_lm("sgd"), token_data(_samples()), MICRO, STEPS)
+    losses = [sum(v) / 2 for v in zip(*(r["losses"] for r in runs))]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for r in runs:
+        assert_params_close(r["state"], ref_params)
+        assert r["extras"]["cp_size"] == 2 and r["extras"]["cp_tokens_per_sequence"] == 8
