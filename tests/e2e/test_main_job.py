@@ -52,14 +52,19 @@ def test_bad_layout_fails_fast_with_the_field_named(tmp_path):
     assert "does not equal world_size=3" in proc.stderr + proc.stdout
 
 
+def _smoke_run(tmp_path, overrides: str) -> dict:
+    """``make train`` of the tiny GPT on synthetic data for the smoke trainer with ``overrides``; its summary.json."""
+    run_dir = tmp_path / "run"
+    args = f"{overrides} model=tiny data=synthetic trainer=smoke hydra.run.dir={run_dir}"
+    proc = subprocess.run(["make", "-s", "train", f"ARGS={args}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((run_dir / "summary.json").read_text())
+
+
 @pytest.mark.slow
 def test_recipe_runs_an_hsdp_preset(tmp_path):
     """``parallel=hsdp2x2``: 4 processes, the model state sharded over 2 ranks and replicated twice, under zero3."""
-    run_dir = tmp_path / "run"
-    args = f"parallel=hsdp2x2 strategy=zero3 model=tiny data=synthetic trainer=smoke hydra.run.dir={run_dir}"
-    proc = subprocess.run(["make", "-s", "train", f"ARGS={args}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = _smoke_run(tmp_path, "parallel=hsdp2x2 strategy=zero3")
     assert summary["world_size"] == 4 and summary["dp_size"] == 4 and summary["dp_replicate_size"] == 2
     assert summary["steps"] == 6 and summary["final_train_loss"] < summary["initial_train_loss"]
     # zero3 with N = dp_shard_size = 2: each rank holds half of the fp32 parameters (within padding), not a quarter
@@ -72,11 +77,7 @@ def test_recipe_runs_an_hsdp_preset(tmp_path):
 @pytest.mark.slow
 def test_recipe_runs_a_context_parallel_preset(tmp_path):
     """``parallel=cp2``: 2 processes, each holding half of every sequence, under the default strategy."""
-    run_dir = tmp_path / "run"
-    args = f"parallel=cp2 model=tiny data=synthetic trainer=smoke hydra.run.dir={run_dir}"
-    proc = subprocess.run(["make", "-s", "train", f"ARGS={args}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = _smoke_run(tmp_path, "parallel=cp2")
     assert summary["world_size"] == 2 and summary["cp_size"] == 2 and summary["dp_size"] == 1
     assert summary["cp_method"] == "ring" and summary["cp_tokens_per_sequence"] == 32 // 2  # tiny: block_size 32
     assert summary["steps"] == 6 and summary["final_train_loss"] < summary["initial_train_loss"]
