@@ -73,6 +73,9 @@ def _model(step: dict[str, Any]) -> Any:
     ``nn.Sequential`` network with its own plan, :class:`tests.user_models.ResidualMLP`), ``"mlp-deep-..."`` (6 blocks,
     for 8 virtual stages)."""
     name = step.get("model", "gpt")
+    if name == "gpt-h4":  # 4 heads of width 8: all-to-all context parallelism splits them over cp x tp = 4
+        torch.manual_seed(0)
+        return GPTLightningModule(GPTConfig(**{**CONFIG.__dict__, "n_head": 4}), learning_rate=3e-3, adam_eps=1e-6)
     if name.startswith("gpt"):
         return make_gpt(int(name[3:] or CONFIG.n_layer))
     if name.startswith("attn"):  # a user's causal LM with its own fused-qkv attention (tests.user_models.AttentionLM)

@@ -41,8 +41,9 @@ WORLD4 = {
        for mode in ("ddp", "zero1", "zero2", "zero3")},
     "cp2dp2-zero3-gpt-all_to_all": _fit("cp2dp2-zero3-gpt-all_to_all", "gpt", cp_size=2, dp_size=2, dp_mode="zero3",
                                         method="all_to_all"),
-    **{f"cp2tp2-sp-gpt-{m}": _fit(f"cp2tp2-sp-gpt-{m}", "gpt", cp_size=2, tp_size=2, sequence_parallel=True,
-                                  method=m) for m in ("ring",)},
+    "cp2tp2-sp-gpt-ring": _fit("cp2tp2-sp-gpt-ring", "gpt", cp_size=2, tp_size=2, sequence_parallel=True),
+    "cp2tp2-sp-gpt-h4-all_to_all": _fit("cp2tp2-sp-gpt-h4-all_to_all", "gpt-h4", cp_size=2, tp_size=2,
+                                        sequence_parallel=True, method="all_to_all"),
     **{f"cp2pp2-1f1b-gpt-{m}": _fit(f"cp2pp2-1f1b-gpt-{m}", "gpt", cp_size=2, pp_size=2, schedule="1f1b",
                                     num_microbatches=2, method=m) for m in METHODS},
     # the user's model (4 heads: all-to-all splits them over cp x tp = 4) with its own plan and pipeline stages
@@ -66,6 +67,8 @@ WORLD8 = {
                                      sequence_parallel=True, dp_mode=mode) for mode in ("zero1", "zero3")},
     "cp2tp2pp2-1f1b-gpt": _fit("cp2tp2pp2-1f1b-gpt", "gpt", cp_size=2, tp_size=2, pp_size=2, schedule="1f1b",
                                num_microbatches=2, sequence_parallel=True),
+    "dp2cp2tp2-zero2-gpt-h4-all_to_all": _fit("dp2cp2tp2-zero2-gpt-h4-all_to_all", "gpt-h4", dp_size=2, cp_size=2,
+                                              tp_size=2, sequence_parallel=True, dp_mode="zero2", method="all_to_all"),
     "dp2cp2tp2-zero1-attn-sgd-all_to_all": _fit("dp2cp2tp2-zero1-attn-sgd-all_to_all", "attn-sgd", dp_size=2,
                                                 cp_size=2, tp_size=2, dp_mode="zero1", method="all_to_all"),
     "cp2tp2pp2-1f1b-attn-sgd-all_to_all": _fit("cp2tp2pp2-1f1b-attn-sgd-all_to_all", "attn-sgd", cp_size=2,
@@ -110,8 +113,10 @@ def reloaded(world4, checkpoint) -> dict:
 
 
 def _factory(model: str):
-    if model == "gpt":
-        return make_gpt
+    if model.startswith("gpt"):
+        from tests.p3d_helpers import _model
+
+        return lambda: _model({"model": model})
     return lambda: make_attention_lm(optimizer=model.rsplit("-", 1)[1])
 
 
