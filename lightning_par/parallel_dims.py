@@ -156,10 +156,6 @@ class ParallelDims:
         innermost = DERIVED_MESHES.get(name, (name,))[-1]
         return math.prod(self.size(a) for a in MESH_AXES[MESH_AXES.index(innermost) + 1:])
 
-    def enabled(self, axis: str) -> bool:
-        """Whether ``axis`` (or a derived mesh) has more than one rank."""
-        return self.size(axis) > 1
-
     @property
     def dp_enabled(self) -> bool:
         return self.dp_size > 1

@@ -3,7 +3,7 @@
 A *step* of the worker's plan is a picklable dict with ``"kind"``:
 
 * every step may name ``"strategy"`` (a registry name, default ``parallel_3d``; ``"options"`` are its keyword
-  arguments), ``"bytes": True`` (the rank's model-state bytes, the maximum over its optimizer steps) and ``"model"`` (``"gpt"``, the default, ``"gpt8"`` with 8 blocks, or a user's MLP: see :func:`_model`);
+  arguments), ``"bytes": True`` (the rank's model-state bytes, the maximum over its optimizer steps) and ``"model"`` (``"gpt"``, the default, ``"gpt8"`` with 8 blocks, or a user's MLP: see :func:`make_model`);
 * ``"fit"``: ``{"kind": "fit", "name", "options" (the strategy's kwargs), "steps", "micro_batch", "clip",
   "accumulate": int (``accumulate_grad_batches``, default 1), "precision": Lightning's (default ``"32-true"``),
   "resume": path | None, "save": path | None, "val": bool,
@@ -68,7 +68,7 @@ def _strategy(step: dict[str, Any]) -> Any:
     return entry["strategy"](**{**entry["init_params"], "timeout_s": 90, **step["options"]})
 
 
-def _model(step: dict[str, Any]) -> Any:
+def make_model(step: dict[str, Any]) -> Any:
     """The step's model: ``"gpt"`` (default, the tiny GPT), ``"mlp-sgd"`` or ``"mlp-adamw"`` (a user's
     ``nn.Sequential`` network with its own plan, :class:`tests.user_models.ResidualMLP`), ``"mlp-deep-..."`` (6 blocks,
     for 8 virtual stages)."""
@@ -129,7 +129,7 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
         callbacks=callbacks,
         **_precision(step.get("precision", "32-true")),
     )
-    module = _model(step)
+    module = make_model(step)
     out: dict[str, Any] = {"name": step["name"], "rank": rank, "dp_rank": dp_rank}
     val_loader = _loader(val, micro, dims.dp_size, dp_rank)
     if validate_only:
@@ -143,7 +143,7 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
     out["extras"] = strategy.summary_extras()
     if step.get("bytes"):
         out["bytes"] = callbacks[-1].bytes
-        out["trainable_numel"] = sum(p.numel() for p in _model(step).parameters() if p.requires_grad)
+        out["trainable_numel"] = sum(p.numel() for p in make_model(step).parameters() if p.requires_grad)
     out["optimizer_state_dtypes"] = sorted({
         str(v.dtype) for o in trainer.optimizers for s in o.state.values() for v in s.values()
         if isinstance(v, torch.Tensor) and v.dim() > 0

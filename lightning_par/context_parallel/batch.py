@@ -53,5 +53,5 @@ class SequenceSplit:
 
         if isinstance(batch, Mapping):
             return {**{k: split(v) for k, v in batch.items()}, "position_ids": positions}
-        return type(batch)([*(split(t) for t in batch), positions]) if isinstance(batch, list) else (
-            *(split(t) for t in batch), positions)
+        pieces = [*(split(t) for t in batch), positions]
+        return pieces if isinstance(batch, list) else tuple(pieces)

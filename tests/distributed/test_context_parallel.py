@@ -114,9 +114,9 @@ def reloaded(world4, checkpoint) -> dict:
 
 def _factory(model: str):
     if model.startswith("gpt"):
-        from tests.p3d_helpers import _model
+        from tests.p3d_helpers import make_model
 
-        return lambda: _model({"model": model})
+        return lambda: make_model({"model": model})
     return lambda: make_attention_lm(optimizer=model.rsplit("-", 1)[1])
 
 
