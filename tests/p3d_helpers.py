@@ -78,7 +78,7 @@ def make_model(step: dict[str, Any]) -> Any:
         return GPTLightningModule(GPTConfig(**{**CONFIG.__dict__, "n_head": 4}), learning_rate=3e-3, adam_eps=1e-6)
     if name.startswith("gpt"):
         return make_gpt(int(name[3:] or CONFIG.n_layer))
-    if name.startswith("attn"):  # a user's causal LM with its own fused-qkv attention (tests.user_models.AttentionLM)
+    if name.startswith("attn"):  # a user's causal LM with its own plan and stages (tests.user_models.AttentionLM)
         from tests.user_models import make_attention_lm
 
         return make_attention_lm(optimizer=name.rsplit("-", 1)[1])
