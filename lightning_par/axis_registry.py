@@ -71,6 +71,12 @@ class Build:
         full_state_transforms: the same for full (gathered) tensors, ``{name: tensor}`` in place.
         norm_groups: process groups whose ranks hold *other* parameters: a gradient norm sums over them (pp).
         summaries: figures for ``summary.json``, each a function returning a dict.
+        expert_paths: the experts modules of the whole network, read before any cut (``None``: no ep).
+        dp_groups: modules whose parameters have their data-parallel replicas on other meshes than the dp axis's (the
+            experts: ``edp``), each with those meshes
+            (:class:`~lightning_par.data_parallel.meshes.DataParallelMeshes`); the dp step runs its mode there.
+        step_logs: functions returning per-step figures ``{name: float}`` logged under ``parallel/`` after each
+            training step.
     """
 
     module: nn.Module
@@ -98,6 +104,9 @@ class Build:
     full_state_transforms: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)
     norm_groups: list[Any] = field(default_factory=list)
     summaries: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
+    expert_paths: list[str] | None = None
+    dp_groups: list[tuple[list[nn.Module], Any]] = field(default_factory=list)
+    step_logs: list[Callable[[], dict[str, float]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,16 @@ context parallelism         attention through ``torch.nn.functional.scaled_dot_p
                             (dim 1) split and ``position_ids`` ``(seq_local,)`` appended (a tuple batch) or added under
                             that key (a dict batch); under pipelining ``pipeline_batch`` maps them into the first
                             stage's inputs. For ``method="all_to_all"``: ``network.attention_heads()``.
+expert parallelism          ``network.expert_modules() -> list[str]``: paths (relative to the network) of the experts
+                            of every mixture-of-experts layer. An experts module is called as ``experts(x, counts)``
+                            with ``x`` ``(tokens, d)`` sorted by expert and ``counts`` ``(experts held,)`` int64; it
+                            returns ``(tokens, d)`` in the order of ``x``; every parameter has the expert index on
+                            dim 0 (``num_experts`` rows), and forward reads each through ``w.to_local()`` when ``w`` is
+                            a DTensor (the ep ranks hold ``Shard(0)`` pieces). The router, the sorting and the
+                            weighted combination stay in the layer (:class:`lightning_par.models.moe.MoE` is one).
+                            Per-sequence statistics (load balance, capacity) read
+                            :func:`lightning_par.context_parallel.sequence.active_sequence_shard` under cp; auxiliary
+                            losses go through :func:`lightning_par.aux_loss.attach_aux_loss`.
 ==========================  ==========================================================================================
 """
 
@@ -52,6 +62,7 @@ __all__ = [
     "attention_heads",
     "checkpoint_modules",
     "context_parallel_positions",
+    "expert_modules",
     "find_network",
     "pipeline_batch",
     "pipeline_layers",
@@ -260,3 +271,39 @@ def attention_heads(network: nn.Module) -> int | None:
     method = getattr(network, "attention_heads", None)
     return int(method()) if callable(method) else None
 
+
+
+def expert_modules(network: nn.Module) -> list[str]:
+    """Paths (relative to ``network``) of its experts modules, from ``network.expert_modules()``, with their number of
+    experts checked (see the module docstring).
+
+    Raises:
+        ValueError: the network does not define ``expert_modules()``, names none, or a path that is not a module, or an
+            experts module whose parameters do not all have the same number of rows (experts) on dim 0.
+    """
+    method = getattr(network, "expert_modules", None)
+    name = type(network).__name__
+    paths = list(method()) if callable(method) else []
+    if not paths:
+        raise ValueError(
+            f"expert parallelism (ep_size > 1) is not valid for a network of type {name}: it names no experts. Define "
+            f"{name}.expert_modules() -> [paths of the experts modules of its mixture-of-experts layers] (see "
+            f"lightning_par.contract), or use ep_size=1."
+        )
+    for path in paths:
+        try:
+            module = network.get_submodule(path)
+        except AttributeError as err:
+            raise ValueError(f"{name}.expert_modules() names {path!r}, which is not a submodule of it.") from err
+        rows = {p.shape[0] if p.dim() else 0 for p in module.parameters()}
+        if len(rows) != 1 or 0 in rows:
+            raise ValueError(
+                f"experts module {path!r} of {name} is not valid for expert parallelism: every parameter must have the "
+                f"expert index on dim 0 (the same number of rows); got dim-0 sizes {sorted(rows)}."
+            )
+    return paths
+
+
+def num_experts(network: nn.Module, path: str) -> int:
+    """The number of experts of the experts module at ``path`` (dim 0 of its parameters)."""
+    return next(network.get_submodule(path).parameters()).shape[0]

@@ -20,6 +20,12 @@ Derived meshes, each one flattened axis built once (:data:`DERIVED_MESHES`): ``d
 ``dp_shard_cp`` (ZeRO's sharding and gradient reduction group) and ``dp_cp`` (loss averaging). Everything asks for a
 mesh by name through :meth:`ParallelDims.get_mesh`; no other module lists the axes.
 
+Expert parallelism (``ep_size``) borrows its ranks from ``dp_shard x cp`` (as torchtitan and Megatron-core's
+expert-data-parallel do): the ``dp_shard_cp`` ranks are regrouped into ``(edp_shard, ep)``, ``ep`` innermost, on a
+second mesh of the same ranks (:data:`EXPERT_MESHES`): ``ep`` holds different experts and exchanges tokens,
+``edp_shard`` holds the same experts (their ZeRO ``N``), ``edp`` (``dp_replicate x edp_shard``) averages their
+gradients.
+
 ````ParallelDims`` is the only place a layout is validated: everything else trusts it. Importing this module imports no
 torch (the planner uses it without one).
 """
@@ -37,7 +43,9 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["AXIS_OF_SIZE", "DERIVED_MESHES", "MESH_AXES", "SIZE_FIELDS", "ParallelDims", "broadcast_from_rank0"]
+__all__ = [
+    "AXIS_OF_SIZE", "DERIVED_MESHES", "EXPERT_MESHES", "MESH_AXES", "SIZE_FIELDS", "ParallelDims", "broadcast_from_rank0"
+]
 
 #: Names of the mesh axes, outermost first.
 MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -54,6 +62,11 @@ DERIVED_MESHES: dict[str, tuple[str, ...]] = {
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
 
+#: Meshes of expert parallelism (built when ``ep_size > 1``): ``ep`` (ranks holding different experts), ``edp_shard``
+#: (ranks holding the same experts, within one ``dp_shard x cp`` group) and ``edp`` (``dp_replicate x edp_shard``: every
+#: rank holding the same experts).
+EXPERT_MESHES: tuple[str, ...] = ("ep", "edp_shard", "edp")
+
 
 @dataclass
 class ParallelDims:
@@ -69,11 +82,13 @@ class ParallelDims:
         dp_shard_size: ranks one copy of the model state is sharded over (ZeRO's ``N``); ``-1`` infers it as
             ``dp_size // dp_replicate_size``.
         cp_size: ranks one sequence is split over.
+        ep_size: ranks the experts of each mixture-of-experts layer are split over, borrowed from ``dp_shard x cp``
+            (it does not multiply into ``world_size``).
 
     Raises:
         ValueError: a size that is not a positive integer (or ``-1`` where it may be inferred), sizes whose product is
-            not ``world_size``, or ``dp_replicate_size`` not dividing ``dp_size``. The message names the fields, the
-            values and what would be valid.
+            not ``world_size``, ``dp_replicate_size`` not dividing ``dp_size``, or ``ep_size`` not dividing
+            ``dp_shard_size * cp_size``. The message names the fields, the values and what would be valid.
     """
 
     dp_size: int = -1
@@ -83,12 +98,13 @@ class ParallelDims:
     dp_replicate_size: int = 1
     dp_shard_size: int = -1
     cp_size: int = 1
+    ep_size: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, 1)
-        for name in ("tp_size", "pp_size", "cp_size", "dp_replicate_size"):
+        for name in ("tp_size", "pp_size", "cp_size", "dp_replicate_size", "ep_size"):
             check_int(name, getattr(self, name), 1)
         check_int("dp_size", self.dp_size, 1, allow_infer=True)
         check_int("dp_shard_size", self.dp_shard_size, 1, allow_infer=True)
@@ -131,6 +147,14 @@ class ParallelDims:
                 f"dp_replicate_size={self.dp_replicate_size} leaves dp_shard_size={shard} "
                 f"(dp_size = dp_replicate_size * dp_shard_size); set dp_shard_size={shard} or -1."
             )
+        borrowed = self.dp_shard_size * self.cp_size
+        if borrowed % self.ep_size:
+            valid = [d for d in range(1, borrowed + 1) if borrowed % d == 0]
+            raise ValueError(
+                f"ep_size={self.ep_size} is not valid: expert parallelism borrows its ranks from dp_shard_size * "
+                f"cp_size = {self.dp_shard_size} * {self.cp_size} = {borrowed}; expected a divisor of it, one of "
+                f"{valid}."
+            )
 
     # ------------------------------------------------------------------ sizes
     def size(self, axis: str) -> int:
@@ -141,6 +165,9 @@ class ParallelDims:
         """
         if axis in DERIVED_MESHES:
             return math.prod(self.size(a) for a in DERIVED_MESHES[axis])
+        if axis in EXPERT_MESHES:
+            edp_shard = self.dp_shard_size * self.cp_size // self.ep_size
+            return {"ep": self.ep_size, "edp_shard": edp_shard, "edp": self.dp_replicate_size * edp_shard}[axis]
         self._check_name(axis)
         return getattr(self, SIZE_FIELDS[axis])
 
@@ -153,6 +180,10 @@ class ParallelDims:
             ValueError: an unknown name.
         """
         self._check_name(name)
+        if name in ("ep", "edp_shard"):  # the inner and outer parts of dp_shard_cp
+            return self.tp_size * (self.ep_size if name == "edp_shard" else 1)
+        if name == "edp":
+            return self.stride("edp_shard")
         innermost = DERIVED_MESHES.get(name, (name,))[-1]
         return math.prod(self.size(a) for a in MESH_AXES[MESH_AXES.index(innermost) + 1:])
 
@@ -173,6 +204,10 @@ class ParallelDims:
         return self.cp_size > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep_size > 1
+
+    @property
     def dp_replicate_enabled(self) -> bool:
         """HSDP: more than one replica of the sharded model state."""
         return self.dp_replicate_size > 1
@@ -187,6 +222,8 @@ class ParallelDims:
         record and ``summary.json`` keep)."""
         out = {"dp_size": self.dp_size}
         out.update({SIZE_FIELDS[a]: self.size(a) for a in MESH_AXES if a != "dp_shard" and self.size(a) > 1})
+        if self.ep_size > 1:
+            out["ep_size"] = self.ep_size
         return out
 
     def coordinates(self, rank: int) -> dict[str, int]:
@@ -234,7 +271,23 @@ class ParallelDims:
             for name, axes in DERIVED_MESHES.items():
                 self._meshes[name] = flatten_mesh(mesh[axes], name)
             self._mesh = mesh
+            if self.ep_enabled:
+                self._build_expert_meshes(mesh)
         return self._mesh
+
+    def _build_expert_meshes(self, mesh: DeviceMesh) -> None:
+        """The ``dp_shard x cp`` ranks regrouped into ``(edp_shard, ep)`` on a second mesh of the same ranks."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from lightning_par.compat import flatten_mesh
+
+        pp, replicate, shard, cp, tp = self.shape
+        ranks = mesh.mesh.reshape(pp, replicate, shard * cp // self.ep_size, self.ep_size, tp)
+        expert = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("pp", "dp_replicate", "edp_shard", "ep", "tp"))
+        self._meshes["ep"] = expert["ep"]
+        self._meshes["edp_shard"] = expert["edp_shard"]
+        self._meshes["edp"] = flatten_mesh(expert["dp_replicate", "edp_shard"], "edp")
+        self._meshes["dp_replicate_edp_shard"] = expert["dp_replicate", "edp_shard"]
 
     def get_mesh(self, name: str) -> DeviceMesh:
         """The 1-D mesh of an axis of :data:`MESH_AXES` or a derived mesh of :data:`DERIVED_MESHES` that contains
@@ -247,6 +300,8 @@ class ParallelDims:
         self._check_name(name)
         if self._mesh is None:
             raise RuntimeError("ParallelDims.get_mesh called before build_mesh.")
+        if name in EXPERT_MESHES and not self.ep_enabled:
+            raise RuntimeError(f"ParallelDims.get_mesh({name!r}): the expert meshes exist only when ep_size > 1.")
         return self._meshes[name]
 
     def get_meshes(self, *names: str) -> DeviceMesh:
@@ -265,14 +320,36 @@ class ParallelDims:
         """The process group of :meth:`get_mesh` ``(name)``."""
         return self.get_mesh(name).get_group()
 
+    def expert_meshes(self) -> tuple[DeviceMesh | None, DeviceMesh, DeviceMesh | None, DeviceMesh]:
+        """``(ep, edp_shard, dp_replicate or None, fsdp)`` of the experts: their ep mesh (``None`` when
+        ``ep_size == 1``), the ranks their state is sharded over, HSDP's replicas, and FSDP2's mesh (2-D
+        ``(dp_replicate, edp_shard)`` under HSDP).
+
+        Raises:
+            RuntimeError: :meth:`build_mesh` has not run.
+        """
+        if self._mesh is None:
+            raise RuntimeError("ParallelDims.expert_meshes called before build_mesh.")
+        if not self.ep_enabled:
+            shard = self._meshes["dp_shard_cp"]
+            replicate = self._meshes["dp_replicate"] if self.dp_replicate_enabled else None
+            fsdp = self._mesh["dp_replicate", "dp_shard_cp"] if replicate is not None else shard
+            return None, shard, replicate, fsdp
+        replicate = self._meshes["dp_replicate"] if self.dp_replicate_enabled else None
+        fsdp = self._meshes["dp_replicate_edp_shard"] if replicate is not None else self._meshes["edp_shard"]
+        return self._meshes["ep"], self._meshes["edp_shard"], replicate, fsdp
+
     def _check_name(self, name: str) -> None:
-        if name not in MESH_AXES and name not in DERIVED_MESHES:
-            raise ValueError(f"axis={name!r} is not valid: expected one of {[*MESH_AXES, *DERIVED_MESHES]}.")
+        if name not in MESH_AXES and name not in DERIVED_MESHES and name not in EXPERT_MESHES:
+            raise ValueError(
+                f"axis={name!r} is not valid: expected one of {[*MESH_AXES, *DERIVED_MESHES, *EXPERT_MESHES]}."
+            )
 
 
-def broadcast_from_rank0(module: nn.Module, group: ProcessGroup) -> None:
+def broadcast_from_rank0(module: nn.Module, group: ProcessGroup, skip: set[int] | frozenset[int] = frozenset()) -> None:
     """Give every rank of ``group`` (the ranks of one mesh axis or derived mesh) the parameters and buffers of the
-    group's rank 0, in place (a DTensor's local shard); a no-op for a group of one."""
+    group's rank 0, in place (a DTensor's local shard), except the tensors whose ``id`` is in ``skip``; a no-op for a
+    group of one."""
     import torch.distributed as dist
 
     from lightning_par.compat import local_tensor
@@ -281,4 +358,5 @@ def broadcast_from_rank0(module: nn.Module, group: ProcessGroup) -> None:
         return
     src = dist.get_global_rank(group, 0)
     for t in list(module.parameters()) + list(module.buffers()):
-        dist.broadcast(local_tensor(t).data, src=src, group=group)
+        if id(t) not in skip:
+            dist.broadcast(local_tensor(t).data, src=src, group=group)

@@ -252,6 +252,7 @@ class ParallelModel:
         self._state_transforms = list(build.state_transforms)
         self._full_state_transforms = list(build.full_state_transforms)
         self._summaries = list(build.summaries)
+        self._step_logs = list(build.step_logs)
         self._norm_groups = list(build.norm_groups)
         self.steps: StepHooks = (build.steps or StepHooks)(self)
 
@@ -315,6 +316,14 @@ class ParallelModel:
         parts: list[Any] = [None] * self.dims.pp_size
         dist.all_gather_object(parts, local, group=self.dims.group("pp"))
         return {k: v for part in parts for k, v in part.items()}
+
+    def step_figures(self) -> dict[str, float]:
+        """Every axis's figures of the training step that just ran (e.g. the MoE layers' load imbalance and the ep
+        all-to-all bytes), to log under ``parallel/``."""
+        out: dict[str, float] = {}
+        for figures in self._step_logs:
+            out.update(figures())
+        return out
 
     def summary(self) -> dict[str, Any]:
         """Every axis's figures for ``summary.json``, and the step hooks'."""

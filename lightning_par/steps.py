@@ -15,6 +15,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from lightning_par.aux_loss import set_aux_loss_scale
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -37,6 +39,7 @@ class StepHooks:
         """One training step: ``call(batch)`` runs the LightningModule's ``training_step`` on this rank's batch
         (:meth:`~lightning_par.parallelize.ParallelModel.prepare_batch`), inside the step's contexts."""
         batch = self.parallel.prepare_batch(batch)
+        set_aux_loss_scale(1.0 / host.lightning_module.trainer.accumulate_grad_batches)  # Lightning's loss factor
         with self.parallel.loss_context():
             return call(batch)
 

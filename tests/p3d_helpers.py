@@ -73,6 +73,15 @@ def make_model(step: dict[str, Any]) -> Any:
     ``nn.Sequential`` network with its own plan, :class:`tests.user_models.ResidualMLP`), ``"mlp-deep-..."`` (6 blocks,
     for 8 virtual stages)."""
     name = step.get("model", "gpt")
+    if name.startswith("moegpt"):  # the MoE GPT: blocks 1 and 3 with 4 experts, top-2 ("-cap": capacity 1.0)
+        torch.manual_seed(0)
+        extra = {"moe_capacity_factor": 1.0} if name.endswith("-cap") else {}
+        config = GPTConfig(**{**CONFIG.__dict__, "num_experts": 4, "moe_every": 2, **extra})
+        return GPTLightningModule(config, learning_rate=3e-3, adam_eps=1e-6)
+    if name.startswith("moelm"):  # a user's MoE LM with its own router and experts (tests.user_models.MoELM)
+        from tests.user_models import make_moe_lm
+
+        return make_moe_lm(optimizer=name.split("-")[1])
     if name == "gpt-h4":  # 4 heads of width 8: all-to-all context parallelism splits them over cp x tp = 4
         torch.manual_seed(0)
         return GPTLightningModule(GPTConfig(**{**CONFIG.__dict__, "n_head": 4}), learning_rate=3e-3, adam_eps=1e-6)

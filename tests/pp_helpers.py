@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_par.aux_loss import set_aux_loss_scale
 from lightning_par.launcher import run_distributed
 from tests.helpers import TIMEOUT_S, fit_worker, quiet_trainer
 
@@ -183,6 +184,7 @@ def reference_fit_microbatched(
                 x, y = next(loaders[r])
                 mb_losses = []
                 for xs, ys in zip(x.split(micro_batch // num_microbatches), y.split(micro_batch // num_microbatches)):
+                    set_aux_loss_scale(scale)  # a MoE layer's own losses get the micro-batch loss's factor
                     loss = module.loss_fn(module.model(xs), ys)
                     mb_losses.append(loss.detach())
                     (loss * scale).backward()
@@ -193,6 +195,7 @@ def reference_fit_microbatched(
             for r in range(1, dp_size):
                 total = total + replica_grads[r][i] / dp_size
             p.grad = total
+        set_aux_loss_scale(1.0)
         losses += [sum(v) / len(v) for v in window_losses]
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, clip_norm)

@@ -286,3 +286,95 @@ def make_attention_lm(optimizer: str = "sgd") -> AttentionLM:
     """Seeded: every rank and the reference build the same initial model."""
     torch.manual_seed(0)
     return AttentionLM(optimizer)
+
+
+# ---------------------------------------------------------------------------------------------------- mixture of experts
+class UserExperts(nn.Module):
+    """A user's experts (the expert contract of :mod:`lightning_par.contract`): ``E`` ReLU MLPs with biases, stacked on
+    dim 0, run on tokens sorted by expert."""
+
+    def __init__(self, num_experts: int, width: int, hidden: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.up = nn.Parameter(torch.randn(num_experts, width, hidden, generator=g) * 0.1)
+        self.up_bias = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.down = nn.Parameter(torch.randn(num_experts, hidden, width, generator=g) * 0.1)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        up, bias, down = (w.to_local() if isinstance(w, DTensor) else w for w in (self.up, self.up_bias, self.down))
+        chunks = x.split(counts.tolist())
+        return torch.cat([F.relu(c @ up[e] + bias[e]) @ down[e] for e, c in enumerate(chunks)])
+
+
+class UserMoE(nn.Module):
+    """A user's top-1 (Switch) mixture of experts with its own router and a per-sequence load-balancing loss."""
+
+    def __init__(self, width: int, num_experts: int = 4, hidden: int = 48) -> None:
+        super().__init__()
+        self.router = nn.Linear(width, num_experts, bias=False)
+        self.experts = UserExperts(num_experts, width, hidden)
+        self.num_experts = num_experts
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        from lightning_par.aux_loss import attach_aux_loss
+
+        b, s, d = h.shape
+        probs = self.router(h).softmax(-1)
+        weight, expert = probs.max(-1)  # (b, s)
+        share = F.one_hot(expert, self.num_experts).float().mean(1)  # per sequence (no cp here)
+        aux = self.num_experts * (share * probs.mean(1)).sum(-1).mean()
+        expert, weight = expert.reshape(-1), weight.reshape(-1)
+        order = torch.argsort(expert, stable=True)
+        out = self.experts(h.reshape(-1, d)[order], torch.bincount(expert, minlength=self.num_experts))
+        y = torch.zeros(b * s, d).index_add_(0, order, out * weight[order, None]).reshape(b, s, d)
+        return attach_aux_loss(y, 0.01 * aux)
+
+
+class MoELayer(nn.Module):
+    """Post-norm residual layer with a mixture of experts in place of the MLP."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.attn = Attention(width, heads)
+        self.norm1 = nn.LayerNorm(width)
+        self.moe = UserMoE(width)
+        self.norm2 = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x + self.attn(x))
+        return self.norm2(h + self.moe(h))
+
+
+class MoENet(AttentionNet):
+    """:class:`AttentionNet` with :class:`MoELayer` layers; names its experts (``expert_modules()``) and keeps
+    routers and experts whole on every tp rank."""
+
+    def __init__(self, depth: int = 2, width: int = 32, heads: int = 4) -> None:
+        super().__init__(width=width, heads=heads, depth=depth)
+        self.layers = nn.ModuleDict({str(i): MoELayer(width, heads) for i in range(depth)})
+
+    def tp_plan(self) -> dict[str, str]:
+        plan = {"embed": "replicate", "pos": "replicate", "head": "replicate"}
+        for i in self.layers:
+            plan |= {f"layers.{i}.attn.{p}": "colwise" for p in ("q", "k", "v")}
+            plan |= {f"layers.{i}.attn.o": "rowwise", f"layers.{i}.moe": "replicate"}
+        return plan
+
+    def expert_modules(self) -> list[str]:
+        return [f"layers.{i}.moe.experts" for i in self.layers]
+
+
+class MoELM(AttentionLM):
+    """A user's causal LM with mixture-of-experts layers (not the GPT)."""
+
+    def __init__(self, optimizer: str = "sgd") -> None:
+        super().__init__(optimizer)
+        self.model = MoENet()
+
+
+def make_moe_lm(optimizer: str = "sgd") -> MoELM:
+    """Seeded: every rank and the reference build the same initial model."""
+    torch.manual_seed(0)
+    return MoELM(optimizer)

@@ -91,7 +91,7 @@ def build_strategy(cfg: Any, dims: ParallelDims | None = None) -> Any:
     sizes = {"dp_size": dims.dp_size, **dims.sizes()}
     cls.check_axes(sizes, prefix="parallel.", label=f"strategy {name!r}")
     # Every size of an axis the strategy has (a preset's default is not the layout's), and the rest where not 1.
-    layout = {k: getattr(dims, k) for k in SIZE_FIELDS.values() if k != "dp_shard_size"}
+    layout = {k: getattr(dims, k) for k in (*SIZE_FIELDS.values(), "ep_size") if k != "dp_shard_size"}
     layout = {k: v for k, v in {"dp_size": dims.dp_size, **layout}.items() if v != 1 or k == "dp_size" or (
         axis_of_size(k) is not None and cls.has_axis(axis_of_size(k).name))}
     options = {k: v for k, v in options.items() if not (k in OPTION_GROUPS and not v)}
@@ -113,6 +113,15 @@ def gpt_lightning_module(
     min_lr_ratio: float = 0.1,
     adam_eps: float = 1e-8,
     max_steps: int | None = None,
+    num_experts: int | None = None,
+    moe_every: int | None = None,
+    moe_top_k: int | None = None,
+    moe_hidden: int | None = None,
+    moe_gating: str | None = None,
+    moe_shared_expert: bool | None = None,
+    moe_capacity_factor: float | None = None,
+    moe_aux_loss_coeff: float | None = None,
+    moe_z_loss_coeff: float | None = None,
 ) -> GPTLightningModule:
     """The reference GPT LightningModule from a preset plus overrides: the ``_target_`` of ``model=tiny|small|...``.
 
@@ -123,11 +132,17 @@ def gpt_lightning_module(
         learning_rate, weight_decay, warmup_steps, min_lr_ratio, adam_eps: AdamW and its warmup + cosine schedule.
         max_steps: optimizer step where the cosine ends (raised to ``max(warmup_steps, 1)``); None keeps the rate flat
             after warmup.
+        num_experts, moe_*: the mixture-of-experts fields of :class:`~lightning_par.models.GPTConfig`, replacing the
+            preset's when not None (``moe_capacity_factor=None`` is dropless).
 
     Raises:
         ValueError: an unknown preset or an invalid field (named, with what is valid).
     """
-    shape = {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "block_size": block_size}
+    shape = {"n_layer": n_layer, "n_head": n_head, "n_embd": n_embd, "block_size": block_size,
+             "num_experts": num_experts, "moe_every": moe_every, "moe_top_k": moe_top_k, "moe_hidden": moe_hidden,
+             "moe_gating": moe_gating, "moe_shared_expert": moe_shared_expert,
+             "moe_capacity_factor": moe_capacity_factor, "moe_aux_loss_coeff": moe_aux_loss_coeff,
+             "moe_z_loss_coeff": moe_z_loss_coeff}
     config = GPTConfig.from_preset(
         preset, vocab_size=vocab_size, dropout=dropout, bias=bias, **{k: v for k, v in shape.items() if v is not None}
     )

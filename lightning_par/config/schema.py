@@ -86,6 +86,8 @@ class ParallelConfig:
     dp_shard_size: int = -1
     #: context-parallel ranks per sequence.
     cp_size: int = 1
+    #: expert-parallel ranks (each holds num_experts / ep_size experts), borrowed from dp_shard_size * cp_size.
+    ep_size: int = 1
 
 
 ReducerGroup = options_schema(
@@ -224,6 +226,17 @@ class GPTModelConfig:
     adam_eps: float = 1e-8
     #: optimizer step where the cosine schedule ends; the trainer's ``max_steps`` by default.
     max_steps: Optional[int] = II("trainer.max_steps")
+    #: mixture of experts (null: the preset's): experts per MoE block (0: dense), every n-th block MoE, top-k (1|2),
+    #: expert width, gating (softmax|sigmoid), a shared expert, capacity factor (null: dropless), loss weights.
+    num_experts: Optional[int] = None
+    moe_every: Optional[int] = None
+    moe_top_k: Optional[int] = None
+    moe_hidden: Optional[int] = None
+    moe_gating: Optional[str] = None
+    moe_shared_expert: Optional[bool] = None
+    moe_capacity_factor: Optional[float] = None
+    moe_aux_loss_coeff: Optional[float] = None
+    moe_z_loss_coeff: Optional[float] = None
 
 
 #: Kept for code that imports the old name: the reference GPT's schema.

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from lightning_par.compat import flash_attention_cpu, flash_attention_cpu_backward
+from lightning_par.context_parallel import sequence
 
 __all__ = [
     "COMM_BYTES_SENT",
@@ -572,6 +574,15 @@ class CPAttentionMode(TorchFunctionMode):
         self.method = method
         self.group = group
         self.positions = positions
+
+    def __enter__(self) -> CPAttentionMode:
+        size = dist.get_world_size(self.group) if self.group is not None else 1
+        sequence.push(sequence.SequenceShard(self.group, self.positions, size))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        sequence.pop()
+        super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

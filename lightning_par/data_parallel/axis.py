@@ -30,7 +30,7 @@ def _apply(build: Build) -> None:
     build.engine = apply_data_parallel(
         build.module, DataParallelMeshes.from_dims(build.dims), dp_mode or "ddp", options.reducer,
         options.zero if dp_mode not in (None, "ddp") else None,
-        stage_modules=build.stage_modules or None, communicate=dp_mode is not None,
+        stage_modules=build.stage_modules or None, communicate=dp_mode is not None, groups=build.dp_groups,
     )
     build.summaries.append(build.engine.summary)
 

@@ -187,14 +187,21 @@ class DDPEngine(DataParallelEngine):
         module: the model; with ``dp_mesh`` of size 1 nothing is communicated.
         dp_mesh: 1-D data-parallel mesh.
         options: the reducer's options.
+        params: the parameters this engine reduces (default: every trainable one of ``module``).
     """
 
-    def __init__(self, module: nn.Module, dp_mesh: DeviceMesh, options: ReducerOptions | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        dp_mesh: DeviceMesh,
+        options: ReducerOptions | None = None,
+        params: Sequence[nn.Parameter] | None = None,
+    ) -> None:
         super().__init__(module, dp_mesh)
         options = options or ReducerOptions()
         self.reducer: GradientReducer | None = None
-        if dp_mesh.size() > 1:
-            params = [p for p in module.parameters() if p.requires_grad]
+        params = [p for p in (module.parameters() if params is None else params) if p.requires_grad]
+        if dp_mesh.size() > 1 and params:
             self.reducer = GradientReducer(params, dp_mesh.get_group(), **options.reducer_kwargs())
 
     @contextmanager
@@ -234,6 +241,7 @@ def apply_data_parallel(
     zero: ZeroOptions | None = None,
     stage_modules: Sequence[nn.Module] | None = None,
     communicate: bool = True,
+    groups: Sequence[tuple[Sequence[nn.Module], DataParallelMeshes]] = (),
 ) -> DataParallelEngine:
     """Make the dp replicas of ``module`` equal (broadcast from dp rank 0), then apply ``dp_mode``.
 
@@ -250,6 +258,9 @@ def apply_data_parallel(
             blocks units), since a schedule calls them, not ``module``.
         communicate: ``False`` for evaluation without sharding: the replicas are made equal and nothing else (a plain
             :class:`DataParallelEngine`; ``dp_mode`` must then be ``"ddp"``).
+        groups: modules whose parameters have their replicas on other meshes (the experts under expert parallelism:
+            ``edp``), each with those meshes. The dp mode runs over them there, and over the rest on ``dp_mesh``
+            (:class:`~lightning_par.data_parallel.grouped.GroupedEngine`).
 
     Raises:
         ValueError: an unknown ``dp_mode``, a missing or mismatched ``zero``, or a model with nothing to train.
@@ -263,16 +274,38 @@ def apply_data_parallel(
             f"layers in __init__ or configure_model."
         )
     meshes = DataParallelMeshes.of(dp_mesh)
-    broadcast_from_dp_rank0(module, meshes.dp.get_group())
-    if stage == 0:
-        return DDPEngine(module, meshes.dp, reducer) if communicate else DataParallelEngine(module, meshes.dp)
-    assert zero is not None
+    grouped = [(list(mods), DataParallelMeshes.of(m)) for mods, m in groups if mods]
+    group_params = [{id(p) for mod in mods for p in mod.parameters()} for mods, _ in grouped]
+    elsewhere = set().union(*group_params)
+    broadcast_from_dp_rank0(module, meshes.dp.get_group(), skip=elsewhere)
+    for mods, group_meshes in grouped:
+        for mod in mods:
+            broadcast_from_dp_rank0(mod, group_meshes.dp.get_group())
     if stage == 3:
         from lightning_par.data_parallel.fsdp import FSDPZero, fully_shard_roots
 
+        assert zero is not None
         if stage_modules:
-            fully_shard_roots(stage_modules, meshes, zero)
-        return FSDPZero(module, meshes, zero, roots=stage_modules)
-    from lightning_par.data_parallel.zero import ZeroShardedDataParallel
+            fully_shard_roots(stage_modules, meshes, zero, groups=grouped)
+        return FSDPZero(module, meshes, zero, roots=stage_modules, groups=grouped)
+    if stage == 0 and not communicate:
+        return DataParallelEngine(module, meshes.dp)
+    names_of = {id(p): n for n, p in module.named_parameters()}
+    main = [p for p in module.parameters() if id(p) not in elsewhere]
+    if stage == 0:
+        engines: list[DataParallelEngine] = [DDPEngine(module, meshes.dp, reducer, params=main)]
+        engines += [DDPEngine(module, m.dp, reducer, params=[p for mod in mods for p in mod.parameters()])
+                    for mods, m in grouped]
+    else:
+        from lightning_par.data_parallel.zero import ZeroShardedDataParallel
 
-    return ZeroShardedDataParallel(module, meshes, zero)
+        assert zero is not None
+        engines = [ZeroShardedDataParallel(module, meshes, zero, names=[names_of[id(p)] for p in main])
+                   if grouped else ZeroShardedDataParallel(module, meshes, zero)]
+        engines += [ZeroShardedDataParallel(module, m, zero, names=[names_of[i] for i in ids])
+                    for (_, m), ids in zip(grouped, group_params)]
+    if not grouped:
+        return engines[0]
+    from lightning_par.data_parallel.grouped import GroupedEngine
+
+    return GroupedEngine(module, engines, [{names_of[i] for i in ids} for ids in group_params])

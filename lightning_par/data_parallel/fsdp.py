@@ -72,8 +72,30 @@ def _fsdp_kwargs(dp_mesh: DeviceMesh | DataParallelMeshes, options: ZeroOptions)
     }
 
 
+def fully_shard_groups(groups: Sequence[tuple[Sequence[nn.Module], DataParallelMeshes]], options: ZeroOptions,
+                      within: nn.Module | None = None) -> list[nn.Module]:
+    """FSDP2 on each module of ``groups`` over its own meshes (the experts over ``edp``), before the units that hold
+    them: a unit then leaves their parameters alone. Only modules inside ``within`` (a pipeline stage) are taken.
+
+    Returns:
+        The modules sharded.
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    inside = None if within is None else {id(m) for m in within.modules()}
+    done = []
+    for mods, meshes in groups:
+        kwargs = _fsdp_kwargs(meshes, options)
+        for mod in mods:
+            if (inside is None or id(mod) in inside) and not isinstance(mod, FSDPModule):
+                fully_shard(mod, reshard_after_forward=options.reshard_after_forward, **kwargs)
+                done.append(mod)
+    return done
+
+
 def fully_shard_roots(roots: Sequence[nn.Module], dp_mesh: DeviceMesh | DataParallelMeshes,
-                      options: ZeroOptions) -> None:
+                      options: ZeroOptions,
+                      groups: Sequence[tuple[Sequence[nn.Module], DataParallelMeshes]] = ()) -> None:
     """FSDP2 on pipeline stage modules: each stage module is a root, its blocks units (in place).
 
     A pipeline schedule calls the stage modules, not the whole model, so each must be an FSDP2 root that gathers the
@@ -85,11 +107,13 @@ def fully_shard_roots(roots: Sequence[nn.Module], dp_mesh: DeviceMesh | DataPara
         roots: this rank's stage modules (disjoint parameters).
         dp_mesh: the 1-D dp mesh, or the dp meshes (HSDP: FSDP2 on the 2-D ``(dp_replicate, dp_shard)`` mesh).
         options: ZeRO stage 3 options (``reshard_after_forward``, precision, offload).
+        groups: modules sharded over their own meshes first (:func:`fully_shard_groups`).
     """
     from torch.distributed.fsdp import fully_shard
 
     kwargs = _fsdp_kwargs(dp_mesh, options)
     for root in roots:
+        fully_shard_groups(groups, options, within=root)
         units = find_shard_units(root)
         for unit in units:
             fully_shard(unit, reshard_after_forward=options.reshard_after_forward, **kwargs)
@@ -125,6 +149,7 @@ class FSDPZero(ZeroEngine):
         dp_mesh: DeviceMesh | DataParallelMeshes,
         options: ZeroOptions,
         roots: Sequence[nn.Module] | None = None,
+        groups: Sequence[tuple[Sequence[nn.Module], DataParallelMeshes]] = (),
     ) -> None:
         from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
@@ -138,9 +163,11 @@ class FSDPZero(ZeroEngine):
             self.roots = list(roots)
             self.units = [m for r in roots for m in r.modules() if isinstance(m, FSDPModule) and m is not r]
             return
-        if isinstance(module, FSDPModule) or any(isinstance(m, FSDPModule) for m in module.modules()):
+        if isinstance(module, FSDPModule) or any(isinstance(m, FSDPModule) for m in module.modules()
+                                                 if not any(m in mods for mods, _ in groups)):
             self.units = [m for m in module.modules() if isinstance(m, FSDPModule)]
             return  # already sharded (e.g. validate after fit with the same module)
+        self.group_units = fully_shard_groups(groups, options)
         self.units = find_shard_units(module)
         for unit in self.units:
             fully_shard(unit, reshard_after_forward=options.reshard_after_forward, **kwargs)

@@ -167,6 +167,9 @@ class ZeroShardedDataParallel(ZeroEngine):
             and nothing reads parameters between the step and the next forward other than through this engine.
         max_buckets_in_flight: stage 2, see :class:`~lightning_par.data_parallel.sharded_comm.ReduceScatterReducer`.
         measure_memory: stage 2, track the gradient bytes alive during backward (``summary()["peak_grad_bytes"]``).
+        names: the parameters this engine shards (default: every one of ``module``); the others belong to other
+            engines on other meshes (expert parameters, :class:`~lightning_par.data_parallel.grouped.GroupedEngine`),
+            which :attr:`others` lists.
 
     Raises:
         ValueError: no trainable parameter, a 0-dim or non-contiguous parameter, or ``options.stage`` not 1 or 2.
@@ -181,6 +184,7 @@ class ZeroShardedDataParallel(ZeroEngine):
         overlap_param_gather: bool = False,
         max_buckets_in_flight: int = 1,
         measure_memory: bool = False,
+        names: Sequence[str] | None = None,
     ) -> None:
         if options.stage not in (1, 2):
             raise ValueError(f"stage={options.stage} is not valid for ZeroShardedDataParallel: expected 1 or 2.")
@@ -189,7 +193,11 @@ class ZeroShardedDataParallel(ZeroEngine):
         group = meshes.shard.get_group()
         self.world = meshes.shard.size()
         replicate_group = meshes.replicate.get_group() if meshes.replicate is not None else None
-        self.layout = ShardLayout(list(module.named_parameters()), group, options.bucket_cap_mb)
+        wanted = None if names is None else set(names)
+        named = [(n, p) for n, p in module.named_parameters() if wanted is None or n in wanted]
+        self.layout = ShardLayout(named, group, options.bucket_cap_mb)
+        #: engines holding the module's other parameters (their optimizer entries are left to them).
+        self.others: list[ZeroShardedDataParallel] = []
         self.mixed = options.param_dtype is not None
         #: this rank's chunk of every sharded parameter, by name: what the optimizer steps.
         self.local_params: dict[str, nn.Parameter] = {}
@@ -201,10 +209,11 @@ class ZeroShardedDataParallel(ZeroEngine):
                 for s in self.layout.shards:
                     s.param.data = s.param.data.to(options.param_dtype)
                 # The layout's buckets were sized and typed before the cast.
-                self.layout = ShardLayout(list(module.named_parameters()), group, options.bucket_cap_mb)
+                named = [(n, p) for n, p in module.named_parameters() if wanted is None or n in wanted]
+                self.layout = ShardLayout(named, group, options.bucket_cap_mb)
         # What the optimizer may hold, by name: the chunks, and frozen parameters (kept whole, never stepped).
         self._opt_params: dict[str, nn.Parameter] = {
-            n: p for n, p in module.named_parameters() if not p.requires_grad
+            n: p for n, p in named if not p.requires_grad
         } | self.local_params
         self._name_of = {id(p): n for n, p in self._opt_params.items()}
         self._shard_of = {id(self.local_params[s.name]): s for s in self.layout.shards}
@@ -262,6 +271,9 @@ class ZeroShardedDataParallel(ZeroEngine):
                         buckets.add(self._shard_of[id(p)].bucket)
                     continue
                 s = self.layout.by_param.get(id(p))
+                if s is None and any(o.owns(p) for o in self.others):
+                    new.append(p)
+                    continue
                 if s is None:
                     raise ValueError(
                         f"The optimizer holds a tensor of shape {tuple(p.shape)} that is not a parameter of the "
@@ -272,6 +284,10 @@ class ZeroShardedDataParallel(ZeroEngine):
             group["params"] = new
         self._optimizer_buckets[id(optimizer)] = [self.layout.buckets[i] for i in sorted(buckets)]
         self._hooks.append(optimizer.register_step_post_hook(self._after_step))
+
+    def owns(self, p: Tensor) -> bool:
+        """Whether ``p`` is one of this engine's parameters or chunks."""
+        return id(p) in self._name_of or id(p) in self.layout.by_param
 
     def _source(self, s: ParamShard) -> Tensor:
         return self.local_params[s.name].detach()
@@ -428,40 +444,32 @@ class ZeroShardedDataParallel(ZeroEngine):
         from lightning_par.pipeline_parallel.clip import _powered_norm_sum
 
         q = float(norm_type)
+        params = [p for p in params if p.grad is not None]
+        total = self.grad_norm_part([p for p in params if id(p) in self._shard_of], q)
+        others = [p.grad for p in params if id(p) not in self._shard_of]
+        if others:
+            total = combine_norm_parts(total, _powered_norm_sum(others, q), q)
+        return clip_by_total_norm(params, total, max_norm, q, groups)
+
+    @torch.no_grad()
+    def grad_norm_part(self, params: Sequence[Tensor], q: float) -> Tensor:
+        """``sum ||g||_q^q`` (max for ``q = inf``) of the gradients of ``params`` (this engine's chunks, each with a
+        gradient) over the whole model's copy of them: summed over the tp ranks for chunks of tensor-parallel shards,
+        then over this engine's dp ranks. Collective over those groups (every rank calls it)."""
         inf = q == float("inf")
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-        params = [p for p in params if p.grad is not None]
         mine: dict[tuple[dist.ProcessGroup, ...], list[Tensor]] = {}
-        others: list[Tensor] = []
         for p in params:
-            s = self._shard_of.get(id(p))
-            if s is None:
-                others.append(p.grad)
-            else:
-                mine.setdefault(_sharded_mesh_groups(s.param), []).append(p.grad)
+            mine.setdefault(_sharded_mesh_groups(self._shard_of[id(p)].param), []).append(p.grad)
         total = torch.zeros((), dtype=torch.float32)
         for tp_groups, grads in mine.items():
             part = _local_powered_sum(grads, q)
             for group in tp_groups:
                 dist.all_reduce(part, op=op, group=group)
-            total = torch.maximum(total, part) if inf else total + part
+            total = combine_norm_parts(total, part, q)
         if self.world > 1:
             dist.all_reduce(total, op=op, group=self.dp_mesh.get_group())
-        if others:
-            part = _powered_norm_sum(others, q)
-            total = torch.maximum(total, part) if inf else total + part
-        for group in groups:
-            if group is not None:
-                dist.all_reduce(total, op=op, group=group)
-        norm = total if inf else total.pow(1.0 / q)
-        coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-        plain = [p.grad for p in params if not isinstance(p.grad, DTensor)]
-        if plain:
-            torch._foreach_mul_(plain, coef)
-        for p in params:
-            if isinstance(p.grad, DTensor):
-                p.grad.mul_(coef)
-        return norm
+        return total
 
     # ------------------------------------------------------------------ state
     def _global(self, name: str, local: Tensor) -> DTensor:
@@ -499,6 +507,8 @@ class ZeroShardedDataParallel(ZeroEngine):
         state = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
+                if id(p) not in self._name_of:  # another engine's (GroupedEngine merges the states)
+                    continue
                 name = self._name_of[id(p)]
                 per = dict(optimizer.state[p])
                 if id(p) in self._shard_of:
@@ -506,16 +516,27 @@ class ZeroShardedDataParallel(ZeroEngine):
                         if isinstance(value, Tensor) and value.dim() > 0 and value.shape == p.shape:
                             per[key] = self._global(name, value)
                 state[name] = per
+        name_of = self._all_names()
         groups = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": [self._name_of[id(p)] for p in g["params"]]}
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[id(p)] for p in g["params"]]}
             for g in optimizer.param_groups
         ]
         return {"state": state, "param_groups": groups}
 
+    def _all_names(self) -> dict[int, str]:
+        """Names of the optimizer's tensors of this engine and of :attr:`others`."""
+        out = dict(self._name_of)
+        for other in self.others:
+            out.update(other._name_of)
+        return out
+
     @torch.no_grad()
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         init_optimizer_state(optimizer)
-        _apply_optimizer_state(optimizer, state, self._name_of, lambda name: self._opt_params[name])
+        params = dict(self._opt_params)
+        for other in self.others:
+            params.update(other._opt_params)
+        _apply_optimizer_state(optimizer, state, self._all_names(), lambda name: params[name])
 
     def full_state_dict(self) -> dict[str, Tensor]:
         self.wait_for_params()
@@ -556,6 +577,34 @@ class ZeroShardedDataParallel(ZeroEngine):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def combine_norm_parts(a: Tensor, b: Tensor, q: float) -> Tensor:
+    """Two ``sum ||g||_q^q`` parts of one gradient norm added (maxima for ``q = inf``)."""
+    return torch.maximum(a, b) if q == float("inf") else a + b
+
+
+@torch.no_grad()
+def clip_by_total_norm(
+    params: Sequence[Tensor], total: Tensor, max_norm: float, q: float, groups: Sequence[dist.ProcessGroup | None]
+) -> Tensor:
+    """Finish a global gradient norm from this rank's part ``total`` (summed, or maxed, over ``groups``: the pipeline
+    stages), scale the gradients of ``params`` in place by ``min(1, max_norm / (norm + 1e-6))`` and return the norm
+    (Megatron-LM's global-norm clipping, Shoeybi et al. 2019)."""
+    inf = q == float("inf")
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    for group in groups:
+        if group is not None:
+            dist.all_reduce(total, op=op, group=group)
+    norm = total if inf else total.pow(1.0 / q)
+    coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    plain = [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
+    if plain:
+        torch._foreach_mul_(plain, coef)
+    for p in params:
+        if isinstance(p.grad, DTensor):
+            p.grad.mul_(coef)
+    return norm
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -36,6 +36,9 @@ GPT_PRESETS: dict[str, dict[str, int]] = {
     "small": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128},
     "gpt2": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "vocab_size": 50304},
     "gpt2-medium": {"n_layer": 24, "n_head": 16, "n_embd": 1024, "block_size": 1024, "vocab_size": 50304},
+    # mixtures of experts: "tiny"'s and "small"'s shapes with every other block's MLP replaced by 4 / 8 experts, top-2
+    "moe_tiny": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "num_experts": 4, "moe_every": 2},
+    "moe_small": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128, "num_experts": 8, "moe_every": 2},
 }
 
 
@@ -56,10 +59,22 @@ class GPTConfig:
         vocab_size: number of token ids (256 for the byte-level corpus).
         dropout: dropout probability on embeddings, attention weights and residual branches, in ``[0, 1)``.
         bias: whether Linear and LayerNorm layers have biases (``lm_head`` never has one).
+        num_experts: 0 for dense MLPs; else the experts of each mixture-of-experts block
+            (:class:`~lightning_par.models.moe.MoE`).
+        moe_every: every ``moe_every``-th block is a mixture of experts (blocks ``moe_every - 1``, ``2 moe_every - 1``,
+            ...; 1: every block, 2: every other block).
+        moe_top_k: experts per token, 1 or 2.
+        moe_hidden: hidden width of each expert; ``None``: ``4 n_embd / moe_top_k`` (the dense MLP's active size).
+        moe_gating: ``"softmax"`` or ``"sigmoid"``.
+        moe_shared_expert: add one always-on expert of width ``moe_hidden`` to each MoE block.
+        moe_capacity_factor: ``None`` (dropless) or each expert's capacity multiplier.
+        moe_aux_loss_coeff: weight of the load-balancing loss.
+        moe_z_loss_coeff: weight of the router z-loss.
 
     Raises:
         ValueError: a size that is not a positive integer, ``n_embd`` not divisible by ``n_head``, ``dropout``
-            outside ``[0, 1)`` or ``bias`` not a bool. The message names the field, the value and what is valid.
+            outside ``[0, 1)``, ``bias`` not a bool, or a mixture-of-experts option out of range. The message names
+            the field, the value and what is valid.
     """
 
     n_layer: int = 4
@@ -69,6 +84,15 @@ class GPTConfig:
     vocab_size: int = 256
     dropout: float = 0.0
     bias: bool = True
+    num_experts: int = 0
+    moe_every: int = 1
+    moe_top_k: int = 2
+    moe_hidden: int | None = None
+    moe_gating: str = "softmax"
+    moe_shared_expert: bool = False
+    moe_capacity_factor: float | None = None
+    moe_aux_loss_coeff: float = 0.01
+    moe_z_loss_coeff: float = 0.001
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
@@ -82,6 +106,30 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.dropout={self.dropout!r} is not valid: expected a number in [0, 1).")
         if not isinstance(self.bias, bool):
             raise ValueError(f"GPTConfig.bias={self.bias!r} is not valid: expected True or False.")
+        if self.num_experts:
+            from lightning_par.models.moe import check_moe_options
+
+            _positive_int("moe_every", self.moe_every)
+            check_moe_options(self.num_experts, self.moe_top_k, self.moe_gating, self.moe_capacity_factor,
+                              self.moe_aux_loss_coeff, self.moe_z_loss_coeff, prefix="GPTConfig.moe_")
+            if self.moe_hidden is not None:
+                _positive_int("moe_hidden", self.moe_hidden)
+            if self.moe_every > self.n_layer:
+                raise ValueError(
+                    f"GPTConfig.moe_every={self.moe_every} is not valid with n_layer={self.n_layer}: expected at most "
+                    f"n_layer, or no block would be a mixture of experts."
+                )
+        elif self.num_experts != 0:
+            raise ValueError(f"GPTConfig.num_experts={self.num_experts!r} is not valid: expected 0 (dense) or >= 2.")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` is a mixture of experts."""
+        return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
+
+    @property
+    def expert_hidden(self) -> int:
+        """Hidden width of one expert."""
+        return self.moe_hidden if self.moe_hidden is not None else max(1, 4 * self.n_embd // self.moe_top_k)
 
     @property
     def head_dim(self) -> int:
@@ -123,9 +171,27 @@ class GPTConfig:
         Returns:
             Number of scalar parameters.
         """
+        return self._count(include_embedding, active=False)
+
+    def num_active_params(self, include_embedding: bool = True) -> int:
+        """:meth:`num_params` counting, in each mixture-of-experts block, only the ``moe_top_k`` experts a token runs
+        (and the router and shared expert): the parameters one token's arithmetic touches."""
+        return self._count(include_embedding, active=True)
+
+    def _count(self, include_embedding: bool, active: bool) -> int:
         d, b = self.n_embd, int(self.bias)
-        per_block = 12 * d * d + 2 * d + b * 11 * d
-        total = self.n_layer * per_block + (d + b * d) + self.vocab_size * d  # blocks, ln_f, lm_head
+        dense_mlp = 8 * d * d + b * 5 * d
+        per_block = 4 * d * d + 2 * d + b * 6 * d  # attention (4 projections, 4 biases) and 2 LayerNorms
+        total = (d + b * d) + self.vocab_size * d  # ln_f, lm_head
+        for layer in range(self.n_layer):
+            total += per_block
+            if not self.is_moe(layer):
+                total += dense_mlp
+                continue
+            h = self.expert_hidden
+            total += self.num_experts * d + (self.moe_top_k if active else self.num_experts) * 2 * d * h
+            if self.moe_shared_expert:
+                total += 2 * d * h + h + d
         if include_embedding:
             total += self.vocab_size * d + self.block_size * d
         return total
@@ -133,14 +199,14 @@ class GPTConfig:
     def flops_per_token(self) -> float:
         """Training FLOPs per token (forward and backward) at full context length.
 
-        ``6 N + 12 n_layer n_embd block_size`` with ``N = num_params(include_embedding=False)``: ``6 N`` for the
+        ``6 N + 12 n_layer n_embd block_size`` with ``N = num_active_params(include_embedding=False)``: ``6 N`` for the
         matrix multiplies (2 forward, 4 backward per weight) and the second term for the attention scores and the
         weighted sum of values. Source: PaLM, Chowdhery et al. 2022, App. B; also nanoGPT's ``estimate_mfu``.
 
         Returns:
             FLOPs per token (a float; about 8.6e8 for ``"gpt2"``).
         """
-        n = self.num_params(include_embedding=False)
+        n = self.num_active_params(include_embedding=False)
         return float(6 * n + 12 * self.n_layer * self.n_embd * self.block_size)
 
 
@@ -216,14 +282,21 @@ class Block(nn.Module):
 
     Args:
         config: the model shape.
+        moe: make ``mlp`` a mixture of experts (:class:`~lightning_par.models.moe.MoE`) with the config's options.
     """
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, moe: bool = False) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = MLP(config)
+        if moe:
+            from lightning_par.models.moe import MoE
+
+            c = config
+            self.mlp = MoE(c.n_embd, c.expert_hidden, c.num_experts, c.moe_top_k, c.moe_gating, c.moe_shared_expert,
+                           c.moe_capacity_factor, c.moe_aux_loss_coeff, c.moe_z_loss_coeff)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the block.
@@ -255,7 +328,7 @@ class GPT(nn.Module):
         self.wte: nn.Embedding | None = nn.Embedding(c.vocab_size, c.n_embd)
         self.wpe: nn.Embedding | None = nn.Embedding(c.block_size, c.n_embd)
         self.drop = nn.Dropout(c.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(c) for i in range(c.n_layer)})
+        self.blocks = nn.ModuleDict({str(i): Block(c, moe=c.is_moe(i)) for i in range(c.n_layer)})
         self.ln_f: nn.LayerNorm | None = nn.LayerNorm(c.n_embd, bias=c.bias)
         self.lm_head: nn.Linear | None = nn.Linear(c.n_embd, c.vocab_size, bias=False)
         self.init_weights()
@@ -278,8 +351,10 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, param in self.named_parameters():
-            if name.endswith("c_proj.weight"):
+            if name.endswith("c_proj.weight") or name.endswith("experts.w2") or name.endswith("shared.2.weight"):
                 nn.init.normal_(param, mean=0.0, std=residual_std)
+            elif name.endswith("experts.w1"):
+                nn.init.normal_(param, mean=0.0, std=0.02)
 
     def reset_parameters(self) -> None:
         """Alias of :meth:`init_weights` (the name ``torch`` utilities look for)."""
@@ -300,10 +375,17 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------ the model contract (lightning_par.contract)
     def tp_plan(self) -> dict[str, str]:
-        """The Megatron tensor-parallel plan, relative to this module (see :mod:`lightning_par.models.gpt_tp_plan`)."""
+        """The Megatron tensor-parallel plan, relative to this module (see :mod:`lightning_par.models.gpt_tp_plan`);
+        mixture-of-experts blocks keep their router and experts whole on every tp rank."""
         from lightning_par.models.gpt_tp_plan import gpt_tp_plan
 
-        return gpt_tp_plan()
+        c = self.config
+        return gpt_tp_plan(moe_layers=[i for i in range(c.n_layer) if c.is_moe(i)], n_layer=c.n_layer)
+
+    def expert_modules(self) -> list[str]:
+        """The experts of every mixture-of-experts block (the model contract's, for expert parallelism):
+        ``["blocks.1.mlp.experts", ...]``."""
+        return [f"blocks.{k}.mlp.experts" for k in self.blocks.keys() if self.config.is_moe(int(k))]
 
     def check_tensor_parallel(self, tp_size: int, sequence_parallel: bool) -> None:
         """Raise ``ValueError`` if heads, width or (with sequence parallelism) ``block_size`` do not split over

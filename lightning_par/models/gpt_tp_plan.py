@@ -38,22 +38,35 @@ GPT_TP_PLAN: dict[str, str] = {
 }
 
 
-def gpt_tp_plan(sequence_parallel: bool | None = None) -> dict[str, str | ParallelStyle]:
+def gpt_tp_plan(
+    sequence_parallel: bool | None = None, moe_layers: list[int] | tuple[int, ...] = (), n_layer: int = 0
+) -> dict[str, str | ParallelStyle]:
     """The GPT's plan, relative to the :class:`~lightning_par.models.gpt.GPT` module.
 
     Args:
         sequence_parallel: None returns style names (one plan for both modes; ``apply_tensor_parallel`` resolves
             them); True/False returns the torch ``ParallelStyle`` objects for that mode, e.g. for
             ``torch.distributed.tensor.parallel.parallelize_module``.
+        moe_layers: blocks whose MLP is a mixture of experts. Their router and experts stay whole on every tp rank
+            (each tp rank computes the same tokens: splitting an expert's matrices would need two collectives per
+            expert on top of the ep all-to-all, and expert parallelism already divides the expert weights); under
+            sequence parallelism the layer gathers the sequence first and keeps its own piece of the output.
+        n_layer: the number of blocks (needed with ``moe_layers``).
 
     Returns:
         A new dict: module path (``*`` matches every block) -> style.
     """
+    plan = dict(GPT_TP_PLAN)
+    if moe_layers:
+        for path in [p for p in plan if p.startswith("blocks.*.mlp")]:
+            style = plan.pop(path)
+            plan.update({path.replace("*", str(i)): style for i in range(n_layer) if i not in moe_layers})
+        plan.update({f"blocks.{i}.mlp": "replicate" for i in moe_layers})
     if sequence_parallel is None:
-        return dict(GPT_TP_PLAN)
+        return plan
     from lightning_par.tensor_parallel.plan import resolve_style
 
-    return {path: resolve_style(style, sequence_parallel) for path, style in GPT_TP_PLAN.items()}
+    return {path: resolve_style(style, sequence_parallel) for path, style in plan.items()}
 
 
 def validate_gpt_tp(config: GPTConfig, tp_size: int, sequence_parallel: bool = False) -> None:
@@ -76,6 +89,13 @@ def validate_gpt_tp(config: GPTConfig, tp_size: int, sequence_parallel: bool = F
         raise ValueError(
             f"GPTConfig.n_head={config.n_head} is not divisible by tp_size={tp_size}: tensor parallelism splits whole "
             f"heads across ranks; choose tp_size in {divisors(config.n_head)} or change n_head."
+        )
+    if sequence_parallel and config.num_experts and tp_size > 1:
+        raise ValueError(
+            f"sequence_parallel=True is not valid with GPTConfig.num_experts={config.num_experts}: the mixture-of-experts "
+            f"blocks keep their router and experts whole on every tp rank and run on the whole sequence, which "
+            f"sequence parallelism splits; use sequence_parallel=False (tensor parallelism still splits attention and "
+            f"the dense blocks)."
         )
     if sequence_parallel and config.block_size % tp_size:
         raise ValueError(

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_par.aux_loss import set_aux_loss_scale
 from lightning_par.compat import forward_only_schedule, pipeline_stage_meta, stage_to_rank_mapping
 from lightning_par.pipeline_parallel.bubble import StepRecord, StepTimer
 from lightning_par.pipeline_parallel.options import PipelineOptions
@@ -256,6 +257,7 @@ class PipelineEngine:
         split_tree(inputs, m, "the batch")  # checks divisibility before any rank enters the schedule
         self._targets = split_tree(targets, m) if self.has_last_stage else []
         self._scale = loss_scale / m
+        set_aux_loss_scale(self._scale)  # a MoE router's losses get the micro-batch loss's factor
         self._losses = []
         self._forwarded = set()
         schedule = self._train_schedule(_shape_key(inputs))

@@ -72,7 +72,9 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         dp_replicate_size: HSDP replicas (``> 1``: each dp mode shards within ``dp_shard`` and reduces across the
             replicas; ``ddp`` all-reduces over all of them).
         dp_shard_size: ranks the model state is sharded over (ZeRO's ``N``); ``-1``: ``dp_size // dp_replicate_size``.
-        cp_size: context-parallel ranks (refused while no context-parallel axis is registered).
+        cp_size: context-parallel ranks.
+        ep_size: expert-parallel ranks, borrowed from ``dp_shard_size * cp_size`` (see
+            :class:`~lightning_par.parallel_dims.ParallelDims`).
         module_attr: attribute of the LightningModule holding the network (see :mod:`lightning_par.contract`).
         activation_checkpointing: ``"none"``, ``"full"`` (recompute every block in backward) or ``"selective"`` (the
             attention of every block); applied after tensor parallelism and before the dp mode.
@@ -114,6 +116,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         dp_replicate_size: int = 1,
         dp_shard_size: int = -1,
         cp_size: int = 1,
+        ep_size: int = 1,
         module_attr: str | None = ParallelOptions.module_attr,
         activation_checkpointing: str = ParallelOptions.activation_checkpointing,
         timeout_s: float = 1800.0,
@@ -135,7 +138,8 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         )
         sizes = {"dp_size": dp_size, "tp_size": tp_size, "pp_size": pp_size}
         sizes.update({k: v for k, v in (("dp_replicate_size", dp_replicate_size), ("dp_shard_size", dp_shard_size),
-                                        ("cp_size", cp_size)) if v != (-1 if k == "dp_shard_size" else 1)})
+                                        ("cp_size", cp_size), ("ep_size", ep_size))
+                      if v != (-1 if k == "dp_shard_size" else 1)})
         self.check_axes(sizes)
         for key in options:
             group = key if key in OPTION_GROUPS else next((g for g, n in OPTION_GROUPS.items() if key in n), None)
@@ -359,9 +363,12 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         assert self.parallel is not None
         batch, rest, kwargs = _split_batch(args, kwargs)
         batch_idx = rest[0] if rest else kwargs.get("batch_idx", 0)
-        return self.parallel.steps.training_step(
+        out = self.parallel.steps.training_step(
             self, lambda b: super(MeshStrategy, self).training_step(b, *rest, **kwargs), batch, batch_idx
         )
+        for name, value in self.parallel.step_figures().items():
+            self.lightning_module.log(f"parallel/{name}", value, on_step=True, on_epoch=False, prog_bar=self.prog_bar)
+        return out
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:

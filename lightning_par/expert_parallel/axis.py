@@ -1,0 +1,114 @@
+"""The ep axis in the registry: its checks, its step in ``parallelize()`` and what it adds to a run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_par import contract
+from lightning_par.axis_registry import Axis, Build
+from lightning_par.compat import local_tensor
+from lightning_par.data_parallel.meshes import DataParallelMeshes
+from lightning_par.expert_parallel.dispatch import ExpertDispatch
+from lightning_par.expert_parallel.metrics import moe_step_metrics
+from lightning_par.parallel_dims import ParallelDims
+
+__all__ = ["EXPERT_PARALLEL"]
+
+
+def _check(module: nn.Module, network: nn.Module, dims: ParallelDims, options: Any) -> None:
+    if not dims.ep_enabled:
+        return
+    for path in contract.expert_modules(network):
+        experts = contract.num_experts(network, path)
+        if experts % dims.ep_size:
+            valid = [d for d in range(1, experts + 1) if experts % d == 0 and (dims.dp_shard_size * dims.cp_size) % d == 0]
+            raise ValueError(
+                f"ep_size={dims.ep_size} is not valid for {path} with num_experts={experts}: each ep rank holds "
+                f"num_experts / ep_size experts; expected ep_size in {valid}."
+            )
+
+
+def _read(build: Build) -> None:
+    """The experts of the whole network, before any pipeline cut (also at ``ep_size == 1`` when the network names
+    them: its MoE figures are logged)."""
+    if build.dims.ep_enabled or callable(getattr(build.network, "expert_modules", None)):
+        build.expert_paths = contract.expert_modules(build.network)
+
+
+@torch.no_grad()
+def _shard_experts(module: nn.Module, mesh: Any, rank: int, size: int) -> None:
+    """Keep this ep rank's experts: every parameter's rows ``rank E/ep ... (rank+1) E/ep - 1`` as a DTensor ``Shard(0)``
+    of the whole ``(E, ...)`` tensor over the ep mesh."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        local = param.detach().chunk(size)[rank].clone()
+        sharded = DTensor.from_local(local, mesh, (Shard(0),), run_check=False, shape=param.shape,
+                                     stride=param.stride())
+        module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+def _apply(build: Build) -> None:
+    """Split each experts module's experts over the ep ranks, exchange tokens around it, and reduce its gradients over
+    the ranks holding the same experts (``edp``)."""
+    dims = build.dims
+    if build.expert_paths is None:
+        return
+    network = build.network
+    assert network is not None
+    build.step_logs.append(lambda: moe_step_metrics(network))
+    if not dims.ep_enabled:
+        return
+    ep_mesh, edp_shard, replicate, fsdp = dims.expert_meshes()
+    assert ep_mesh is not None and build.network is not None
+    group, rank = ep_mesh.get_group(), ep_mesh.get_local_rank()
+    modules, dispatchers = [], []
+    for path in build.expert_paths:
+        try:
+            experts = build.network.get_submodule(path)
+        except AttributeError:  # on another pipeline stage
+            continue
+        _shard_experts(experts, ep_mesh, rank, dims.ep_size)
+        dispatch = ExpertDispatch(group, dims.ep_size)
+        dispatch.attach(experts)
+        modules.append(experts)
+        dispatchers.append(dispatch)
+    edp = dims.get_mesh("edp")
+    build.dp_groups.append((modules, DataParallelMeshes(dp=edp, shard=edp_shard, replicate=replicate, fsdp=fsdp)))
+
+    def step_log() -> dict[str, float]:
+        sent = sum(d.bytes_sent for d in dispatchers)
+        for d in dispatchers:
+            d.reset_bytes()
+        return {"ep_all_to_all_bytes": float(2 * sent)}  # backward repeats each exchange reversed
+
+    build.step_logs.append(step_log)
+    def local_bytes() -> int:
+        return sum(local_tensor(p).numel() * p.element_size() for m in modules for p in m.parameters())
+
+    build.summaries.append(lambda: {
+        "ep_size": dims.ep_size,
+        "expert_param_bytes_per_rank": local_bytes(),
+        "experts_per_rank": {p: contract.num_experts(build.network, p) // dims.ep_size
+                             for p in build.expert_paths or () if _has(build.network, p)},
+    })
+
+
+def _has(network: nn.Module, path: str) -> bool:
+    try:
+        network.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+#: Expert parallelism: each mixture-of-experts layer's experts split over ep ranks borrowed from ``dp_shard x cp``.
+EXPERT_PARALLEL = Axis(
+    name="ep",
+    size_fields=("ep_size",),
+    option_groups=(),
+    check=_check,
+    steps=(("read", _read), ("context", _apply)),
+)

@@ -1,0 +1,128 @@
+"""Token dispatch and combine for expert parallelism: the all-to-alls around an experts module.
+
+A mixture-of-experts layer calls ``experts(x, counts)`` with its routed tokens sorted by expert (``x`` ``(n, d)``) and
+the number of tokens of each of the ``E`` experts (``counts`` ``(E,)``). With the experts split over the ``ep`` ranks
+(rank ``r`` holds experts ``r E/ep ... (r+1) E/ep - 1``), :class:`ExpertDispatch` hooks that call
+(GShard, Lepikhin et al. 2020, §2.2; torchtitan's ``ExpertParallel`` works at the same seam):
+
+1. exchange the counts (one ``all_to_all_single`` of ``ep x E/ep`` integers), so each rank knows how many tokens
+   every other rank sends to each of its experts;
+2. send the tokens (``all_to_all_single`` with uneven splits), then order them by local expert;
+3. the experts run on their tokens;
+4. restore the arrival order and send the outputs back (the reverse all-to-all), so the layer gets its tokens in the
+   order it sent them and combines them as in one process.
+
+Gradients: the backward of each all-to-all is the all-to-all with the splits swapped. An expert's gradient sums the
+contributions of every token any ep rank sent it; the dp axis then averages it over the ``edp`` ranks (the ranks
+holding the same expert, ``dp_shard_cp / ep`` of them per replica). A one-process gradient is that sum divided by all
+``dp_shard_cp`` ranks, so the expert weights' gradients are scaled by ``1 / ep`` on the way in (and the tokens'
+gradients by ``ep`` on the way out, which leaves them unchanged); the factor is a power of two for the usual sizes, so
+it is exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = ["ExpertDispatch", "all_to_all"]
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> Tensor:
+    """``all_to_all_single`` along dim 0 with uneven splits, differentiable (backward: the reverse exchange).
+
+    Written here because torch's autograd-aware all-to-all is deprecated in ``torch.distributed.nn`` and private in
+    ``torch.distributed._functional_collectives`` (torch 2.13).
+    """
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.factor, None
+
+
+class ExpertDispatch:
+    """The forward pre-hook and forward hook that run an experts module over the ep ranks (see the module docstring).
+
+    Args:
+        group: the ep process group.
+        ep_size: ranks in it.
+
+    Attributes:
+        bytes_sent: bytes this rank sent to other ranks in tokens (dispatch and combine) since :meth:`reset_bytes`.
+        calls: forwards since :meth:`reset_bytes`.
+    """
+
+    def __init__(self, group: Any, ep_size: int) -> None:
+        self.group, self.ep_size = group, ep_size
+        self.rank = dist.get_rank(group)
+        self.bytes_sent = 0
+        self.calls = 0
+        self._state: tuple[Tensor, list[int], list[int]] | None = None
+
+    def attach(self, module: nn.Module) -> None:
+        """Register the hooks on ``module`` (an experts module, see :mod:`lightning_par.contract`)."""
+        module.register_forward_pre_hook(self.dispatch)
+        module.register_forward_hook(self.combine)
+
+    def reset_bytes(self) -> None:
+        self.bytes_sent, self.calls = 0, 0
+
+    def dispatch(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Tensor, Tensor]:
+        """``(x sorted by expert, counts (E,))`` -> ``(tokens of this rank's experts sorted by local expert,
+        counts (E/ep,))``."""
+        x, counts = args
+        per_rank = counts.reshape(self.ep_size, -1)
+        in_splits = per_rank.sum(1).tolist()
+        received = torch.empty_like(per_rank)
+        dist.all_to_all_single(received, per_rank.contiguous(), group=self.group)  # row s: source s's counts
+        out_splits = received.sum(1).tolist()
+        tokens = all_to_all(x, out_splits, in_splits, self.group)
+        # arrival order is (source, local expert); the experts want (local expert, source)
+        sizes = received.reshape(-1).tolist()
+        starts = torch.tensor([0, *sizes[:-1]]).cumsum(0).reshape(received.shape)
+        local_experts = received.shape[1]
+        order = torch.cat([
+            torch.arange(int(starts[s, e]), int(starts[s, e]) + int(received[s, e]))
+            for e in range(local_experts) for s in range(self.ep_size)
+        ]) if tokens.shape[0] else torch.zeros(0, dtype=torch.long)
+        self._state = (order, in_splits, out_splits)
+        self.bytes_sent += (sum(in_splits) - in_splits[self.rank]) * x.shape[1] * x.element_size()
+        self.calls += 1
+        return _ScaleGrad.apply(tokens[order], float(self.ep_size)), received.sum(0)
+
+    def combine(self, module: nn.Module, args: tuple[Any, ...], out: Tensor) -> Tensor:
+        """The experts' outputs, back on the ranks and in the order the tokens came from."""
+        assert self._state is not None, "ExpertDispatch.combine without dispatch"
+        order, in_splits, out_splits = self._state
+        self._state = None
+        out = _ScaleGrad.apply(out, 1.0 / self.ep_size)
+        arrival = out[torch.argsort(order)] if out.shape[0] else out
+        self.bytes_sent += (sum(out_splits) - out_splits[self.rank]) * out.shape[1] * out.element_size()
+        return all_to_all(arrival, in_splits, out_splits, self.group)

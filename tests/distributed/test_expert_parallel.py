@@ -1,0 +1,183 @@
+"""Expert parallelism against one process: each MoE layer's experts split over ep ranks borrowed from dp x cp, tokens
+exchanged with all-to-all, expert gradients averaged over the ranks holding the same experts (``edp``).
+
+Models: the MoE GPT (blocks 1 and 3 of 4 with 4 experts, top-2 softmax, AdamW; ``-cap``: capacity factor 1.0, which
+drops tokens) and a user's causal LM with its own top-1 router and experts (:class:`tests.user_models.MoELM`, SGD
+with momentum — a gradient summed instead of averaged over ep would move it twice as far — and AdamW). Layouts: ep2
+under every dp mode, ep4, ep2 x tp2, ep2 x pp2 (1F1B), ep2 x cp2 (dropless and capacity), and dp2 x ep2 x tp2 x pp2 at
+world 8 (slow). Losses within ``rtol=1e-5`` of one process on the same global batch, the gathered parameters too;
+dropped tokens equal one process's exactly; expert bytes per rank are ``1 / ep_size`` of the experts'; a checkpoint
+saved at ep2 loads at ep1 and into one process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_par.parallel_dims import ParallelDims
+from tests.helpers import assert_params_close, reference_fit
+from tests.p3d_helpers import make_model, run_plan, token_data
+from tests.pp_helpers import reference_fit_microbatched
+
+pytestmark = pytest.mark.distributed
+
+STEPS, MICRO = 3, 2
+
+
+def _fit(name: str, model: str, **options) -> dict:
+    return {"kind": "fit", "name": name, "model": model, "strategy": "parallel_3d", "options": options,
+            "steps": STEPS, "micro_batch": MICRO}
+
+
+WORLD2 = {
+    **{f"ep2-{mode}-{model}": _fit(f"ep2-{mode}-{model}", model, ep_size=2, dp_mode=mode)
+       for mode in ("ddp", "zero1", "zero2", "zero3") for model in ("moegpt", "moelm-sgd")},
+    "ep2-zero2-moelm-adamw": _fit("ep2-zero2-moelm-adamw", "moelm-adamw", ep_size=2, dp_mode="zero2"),
+    "ep2-ddp-moegpt-cap": _fit("ep2-ddp-moegpt-cap", "moegpt-cap", ep_size=2),
+}
+WORLD4 = {
+    "ep4-zero1-moegpt": _fit("ep4-zero1-moegpt", "moegpt", ep_size=4, dp_mode="zero1"),
+    "ep4-ddp-moelm-sgd": _fit("ep4-ddp-moelm-sgd", "moelm-sgd", ep_size=4),
+    "ep2tp2-moegpt": _fit("ep2tp2-moegpt", "moegpt", ep_size=2, tp_size=2),
+    "ep2tp2-zero3-moelm-sgd": _fit("ep2tp2-zero3-moelm-sgd", "moelm-sgd", ep_size=2, tp_size=2, dp_mode="zero3"),
+    "ep2pp2-1f1b-moegpt-zero3": _fit("ep2pp2-1f1b-moegpt-zero3", "moegpt", ep_size=2, pp_size=2, schedule="1f1b",
+                                     num_microbatches=2, dp_mode="zero3"),
+    "ep2pp2-1f1b-moelm-sgd": _fit("ep2pp2-1f1b-moelm-sgd", "moelm-sgd", ep_size=2, pp_size=2, schedule="1f1b",
+                                  num_microbatches=2),
+    "ep2cp2-zero1-moegpt": _fit("ep2cp2-zero1-moegpt", "moegpt", ep_size=2, cp_size=2, dp_mode="zero1"),
+    "ep2cp2-moegpt-cap": _fit("ep2cp2-moegpt-cap", "moegpt-cap", ep_size=2, cp_size=2),
+}
+WORLD8 = {
+    "dp2ep2tp2pp2-zero1-moegpt": _fit("dp2ep2tp2pp2-zero1-moegpt", "moegpt", dp_size=2, ep_size=2, tp_size=2,
+                                      pp_size=2, schedule="1f1b", num_microbatches=2, dp_mode="zero1"),
+}
+#: the world-2 case saving a checkpoint, and the layouts it is loaded under
+SAVER = "ep2-zero2-moegpt"
+RELOAD = {"reload-ep1-dp2": dict(dp_size=2), "reload-ep2-zero3": dict(ep_size=2, dp_mode="zero3")}
+
+
+def _samples(dp: int) -> int:
+    return MICRO * dp * STEPS
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("ep") / "ep2.ckpt")
+
+
+@pytest.fixture(scope="module")
+def world2(checkpoint) -> dict:
+    WORLD2[SAVER]["save"] = checkpoint
+    return run_plan(2, list(WORLD2.values()), token_data(_samples(2)), token_data(8, seed=1), timeout_s=900)
+
+
+@pytest.fixture(scope="module")
+def world4() -> dict:
+    return run_plan(4, list(WORLD4.values()), token_data(_samples(4)), token_data(8, seed=1), timeout_s=900)
+
+
+@pytest.fixture(scope="module")
+def world8() -> dict:
+    return run_plan(8, list(WORLD8.values()), token_data(_samples(8)), token_data(8, seed=1), timeout_s=900)
+
+
+def _dims(case: dict, world: int) -> ParallelDims:
+    o = case["options"]
+    return ParallelDims(dp_size=o.get("dp_size", -1), tp_size=o.get("tp_size", 1), pp_size=o.get("pp_size", 1),
+                        cp_size=o.get("cp_size", 1), ep_size=o.get("ep_size", 1), world_size=world)
+
+
+def _reference(case: dict, dims: ParallelDims, samples: int) -> tuple[list[float], dict]:
+    factory = lambda: make_model({"model": case["model"]})  # noqa: E731
+    if not dims.cp_enabled:  # gradients summed per replica, then averaged, as the dp reduction does
+        return reference_fit_microbatched(factory, token_data(samples), MICRO, STEPS,
+                                          case["options"].get("num_microbatches", 1), dims.dp_size)
+    return reference_fit(factory, token_data(samples), MICRO * dims.dp_size, STEPS)
+
+
+def _check(runs: list[dict], case: dict, samples: int) -> None:
+    dims = _dims(case, len(runs))
+    one_per_piece: dict = {}
+    for r in runs:  # one rank per (dp, cp) piece of the global batch: tp and pp ranks report the same loss
+        c = dims.coordinates(r["rank"])
+        one_per_piece.setdefault((c["dp"], c["cp"]), r["losses"])
+    losses = [sum(v[i] for v in one_per_piece.values()) / len(one_per_piece) for i in range(STEPS)]
+    ref_losses, ref_params = _reference(case, dims, samples)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for r in runs:
+        assert_params_close(r["state"], ref_params)
+        assert r["extras"]["ep_size"] == dims.ep_size
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_ep2_under_every_dp_mode_matches_one_process(world2, name):
+    _check(world2[name], WORLD2[name], _samples(2))
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_ep4_and_ep_with_tp_pp_cp_match_one_process(world4, name):
+    _check(world4[name], WORLD4[name], _samples(4))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(WORLD8))
+def test_world8_dp2_ep2_tp2_pp2_matches_one_process(world8, name):
+    _check(world8[name], WORLD8[name], _samples(8))
+
+
+@pytest.mark.parametrize("world, case", [(2, "ep2-ddp-moegpt"), (4, "ep4-zero1-moegpt"), (4, "ep2tp2-moegpt")])
+def test_expert_bytes_per_rank_are_one_ep_th_of_the_experts(world2, world4, world, case):
+    runs = (world2 if world == 2 else world4)[case]
+    model = make_model({"model": "moegpt"})
+    expert_bytes = sum(p.numel() * p.element_size() for path in model.model.expert_modules()
+                       for p in model.model.get_submodule(path).parameters())
+    ep = (WORLD2 | WORLD4)[case]["options"]["ep_size"]
+    for r in runs:
+        assert r["extras"]["expert_param_bytes_per_rank"] == pytest.approx(expert_bytes / ep, rel=0.02)
+        assert r["extras"]["experts_per_rank"] == {"blocks.1.mlp.experts": 4 // ep, "blocks.3.mlp.experts": 4 // ep}
+
+
+def test_dropped_tokens_equal_one_process():
+    """Capacity 1.0 drops routed copies; the same ones, per sequence, whatever the split of the batch."""
+    from lightning_par.models.moe import MoE
+
+    torch.manual_seed(0)
+    layer = MoE(8, 16, 4, 2, capacity_factor=1.0)
+    x = torch.randn(4, 16, 8)
+    whole = layer(x)
+    dropped_whole = layer.last_stats["dropped"]
+    halves, dropped = [], 0
+    for part in (x[:2], x[2:]):
+        halves.append(layer(part))
+        dropped += layer.last_stats["dropped"]
+    assert dropped_whole > 0 and dropped == dropped_whole
+    torch.testing.assert_close(torch.cat(halves), whole, rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def reloaded(world2, checkpoint) -> dict:
+    plan = [{"kind": "validate", "name": name, "model": "moegpt", "micro_batch": MICRO, "ckpt": checkpoint,
+             "options": options} for name, options in RELOAD.items()]
+    return run_plan(2, plan, token_data(_samples(2)), token_data(8, seed=1), timeout_s=900)
+
+
+def _val_loss(module, val) -> float:
+    x = torch.stack([val[i][0] for i in range(len(val))])
+    y = torch.stack([val[i][1] for i in range(len(val))])
+    with torch.no_grad():
+        return float(module.loss_fn(module.model(x), y))
+
+
+@pytest.mark.parametrize("name", list(RELOAD))
+def test_a_checkpoint_saved_at_ep2_loads_at_other_ep_sizes_and_one_process(world2, reloaded, checkpoint, name):
+    from lightning_par.checkpoint import load_model_weights
+
+    trained = make_model({"model": "moegpt"})
+    trained.load_state_dict(world2[SAVER][0]["state"], strict=False)
+    expected = _val_loss(trained, token_data(8, seed=1))
+    one = make_model({"model": "moegpt"})
+    load_model_weights(checkpoint, one)
+    assert _val_loss(one, token_data(8, seed=1)) == pytest.approx(expected, rel=1e-6)
+    for r in reloaded[name]:
+        assert r["val_loss"] == pytest.approx(expected, rel=1e-5)
