@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_par.checkpoint.atomic import remove_leftovers
 from lightning_par.fault.resume import CHECKPOINT_FILENAME
+
+log = logging.getLogger(__name__)
 
 __all__ = ["StepCheckpoint"]
 
@@ -50,6 +54,14 @@ class StepCheckpoint(ModelCheckpoint):
             save_on_train_epoch_end=False,
             save_on_exception=False,
         )
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Rank 0 removes what interrupted saves of earlier attempts left (``*.tmp-staging``; see
+        :func:`lightning_par.checkpoint.atomic.remove_leftovers`) before this run saves anything."""
+        super().setup(trainer, pl_module, stage)
+        if trainer.is_global_zero and self.dirpath is not None:
+            for path in remove_leftovers(self.dirpath):
+                log.warning("Removed %s, left by a checkpoint save that did not finish.", path)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """A ``last.ckpt`` link left by an earlier attempt is ours to replace (not a reason for ``last-v1.ckpt``)."""
