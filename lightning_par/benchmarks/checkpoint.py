@@ -5,9 +5,10 @@ One launch of ``world_size`` ranks (CPU, gloo, the ``small`` GPT, fp32 AdamW, ``
 :class:`~lightning_par.fault.step_checkpoint.StepCheckpoint` saving every ``every`` steps synchronously, in the
 background, and not at all, in rounds (none, sync, async, none, ...) so drift in the machine's load reaches all three.
 A step's *period* is the wall time from one batch's start to the next one's: it includes a save made at the end of
-the batch. Figures: the mean period over every measured step (saves included, as a run pays them) and the median
-period of the steps that saved, each over the same without checkpoints; and the extra time per save,
-``(mean - mean without) * every``, of the background save over the synchronous one's.
+the batch. Figures, each a ratio within one round (the three fits next to each other in time), then the median over
+rounds: the mean period over every measured step (saves included, as a run pays them) and the median period of the
+steps that saved, each over the same without checkpoints; and the extra time per save, ``(mean - mean without) *
+every``, of the background save over the synchronous one's.
 
 The checksum rows time :func:`lightning_par.checkpoint.verify.file_manifest` (CRC-32) and SHA-256 over one of the
 checkpoints written, against the time the synchronous save took.
@@ -32,8 +33,8 @@ __all__ = ["run"]
 
 _SHAPE = GPT_SHAPES["small"]
 _MICRO_BATCH = 8
-_QUICK = dict(every=4, steps=16, warmup=4, rounds=2)
-_FULL = dict(every=4, steps=24, warmup=4, rounds=4)
+_QUICK = dict(every=4, steps=16, warmup=4, rounds=3)
+_FULL = dict(every=4, steps=24, warmup=4, rounds=8)
 _MODES = ("no checkpoint", "sync", "async")
 
 
@@ -124,34 +125,50 @@ def run(quick: bool = False, world_size: int = 2) -> str:
     every = setup["every"]
     with tempfile.TemporaryDirectory(prefix="lp-bench-ckpt-") as root:
         res = run_distributed(_worker, world_size, (setup, root), timeout_s=1800, threads_per_rank=1)
-    # A step is as slow as its slowest rank: the max over ranks, step by step.
+    # A step is as slow as its slowest rank: the max over ranks, step by step; then per round.
     per_rank = [r["periods"] for r in res]
-    periods = {m: [(max(rank[m][i][0] for rank in per_rank), per_rank[0][m][i][1]) for i in range(len(per_rank[0][m]))]
-               for m in _MODES}
-    mean = {m: statistics.mean(t for t, _ in v) for m, v in periods.items()}
-    base = mean["no checkpoint"]
-    plain = statistics.median(t for t, _ in periods["no checkpoint"])
-    saving = {m: statistics.median(t for t, s in v if s % every == 0) for m, v in periods.items() if m != "no checkpoint"}
-    cost = {m: (mean[m] - base) * every for m in saving}
+    n = setup["steps"]
+    rounds = [{m: [(max(rank[m][i][0] for rank in per_rank), per_rank[0][m][i][1]) for i in range(r * n, (r + 1) * n)]
+               for m in _MODES} for r in range(setup["rounds"])]
+
+    def mean(v: list[tuple[float, int]]) -> float:
+        return statistics.mean(t for t, _ in v)
+
+    def saving(v: list[tuple[float, int]]) -> float:
+        return statistics.median(t for t, s in v if s % every == 0)
+
+    def plain(v: list[tuple[float, int]]) -> float:
+        return statistics.median(t for t, _ in v)
+
+    def med(f: Any) -> float:
+        return statistics.median(f(r) for r in rounds)
+
+    none = "no checkpoint"
     lines = [
         f"### Checkpoint cost, world size {world_size} (CPU, gloo), GPT small ({_SHAPE['n_layer']}x{_SHAPE['n_embd']}, "
         f"AdamW), ddp_overlap, a save every {every} steps; {setup['rounds']} rounds of {setup['steps']} measured "
-        f"steps per mode, modes in turns",
+        f"steps per mode, modes in turns; ratios within a round, median over rounds",
         "",
         "| checkpoint | mean step (ms) | mean step / no checkpoint | step with a save, median (ms) | "
         "saving step / plain step | extra per save (ms) | extra per save / sync |",
         "|---|---:|---:|---:|---:|---:|---:|",
-        f"| no checkpoint | {base * 1e3:.1f} | 1.000 | - | - | - | - |",
+        f"| no checkpoint | {med(lambda r: mean(r[none])) * 1e3:.1f} | 1.000 | - | - | - | - |",
     ]
-    for m in saving:
-        lines.append(f"| {m} | {mean[m] * 1e3:.1f} | {mean[m] / base:.3f} | {saving[m] * 1e3:.1f} | "
-                     f"{saving[m] / plain:.3f} | {cost[m] * 1e3:.1f} | {cost[m] / cost['sync']:.3f} |")
+    for m in ("sync", "async"):
+        extra = med(lambda r: (mean(r[m]) - mean(r[none])) * every)
+        lines.append(
+            f"| {m} | {med(lambda r: mean(r[m])) * 1e3:.1f} | {med(lambda r: mean(r[m]) / mean(r[none])):.3f} | "
+            f"{med(lambda r: saving(r[m])) * 1e3:.1f} | {med(lambda r: saving(r[m]) / plain(r[none])):.3f} | "
+            f"{extra * 1e3:.1f} | "
+            f"{med(lambda r: (mean(r[m]) - mean(r[none])) / (mean(r['sync']) - mean(r[none]))):.3f} |"
+        )
+    sync_saving = med(lambda r: saving(r["sync"]))
     c = res[0]["checksum"]
     lines += [
         "",
         f"Commit record checksums over one checkpoint ({c['bytes'] / 2**20:.1f} MiB, read from the page cache): "
         f"CRC-32 {c['crc32_s'] * 1e3:.1f} ms, SHA-256 {c['sha256_s'] * 1e3:.1f} ms "
         f"(SHA-256 / CRC-32 = {c['sha256_s'] / c['crc32_s']:.2f}); CRC-32 / median saving step (sync) = "
-        f"{c['crc32_s'] / saving['sync']:.3f}.",
+        f"{c['crc32_s'] / sync_saving:.3f}.",
     ]
     return "\n".join(lines)
