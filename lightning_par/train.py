@@ -145,7 +145,9 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
         ),
     ]
     if t.checkpoint:
-        callbacks.append(StepCheckpoint(out / CHECKPOINT_DIR, t.checkpoint_every_n_steps, t.keep_last_k))
+        callbacks.append(StepCheckpoint(
+            out / CHECKPOINT_DIR, t.checkpoint_every_n_steps, t.keep_last_k, async_save=t.async_checkpoint
+        ))
     trainer = L.Trainer(
         **trainer_kwargs,
         strategy=strategy,

@@ -29,6 +29,7 @@ SECTIONS = {
     "ac": "lightning_par.benchmarks.activation_checkpointing",
     "cp": "lightning_par.benchmarks.context_parallel",
     "gpu": "lightning_par.benchmarks.single_gpu",
+    "checkpoint": "lightning_par.benchmarks.checkpoint",
 }
 
 

@@ -11,9 +11,12 @@ from lightning_par.checkpoint.sharded import (
     load_sharded,
     read_record,
     save_sharded,
+    verify_checkpoint,
 )
+from lightning_par.checkpoint.verify import DamagedCheckpointError
 
 __all__ = [
+    "DamagedCheckpointError",
     "FORMAT_VERSION",
     "METADATA_FILENAME",
     "RECORD_FILENAME",
@@ -23,4 +26,5 @@ __all__ = [
     "load_sharded",
     "read_record",
     "save_sharded",
+    "verify_checkpoint",
 ]

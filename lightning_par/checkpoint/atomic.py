@@ -14,13 +14,37 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["commit_checkpoint_dir", "staging_dir"]
+__all__ = ["commit_checkpoint_dir", "remove_leftovers", "staging_dir"]
 
 
 def staging_dir(path: str | Path) -> Path:
     """The temporary directory a checkpoint for ``path`` is written into before :func:`commit_checkpoint_dir`."""
     path = Path(path)
     return path.with_name(f"{path.name}.tmp-staging")
+
+
+def remove_leftovers(directory: str | Path) -> list[Path]:
+    """Remove what interrupted saves left in ``directory``: every ``<name>.tmp-staging`` (a save killed, or failed
+    on a full disk, before it committed: never loadable), and every ``<name>.tmp-old`` whose ``<name>`` is in place
+    (a commit killed after its rename). A ``<name>.tmp-old`` without ``<name>`` is the only copy of that checkpoint
+    and is kept. Call it on one rank before any save of the run.
+
+    Returns:
+        The paths removed.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    removed = []
+    for leftover in sorted(directory.iterdir()):
+        name = leftover.name
+        stale = name.endswith(".tmp-staging") or (
+            name.endswith(".tmp-old") and leftover.with_name(name[: -len(".tmp-old")]).exists()
+        )
+        if stale and not leftover.is_symlink():
+            shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+            removed.append(leftover)
+    return removed
 
 
 def commit_checkpoint_dir(path: str | Path, barrier: Callable[[], None], is_rank0: bool) -> None:

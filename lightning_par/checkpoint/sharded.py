@@ -7,13 +7,15 @@ Layout (Lightning ``ModelParallelStrategy``'s, written with ``torch.distributed.
   no rank ever gathers the model;
 * ``meta.pt``: rank 0's ``torch.save`` of everything else Lightning puts in a checkpoint (loops, LR schedulers,
   callbacks, hyper-parameters);
-* ``lightning_par.json``: what wrote it (format version, strategy, layout, dp mode, step), written last.
+* ``lightning_par.json``: what wrote it (format version, strategy, layout, dp mode, step) and every other file with
+  its size and CRC-32 (:mod:`lightning_par.checkpoint.verify`), written last: the commit record.
 
 Every engine keys tensors by parameter name and gives sharded tensors as DTensors of their global shape, so DCP reads
 any saved layout into any requested one: another dp, tp or pp size, another dp mode or strategy, or plain full
 tensors in one process (:func:`load_model_weights`). A save goes into a staging directory that replaces the target
 only when every rank has finished (:mod:`lightning_par.checkpoint.atomic`), so a crash mid-save leaves the previous
-checkpoint whole. Loading checks the directory first (:func:`read_record`) and says what is wrong and what to do.
+checkpoint whole. Loading checks the directory first (:func:`read_record`, :func:`verify_checkpoint`) and says what
+is wrong and what to do.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 
 from lightning_par.checkpoint.atomic import commit_checkpoint_dir, staging_dir
+from lightning_par.checkpoint.verify import FILES_KEY, check_files, file_manifest
 
 __all__ = [
     "FORMAT_VERSION",
@@ -39,6 +42,7 @@ __all__ = [
     "load_sharded",
     "read_record",
     "save_sharded",
+    "verify_checkpoint",
 ]
 
 #: Name of the non-tensor part of a checkpoint (the name Lightning's ``ModelParallelStrategy`` uses).
@@ -104,19 +108,54 @@ def read_record(path: str | Path) -> dict[str, Any]:
     return record
 
 
+def verify_checkpoint(path: str | Path, checksums: bool = True) -> dict[str, Any]:
+    """:func:`read_record`, then every file the record lists checked against its recorded size and CRC-32
+    (:func:`lightning_par.checkpoint.verify.check_files`). A checkpoint written before records listed files is checked
+    for presence only.
+
+    Args:
+        path: the checkpoint directory.
+        checksums: also read every file (``False``: sizes only, no reads).
+
+    Returns:
+        The record.
+
+    Raises:
+        FileNotFoundError, ValueError: see :func:`read_record`.
+        lightning_par.checkpoint.verify.DamagedCheckpointError: (a ``ValueError``) a listed file is missing, has
+            another size or checksum; the message names the file.
+    """
+    record = read_record(path)
+    if FILES_KEY in record:
+        check_files(Path(path), record[FILES_KEY], checksums=checksums)
+    return record
+
+
+def split_tensors(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Pop the DCP part (``state_dict``, ``optimizer_states``) out of a Lightning checkpoint dict, keyed as saved."""
+    tensors = {"state_dict": checkpoint.pop("state_dict")}
+    for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
+        tensors[f"optimizer_{i}"] = state
+    return tensors
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """Rank 0, once every other file of ``path`` is written: the record with the list of files (the commit record)."""
+    full = {"format_version": FORMAT_VERSION, "format": "lightning_par sharded (torch.distributed.checkpoint)"}
+    files = file_manifest(path, exclude=(RECORD_FILENAME,))
+    (path / RECORD_FILENAME).write_text(json.dumps({**full, **record, FILES_KEY: files}, indent=2, default=str))
+
+
 def _write(path: Path, checkpoint: dict[str, Any], record: dict[str, Any], is_rank0: bool) -> None:
     """Write the shards (collective), then on rank 0 ``meta.pt`` and the record, into ``path``."""
     import torch.distributed.checkpoint as dcp
 
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {"state_dict": checkpoint.pop("state_dict")}
-    for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
-        tensors[f"optimizer_{i}"] = state
+    tensors = split_tensors(checkpoint)
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path, overwrite=True))
     if is_rank0:
         torch.save(checkpoint, path / METADATA_FILENAME)
-        full = {"format_version": FORMAT_VERSION, "format": "lightning_par sharded (torch.distributed.checkpoint)"}
-        (path / RECORD_FILENAME).write_text(json.dumps({**full, **record}, indent=2, default=str))
+        write_record(path, record)
 
 
 def save_sharded(
@@ -143,7 +182,12 @@ def save_sharded(
     if is_rank0 and staged.exists():
         shutil.rmtree(staged)  # a save that crashed earlier
     barrier()
-    _write(staged, checkpoint, record, is_rank0)
+    try:
+        _write(staged, checkpoint, record, is_rank0)
+    except BaseException:
+        if is_rank0:  # a full disk, a failed rank: nothing of this save is kept (a kill leaves it to the next start)
+            shutil.rmtree(staged, ignore_errors=True)
+        raise
     commit_checkpoint_dir(path, barrier, is_rank0)
 
 
@@ -165,38 +209,87 @@ def load_sharded(
         The metadata (``meta.pt``): everything else the checkpoint holds.
 
     Raises:
-        FileNotFoundError, ValueError: see :func:`read_record`; and ``ValueError`` when the checkpoint does not fit
-            the model or optimizers (a missing parameter, another shape), naming what wrote the checkpoint.
+        FileNotFoundError, ValueError: see :func:`verify_checkpoint` (sizes only); and ``ValueError`` when the
+            checkpoint does not fit the model or optimizers, naming the first missing or mismatched tensor and what
+            wrote the checkpoint, or when ``.metadata`` or ``meta.pt`` cannot be read.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
-    record = read_record(path)
+    record = verify_checkpoint(path, checksums=False)  # sizes only: ckpt_path was checksummed when it was resolved
     request: dict[str, Any] = {"state_dict": model_state}
     for i, state in enumerate(optimizer_states or []):
         request[f"optimizer_{i}"] = state
+    wrote = ", ".join(f"{k}={record[k]}" for k in ("strategy", "layout", "dp_mode", "global_step") if k in record)
+    wrote = f"It was written by {wrote or 'an unknown strategy'}; the model and optimizer must have the same parameter "
+    wrote += "names and shapes (a layout, dp mode or strategy may differ)."
+    try:
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as err:  # noqa: BLE001 - any failure to read it means the same to the user
+        raise ValueError(
+            f"checkpoint {str(path)!r} has an unreadable {_DCP_METADATA} ({_plain(err)}): the file is damaged. Resume "
+            f"from another checkpoint."
+        ) from None
+    mismatch = first_mismatch(request, saved)
+    if mismatch is not None:
+        raise ValueError(f"checkpoint {str(path)!r} does not fit this model or optimizer: {mismatch}. {wrote}")
     try:
         dcp.load(request, checkpoint_id=path)
-    except (CheckpointException, RuntimeError, KeyError) as err:
-        wrote = ", ".join(f"{k}={record[k]}" for k in ("strategy", "layout", "dp_mode", "global_step") if k in record)
+    except (CheckpointException, RuntimeError, KeyError, ValueError) as err:
         raise ValueError(
-            f"checkpoint {str(path)!r} does not fit this model or optimizer ({_first_line(err)}). It was written by "
-            f"{wrote or 'an unknown strategy'}; the model and optimizer must have the same parameter names and shapes "
-            f"(a layout, dp mode or strategy may differ)."
+            f"checkpoint {str(path)!r} does not fit this model or optimizer, or a shard is unreadable "
+            f"({_first_line(err)}). {wrote}"
         ) from None
     for i in range(len(optimizer_states or [])):
         optimizer_states[i] = request[f"optimizer_{i}"]  # type: ignore[index]
-    return torch.load(path / METADATA_FILENAME, weights_only=False)
+    try:
+        return torch.load(path / METADATA_FILENAME, weights_only=False)
+    except Exception as err:  # noqa: BLE001 - unpickling errors have many types
+        raise ValueError(
+            f"checkpoint {str(path)!r} has an unreadable {METADATA_FILENAME} ({_plain(err)}): the file is damaged. "
+            f"Resume from another checkpoint."
+        ) from None
+
+
+def first_mismatch(request: dict[str, Any], saved: dict[str, Any]) -> str | None:
+    """The first tensor of ``request`` (``{"state_dict": {name: tensor}, "optimizer_<i>": {"state": {name: {key:
+    tensor}}}}``) that DCP's ``saved`` metadata (``{flat key: storage metadata}``) lacks or holds with another
+    shape, in plain words; ``None`` when every tensor is there with its shape."""
+    wanted: list[tuple[str, str, Any]] = [
+        (f"state_dict.{name}", f"parameter or buffer {name!r}", t) for name, t in request["state_dict"].items()
+    ]
+    for key, state in request.items():
+        if key.startswith("optimizer_"):
+            for name, entries in state.get("state", {}).items():
+                for k, t in entries.items():
+                    wanted.append((f"{key}.state.{name}.{k}", f"{key.replace('_', ' ')} state {k!r} of {name!r}", t))
+    for flat, words, tensor in wanted:
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        meta = saved.get(flat)
+        if meta is None:
+            return f"the checkpoint has no {words} (this model has it)"
+        shape = getattr(meta, "size", None)
+        if shape is not None and tuple(shape) != tuple(tensor.shape):
+            return f"{words} has shape {tuple(shape)} in the checkpoint and {tuple(tensor.shape)} here"
+    return None
+
+
+def _plain(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
 
 
 def _first_line(err: BaseException) -> str:
+    """The first rank's error in one line: DCP wraps each rank's as ``(exception, traceback frames)``."""
     failures = getattr(err, "failures", None)  # a CheckpointException's, by rank
     if failures:
         err = next(iter(failures.values()))
         err = getattr(err, "exc", err)
-    text = str(err).strip().splitlines()
-    return text[0][:300] if text else type(err).__name__
+        if isinstance(err, tuple) and err and isinstance(err[0], BaseException):
+            err = err[0]
+    return _plain(err)
 
 
 def load_model_weights(path: str | Path, module: nn.Module, strict: bool = True) -> dict[str, Any]:
@@ -223,12 +316,12 @@ def consolidate_checkpoint(path: str | Path, output: str | Path) -> Path:
     Also a command: ``python -m lightning_par.checkpoint.consolidate CHECKPOINT_DIR OUTPUT_FILE``.
 
     Raises:
-        FileNotFoundError, ValueError: see :func:`read_record`.
+        FileNotFoundError, ValueError: see :func:`verify_checkpoint`.
     """
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     path, output = Path(path), Path(output)
-    read_record(path)
+    verify_checkpoint(path)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(output.name + ".tensors")
     dcp_to_torch_save(path, tmp)

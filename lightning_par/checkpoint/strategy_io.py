@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_par.checkpoint.async_save import PendingSave, start_async_save
 from lightning_par.checkpoint.sharded import load_sharded, save_sharded
 
 __all__ = ["ShardedCheckpointIO"]
@@ -27,6 +28,63 @@ class ShardedCheckpointIO:
     parallel: Any
     parallel_dims: Any
     options: Any
+    _pending_save: PendingSave | None = None
+    _async_next: bool = False
+    _deferred_removals: list[Any] | None = None
+    _checkpoint_group: Any = None
+
+    def save_next_checkpoint_async(self) -> None:
+        """Write the next :meth:`save_checkpoint` in the background (see :mod:`lightning_par.checkpoint.async_save`);
+        it becomes a checkpoint only at :meth:`finish_pending_checkpoint`. Every rank calls it."""
+        self._async_next = True
+
+    def finish_pending_checkpoint(self, wait: bool = True) -> bool:
+        """Commit the checkpoint being written in the background, if any. Collective: every rank calls it at the
+        same point (a step boundary).
+
+        Args:
+            wait: wait for the background writes; ``False``: commit only if every rank's writes are done (one
+                all-reduce of a flag), else return at once.
+
+        Returns:
+            Whether nothing is pending any more.
+
+        Raises:
+            Exception: what the background save raised (nothing is committed then).
+        """
+        pending = self._pending_save
+        if pending is None:
+            return True
+        if not wait:
+            import torch.distributed as dist
+
+            flag = torch.tensor([int(pending.done())])
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            if not flag.item():
+                return False
+        self._pending_save = None
+        pending.commit()
+        removals, self._deferred_removals = self._deferred_removals or [], None
+        for filepath in removals:
+            super().remove_checkpoint(filepath)  # type: ignore[misc]
+        return True
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove a checkpoint on rank 0 (Lightning's), but only once the checkpoint being written in the background
+        is committed: an older one is never removed while the newest is not yet in place."""
+        if self._pending_save is not None:
+            self._deferred_removals = [*(self._deferred_removals or []), filepath]
+            return
+        super().remove_checkpoint(filepath)  # type: ignore[misc]
+
+    def _background_group(self) -> Any:
+        """The gloo group of background saves (created on first use: collective)."""
+        if self._checkpoint_group is None:
+            import torch.distributed as dist
+
+            self._checkpoint_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        return self._checkpoint_group
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -68,16 +126,26 @@ class ShardedCheckpointIO:
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write a sharded checkpoint directory at ``filepath`` atomically (see :mod:`lightning_par.checkpoint`).
-        Every rank calls it.
+        Every rank calls it. After :meth:`save_next_checkpoint_async`, the shards are written in the background and
+        the checkpoint is committed by :meth:`finish_pending_checkpoint`; a save still pending is committed first.
 
         Raises:
             TypeError: ``storage_options`` is given (there is no ``CheckpointIO``).
         """
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported.")
+        asynchronous, self._async_next = self._async_next, False
+        self.finish_pending_checkpoint(wait=True)  # one background save at a time, committed in order
         path = Path(self.broadcast(str(filepath)))
-        record = self.checkpoint_record(checkpoint)
-        save_sharded(path, checkpoint, record, is_rank0=self.global_rank == 0, barrier=self.barrier)
+        record = {**self.checkpoint_record(checkpoint), "saved_in_background": asynchronous}
+        rank0 = self.global_rank == 0
+        if asynchronous:
+            group = self._background_group()
+            self._pending_save = start_async_save(
+                path, checkpoint, record, is_rank0=rank0, barrier=self.barrier, process_group=group
+            )
+        else:
+            save_sharded(path, checkpoint, record, is_rank0=rank0, barrier=self.barrier)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint of any layout, dp mode or strategy into this rank's part of the model (and the optimizers

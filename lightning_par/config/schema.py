@@ -414,6 +414,9 @@ class TrainerConfig:
     checkpoint_every_n_steps: Optional[int] = 100
     #: step checkpoints kept on disk, the latest ones (``step-N.ckpt``); -1 keeps all.
     keep_last_k: int = 2
+    #: write step checkpoints in the background (torch.distributed.checkpoint.async_save): a checkpoint counts (is
+    #: resumed from) only once every rank's writes finished and its commit record is written.
+    async_checkpoint: bool = False
     #: a non-finite loss or gradient: "stop" the run (before the step, nothing non-finite is saved) or "skip" the step
     #: on every rank (counted, logged as ``nonfinite_skipped``).
     on_nonfinite: str = "stop"
@@ -444,6 +447,8 @@ class TrainerConfig:
         _int_at_least("trainer.checkpoint_every_n_steps", self.checkpoint_every_n_steps, 1, none_ok=True)
         if self.keep_last_k != -1:
             _int_at_least("trainer.keep_last_k", self.keep_last_k, 1, extra=", or -1 (keep all)")
+        if not isinstance(self.async_checkpoint, bool):
+            raise _invalid("trainer.async_checkpoint", self.async_checkpoint, "true or false")
         if self.on_nonfinite not in NONFINITE_ACTIONS:
             raise _invalid("trainer.on_nonfinite", self.on_nonfinite, f"one of {list(NONFINITE_ACTIONS)}")
         _int_at_least("trainer.max_consecutive_skips", self.max_consecutive_skips, 1)
@@ -455,7 +460,7 @@ class TrainerConfig:
 #: ``trainer.*`` keys the recipe uses itself; every other ``trainer`` key is a ``lightning.Trainer`` argument.
 TRAINER_RECIPE_KEYS: frozenset[str] = frozenset({
     "peak_flops_per_device", "checkpoint", "job_timeout_s", "checkpoint_every_n_steps", "keep_last_k", "on_nonfinite",
-    "max_consecutive_skips", "watchdog_s", "watchdog_startup_s",
+    "max_consecutive_skips", "watchdog_s", "watchdog_startup_s", "async_checkpoint",
 })
 
 

@@ -3,8 +3,10 @@
 Checkpoints are the ones Lightning's ``ModelCheckpoint`` writes with ``filename="step-{step}"``: ``step-<N>.ckpt``
 (``step-<N>-v<K>.ckpt`` when the name was taken), each a sharded directory (every lightning_par strategy writes one).
 The latest *complete* one is the highest ``(N, K)`` that the format's own check accepts
-(:func:`lightning_par.checkpoint.read_record`: DCP's ``.metadata``, written by the coordinator once every rank's shards
-are written, ``meta.pt``, and a readable record of what wrote it, of a format this version reads).
+(:func:`lightning_par.checkpoint.verify_checkpoint`: DCP's ``.metadata``, written by the coordinator once every rank's
+shards are written, ``meta.pt``, a readable record of what wrote it, of a format this version reads, and every file
+the record lists there with its recorded size and CRC-32). A damaged newer checkpoint is skipped with a warning that
+names it, the file and what is wrong; the run resumes from the newest intact one.
 
 Names with ``.tmp`` (staging directories, temporary files) and ``last.ckpt`` (a link to one of the step checkpoints)
 are never candidates.
@@ -12,13 +14,23 @@ are never candidates.
 
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["CHECKPOINT_FILENAME", "checkpoint_step", "is_complete_checkpoint", "latest_checkpoint", "resolve_ckpt_path"]
+__all__ = [
+    "CHECKPOINT_FILENAME",
+    "checkpoint_problem",
+    "checkpoint_step",
+    "is_complete_checkpoint",
+    "latest_checkpoint",
+    "resolve_ckpt_path",
+]
 
 #: ``ModelCheckpoint(filename=...)`` of the recipes (with ``auto_insert_metric_name=False``).
 CHECKPOINT_FILENAME = "step-{step}"
+log = logging.getLogger(__name__)
 _STEP_NAME = re.compile(r"^step-(\d+)(?:-v(\d+))?\.ckpt$")
 
 
@@ -28,19 +40,36 @@ def checkpoint_step(path: str | Path) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2) or 0)) if m else None
 
 
-def is_complete_checkpoint(path: str | Path) -> bool:
-    """Whether ``path`` is a whole checkpoint this version can load (see the module docstring)."""
-    from lightning_par.checkpoint import read_record
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why ``path`` is not a whole checkpoint this version can load (the file and what is wrong with it), or
+    ``None`` when it is (see the module docstring). Reads every file of the checkpoint once."""
+    from lightning_par.checkpoint import verify_checkpoint
 
     try:
-        read_record(path)
-    except (FileNotFoundError, ValueError):
-        return False
-    return True
+        verify_checkpoint(path)
+    except (FileNotFoundError, ValueError) as err:
+        return str(err)
+    return None
 
 
-def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The latest complete ``step-<N>.ckpt`` in ``directory``, or ``None`` (no directory, or nothing complete)."""
+def is_complete_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a whole checkpoint this version can load (see the module docstring)."""
+    return checkpoint_problem(path) is None
+
+
+def _warn_skipped(path: Path, problem: str) -> None:
+    log.warning("Skipping checkpoint %s: %s", path, problem)
+
+
+def latest_checkpoint(
+    directory: str | Path, on_skip: Callable[[Path, str], None] | None = _warn_skipped
+) -> Path | None:
+    """The latest complete ``step-<N>.ckpt`` in ``directory``, or ``None`` (no directory, or nothing complete).
+
+    Args:
+        directory: where the checkpoints are.
+        on_skip: called with each newer checkpoint passed over and why (by default a logged warning); ``None``: quiet.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         return None
@@ -50,8 +79,11 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
         if key is not None and ".tmp" not in path.name and not path.is_symlink():
             candidates.append((key, path))
     for _, path in sorted(candidates, reverse=True):
-        if is_complete_checkpoint(path):
+        problem = checkpoint_problem(path)
+        if problem is None:
             return path
+        if on_skip is not None:
+            on_skip(path, problem)
     return None
 
 
@@ -68,7 +100,8 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: str | Path) -> Path
         The checkpoint path, or ``None`` to start from scratch.
 
     Raises:
-        ValueError: ``"last"`` with no complete checkpoint in ``checkpoint_dir``, or a path that does not exist; the
+        ValueError: ``"last"`` with no complete checkpoint in ``checkpoint_dir``, a path that does not exist, or one
+            that is not a whole checkpoint (torn, damaged: the message names the file and what is wrong with it); the
             message names ``ckpt_path``, the value and what would be valid.
     """
     if ckpt_path is None:
@@ -88,10 +121,7 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: str | Path) -> Path
             f"ckpt_path={ckpt_path!r} is not valid: it does not exist. Expected null, 'last' or the path of a "
             f"checkpoint (a .ckpt file or a sharded checkpoint directory)."
         )
-    from lightning_par.checkpoint import read_record  # the format's own check: torn, damaged, a file, too new
-
-    try:
-        read_record(path)
-    except (FileNotFoundError, ValueError) as err:
-        raise ValueError(f"ckpt_path={ckpt_path!r} is not valid: {err}") from None
+    problem = checkpoint_problem(path)  # the format's own check: torn, damaged, a file, too new
+    if problem is not None:
+        raise ValueError(f"ckpt_path={ckpt_path!r} is not valid: {problem}")
     return path.resolve()

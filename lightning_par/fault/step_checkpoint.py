@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_par.checkpoint.atomic import remove_leftovers
 from lightning_par.fault.resume import CHECKPOINT_FILENAME
+
+log = logging.getLogger(__name__)
 
 __all__ = ["StepCheckpoint"]
 
@@ -27,12 +31,23 @@ class StepCheckpoint(ModelCheckpoint):
         dirpath: the checkpoint directory.
         every_n_steps: optimizer steps between two saves; ``None``: only at the end.
         keep_last_k: checkpoints kept; ``-1`` keeps all.
+        async_save: write each checkpoint in the background (``torch.distributed.checkpoint.async_save``, see
+            :mod:`lightning_par.checkpoint.async_save`): training goes on after the tensors are copied to memory; the
+            checkpoint is committed (and counts as the newest) at the first step boundary after every rank's writes
+            finished, at the next save, or at the end of ``fit``. Older checkpoints are removed only after that.
+            Needs a lightning_par strategy. While a save is pending, ``last.ckpt`` already links to its final name.
 
     Raises:
-        ValueError: ``every_n_steps < 1`` or ``keep_last_k`` neither ``-1`` nor ``>= 1``.
+        ValueError: ``every_n_steps < 1``, ``keep_last_k`` neither ``-1`` nor ``>= 1``, ``async_save`` not a bool;
+            at ``setup``, ``async_save=True`` under a strategy that is not a lightning_par one.
     """
 
-    def __init__(self, dirpath: str | Path, every_n_steps: int | None = None, keep_last_k: int = 2) -> None:
+    def __init__(
+        self, dirpath: str | Path, every_n_steps: int | None = None, keep_last_k: int = 2, async_save: bool = False
+    ) -> None:
+        if not isinstance(async_save, bool):
+            raise ValueError(f"StepCheckpoint async_save={async_save!r} is not valid: expected true or false.")
+        self.async_save = async_save
         if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int)
                                           or every_n_steps < 1):
             raise ValueError(f"StepCheckpoint every_n_steps={every_n_steps!r} is not valid: expected an integer >= 1 or None.")
@@ -51,12 +66,39 @@ class StepCheckpoint(ModelCheckpoint):
             save_on_exception=False,
         )
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Rank 0 removes what interrupted saves of earlier attempts left (``*.tmp-staging``; see
+        :func:`lightning_par.checkpoint.atomic.remove_leftovers`) before this run saves anything."""
+        super().setup(trainer, pl_module, stage)
+        if self.async_save and not hasattr(trainer.strategy, "save_next_checkpoint_async"):
+            raise ValueError(
+                f"trainer.async_checkpoint=true is not valid with strategy {type(trainer.strategy).__name__}: "
+                f"background saves need a lightning_par strategy (ddp_overlap, zero1/2/3, tensor_parallel, pipeline, "
+                f"parallel_3d). Expected trainer.async_checkpoint=false."
+            )
+        if trainer.is_global_zero and self.dirpath is not None:
+            for path in remove_leftovers(self.dirpath):
+                log.warning("Removed %s, left by a checkpoint save that did not finish.", path)
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """A ``last.ckpt`` link left by an earlier attempt is ours to replace (not a reason for ``last-v1.ckpt``)."""
         super().on_train_start(trainer, pl_module)
         link = Path(str(self.dirpath)) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
         if link.is_symlink():
             self.last_model_path = str(link)
+
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        """Lightning's save, in the background when ``async_save``."""
+        if self.async_save:
+            trainer.strategy.save_next_checkpoint_async()
+        super()._save_checkpoint(trainer, filepath)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
+        """Lightning's (a save every ``every_n_steps``); then commit a background save once every rank's writes are
+        done (one all-reduce of a flag per step while one is pending)."""
+        super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        if self.async_save:
+            trainer.strategy.finish_pending_checkpoint(wait=False)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Nothing: saves follow optimizer steps only (``ModelCheckpoint`` would also save after each validation)."""
@@ -67,4 +109,6 @@ class StepCheckpoint(ModelCheckpoint):
             candidates: dict[str, Any] = self._monitor_candidates(trainer)
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
+        if self.async_save:
+            trainer.strategy.finish_pending_checkpoint(wait=True)
         super().on_train_end(trainer, pl_module)

@@ -99,6 +99,7 @@ COMPOSE = [
     "strategy=foo",
     "trainer.max_stepz=3",
     "trainer.on_nonfinite=[stop]",
+    "trainer.async_checkpoint=maybe",
 ]
 
 

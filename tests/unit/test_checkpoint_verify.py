@@ -57,12 +57,14 @@ def test_an_interrupted_save_is_named_and_the_previous_checkpoint_stays(tmp_path
     with pytest.raises(RuntimeError, match="killed mid-save"):
         _save(path, module, step=2)
     assert read_record(path)["global_step"] == 1  # the previous checkpoint is whole and in place
+    assert not staging_dir(path).exists()  # a failed save (a full disk) removes what it wrote
     fresh_path = tmp_path / "never.ckpt"
     with pytest.raises(RuntimeError):
         _save(fresh_path, module)
+    assert not staging_dir(fresh_path).exists()
+    staging_dir(fresh_path).mkdir()  # what a save killed by SIGKILL leaves
     with pytest.raises(FileNotFoundError, match=r"does not exist\. .*never\.ckpt\.tmp-staging.* was interrupted"):
         read_record(fresh_path)
-    assert staging_dir(fresh_path).exists()
 
 
 @pytest.mark.parametrize(
@@ -101,5 +103,5 @@ def test_damaged_checkpoints_are_refused_with_what_to_do(tmp_path, damage, match
 def test_a_checkpoint_of_another_model_names_what_wrote_it(tmp_path):
     path = tmp_path / "c.ckpt"
     _save(path, nn.Linear(3, 2))
-    with pytest.raises(ValueError, match=r"does not fit this model or optimizer .*written by strategy=zero2"):
+    with pytest.raises(ValueError, match=r"does not fit this model or optimizer: .*written by strategy=zero2"):
         load_model_weights(path, nn.Linear(4, 2))

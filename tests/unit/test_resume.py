@@ -73,6 +73,7 @@ def test_resolve_null_last_and_path(tmp_path):
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"every_n_steps": 0}, "every_n_steps=0 is not valid"),
     ({"keep_last_k": 0}, "keep_last_k=0 is not valid"),
+    ({"async_save": "yes"}, "async_save='yes' is not valid: expected true or false"),
 ])
 def test_step_checkpoint_rejects_bad_options(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
