@@ -394,7 +394,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning enters this for every batch of an accumulation window but the last: no dp reduction then."""
-        with self.parallel.steps.block_sync() if self.parallel is not None else nullcontext():
+        with self.parallel.block_sync() if self.parallel is not None else nullcontext():
             yield
 
     @property
