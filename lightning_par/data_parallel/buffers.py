@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from lightning_par.compat import local_tensor
 
-__all__ = ["BufferSync", "broadcast_coalesced"]
+__all__ = ["SYNC_BATCHNORM_DEVICES", "BufferSync", "broadcast_coalesced", "prepare_sync_batchnorm"]
 
 
 def broadcast_coalesced(tensors: list[Tensor], src: int, group: dist.ProcessGroup) -> None:
@@ -93,3 +93,31 @@ class BufferSync:
             with torch.no_grad():
                 broadcast_coalesced(buffers, self._src, self.group)
             self.broadcasts += 1
+
+
+#: Device types torch's ``SyncBatchNorm`` accepts in training (torch 2.13, ``SyncBatchNorm.forward``).
+SYNC_BATCHNORM_DEVICES: tuple[str, ...] = ("cuda", "hpu", "xpu", torch._C._get_privateuse1_backend_name())
+
+
+def prepare_sync_batchnorm(module: nn.Module, device: torch.device, group: dist.ProcessGroup) -> int:
+    """Make every ``nn.SyncBatchNorm`` of ``module`` synchronise over ``group`` (the dp replicas) unless it was given
+    its own process group: torch's default, the whole world, would also average over tensor- and pipeline-parallel
+    ranks. Returns how many there are.
+
+    Raises:
+        ValueError: ``module`` has a ``SyncBatchNorm`` and ``device`` is not an accelerator torch's ``SyncBatchNorm``
+            runs on (its forward refuses CPU input); on CPU plain BatchNorm with ``broadcast_buffers=True`` keeps the
+            replicas' running statistics equal.
+    """
+    sync = [m for m in module.modules() if isinstance(m, nn.SyncBatchNorm)]
+    if sync and device.type not in SYNC_BATCHNORM_DEVICES:
+        raise ValueError(
+            f"{len(sync)} nn.SyncBatchNorm layer(s) found on device={device.type!r}: torch's SyncBatchNorm runs only on "
+            f"{list(SYNC_BATCHNORM_DEVICES)} (its forward refuses CPU input). On CPU keep nn.BatchNorm (do not call "
+            f"convert_sync_batchnorm): with reducer.broadcast_buffers=True (the default) every dp replica starts each "
+            f"forward from dp rank 0's running statistics, as under torch DDP."
+        )
+    for m in sync:
+        if m.process_group is None:
+            m.process_group = group
+    return len(sync)
