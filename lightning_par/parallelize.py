@@ -266,11 +266,23 @@ class ParallelModel:
             yield
 
     def prepare_batch(self, batch: Any) -> Any:
-        """The batch as the LightningModule's step sees it on this rank (cp: this rank's piece of the sequence and
-        its ``position_ids``); ``batch`` itself without such an axis."""
+        """Called once per step, before its forward (every step protocol does): the module buffers are broadcast
+        over dp first when torch DDP would (:class:`~lightning_par.data_parallel.buffers.BufferSync`; collective over
+        the dp group then). Returns the batch as the LightningModule's step sees it on this rank (cp: this rank's
+        piece of the sequence and its ``position_ids``); ``batch`` itself without such an axis."""
+        if self.engine.buffers is not None:
+            self.engine.buffers.before_forward()
         for transform in self._batch_transforms:
             batch = transform(batch)
         return batch
+
+    @contextmanager
+    def block_sync(self) -> Generator[None, None, None]:
+        """Entered for every batch of an accumulation window but the last: no dp reduction (the step hooks'
+        ``block_sync``), and, as under torch DDP's ``no_sync``, no buffer broadcast before the next forward."""
+        buffers = self.engine.buffers
+        with self.steps.block_sync(), buffers.no_sync() if buffers is not None else nullcontext():
+            yield
 
     def finish_gradients(self) -> None:
         """Once per optimizer step, after the dp reduction and before clipping: every axis's gradient finisher (the

@@ -217,7 +217,7 @@ def validate_run(cfg: DictConfig, dims: ParallelDims | None = None) -> None:
             f"(one token per byte). Expected model.vocab_size >= {data_vocab}."
         )
     if callable(getattr(datamodule, "check_corpus", None)):
-        datamodule.check_corpus()
+        datamodule.check_corpus(replicas=dims.dp_size)
 
 
 def _check_machine(cfg: Any, dims: ParallelDims, external: int | None) -> None:

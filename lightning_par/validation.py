@@ -3,10 +3,15 @@ value and what would be valid (the project's one message shape for bad input).""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["check_bool", "check_choice", "check_int", "check_number"]
+__all__ = ["MAX_TIMEOUT_S", "check_bool", "check_choice", "check_int", "check_number"]
+
+#: The longest timeout accepted, in seconds (about 31 years): torch takes a ``datetime.timedelta`` (1e15 s overflows
+#: it) and C++ ``std::chrono`` durations in int64 nanoseconds (at most 9.2e9 s); 1e9 s stays within both.
+MAX_TIMEOUT_S: float = 1e9
 
 
 def check_int(name: str, value: Any, minimum: int, allow_infer: bool = False) -> int:
@@ -23,15 +28,18 @@ def check_int(name: str, value: Any, minimum: int, allow_infer: bool = False) ->
     return value
 
 
-def check_number(name: str, value: Any, *, minimum: float = 0.0, inclusive: bool = False, unit: str = "") -> float:
-    """``float(value)`` if it is a real number above ``minimum`` (at or above with ``inclusive``).
+def check_number(name: str, value: Any, *, minimum: float = 0.0, inclusive: bool = False, unit: str = "",
+                 maximum: float = math.inf) -> float:
+    """``float(value)`` if it is a real number above ``minimum`` (at or above with ``inclusive``) and at most
+    ``maximum`` (NaN is never valid).
 
     Raises:
-        ValueError: a bool, a non-number, or a number out of range.
+        ValueError: a bool, a non-number, NaN, or a number out of range.
     """
-    bound = f"{'>=' if inclusive else '>'} {minimum:g}" + (f" ({unit})" if unit else "")
+    bound = f"{'>=' if inclusive else '>'} {minimum:g}" + (f" and <= {maximum:g}" if maximum < math.inf else "")
+    bound += f" ({unit})" if unit else ""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not (value >= minimum if inclusive else value > minimum):
+    if not ok or not (value >= minimum if inclusive else value > minimum) or not value <= maximum:
         raise ValueError(f"{name}={value!r} is not valid: expected a number {bound}.")
     return float(value)
 

@@ -378,3 +378,79 @@ def make_moe_lm(optimizer: str = "sgd") -> MoELM:
     """Seeded: every rank and the reference build the same initial model."""
     torch.manual_seed(0)
     return MoELM(optimizer)
+
+class ConvBlock(nn.Module):
+    """``relu(bn(conv(x)))`` on ``(batch, c_in, h, w)`` -> ``(batch, c_out, h, w)``: BatchNorm keeps running statistics
+    (buffers) that each replica updates from its own batch."""
+
+    def __init__(self, c_in: int, c_out: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, c_out, 3, padding=1)
+        self.bn = nn.BatchNorm2d(c_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.bn(self.conv(x)))
+
+
+class Head(nn.Module):
+    """Global average pool, BatchNorm1d, then a linear classifier: ``(batch, c, h, w)`` -> ``(batch, classes)``."""
+
+    def __init__(self, c: int, classes: int) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(c)
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.bn(x.mean(dim=(2, 3))))
+
+
+class TinyBNNet(L.LightningModule):
+    """A small CNN with BatchNorm (the buffers torch DDP broadcasts before each forward), as a user writes one in place
+    of a torchvision ResNet: images ``(batch, 3, 8, 8)`` -> ``classes`` logits, cross-entropy, SGD with momentum.
+
+    Its network at ``.model`` is an ``nn.Sequential`` of blocks (pipeline stages split it); its tp plan replicates
+    every block (a CNN has no Megatron split), so a dp x tp x pp layout runs it too.
+    """
+
+    def __init__(self, width: int = 8, classes: int = 4, lr: float = 0.1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = nn.Sequential(
+            OrderedDict([("0", ConvBlock(3, width)), ("1", ConvBlock(width, width)), ("2", Head(width, classes))])
+        )
+
+    def tp_plan(self) -> dict[str, str]:
+        return {"0": "replicate", "1": "replicate", "2": "replicate"}
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, targets)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return self.loss_fn(self.model(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.loss_fn(self.model(x), y)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
+class ImageDataset(torch.utils.data.Dataset):
+    """``n`` fixed random images ``(3, 8, 8)`` with labels in ``[0, classes)``; rank-dependent shards come from the
+    sampler. The images of one sample index are shifted by ``index % 3`` so replicas' batch statistics differ."""
+
+    def __init__(self, n: int = 64, classes: int = 4, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 3, 8, 8, generator=g) + (torch.arange(n) % 3).view(n, 1, 1, 1)
+        self.y = torch.randint(0, classes, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]

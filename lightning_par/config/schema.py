@@ -18,6 +18,8 @@ entries (the reference GPT, the byte corpora, Lightning's loggers) have closed s
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -439,8 +441,10 @@ class TrainerConfig:
         _int_at_least("trainer.log_every_n_steps", self.log_every_n_steps, 1)
         _int_at_least("trainer.accumulate_grad_batches", self.accumulate_grad_batches, 1)
         clip = self.gradient_clip_val
-        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
-            raise _invalid("trainer.gradient_clip_val", clip, "a norm >= 0, or null (no clipping)")
+        if clip is not None and (
+            isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 <= clip < math.inf
+        ):  # NaN and inf fail the comparison: Lightning would refuse them only inside the ranks
+            raise _invalid("trainer.gradient_clip_val", clip, "a finite norm >= 0, or null (no clipping)")
         flops = self.peak_flops_per_device
         if flops is not None and (isinstance(flops, bool) or not isinstance(flops, (int, float)) or flops <= 0):
             raise _invalid("trainer.peak_flops_per_device", flops, "FLOP/s > 0, or null")

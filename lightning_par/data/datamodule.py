@@ -223,28 +223,43 @@ class ByteCorpusDataModule(L.LightningDataModule):
     def _chunk(self, n_tokens: int) -> int:
         return min(65536, max(self.block_size + 1, n_tokens // 20))
 
-    def _check_size(self, n_tokens: int) -> None:
+    def _check_size(self, n_tokens: int, replicas: int = 1) -> None:
         train, val = split_lengths(n_tokens, val_every=20, chunk=self._chunk(n_tokens))
         n_train, n_val = max(0, (train - 1) // self.block_size), max(0, (val - 1) // self.block_size)
+        source = "synthetic=True" if self.synthetic else ("the standard library" if self.path is None else f"path={self.path!r}")
         if n_train < self.batch_size or n_val < 1:
-            source = "synthetic=True" if self.synthetic else ("the standard library" if self.path is None else f"path={self.path!r}")
             raise ValueError(
                 f"corpus ({source}) of {n_tokens} tokens is too small for block_size={self.block_size} and "
                 f"batch_size={self.batch_size}: it gives {n_train} training and {n_val} validation "
                 f"windows. Expected at least {self.batch_size} and 1; use a larger corpus or smaller sizes."
             )
+        # The distributed sampler gives each dp replica ceil(n_train / replicas) windows, and the loader drops the
+        # last incomplete batch: fewer windows than one batch per replica would train 0 steps.
+        per_replica = -(-n_train // replicas)
+        if per_replica < self.batch_size:
+            raise ValueError(
+                f"corpus ({source}) of {n_tokens} tokens is too small for dp_size={replicas}, "
+                f"batch_size={self.batch_size} and block_size={self.block_size}: its {n_train} training windows give "
+                f"each of the {replicas} dp replicas {per_replica}, fewer than one batch (the last incomplete batch is "
+                f"dropped), so no step would train. Expected at least dp_size * batch_size = "
+                f"{replicas * self.batch_size} windows; use a larger corpus, a smaller batch_size or block_size, or "
+                f"fewer dp replicas."
+            )
 
-    def check_corpus(self) -> None:
-        """Build the token cache if needed and check that the corpus gives one training batch and one validation
-        window, from its length only (no tokens are read): what :meth:`setup` checks, before any process starts.
+    def check_corpus(self, replicas: int = 1) -> None:
+        """Build the token cache if needed and check that the corpus gives one training batch per dp replica and one
+        validation window, from its length only (no tokens are read), before any process starts.
+
+        Args:
+            replicas: the dp replicas the training windows are split over (``dp_size``).
 
         Raises:
-            ValueError: the corpus is too small for ``block_size`` and ``batch_size``.
+            ValueError: the corpus is too small for ``block_size``, ``batch_size`` and ``replicas``.
         """
         if self.synthetic:
-            self._check_size(self.synthetic_tokens)
+            self._check_size(self.synthetic_tokens, replicas)
         else:
-            self._check_size(Path(build_token_file(self.path, self.cache_dir)).stat().st_size)
+            self._check_size(Path(build_token_file(self.path, self.cache_dir)).stat().st_size, replicas)
 
     def setup(self, stage: str | None = None) -> None:
         """Load the tokens, split them (see the module docstring) and make the window datasets; idempotent.

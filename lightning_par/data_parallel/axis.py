@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from lightning_par.axis_registry import Axis, Build
+from lightning_par.data_parallel.buffers import prepare_sync_batchnorm
 from lightning_par.data_parallel.engine import apply_data_parallel
 from lightning_par.data_parallel.meshes import DataParallelMeshes
 from lightning_par.parallel_dims import ParallelDims
@@ -24,11 +25,14 @@ def _check(module: nn.Module, network: nn.Module, dims: ParallelDims, options: A
 
 def _apply(build: Build) -> None:
     """The dp mode over the whole LightningModule (its state names are the checkpoint's). For evaluation ZeRO-1/2
-    keep plain replicas (there is no optimizer to shard); ``zero3`` still shards."""
+    keep plain replicas (there is no optimizer to shard); ``zero3`` still shards. ``nn.SyncBatchNorm`` layers
+    synchronise over the dp replicas (refused on CPU, where torch's SyncBatchNorm does not run)."""
     options = build.options
+    meshes = DataParallelMeshes.from_dims(build.dims)
+    prepare_sync_batchnorm(build.module, build.device, meshes.dp.get_group())
     dp_mode = options.dp_mode if build.training or options.dp_mode == "zero3" else None
     build.engine = apply_data_parallel(
-        build.module, DataParallelMeshes.from_dims(build.dims), dp_mode or "ddp", options.reducer,
+        build.module, meshes, dp_mode or "ddp", options.reducer,
         options.zero if dp_mode not in (None, "ddp") else None,
         stage_modules=build.stage_modules or None, communicate=dp_mode is not None, groups=build.dp_groups,
     )

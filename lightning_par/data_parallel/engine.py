@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_par.compat import local_tensor
+from lightning_par.data_parallel.buffers import BufferSync
 from lightning_par.data_parallel.meshes import DataParallelMeshes
 from lightning_par.data_parallel.options import ReducerOptions, ZeroOptions, zero_stage
 from lightning_par.data_parallel.reducer import CommStats, GradientReducer
@@ -58,6 +59,7 @@ class DataParallelEngine:
     Attributes:
         module: the model (a LightningModule or any ``nn.Module``); state keys are relative to it.
         dp_mesh: the 1-D data-parallel mesh.
+        buffers: the module buffers' broadcast before each forward (set by :func:`apply_data_parallel`).
     """
 
     #: ZeRO stage (0: not sharded).
@@ -66,6 +68,7 @@ class DataParallelEngine:
     def __init__(self, module: nn.Module, dp_mesh: DeviceMesh) -> None:
         self.module = module
         self.dp_mesh = dp_mesh
+        self.buffers: BufferSync | None = None
 
     # ------------------------------------------------------------------ training
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -243,7 +246,9 @@ def apply_data_parallel(
     communicate: bool = True,
     groups: Sequence[tuple[Sequence[nn.Module], DataParallelMeshes]] = (),
 ) -> DataParallelEngine:
-    """Make the dp replicas of ``module`` equal (broadcast from dp rank 0), then apply ``dp_mode``.
+    """Make the dp replicas of ``module`` equal (broadcast from dp rank 0), then apply ``dp_mode``; the engine's
+    :attr:`~DataParallelEngine.buffers` then broadcasts the module buffers before forwards (``reducer``'s
+    ``broadcast_buffers``).
 
     Args:
         module: the model (for a pipeline stage: the LightningModule holding only this rank's parameters).
@@ -281,6 +286,24 @@ def apply_data_parallel(
     for mods, group_meshes in grouped:
         for mod in mods:
             broadcast_from_dp_rank0(mod, group_meshes.dp.get_group())
+    engine = _engine(module, meshes, stage, reducer, zero, stage_modules, communicate, grouped, group_params)
+    enabled = (reducer or ReducerOptions()).broadcast_buffers
+    engine.buffers = BufferSync(module, meshes.dp.get_group(), enabled=enabled)
+    return engine
+
+
+def _engine(
+    module: nn.Module,
+    meshes: DataParallelMeshes,
+    stage: int,
+    reducer: ReducerOptions | None,
+    zero: ZeroOptions | None,
+    stage_modules: Sequence[nn.Module] | None,
+    communicate: bool,
+    grouped: list[tuple[list[nn.Module], DataParallelMeshes]],
+    group_params: list[set[int]],
+) -> DataParallelEngine:
+    elsewhere = set().union(*group_params)
     if stage == 3:
         from lightning_par.data_parallel.fsdp import FSDPZero, fully_shard_roots
 

@@ -74,6 +74,9 @@ class ReducerOptions:
         comm_hook: ``"none"``, ``"fp16"``, ``"bf16"`` (cast the wire format) or ``"powersgd"`` (Vogels et al. 2019).
         powersgd_rank: rank of the PowerSGD approximation.
         powersgd_start_iter: optimizer steps with a plain all-reduce before PowerSGD starts.
+        broadcast_buffers: before a forward, give every dp replica the module buffers (BatchNorm running statistics)
+            of dp rank 0, as torch DDP does by default (:class:`~lightning_par.data_parallel.buffers.BufferSync`);
+            in every dp mode, ``zero3`` included. ``False``: each replica keeps its own buffers after the start.
 
     Raises:
         ValueError: an invalid field (named in the message).
@@ -85,12 +88,14 @@ class ReducerOptions:
     comm_hook: str = "none"
     powersgd_rank: int = 1
     powersgd_start_iter: int = 2
+    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
         cap = type(self).bucket_cap_mb if self.bucket_cap_mb is None else self.bucket_cap_mb
         object.__setattr__(self, "bucket_cap_mb", check_number("bucket_cap_mb", cap, unit="MiB"))
         check_bool("gradient_as_bucket_view", self.gradient_as_bucket_view)
         check_bool("static_graph", self.static_graph)
+        check_bool("broadcast_buffers", self.broadcast_buffers)
         validate_comm_hook(self.comm_hook, self.powersgd_rank, self.powersgd_start_iter)
 
     def reducer_kwargs(self) -> dict[str, Any]:

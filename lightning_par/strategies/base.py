@@ -48,7 +48,7 @@ from lightning_par.fault.process_group_exit import FAILED, destroy_process_group
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.parallelize import OPTION_GROUPS, ParallelModel, ParallelOptions, parallelize, validate
 from lightning_par.precision import check_precision, distributed_scaler, fsdp_mixed_precision
-from lightning_par.validation import check_number
+from lightning_par.validation import MAX_TIMEOUT_S, check_number
 
 __all__ = ["MeshStrategy"]
 
@@ -152,7 +152,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         self.options = ParallelOptions.build(dp_mode, module_attr, activation_checkpointing, **options)
         self.options.check_layout(pp_size)
         self._sizes = sizes
-        self._timeout_s = check_number("timeout_s", timeout_s, unit="seconds")
+        self._timeout_s = check_number("timeout_s", timeout_s, unit="seconds", maximum=MAX_TIMEOUT_S)
         self.prog_bar = bool(prog_bar)
         self._process_group_backend = process_group_backend
         self.parallel_dims: ParallelDims | None = None
@@ -401,7 +401,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning enters this for every batch of an accumulation window but the last: no dp reduction then."""
-        with self.parallel.steps.block_sync() if self.parallel is not None else nullcontext():
+        with self.parallel.block_sync() if self.parallel is not None else nullcontext():
             yield
 
     @property

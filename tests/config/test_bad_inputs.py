@@ -27,7 +27,9 @@ PREFLIGHT = [
     ("trainer.max_steps=-1", "trainer.max_steps=-1 is not valid: expected an integer >= 1"),
     ("trainer.max_steps=0", "trainer.max_steps=0 is not valid: expected an integer >= 1"),
     ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps=0 is not valid: expected an integer >= 1"),
-    ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1.0 is not valid: expected a norm >= 0"),
+    ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1.0 is not valid: expected a finite norm >= 0"),
+    ("trainer.gradient_clip_val=nan", "trainer.gradient_clip_val=nan is not valid: expected a finite norm >= 0"),
+    ("trainer.gradient_clip_val=inf", "trainer.gradient_clip_val=inf is not valid: expected a finite norm >= 0"),
     ("trainer.precision=bf17", "trainer.precision='bf17' is not valid: expected one of ['32-true', '16-mixed'"),
     ("trainer.accelerator=tpu", "trainer.accelerator='tpu' is not valid: expected one of ['auto', 'cpu', 'gpu'"),
     ("trainer.accelerator=gpu", "trainer.accelerator='gpu' is not valid on this machine: torch finds no CUDA GPU"),
@@ -53,6 +55,9 @@ PREFLIGHT = [
     ("data=stdlib data.path=/no/such/corpus", "ByteCorpusDataModule path='/no/such/corpus' is not valid: it does not exist"),
     ("data.path={tmp}/small.txt", "ByteCorpusDataModule path='{tmp}/small.txt' is not valid with synthetic=True"),
     ("data=stdlib data.path={tmp}/small.txt", "corpus (path='{tmp}/small.txt') of 3 tokens is too small for block_size=32"),
+    # 700 bytes at dp 2 (the case): one batch of windows in all, none per replica; trained 0 steps and exited 0
+    ("data=stdlib data.path={tmp}/corpus700.txt data.batch_size=16 parallel=dp2",
+     "corpus (path='{tmp}/corpus700.txt') of 700 tokens is too small for dp_size=2, batch_size=16 and block_size=32"),
     ("data.batch_size=100000", "corpus (synthetic=True) of 200000 tokens is too small for block_size=32 and batch_size=100000"),
     ("data.batch_size=0", "ByteCorpusDataModule batch_size=0 is not valid: expected an integer >= 1"),
     ("data.num_workers=-1", "ByteCorpusDataModule num_workers=-1 is not valid: expected an integer >= 0"),
@@ -80,7 +85,9 @@ PREFLIGHT = [
     ("strategy.reducer.bucket_cap_mb=0", "bucket_cap_mb=0.0 is not valid: expected a number > 0 (MiB)"),
     ("strategy.reducer.comm_hook=foo", "comm_hook='foo' is not valid: expected one of ['none', 'fp16', 'bf16', 'powersgd']"),
     ("strategy.reducer.powersgd_rank=0", "powersgd_rank=0 is not valid: expected an integer >= 1"),
-    ("strategy.timeout_s=0", "timeout_s=0.0 is not valid: expected a number > 0 (seconds)"),
+    ("strategy.timeout_s=0", "timeout_s=0.0 is not valid: expected a number > 0 and <= 1e+09 (seconds)"),
+    ("strategy.timeout_s=1e15", "timeout_s=1000000000000000.0 is not valid: expected a number > 0 and <= 1e+09 (seconds)"),
+    ("strategy.timeout_s=nan", "timeout_s=nan is not valid: expected a number > 0 and <= 1e+09 (seconds)"),
     ("strategy=pipeline parallel=pp2 strategy.pipeline.schedule=foo", "schedule='foo' is not valid: expected one of"),
     ("strategy=1f1b parallel=pp2 strategy.pipeline.schedule=gpipe",
      "strategy.pipeline.schedule='gpipe' contradicts strategy='1f1b'"),
@@ -128,6 +135,7 @@ def no_launch(monkeypatch):
 @pytest.mark.parametrize(("overrides", "message"), PREFLIGHT, ids=[c[0] for c in PREFLIGHT])
 def test_rejected_before_any_process_starts(overrides, message, tmp_path, no_launch):
     (tmp_path / "small.txt").write_text("abc")
+    (tmp_path / "corpus700.txt").write_text("lightning_par " * 50)
     cfg = _compose(overrides.format(tmp=tmp_path).split())
     with pytest.raises(ValueError, match=re.escape(message.format(tmp=tmp_path))):
         train.launch_job(cfg, tmp_path / "run")
