@@ -28,6 +28,7 @@ SECTIONS = {
     "pp": "lightning_par.benchmarks.pipeline",
     "ac": "lightning_par.benchmarks.activation_checkpointing",
     "cp": "lightning_par.benchmarks.context_parallel",
+    "ep": "lightning_par.benchmarks.expert_parallel",
     "gpu": "lightning_par.benchmarks.single_gpu",
     "checkpoint": "lightning_par.benchmarks.checkpoint",
 }

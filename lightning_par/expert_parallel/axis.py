@@ -35,8 +35,10 @@ def _check(module: nn.Module, network: nn.Module, dims: ParallelDims, options: A
 def _read(build: Build) -> None:
     """The experts of the whole network, before any pipeline cut (also at ``ep_size == 1`` when the network names
     them: its MoE figures are logged)."""
-    if build.dims.ep_enabled or callable(getattr(build.network, "expert_modules", None)):
+    if build.dims.ep_enabled:
         build.expert_paths = contract.expert_modules(build.network)
+    elif callable(getattr(build.network, "expert_modules", None)):
+        build.expert_paths = list(build.network.expert_modules()) or None
 
 
 @torch.no_grad()
