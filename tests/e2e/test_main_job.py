@@ -52,10 +52,11 @@ def test_bad_layout_fails_fast_with_the_field_named(tmp_path):
     assert "does not equal world_size=3" in proc.stderr + proc.stdout
 
 
-def _smoke_run(tmp_path, overrides: str) -> dict:
-    """``make train`` of the tiny GPT on synthetic data for the smoke trainer with ``overrides``; its summary.json."""
+def _smoke_run(tmp_path, overrides: str, model: str = "tiny") -> dict:
+    """``make train`` of the tiny GPT (or ``model``) on synthetic data for the smoke trainer with ``overrides``; its
+    summary.json."""
     run_dir = tmp_path / "run"
-    args = f"{overrides} model=tiny data=synthetic trainer=smoke hydra.run.dir={run_dir}"
+    args = f"{overrides} model={model} data=synthetic trainer=smoke hydra.run.dir={run_dir}"
     proc = subprocess.run(["make", "-s", "train", f"ARGS={args}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((run_dir / "summary.json").read_text())
@@ -81,3 +82,13 @@ def test_recipe_runs_a_context_parallel_preset(tmp_path):
     assert summary["world_size"] == 2 and summary["cp_size"] == 2 and summary["dp_size"] == 1
     assert summary["cp_method"] == "ring" and summary["cp_tokens_per_sequence"] == 32 // 2  # tiny: block_size 32
     assert summary["steps"] == 6 and summary["final_train_loss"] < summary["initial_train_loss"]
+
+
+@pytest.mark.slow
+def test_recipe_runs_the_moe_model_on_an_expert_parallel_preset(tmp_path):
+    """``model=moe_tiny parallel=ep2 strategy=zero2``: each of 2 ranks holds 2 of the 4 experts, ZeRO-2 on the rest."""
+    summary = _smoke_run(tmp_path, "parallel=ep2 strategy=zero2", model="moe_tiny")
+    assert summary["ep_size"] == 2 and summary["experts_per_rank"] == {"blocks.1.mlp.experts": 2}
+    assert summary["steps"] == 6 and summary["final_train_loss"] < summary["initial_train_loss"]
+    metrics = (tmp_path / "run" / "logs" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"parallel/ep_all_to_all_bytes", "parallel/moe_load_imbalance", "parallel/moe_aux_loss"} <= set(metrics)
