@@ -4,8 +4,8 @@ exchanged with all-to-all, expert gradients averaged over the ranks holding the 
 Models: the MoE GPT (blocks 1 and 3 of 4 with 4 experts, top-2 softmax, AdamW; ``-cap``: capacity factor 1.0, which
 drops tokens) and a user's causal LM with its own top-1 router and experts (:class:`tests.user_models.MoELM`, SGD
 with momentum — a gradient summed instead of averaged over ep would move it twice as far — and AdamW). Layouts: ep2
-under every dp mode, ep4, ep2 x tp2, ep2 x pp2 (1F1B), ep2 x cp2 (dropless and capacity), and dp2 x ep2 x tp2 x pp2 at
-world 8 (slow). Losses within ``rtol=1e-5`` of one process on the same global batch, the gathered parameters too;
+under every dp mode, ep4, ep2 x tp2, ep2 x pp2 (1F1B), ep2 x cp2 (dropless and capacity), HSDP 2x2 with ep2 (zero1, zero3), and
+dp2 x ep2 x tp2 x pp2 at world 8 (slow). Losses within ``rtol=1e-5`` of one process on the same global batch, the gathered parameters too;
 dropped tokens equal one process's exactly; expert bytes per rank are ``1 / ep_size`` of the experts'; a checkpoint
 saved at ep2 loads at ep1 and into one process.
 """
@@ -47,6 +47,10 @@ WORLD4 = {
                                   num_microbatches=2),
     "ep2cp2-zero1-moegpt": _fit("ep2cp2-zero1-moegpt", "moegpt", ep_size=2, cp_size=2, dp_mode="zero1"),
     "ep2cp2-moegpt-cap": _fit("ep2cp2-moegpt-cap", "moegpt-cap", ep_size=2, cp_size=2),
+    # HSDP: experts sharded over edp_shard within each replica, replicated across dp_replicate
+    **{f"hsdp2x2-ep2-{mode}-moelm-sgd": _fit(f"hsdp2x2-ep2-{mode}-moelm-sgd", "moelm-sgd", ep_size=2,
+                                             dp_replicate_size=2, dp_shard_size=2, dp_mode=mode)
+       for mode in ("zero1", "zero3")},
 }
 WORLD8 = {
     "dp2ep2tp2pp2-zero1-moegpt": _fit("dp2ep2tp2pp2-zero1-moegpt", "moegpt", dp_size=2, ep_size=2, tp_size=2,
@@ -85,7 +89,8 @@ def world8() -> dict:
 def _dims(case: dict, world: int) -> ParallelDims:
     o = case["options"]
     return ParallelDims(dp_size=o.get("dp_size", -1), tp_size=o.get("tp_size", 1), pp_size=o.get("pp_size", 1),
-                        cp_size=o.get("cp_size", 1), ep_size=o.get("ep_size", 1), world_size=world)
+                        cp_size=o.get("cp_size", 1), ep_size=o.get("ep_size", 1), world_size=world,
+                        dp_replicate_size=o.get("dp_replicate_size", 1), dp_shard_size=o.get("dp_shard_size", -1))
 
 
 def _reference(case: dict, dims: ParallelDims, samples: int) -> tuple[list[float], dict]:
@@ -147,11 +152,14 @@ def test_dropped_tokens_equal_one_process():
     x = torch.randn(4, 16, 8)
     whole = layer(x)
     dropped_whole = layer.last_stats["dropped"]
-    halves, dropped = [], 0
+    counts_whole = layer.last_stats["tokens_per_expert"]
+    halves, dropped, counts = [], 0, torch.zeros_like(counts_whole)
     for part in (x[:2], x[2:]):
         halves.append(layer(part))
         dropped += layer.last_stats["dropped"]
+        counts += layer.last_stats["tokens_per_expert"]
     assert dropped_whole > 0 and dropped == dropped_whole
+    assert torch.equal(counts, counts_whole)  # tokens per expert (those kept), exactly
     torch.testing.assert_close(torch.cat(halves), whole, rtol=0, atol=0)
 
 
