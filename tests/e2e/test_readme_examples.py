@@ -83,9 +83,15 @@ def test_the_errors_the_readme_quotes():
     selective = _message(DDPOverlapStrategy(activation_checkpointing="selective"), ns["Regressor"](),
                          ParallelDims(world_size=2))
     cp = _message(DDPOverlapStrategy(cp_size=2), ns["Regressor"](), ParallelDims(cp_size=2, world_size=2))
+    from lightning_par.models import GPTConfig, GPTLightningModule
+
+    dense = GPTLightningModule(GPTConfig.from_preset("tiny"))
+    no_experts = _message(DDPOverlapStrategy(ep_size=2), dense, ParallelDims(ep_size=2, world_size=2))
+    six = GPTLightningModule(GPTConfig.from_preset("moe_tiny", num_experts=6))
+    uneven = _message(DDPOverlapStrategy(ep_size=4), six, ParallelDims(ep_size=4, world_size=4))
     section = README.read_text().split("## Bring your own model")[1]
     quoted = re.findall(r"`ValueError: ([^`]*?)\.\.\.`", section)
-    assert len(quoted) == 5
-    for message, quote in zip((cp, tp, pp, full, selective), quoted):
+    assert len(quoted) == 7
+    for message, quote in zip((cp, no_experts, uneven, tp, pp, full, selective), quoted):
         assert message.startswith(quote), (quote, message)
     assert "training_step is not called" in pp

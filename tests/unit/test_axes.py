@@ -30,10 +30,11 @@ def test_every_registered_axis_names_real_fields_groups_and_phases():
 def test_a_size_on_an_axis_nothing_runs_on_is_refused_before_start():
     from lightning_par.axes import check_sizes
 
+    # every size field of ParallelDims has its axis now; a field no axis owns (a future one) is refused
     with pytest.raises(ValueError, match=re.escape(
-            "ep_size=2 is not valid: no registered parallelism runs on the ep_size axis in this version. Use "
-            "ep_size=1.")):
-        check_sizes({"ep_size": 2}, MeshStrategy.has_axis, "", "MeshStrategy")
+            "xp_size=2 is not valid: no registered parallelism runs on the xp_size axis in this version. Use "
+            "xp_size=1.")):
+        check_sizes({"xp_size": 2}, MeshStrategy.has_axis, "", "MeshStrategy")
     with pytest.raises(ValueError, match=re.escape("cp_size=2 is not valid for PipelineStrategy, which has no cp axis")):
         PipelineStrategy(cp_size=2)
 

@@ -32,7 +32,8 @@ def _keyword_defaults(function: Callable[..., Any]) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("function", "options", "names"),
     [
-        (GradientReducer.__init__, ReducerOptions, None),
+        (GradientReducer.__init__, ReducerOptions,
+         tuple(f.name for f in dataclasses.fields(ReducerOptions) if f.name != "broadcast_buffers")),
         (ZeroOptions, ReducerOptions, ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "comm_hook")),
         (resolve_zero_options, ZeroOptions,
          ("cpu_offload", "reshard_after_forward", "gradient_as_bucket_view", "static_graph", "comm_hook")),

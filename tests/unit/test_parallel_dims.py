@@ -66,7 +66,7 @@ def test_get_mesh_checks_axis_and_build():
     dims = ParallelDims(world_size=2)
     with pytest.raises(ValueError, match=re.escape(
             "axis='xy' is not valid: expected one of ['pp', 'dp_replicate', 'dp_shard', 'cp', 'tp', 'dp', "
-            "'dp_shard_cp', 'dp_cp'].")):
+            "'dp_shard_cp', 'dp_cp', 'ep', 'edp_shard', 'edp'].")):
         dims.get_mesh("xy")
     with pytest.raises(RuntimeError, match="before build_mesh"):
         dims.get_mesh("dp")
