@@ -177,6 +177,23 @@ def test_a_stopped_rank_ends_the_recipe_in_seconds(tmp_path):
     _assert_all_gone([b.pid for b in read_beats(run_dir / ".heartbeat").values()])
 
 
+SLEEPY = ["model=custom", "model._target_=tests.e2e.fault_models.SleepyGPT", "+model.sleep_step=3"]
+
+
+@pytest.mark.parametrize("sleeper", [0, 1])
+def test_a_rank_stuck_in_its_forward_is_named_not_the_peer_waiting_for_it(tmp_path, sleeper):
+    """The sleeping rank is named, with its phase and line; the peer waits in the gradient all-reduce of backward.
+    Before, the oldest heartbeat won (throttled writes): rank 0 was named whichever rank slept."""
+    with pytest.raises(DistributedRunError) as info:
+        launch_job(_cfg(*SLEEPY, f"+model.sleep_rank={sleeper}", "trainer.max_steps=50", "trainer.watchdog_s=3",
+                        "trainer.watchdog_startup_s=120"), tmp_path / "run")
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith(f"watchdog: rank {sleeper} (pid "), lines
+    assert "last heartbeat at step 3, forward, at training_step (fault_models.py:" in lines[0], lines[0]
+    assert "time.sleep(self.sleep_s)" in lines[0]
+    assert lines[1].startswith(f"Also idle: rank {1 - sleeper} ") and "step 3, backward, waiting in collective" in lines[1]
+
+
 def _kill_rank_after(run_dir: Path, step: int, victim: int, killed: dict[str, Any]) -> threading.Thread:
     """In the background: once ``step-<step>.ckpt`` is complete and the loss of step ``step`` is in the log, freeze
     every rank, SIGKILL ``victim``, thaw the rest: the run is interrupted between two checkpoints however loaded the
