@@ -428,9 +428,11 @@ def run_distributed(
                     # Preempting: ranks that lose their peers while the others exit are consequences; wait for all.
                     own = [o for o in outcomes.values() if not o.ok and not o.preempted and o.exitcode is None
                            and not _PEER_FAILURE.search(_last_line(o.value))]
+                    # A rank that ended itself at its grace period (code 75, no report) leaves no peer to agree with.
+                    gave_up = any(o.preempted and o.exitcode is not None for o in outcomes.values())
                     if own:
                         failure = _describe_failure(outcomes, procs)
-                    elif len(outcomes) == world_size or preemption.expired(now):
+                    elif len(outcomes) == world_size or gave_up or preemption.expired(now):
                         preempted = Preempted(_preempted_message(outcomes, procs))
                     continue
                 failed = [o for o in outcomes.values() if not o.ok]

@@ -1,0 +1,206 @@
+"""Preemption: SIGTERM to one rank, to every rank, to the launcher (ours, torchrun's agent, a Hydra sweep) saves a
+checkpoint at the next step boundary and exits with code 75; the resumed run logs the uninterrupted run's losses
+exactly. A second signal, or no agreement within the grace period, exits at once keeping the last good checkpoint.
+
+Each case runs once here; ``python .ci/repeat_faults.py --repeat 5`` repeats them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_par.fault.heartbeat import Beat, beat, read_beats
+from lightning_par.fault.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
+from lightning_par.launcher import init_process_group_from_env, run_distributed
+from lightning_par.train import launch_job
+from tests.e2e.test_faults import ROOT, TINY, _cfg, _losses
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+STEPS = 12
+GRACE_S = 30.0
+OVERRIDES = (f"trainer.max_steps={STEPS}", f"trainer.preemption_grace_s={GRACE_S:g}")
+
+
+def signal_at_step(beat_dir: Path, step: int, targets: str, launcher_pid: int | None = None,
+                   sig: int = signal.SIGTERM, times: int = 1,
+                   ready: Callable[[dict[int, Beat]], bool] | None = None) -> dict[str, Any]:
+    """In the background: once every rank of this attempt reached ``step`` (and ``ready(beats)``), send ``sig`` to
+    ``targets`` ("0", "1", "all" ranks, or "launcher"), ``times`` times 1 s apart. The returned dict gets ``"at"``
+    (monotonic seconds)."""
+    sent: dict[str, Any] = {}
+    started = time.time()
+
+    def run() -> None:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            beats = {r: b for r, b in read_beats(beat_dir).items() if b.time >= started}
+            if len(beats) == 2 and all(b.step >= step for b in beats.values()) and (ready is None or ready(beats)):
+                break
+            time.sleep(0.01)
+        else:
+            return
+        pids = {
+            "0": [beats[0].pid], "1": [beats[1].pid], "all": [beats[0].pid, beats[1].pid], "launcher": [launcher_pid],
+        }[targets]
+        sent["at"] = time.monotonic()
+        for i in range(times):
+            if i:
+                time.sleep(1.0)
+            for pid in pids:
+                os.kill(pid, sig)
+        sent["pids"] = pids
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    sent["thread"] = thread
+    return sent
+
+
+def _saved_step(preempted: Preempted) -> int:
+    text = str(preempted)
+    assert "preempted by SIGTERM at step " in text, text
+    return int(text.split("at step ")[1].split()[0])
+
+
+def test_sigterm_to_a_rank_all_ranks_or_the_launcher_saves_and_resumes_exactly(tmp_path):
+    """One run, preempted four times (rank 1, rank 0, both ranks, the launcher), each attempt resuming the one before
+    with ckpt_path=last; then it finishes. Every preemption ends the job within the grace period with code 75 and a
+    checkpoint of the step it stopped at; the losses of all 12 steps equal an uninterrupted run's exactly."""
+    reference = launch_job(_cfg(*OVERRIDES), tmp_path / "reference")
+    assert reference is not None and reference["steps"] == STEPS
+    run_dir = tmp_path / "run"
+    last = 0
+    for attempt, target in enumerate(("1", "0", "all", "launcher")):
+        sent = signal_at_step(run_dir / ".heartbeat", last + 1, target, launcher_pid=os.getpid())
+        ckpt = () if attempt == 0 else ("ckpt_path=last",)
+        with pytest.raises(Preempted) as info:
+            launch_job(_cfg(*OVERRIDES, *ckpt), run_dir)
+        took = time.monotonic() - sent["at"]
+        assert info.value.code == PREEMPTED_EXIT_CODE == 75
+        assert took < GRACE_S, f"{target}: {took:.1f} s"
+        step = _saved_step(info.value)
+        assert last < step < STEPS, (target, last, step)
+        assert (run_dir / "checkpoints" / f"step-{step}.ckpt").exists()
+        assert os.readlink(run_dir / "checkpoints" / "last.ckpt") == f"step-{step}.ckpt"
+        print(f"SIGTERM to {target}: stopped at step {step}, {took:.2f} s after the signal")
+        last = step
+    summary = launch_job(_cfg(*OVERRIDES, "ckpt_path=last"), run_dir)
+    assert summary is not None and summary["steps"] == STEPS and summary["resumed_from"].endswith(f"step-{last}.ckpt")
+    ref, got = _losses(tmp_path / "reference"), _losses(run_dir)
+    assert sorted(got) == list(range(STEPS)) == sorted(ref)
+    worst = max(abs(v - ref[s][0]) for s in got for v in got[s])
+    assert worst == 0.0, {s: (ref[s], got[s]) for s in range(STEPS)}
+
+
+def test_under_torchrun_sigterm_to_a_rank_saves_and_the_rerun_resumes_exactly(tmp_path):
+    """torchrun --standalone: SIGTERM to rank 1 makes both workers save the same step and exit with 75 (torchrun
+    reports them, and exits 1 itself); the same command again resumes (ckpt_path=last) and matches a run without
+    signal step by step."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--monitor-interval",
+           "0.5", str(ROOT / "recipes" / "train.py"), *TINY, *OVERRIDES, f"hydra.run.dir={run_dir}"]
+    reference = launch_job(_cfg(*OVERRIDES), tmp_path / "reference")
+    assert reference is not None
+    sent = signal_at_step(run_dir / ".heartbeat", 2, "1")
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert "at" in sent, out[-3000:]
+    assert out.count(f"exitcode  : {PREEMPTED_EXIT_CODE}") == 2, out[-3000:]
+    steps = {int(line.split("at step ")[1].split()[0]) for line in out.splitlines()
+             if "preempted by SIGTERM at step" in line and line.startswith("lightning_par: rank")}
+    assert len(steps) == 1, out[-3000:]  # both ranks saved the same step
+    step = steps.pop()
+    assert os.readlink(run_dir / "checkpoints" / "last.ckpt") == f"step-{step}.ckpt"
+    again = subprocess.run([*cmd, "ckpt_path=last"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    ref, got = _losses(tmp_path / "reference"), _losses(run_dir)
+    assert sorted(got) == list(range(STEPS))
+    assert max(abs(v - ref[s][0]) for s in got for v in got[s]) == 0.0
+
+
+# --------------------------------------------------------------------------------------------- no agreement
+def _stuck_rank_1(grace_s: float) -> None:
+    """Rank 1 stops taking part in collectives at iteration 3; rank 0 keeps calling them (and blocks)."""
+    init_process_group_from_env(timeout_s=120)
+    watch = PreemptionWatch.current()
+    assert watch is not None and watch.grace_s == grace_s
+    for i in range(100000):
+        beat(i, "loop")
+        if dist.get_rank() == 1 and i == 3:
+            time.sleep(600)
+        dist.all_reduce(torch.ones(1))
+        time.sleep(0.01)
+
+
+def test_no_agreement_within_the_grace_period_exits_at_once(tmp_path):
+    """SIGTERM to rank 0 while rank 1 never reaches the next collective: rank 0 cannot agree with it, and exits with
+    75 at the end of the grace period although its main thread is blocked in the collective (the watch thread ends
+    it); the launcher then stops rank 1 and exits with 75 too."""
+    grace = 2.0
+    sent = signal_at_step(tmp_path, 3, "0")
+    with pytest.raises(Preempted) as info:
+        run_distributed(_stuck_rank_1, 2, (grace,), timeout_s=120, heartbeat_dir=tmp_path, preemption_signal="SIGTERM",
+                        preemption_grace_s=grace)
+    took = time.monotonic() - sent["at"]
+    message = str(info.value)
+    assert info.value.code == 75 and "no rank saved a checkpoint; the last good one stays" in message, message
+    assert f"rank 0 (pid {sent['pids'][0]}) exited with code 75" in message, message
+    assert grace <= took < grace + 5.0, took
+
+
+def test_a_second_sigterm_to_the_launcher_stops_at_once(tmp_path):
+    """A rank stuck in its forward never reaches the step boundary: the second SIGTERM (1 s after the first, grace
+    30 s) stops every rank at once, exit code 75, and the last periodic checkpoint stays the newest."""
+    run_dir = tmp_path / "run"
+    sent = signal_at_step(run_dir / ".heartbeat", 3, "launcher", launcher_pid=os.getpid(), times=2,
+                          ready=lambda beats: beats[1].where is not None)  # rank 1 is inside its sleep
+    with pytest.raises(Preempted) as info:
+        launch_job(_cfg("model=custom", "model._target_=tests.e2e.fault_models.SleepyGPT", "+model.sleep_rank=1",
+                        "+model.sleep_step=3", *OVERRIDES), run_dir)
+    took = time.monotonic() - sent["at"]
+    assert "received a second SIGTERM: every rank was stopped at once" in str(info.value), str(info.value)
+    assert took < 1.0 + 8.0, took  # 1 s between the signals, then the ranks exit at once (not after 30 s)
+    assert os.readlink(run_dir / "checkpoints" / "last.ckpt") == "step-2.ckpt"
+
+
+# --------------------------------------------------------------------------------------------- a sweep
+def test_sigterm_to_a_sweep_stops_the_sweep(tmp_path):
+    """``-m`` with two jobs: SIGTERM to the Hydra process during the first job preempts it (checkpoint, code 75)
+    and the second job never starts."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "recipes" / "train.py"), "-m", *TINY, "trainer.max_steps=200",
+           "trainer.preemption_grace_s=30", "seed=1,2", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            beats = [b for d in (tmp_path / "sweep").glob("*/.heartbeat") for b in read_beats(d).values()]
+            if len(beats) == 2 and all(b.step >= 2 for b in beats):
+                break
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == PREEMPTED_EXIT_CODE, out[-3000:]
+    assert "lightning_par: rank 0: preempted by SIGTERM at step" in out, out[-3000:]
+    jobs = sorted(p for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    assert len(jobs) == 1 and jobs[0].name.startswith("0_") and "seed=1" in jobs[0].name, jobs
+    assert "#0 : " in out and "#1 : " not in out, out[-3000:]  # Hydra announces each job as it starts it
+    assert list((jobs[0] / "checkpoints").glob("step-*.ckpt"))
