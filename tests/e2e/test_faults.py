@@ -89,13 +89,15 @@ def _collective_loop(fault: str) -> None:
         time.sleep(0.01)
 
 
-def test_a_killed_rank_is_named_with_its_signal(tmp_path):
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_a_killed_rank_is_named_with_its_signal(tmp_path, sig):
+    """SIGTERM too: a rank does not inherit the launcher's handler (it said "the launcher received SIGTERM")."""
     started = time.monotonic()
     with pytest.raises(DistributedRunError) as info:
-        run_distributed(_collective_loop, 2, ("SIGKILL",), timeout_s=60, heartbeat_dir=tmp_path)
+        run_distributed(_collective_loop, 2, (sig,), timeout_s=60, heartbeat_dir=tmp_path)
     message = str(info.value)
     assert message.startswith("rank 1 (pid "), message
-    assert "was killed by signal SIGKILL (9" in message.splitlines()[0]
+    assert f"was killed by signal {sig} ({getattr(signal, sig).value}" in message.splitlines()[0], message
     assert "rank 0 raised" in message and "a consequence" in message  # the peer's "connection closed", second
     assert time.monotonic() - started < 30
     _assert_all_gone([b.pid for b in read_beats(tmp_path).values()])
