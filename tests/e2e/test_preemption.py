@@ -104,33 +104,65 @@ def test_sigterm_to_a_rank_all_ranks_or_the_launcher_saves_and_resumes_exactly(t
     assert worst == 0.0, {s: (ref[s], got[s]) for s in range(STEPS)}
 
 
-def test_under_torchrun_sigterm_to_a_rank_saves_and_the_rerun_resumes_exactly(tmp_path):
-    """torchrun --standalone: SIGTERM to rank 1 makes both workers save the same step and exit with 75 (torchrun
-    reports them, and exits 1 itself); the same command again resumes (ckpt_path=last) and matches a run without
-    signal step by step."""
+#: torchrun cases: SIGTERM to rank 1 in CI; every target with LP_FAULT_ALL=1 (.ci/repeat_faults.py).
+TORCHRUN_TARGETS = ["1", "0", "all", "agent"] if os.environ.get("LP_FAULT_ALL") == "1" else ["1"]
+
+
+def torchrun_cmd(run_dir: Path, *overrides: str) -> tuple[list[str], dict[str, str]]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--monitor-interval",
-           "0.5", str(ROOT / "recipes" / "train.py"), *TINY, *OVERRIDES, f"hydra.run.dir={run_dir}"]
+           "0.5", str(ROOT / "recipes" / "train.py"), *TINY, *overrides, f"hydra.run.dir={run_dir}"]
+    return cmd, env
+
+
+@pytest.mark.parametrize("target", TORCHRUN_TARGETS)
+def test_under_torchrun_sigterm_saves_and_the_rerun_resumes_exactly(tmp_path, target):
+    """torchrun --standalone: SIGTERM to a rank, both, or torchrun's agent (which forwards it) makes both workers save
+    the same step and exit with 75 (torchrun reports them, and exits 1 itself); the same command again with
+    ckpt_path=last resumes and matches a run without signal step by step."""
+    run_dir = tmp_path / "run"
+    cmd, env = torchrun_cmd(run_dir, *OVERRIDES)
     reference = launch_job(_cfg(*OVERRIDES), tmp_path / "reference")
     assert reference is not None
-    sent = signal_at_step(run_dir / ".heartbeat", 2, "1")
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
-    out = proc.stdout + proc.stderr
-    assert "at" in sent, out[-3000:]
-    assert out.count(f"exitcode  : {PREEMPTED_EXIT_CODE}") == 2, out[-3000:]
-    steps = {int(line.split("at step ")[1].split()[0]) for line in out.splitlines()
-             if "preempted by SIGTERM at step" in line and line.startswith("lightning_par: rank")}
-    assert len(steps) == 1, out[-3000:]  # both ranks saved the same step
-    step = steps.pop()
-    assert os.readlink(run_dir / "checkpoints" / "last.ckpt") == f"step-{step}.ckpt"
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        sent = signal_at_step(run_dir / ".heartbeat", 2, "launcher" if target == "agent" else target,
+                              launcher_pid=proc.pid)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    took = time.monotonic() - sent["at"]
+    assert took < GRACE_S, took
+    reports = [line for line in out.splitlines() if line.startswith("lightning_par: rank")]
+    assert len(reports) == 2, out[-3000:]
+    steps = {int(line.split("preempted by SIGTERM at step ")[1].split()[0]) for line in reports}
+    assert len(steps) == 1, reports  # both ranks saved the same step
+    if target != "agent":  # torchrun's agent, signalled itself, ends without its per-worker report
+        assert out.count(f"exitcode  : {PREEMPTED_EXIT_CODE}") == 2, out[-3000:]
+    assert os.readlink(run_dir / "checkpoints" / "last.ckpt") == f"step-{steps.pop()}.ckpt"
     again = subprocess.run([*cmd, "ckpt_path=last"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     ref, got = _losses(tmp_path / "reference"), _losses(run_dir)
     assert sorted(got) == list(range(STEPS))
     assert max(abs(v - ref[s][0]) for s in got for v in got[s]) == 0.0
+
+
+def test_under_torchrun_the_rank_stuck_in_its_forward_is_named(tmp_path):
+    """Each rank's own watchdog (no launcher of ours) names rank 1, asleep in training_step at step 3, as the rank
+    holding the others up; rank 0 says it waits in a collective."""
+    cmd, env = torchrun_cmd(tmp_path / "run", "model=custom", "model._target_=tests.e2e.fault_models.SleepyGPT",
+                            "+model.sleep_rank=1", "+model.sleep_step=3", "trainer.max_steps=50",
+                            "trainer.watchdog_s=3", "trainer.watchdog_startup_s=120")
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    blamed = [line for line in out.splitlines() if line.startswith("Holding the others up: rank ")]
+    assert blamed and all(line.startswith("Holding the others up: rank 1 ") for line in blamed), out[-3000:]
+    assert any("step 3, forward, at training_step (fault_models.py:" in line for line in blamed), blamed
+    assert "lightning_par watchdog: rank 0 made no progress" in out and "waiting in collective" in out, out[-3000:]
 
 
 # --------------------------------------------------------------------------------------------- no agreement
