@@ -59,7 +59,7 @@ from lightning_par.fault.preemption import (
 )
 from lightning_par.fault.process import describe_exit, die_with_parent, process_state
 
-__all__ = ["DistributedRunError", "find_free_port", "init_process_group_from_env", "run_distributed"]
+__all__ = ["DistributedRunError", "LauncherSignalled", "find_free_port", "init_process_group_from_env", "run_distributed"]
 
 #: Seconds a rank that ended may take for its result to come through the queue before it counts as lost.
 _REPORT_GRACE_S = 1.0
@@ -82,6 +82,18 @@ _PEER_FAILURE = re.compile(
 class DistributedRunError(RuntimeError):
     """A rank raised, died, stalled, or the world ran past its timeout. The message names the rank and the cause
     first, then what the other ranks reported."""
+
+
+class LauncherSignalled(DistributedRunError):
+    """The launcher received SIGTERM or SIGHUP (not the preemption signal) and stopped every rank.
+
+    Attributes:
+        signum: the signal's number (a caller that exits on it conventionally uses status ``128 + signum``).
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"the launcher received {signal.Signals(signum).name}: every rank was stopped")
+        self.signum = signum
 
 
 def find_free_port() -> int:
@@ -252,7 +264,7 @@ def _stop_on_termination(procs: list[mp.process.BaseProcess], preemption: _Preem
     def handler(signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         if signum != preemption.signum:
-            raise DistributedRunError(f"the launcher received {name}: every rank was stopped")
+            raise LauncherSignalled(signum)
         preemption.signals += 1
         if preemption.signals > 1:
             raise Preempted(f"the launcher received a second {name}: every rank was stopped at once; the last good "

@@ -236,3 +236,33 @@ def test_sigterm_to_a_sweep_stops_the_sweep(tmp_path):
     assert len(jobs) == 1 and jobs[0].name.startswith("0_") and "seed=1" in jobs[0].name, jobs
     assert "#0 : " in out and "#1 : " not in out, out[-3000:]  # Hydra announces each job as it starts it
     assert list((jobs[0] / "checkpoints").glob("step-*.ckpt"))
+
+
+def test_sigterm_to_a_sweep_under_the_lightning_par_hydra_launcher_stops_the_sweep(tmp_path):
+    """A user's own app swept with ``hydra/launcher=lightning_par``: SIGTERM to the Hydra process stops the running
+    job's world and the sweep (exit status 128 + 15), instead of starting the next job."""
+    from tests.e2e.test_hydra_launcher import APP, CONFIG
+
+    app = tmp_path / "app"
+    (app / "conf").mkdir(parents=True)
+    (app / "app.py").write_text(APP.read_text())
+    (app / "conf" / "config.yaml").write_text(CONFIG)
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "app.py", "-m", "hydra/launcher=lightning_par", "hydra.launcher.nprocs=${devices}",
+           "devices=2", "steps=100000", "fail_rank=-1,-2", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen(cmd, cwd=app, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        ranks = sweep / "0" / "ranks.txt"
+        while time.monotonic() < deadline and not (ranks.exists() and len(ranks.read_text().splitlines()) == 2):
+            time.sleep(0.05)
+        time.sleep(1.0)  # inside fit
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "the launcher received SIGTERM: every rank was stopped; the sweep stops" in out, out[-3000:]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0"], out[-3000:]
