@@ -109,6 +109,7 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
     from lightning.pytorch.callbacks import LearningRateMonitor
 
     from lightning_par.callbacks import LRScalingCallback, ParallelMetricsCallback, RunSummaryCallback, TimelineCallback
+    from lightning_par.compat import disable_lightning_signal_handlers
     from lightning_par.fault.heartbeat import HeartbeatCallback
     from lightning_par.fault.nonfinite import NonFiniteGuard
     from lightning_par.fault.preemption import Preempted, PreemptionCallback
@@ -161,6 +162,9 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
         callbacks=callbacks,
         default_root_dir=str(out),
     )
+    # Lightning's SIGTERM handler runs a collective inside the handler on the signalled rank only (a deadlock): never
+    # installed; the PreemptionCallback handles trainer.preemption_signal, and with null the signal keeps its default.
+    disable_lightning_signal_handlers(trainer)
     # Under torchrun --max-restarts every attempt gets a process group of its own: the strategy starts it (see
     # lightning_par.fault.elastic).
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)

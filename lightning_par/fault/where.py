@@ -72,7 +72,7 @@ def _outermost_distributed_name(frame: FrameType) -> str | None:
     name = None
     f: FrameType | None = frame
     while f is not None and any(part in f.f_code.co_filename for part in _DISTRIBUTED):
-        if f.f_code.co_name not in ("wrapper", "inner", "_fn", "decorator"):
+        if f.f_code.co_name not in ("wrapper", "inner", "inner_func", "_fn", "decorator"):
             name = f.f_code.co_name
         f = f.f_back
     return name

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from lightning_par.fault.heartbeat import Beat, beat, read_beats
 from lightning_par.fault.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
-from lightning_par.launcher import init_process_group_from_env, run_distributed
+from lightning_par.launcher import DistributedRunError, init_process_group_from_env, run_distributed
 from lightning_par.train import launch_job
 from tests.e2e.test_faults import ROOT, TINY, _cfg, _losses
 
@@ -163,6 +163,17 @@ def test_under_torchrun_the_rank_stuck_in_its_forward_is_named(tmp_path):
     assert blamed and all(line.startswith("Holding the others up: rank 1 ") for line in blamed), out[-3000:]
     assert any("step 3, forward, at training_step (fault_models.py:" in line for line in blamed), blamed
     assert "lightning_par watchdog: rank 0 made no progress" in out and "waiting in collective" in out, out[-3000:]
+
+
+def test_with_preemption_off_a_sigterm_kills_the_rank_and_is_named(tmp_path):
+    """trainer.preemption_signal=null: SIGTERM keeps its default on the ranks (Lightning's handler, which broadcasts
+    from inside the handler and deadlocked, is never installed): the job ends at once naming the rank and signal."""
+    run_dir = tmp_path / "run"
+    sent = signal_at_step(run_dir / ".heartbeat", 2, "1")
+    with pytest.raises(DistributedRunError) as info:
+        launch_job(_cfg(*OVERRIDES, "trainer.preemption_signal=null", "trainer.watchdog_s=60"), run_dir)
+    assert str(info.value).startswith(f"rank 1 (pid {sent['pids'][0]}) was killed by signal SIGTERM"), str(info.value)
+    assert time.monotonic() - sent["at"] < 20
 
 
 # --------------------------------------------------------------------------------------------- no agreement
