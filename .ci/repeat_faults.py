@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,9 +32,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5, help="times to run every case (default 5)")
     parser.add_argument("-k", default=None, help="pytest -k expression to select cases")
+    parser.add_argument("--log-dir", default=None, help="where each round's pytest output goes (default: a new "
+                        "temporary directory, printed)")
     args = parser.parse_args()
     if args.repeat < 1:
         parser.error(f"--repeat={args.repeat} is not valid: expected an integer >= 1")
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="repeat-faults-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"pytest output of each round: {log_dir}/round-<n>.log", flush=True)
     counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     env = {**os.environ, "LP_FAULT_ALL": "1"}
     started = time.monotonic()
@@ -42,12 +48,14 @@ def main() -> int:
         if args.k:
             cmd += ["-k", args.k]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        (log_dir / f"round-{i + 1}.log").write_text(proc.stdout + proc.stderr)
         for line in proc.stdout.splitlines():
             match = RESULT.match(line)
             if match:
                 counts[match.group(2)][match.group(1)] += 1
-        print(f"round {i + 1}/{args.repeat}: pytest exit {proc.returncode} ({time.monotonic() - started:.0f} s so far)",
-              flush=True)
+        failed_now = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+        print(f"round {i + 1}/{args.repeat}: pytest exit {proc.returncode} ({time.monotonic() - started:.0f} s so far)"
+              + "".join(f"\n  {line}" for line in failed_now), flush=True)
     print(f"\n{'case':<110} passed/runs")
     failed = False
     for case in sorted(counts):
