@@ -371,7 +371,8 @@ def run_recipe(cfg: DictConfig) -> float | None:
     try:
         summary = launch_job(cfg, HydraConfig.get().runtime.output_dir)
     except Preempted as preempted:  # a SystemExit with status 75: it ends the script, and stops a sweep
-        print(f"lightning_par: {preempted}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"lightning_par: {preempted}\n")  # one write: ranks share the stream under torchrun
+        sys.stderr.flush()
         raise
     if summary is None:
         return None

@@ -90,7 +90,8 @@ class Preempted(SystemExit):
 
 def _say(text: str) -> None:
     rank = os.environ.get("RANK")
-    print(f"[lightning_par{'' if rank is None else f' rank {rank}'}] {text}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"[lightning_par{'' if rank is None else f' rank {rank}'}] {text}\n")  # one write, not two
+    sys.stderr.flush()
 
 
 def _ignore(signum: int, frame: Any) -> None:
@@ -166,6 +167,15 @@ class PreemptionWatch:
         if self._pipe is not None:
             with contextlib.suppress(OSError):
                 os.write(self._pipe[1], b"\0")
+
+    def saved(self) -> None:
+        """The checkpoint of the agreed step is saved and this process is on its way out with
+        :data:`PREEMPTED_EXIT_CODE`: ignore further signals from now on (main thread), so that an outside launcher
+        that signals the ranks still running once the first one exited (torchrun) does not turn a clean exit into
+        death by signal (at interpreter exit, Python would reset a Python-level handler to the default, which ends
+        the process). The grace period still bounds the exit."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(self.signum, signal.SIG_IGN)
 
     def _run(self) -> None:
         assert self._pipe is not None
@@ -248,6 +258,7 @@ class PreemptionCallback(L.Callback):
             if isinstance(callback, StepCheckpoint):
                 self.checkpoint = callback.save_now(trainer) or self.checkpoint
         self.preempted_at_step = trainer.global_step
+        self._watch.saved()
         trainer.should_stop = True
         log.warning("Preempted at step %d: checkpoint %s", trainer.global_step, self.checkpoint)
 

@@ -71,6 +71,8 @@ class StepCheckpoint(ModelCheckpoint):
             candidates: dict[str, Any] = self._monitor_candidates(trainer)
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
+        if getattr(self, "async_save", False):  # a background save must be committed before the process exits
+            trainer.strategy.finish_pending_checkpoint(wait=True)
         return self.best_model_path or None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -7,6 +7,7 @@ Each case runs once here; ``python .ci/repeat_faults.py --repeat 5`` repeats the
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,6 +32,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 STEPS = 12
 GRACE_S = 30.0
 OVERRIDES = (f"trainer.max_steps={STEPS}", f"trainer.preemption_grace_s={GRACE_S:g}")
+#: The tiny GPT taking at least 0.1 s a step (the same losses), so that a signal sent at step N lands steps before
+#: the end, however fast the machine; no periodic checkpoint: every step-N.ckpt is the preemption's own.
+SLOW_STEPS = ("model=custom", "model._target_=tests.e2e.fault_models.SleepyGPT", "+model.sleep_rank=-1",
+              "+model.step_s=0.1")
+ONLY_PREEMPTION_SAVES = (*OVERRIDES, *SLOW_STEPS, "trainer.checkpoint_every_n_steps=1000")
 
 
 def signal_at_step(beat_dir: Path, step: int, targets: str, launcher_pid: int | None = None,
@@ -68,35 +74,38 @@ def signal_at_step(beat_dir: Path, step: int, targets: str, launcher_pid: int | 
     return sent
 
 
-def _saved_step(preempted: Preempted) -> int:
+def _saved_step(preempted: Preempted, sig: str = "SIGTERM") -> int:
     text = str(preempted)
-    assert "preempted by SIGTERM at step " in text, text
+    assert f"preempted by {sig} at step " in text, text
     return int(text.split("at step ")[1].split()[0])
 
 
 def test_sigterm_to_a_rank_all_ranks_or_the_launcher_saves_and_resumes_exactly(tmp_path):
-    """One run, preempted four times (rank 1, rank 0, both ranks, the launcher), each attempt resuming the one before
-    with ckpt_path=last; then it finishes. Every preemption ends the job within the grace period with code 75 and a
-    checkpoint of the step it stopped at; the losses of all 12 steps equal an uninterrupted run's exactly."""
-    reference = launch_job(_cfg(*OVERRIDES), tmp_path / "reference")
+    """One run, preempted five times (SIGTERM to rank 1, rank 0, both ranks, the launcher; then SIGUSR1 to rank 1 with
+    trainer.preemption_signal=SIGUSR1), each attempt resuming the one before with ckpt_path=last; then it finishes.
+    Every preemption ends the job within the grace period with code 75 and a checkpoint of the step it stopped at;
+    the losses of all 12 steps equal an uninterrupted run's exactly."""
+    reference = launch_job(_cfg(*OVERRIDES, *SLOW_STEPS), tmp_path / "reference")
     assert reference is not None and reference["steps"] == STEPS
     run_dir = tmp_path / "run"
     last = 0
-    for attempt, target in enumerate(("1", "0", "all", "launcher")):
-        sent = signal_at_step(run_dir / ".heartbeat", last + 1, target, launcher_pid=os.getpid())
+    for attempt, (target, sig) in enumerate([("1", "SIGTERM"), ("0", "SIGTERM"), ("all", "SIGTERM"),
+                                             ("launcher", "SIGTERM"), ("1", "SIGUSR1")]):
+        sent = signal_at_step(run_dir / ".heartbeat", last + 1, target, launcher_pid=os.getpid(),
+                              sig=getattr(signal, sig))
         ckpt = () if attempt == 0 else ("ckpt_path=last",)
         with pytest.raises(Preempted) as info:
-            launch_job(_cfg(*OVERRIDES, *ckpt), run_dir)
+            launch_job(_cfg(*ONLY_PREEMPTION_SAVES, *ckpt, f"trainer.preemption_signal={sig}"), run_dir)
         took = time.monotonic() - sent["at"]
         assert info.value.code == PREEMPTED_EXIT_CODE == 75
         assert took < GRACE_S, f"{target}: {took:.1f} s"
-        step = _saved_step(info.value)
+        step = _saved_step(info.value, sig)
         assert last < step < STEPS, (target, last, step)
         assert (run_dir / "checkpoints" / f"step-{step}.ckpt").exists()
         assert os.readlink(run_dir / "checkpoints" / "last.ckpt") == f"step-{step}.ckpt"
-        print(f"SIGTERM to {target}: stopped at step {step}, {took:.2f} s after the signal")
+        print(f"{sig} to {target}: stopped at step {step}, {took:.2f} s after the signal")
         last = step
-    summary = launch_job(_cfg(*OVERRIDES, "ckpt_path=last"), run_dir)
+    summary = launch_job(_cfg(*ONLY_PREEMPTION_SAVES, "ckpt_path=last"), run_dir)
     assert summary is not None and summary["steps"] == STEPS and summary["resumed_from"].endswith(f"step-{last}.ckpt")
     ref, got = _losses(tmp_path / "reference"), _losses(run_dir)
     assert sorted(got) == list(range(STEPS)) == sorted(ref)
@@ -125,8 +134,8 @@ def test_under_torchrun_sigterm_saves_and_the_rerun_resumes_exactly(tmp_path, ta
     the same step and exit with 75 (torchrun reports them, and exits 1 itself); resuming with ckpt_path=last matches
     a run without signal step by step."""
     run_dir = tmp_path / "run"
-    cmd, env = torchrun_cmd(run_dir, *OVERRIDES)
-    reference = launch_job(_cfg(*OVERRIDES), tmp_path / "reference")
+    cmd, env = torchrun_cmd(run_dir, *ONLY_PREEMPTION_SAVES)
+    reference = launch_job(_cfg(*OVERRIDES, *SLOW_STEPS), tmp_path / "reference")
     assert reference is not None
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -138,9 +147,9 @@ def test_under_torchrun_sigterm_saves_and_the_rerun_resumes_exactly(tmp_path, ta
             proc.kill()
     took = time.monotonic() - sent["at"]
     assert took < GRACE_S, took
-    reports = [line for line in out.splitlines() if line.startswith("lightning_par: rank")]
-    assert len(reports) == 2, out[-3000:]
-    steps = {int(line.split("preempted by SIGTERM at step ")[1].split()[0]) for line in reports}
+    reports = dict(re.findall(r"lightning_par: rank (\d): preempted by SIGTERM at step (\d+)", out))
+    assert sorted(reports) == ["0", "1"], out[-3000:]
+    steps = {int(step) for step in reports.values()}
     assert len(steps) == 1, reports  # both ranks saved the same step
     if target != "agent":  # torchrun's agent, signalled itself, ends without its per-worker report
         assert out.count(f"exitcode  : {PREEMPTED_EXIT_CODE}") == 2, out[-3000:]
@@ -150,7 +159,7 @@ def test_under_torchrun_sigterm_saves_and_the_rerun_resumes_exactly(tmp_path, ta
                                timeout=240)
         assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     else:
-        assert launch_job(_cfg(*OVERRIDES, "ckpt_path=last"), run_dir)["steps"] == STEPS
+        assert launch_job(_cfg(*ONLY_PREEMPTION_SAVES, "ckpt_path=last"), run_dir)["steps"] == STEPS
     ref, got = _losses(tmp_path / "reference"), _losses(run_dir)
     assert sorted(got) == list(range(STEPS))
     assert max(abs(v - ref[s][0]) for s in got for v in got[s]) == 0.0
@@ -177,7 +186,7 @@ def test_with_preemption_off_a_sigterm_kills_the_rank_and_is_named(tmp_path):
     run_dir = tmp_path / "run"
     sent = signal_at_step(run_dir / ".heartbeat", 2, "1")
     with pytest.raises(DistributedRunError) as info:
-        launch_job(_cfg(*OVERRIDES, "trainer.preemption_signal=null", "trainer.watchdog_s=60"), run_dir)
+        launch_job(_cfg(*OVERRIDES, *SLOW_STEPS, "trainer.preemption_signal=null", "trainer.watchdog_s=60"), run_dir)
     assert str(info.value).startswith(f"rank 1 (pid {sent['pids'][0]}) was killed by signal SIGTERM"), str(info.value)
     assert time.monotonic() - sent["at"] < 20
 
