@@ -384,7 +384,7 @@ def run_distributed(
     if preempt_sig is not None:
         child_env[PREEMPTION_SIGNAL_ENV] = preempt_sig.name
         child_env[PREEMPTION_GRACE_ENV] = str(float(preemption_grace_s))
-    preemption = _Preemption(preempt_sig, float(preemption_grace_s))
+    preemption = _Preemption(preempt_sig, float(preemption_grace_s) if preempt_sig is not None else 0.0)
     grace = startup_grace_s if startup_grace_s is not None else max(watchdog_s or 0.0, 600.0)
     procs = [
         ctx.Process(
