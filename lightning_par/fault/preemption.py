@@ -26,7 +26,6 @@ import logging
 import os
 import select
 import signal
-import sys
 import threading
 import time
 from typing import Any
@@ -90,8 +89,9 @@ class Preempted(SystemExit):
 
 def _say(text: str) -> None:
     rank = os.environ.get("RANK")
-    sys.stderr.write(f"[lightning_par{'' if rank is None else f' rank {rank}'}] {text}\n")  # one write, not two
-    sys.stderr.flush()
+    # One system call, no lock: ranks share the stream, and this may run in a freshly forked process.
+    with contextlib.suppress(OSError):
+        os.write(2, f"[lightning_par{'' if rank is None else f' rank {rank}'}] {text}\n".encode())
 
 
 def _ignore(signum: int, frame: Any) -> None:
