@@ -45,6 +45,7 @@ __all__ = [
     "TorchDispatchMode",
     "concatenate_meshes",
     "default_store",
+    "disable_lightning_signal_handlers",
     "dtensor_spec",
     "flash_attention_cpu",
     "flash_attention_cpu_backward",
@@ -325,3 +326,16 @@ def grad_scaler_init_kwargs(scaler: Any) -> dict[str, Any]:
     """``device`` and ``init_scale`` a ``torch.amp.GradScaler`` was built with (its ``_device`` and ``_init_scale``,
     present in 2.10; ``"cuda"`` and ``2**16``, torch's defaults, where missing), as keyword arguments for another."""
     return {"device": getattr(scaler, "_device", "cuda"), "init_scale": getattr(scaler, "_init_scale", 2.0**16)}
+
+
+def disable_lightning_signal_handlers(trainer: Any) -> None:
+    """Stop ``trainer`` from installing Lightning's SIGTERM/SIGUSR1 handlers when ``fit`` starts.
+
+    Lightning's ``_SignalConnector`` (lightning 2.5-2.6, ``Trainer._signal_connector``) handles SIGTERM by
+    broadcasting from inside the handler, on the signalled rank only: a collective the other ranks never join.
+    :class:`lightning_par.fault.preemption.PreemptionCallback` handles the signal instead. Call before ``fit`` runs
+    its stage (a callback's ``setup`` hook is early enough). Does nothing if the trainer has no such connector.
+    """
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is not None and hasattr(connector, "register_signal_handlers"):
+        connector.register_signal_handlers = lambda: None

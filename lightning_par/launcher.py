@@ -16,9 +16,14 @@ externally and does not launch again. The parent watches the children:
 * the children die with the parent: each asks the kernel for SIGKILL when its parent exits (``PR_SET_PDEATHSIG``),
   so even a launcher killed with SIGKILL leaves no rank running, and each child leads its own process group, which
   the parent signals as a whole (DataLoader workers included) when it stops the world. SIGTERM and SIGHUP to the
-  parent stop the world cleanly before the parent exits.
+  parent stop the world cleanly before the parent exits;
+* with ``preemption_signal``, that signal to the parent is forwarded to every rank (which agree, save a checkpoint
+  and exit, :mod:`lightning_par.fault.preemption`), and a world whose ranks were preempted raises
+  :class:`~lightning_par.fault.preemption.Preempted` (exit status 75) instead of an error. The parent's handlers are
+  never inherited: the signals are blocked while the ranks are started, and each rank sets its own before it
+  unblocks them.
 
-All of these raise :class:`DistributedRunError` in the parent.
+All of these but preemption raise :class:`DistributedRunError` in the parent.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import re
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -43,14 +49,26 @@ from pathlib import Path
 from typing import Any
 
 from lightning_par.fault.heartbeat import HEARTBEAT_DIR_ENV, LAUNCHER_WATCHDOG_ENV, stalled_ranks
+from lightning_par.fault.preemption import (
+    PREEMPTED_EXIT_CODE,
+    PREEMPTION_GRACE_ENV,
+    PREEMPTION_SIGNAL_ENV,
+    Preempted,
+    PreemptionWatch,
+    parse_signal,
+)
 from lightning_par.fault.process import describe_exit, die_with_parent, process_state
 
-__all__ = ["DistributedRunError", "find_free_port", "init_process_group_from_env", "run_distributed"]
+__all__ = ["DistributedRunError", "LauncherSignalled", "find_free_port", "init_process_group_from_env", "run_distributed"]
 
 #: Seconds a rank that ended may take for its result to come through the queue before it counts as lost.
 _REPORT_GRACE_S = 1.0
 #: Seconds between two heartbeat checks.
 _WATCHDOG_POLL_S = 1.0
+#: Signals the launcher handles itself (SIGUSR1 only as a preemption signal); blocked while the ranks start.
+_LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+#: A rank's report "preempted" on the results queue (else True: a result, or False: a traceback).
+_PREEMPTED = "preempted"
 
 #: Errors a rank raises when a *peer* failed (closed sockets, a collective that timed out waiting): a consequence.
 _PEER_FAILURE = re.compile(
@@ -64,6 +82,18 @@ _PEER_FAILURE = re.compile(
 class DistributedRunError(RuntimeError):
     """A rank raised, died, stalled, or the world ran past its timeout. The message names the rank and the cause
     first, then what the other ranks reported."""
+
+
+class LauncherSignalled(DistributedRunError):
+    """The launcher received SIGTERM or SIGHUP (not the preemption signal) and stopped every rank.
+
+    Attributes:
+        signum: the signal's number (a caller that exits on it conventionally uses status ``128 + signum``).
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"the launcher received {signal.Signals(signum).name}: every rank was stopped")
+        self.signum = signum
 
 
 def find_free_port() -> int:
@@ -101,6 +131,12 @@ def _child(
     die_with_parent(signal.SIGKILL, expected_parent=parent_pid)
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
+    # The launcher's own handlers are not for ranks; the signals stayed blocked since the fork (see run_distributed).
+    for sig in _LAUNCHER_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    if env.get(PREEMPTION_SIGNAL_ENV):
+        PreemptionWatch.install(parse_signal(env[PREEMPTION_SIGNAL_ENV]), float(env[PREEMPTION_GRACE_ENV]))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _LAUNCHER_SIGNALS)
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -116,7 +152,11 @@ def _child(
             import torch
 
             torch.set_num_threads(threads)
-        value = fn(*args)
+        try:
+            value = fn(*args)
+        except Preempted as preempted:
+            results.put((rank, _PREEMPTED, str(preempted)))
+            return
         # Plain pickle copies tensors by value; the queue's own pickler would share them through file descriptors
         # that vanish when this process exits.
         results.put((rank, True, pickle.dumps(value)))
@@ -161,8 +201,9 @@ def _stop(procs: list[mp.process.BaseProcess], grace_s: float = 5.0) -> None:
 @dataclass
 class _Outcome:
     ok: bool
-    value: Any = None  # the result (ok) or the traceback text (raised)
+    value: Any = None  # the result (ok), the traceback text (raised) or the preemption message
     exitcode: int | None = None  # set when the rank ended without reporting
+    preempted: bool = False  # it reported Preempted, or exited with PREEMPTED_EXIT_CODE
 
 
 def _last_line(tb: str) -> str:
@@ -195,18 +236,50 @@ def _describe_failure(outcomes: dict[int, _Outcome], procs: list[mp.process.Base
     return head + ("\nOther ranks: " + "; ".join(others) if others else "")
 
 
+class _Preemption:
+    """The launcher's side of preemption: the signal forwarded to the ranks, and when the world must have stopped."""
+
+    def __init__(self, signum: int | None, grace_s: float) -> None:
+        self.signum = signum
+        self.grace_s = grace_s
+        self.since: float | None = None  # when the launcher got the signal or a rank reported preemption
+        self.signals = 0
+
+    def note(self, now: float) -> None:
+        self.since = now if self.since is None else self.since
+
+    def expired(self, now: float) -> bool:
+        # The ranks end themselves at the grace period; a few seconds more for their reports to come through.
+        return self.since is not None and now > self.since + self.grace_s + 5.0
+
+
 @contextlib.contextmanager
-def _stop_on_termination() -> Iterator[None]:
-    """In the main thread: turn SIGTERM/SIGHUP into an exception, so that the ``finally`` that stops the ranks runs."""
+def _stop_on_termination(procs: list[mp.process.BaseProcess], preemption: _Preemption) -> Iterator[None]:
+    """In the main thread: turn SIGTERM/SIGHUP into an exception, so that the ``finally`` that stops the ranks runs;
+    the preemption signal is forwarded to the ranks instead (the second one stops them at once)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum: int, frame: Any) -> None:
-        raise DistributedRunError(f"the launcher received {signal.Signals(signum).name}: every rank was stopped")
+        name = signal.Signals(signum).name
+        if signum != preemption.signum:
+            raise LauncherSignalled(signum)
+        preemption.signals += 1
+        if preemption.signals > 1:
+            raise Preempted(f"the launcher received a second {name}: every rank was stopped at once; the last good "
+                            f"checkpoint stays (exit code {PREEMPTED_EXIT_CODE})")
+        preemption.note(time.monotonic())
+        print(f"[lightning_par launcher] received {name}: forwarded to every rank, which save a checkpoint at the next "
+              f"step boundary and exit (within {preemption.grace_s:g} s; a second {name} stops them at once).",
+              file=sys.stderr, flush=True)
+        for p in procs:
+            if p.pid is not None and p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
 
     previous = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in {signal.SIGTERM, signal.SIGHUP, preemption.signum} - {None}:
         if signal.getsignal(sig) in (signal.SIG_DFL, None):
             previous[sig] = signal.signal(sig, handler)
     try:
@@ -214,6 +287,16 @@ def _stop_on_termination() -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def _preempted_message(outcomes: dict[int, _Outcome], procs: list[mp.process.BaseProcess]) -> str:
+    reports = [o.value for r, o in sorted(outcomes.items()) if o.preempted and o.exitcode is None]
+    others = [f"rank {r} (pid {procs[r].pid}) {describe_exit(o.exitcode)}" for r, o in sorted(outcomes.items())
+              if o.exitcode is not None]
+    head = reports[0] if reports else "preempted: no rank saved a checkpoint; the last good one stays"
+    if len(reports) == len(outcomes):
+        return f"{head} (every rank stopped at that step)"
+    return head + ("\nOther ranks: " + "; ".join(others) if others else "")
 
 
 def run_distributed(
@@ -229,6 +312,8 @@ def run_distributed(
     startup_grace_s: float | None = None,
     heartbeat_dir: str | os.PathLike | None = None,
     settle_s: float = 3.0,
+    preemption_signal: str | None = None,
+    preemption_grace_s: float = 60.0,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` local processes and return each rank's return value, by rank.
 
@@ -253,6 +338,12 @@ def run_distributed(
         heartbeat_dir: where the ranks record progress (``$LP_HEARTBEAT_DIR`` in the children); a temporary directory,
             removed at the end, when ``None`` and ``watchdog_s`` is set.
         settle_s: after the first failure, seconds to wait for the other ranks' outcomes before naming the cause.
+        preemption_signal: ``"SIGTERM"`` or ``"SIGUSR1"``: every rank watches for it
+            (:class:`~lightning_par.fault.preemption.PreemptionWatch`, which ``fn`` uses through
+            :class:`~lightning_par.fault.preemption.PreemptionCallback`), and the launcher forwards it to every rank.
+            ``None``: not handled.
+        preemption_grace_s: seconds from the preemption signal until a rank exits at once; the launcher stops what is
+            left a few seconds later.
 
     Returns:
         ``[fn's return value on rank 0, ..., on rank world_size - 1]``.
@@ -261,13 +352,20 @@ def run_distributed(
         ValueError: ``world_size < 1``, or a limit that is not a positive number.
         DistributedRunError: a rank raised (its traceback is in the message), a rank ended without reporting (the
             exit code or the signal by name), a rank stopped progressing for ``watchdog_s``, the world ran past
-            ``timeout_s``, or the launcher received SIGTERM/SIGHUP. The cause comes first in the message.
+            ``timeout_s``, or the launcher received SIGTERM/SIGHUP (not the preemption signal). The cause comes first
+            in the message.
+        lightning_par.fault.preemption.Preempted: a ``SystemExit`` with status 75: the ranks stopped for the
+            preemption signal (a checkpoint saved, or the last good one kept); its message says which step.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} is not valid: expected an integer >= 1.")
     for name, value in (("timeout_s", timeout_s), ("watchdog_s", watchdog_s), ("startup_grace_s", startup_grace_s)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
             raise ValueError(f"{name}={value!r} is not valid: expected a number of seconds > 0, or None.")
+    preempt_sig = parse_signal(preemption_signal) if preemption_signal is not None else None
+    if preempt_sig is not None and (isinstance(preemption_grace_s, bool) or not isinstance(preemption_grace_s, (int, float))
+                                    or not preemption_grace_s > 0):
+        raise ValueError(f"preemption_grace_s={preemption_grace_s!r} is not valid: expected a number of seconds > 0.")
     method = start_method or os.environ.get("LP_START_METHOD", "fork")
     ctx = mp.get_context(method)
     results: mp.Queue = ctx.Queue()
@@ -283,6 +381,10 @@ def run_distributed(
         child_env[HEARTBEAT_DIR_ENV] = str(heartbeat_dir)
     if watchdog_s is not None:
         child_env[LAUNCHER_WATCHDOG_ENV] = "1"
+    if preempt_sig is not None:
+        child_env[PREEMPTION_SIGNAL_ENV] = preempt_sig.name
+        child_env[PREEMPTION_GRACE_ENV] = str(float(preemption_grace_s))
+    preemption = _Preemption(preempt_sig, float(preemption_grace_s) if preempt_sig is not None else 0.0)
     grace = startup_grace_s if startup_grace_s is not None else max(watchdog_s or 0.0, 600.0)
     procs = [
         ctx.Process(
@@ -301,16 +403,26 @@ def run_distributed(
     ended_at: dict[int, float] = {}
     first_failure: float | None = None
     next_watch = time.monotonic() + _WATCHDOG_POLL_S
+    preempted: Preempted | None = None
     try:
-        with _stop_on_termination():
-            for p in procs:
-                p.start()
-                with contextlib.suppress(OSError):  # the child does it too; whichever runs first wins
-                    os.setpgid(p.pid, p.pid)
-            while failure is None:
+        with _stop_on_termination(procs, preemption):
+            # Children inherit the signal mask and Python handlers of this thread: block the signals while forking,
+            # each child installs its own handlers and then unblocks them (a signal meanwhile waits, not lost).
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _LAUNCHER_SIGNALS)
+            try:
+                for p in procs:
+                    p.start()
+                    with contextlib.suppress(OSError):  # the child does it too; whichever runs first wins
+                        os.setpgid(p.pid, p.pid)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            while failure is None and preempted is None:
                 try:
-                    rank, ok, value = results.get(timeout=0.2)
-                    outcomes[rank] = _Outcome(True, pickle.loads(value)) if ok else _Outcome(False, value)
+                    rank, kind, value = results.get(timeout=0.2)
+                    if kind == _PREEMPTED:
+                        outcomes[rank] = _Outcome(False, value, preempted=True)
+                    else:
+                        outcomes[rank] = _Outcome(True, pickle.loads(value)) if kind else _Outcome(False, value)
                 except queue.Empty:
                     pass
                 now = time.monotonic()
@@ -320,7 +432,21 @@ def run_distributed(
                     # Ended without a result: give its message a moment to come through the queue.
                     ended_at.setdefault(rank, now)
                     if now - ended_at[rank] > _REPORT_GRACE_S:
-                        outcomes[rank] = _Outcome(False, exitcode=p.exitcode)
+                        outcomes[rank] = _Outcome(False, exitcode=p.exitcode,
+                                                  preempted=p.exitcode == PREEMPTED_EXIT_CODE)
+                if any(o.preempted for o in outcomes.values()):
+                    preemption.note(now)
+                if preemption.since is not None:
+                    # Preempting: ranks that lose their peers while the others exit are consequences; wait for all.
+                    own = [o for o in outcomes.values() if not o.ok and not o.preempted and o.exitcode is None
+                           and not _PEER_FAILURE.search(_last_line(o.value))]
+                    # A rank that ended itself at its grace period (code 75, no report) leaves no peer to agree with.
+                    gave_up = any(o.preempted and o.exitcode is not None for o in outcomes.values())
+                    if own:
+                        failure = _describe_failure(outcomes, procs)
+                    elif len(outcomes) == world_size or gave_up or preemption.expired(now):
+                        preempted = Preempted(_preempted_message(outcomes, procs))
+                    continue
                 failed = [o for o in outcomes.values() if not o.ok]
                 if failed:
                     first_failure = first_failure if first_failure is not None else now
@@ -360,4 +486,6 @@ def run_distributed(
             shutil.rmtree(own_dir, ignore_errors=True)
     if failure is not None:
         raise DistributedRunError(failure)
+    if preempted is not None:
+        raise preempted
     return [outcomes[r].value for r in range(world_size)]

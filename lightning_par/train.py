@@ -25,6 +25,7 @@ import fcntl
 import json
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,14 +109,20 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
     from lightning.pytorch.callbacks import LearningRateMonitor
 
     from lightning_par.callbacks import LRScalingCallback, ParallelMetricsCallback, RunSummaryCallback, TimelineCallback
+    from lightning_par.compat import disable_lightning_signal_handlers
     from lightning_par.fault.heartbeat import HeartbeatCallback
     from lightning_par.fault.nonfinite import NonFiniteGuard
+    from lightning_par.fault.preemption import Preempted, PreemptionCallback
     from lightning_par.fault.step_checkpoint import StepCheckpoint
 
     attach_job_log(os.environ.get(JOB_LOG_ENV))
     cfg = OmegaConf.create(cfg_dict)
     out = Path(run_dir)
     t = cfg.trainer
+    # Preemption: watched from here on (before the model and the process group), agreed at step boundaries.
+    preemption = PreemptionCallback(t.preemption_signal, t.preemption_grace_s) if t.preemption_signal else None
+    if preemption is not None:
+        preemption.setup_watch()
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module = build_module(cfg)
     datamodule = build_datamodule(cfg, module)
@@ -148,6 +155,8 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
         callbacks.append(StepCheckpoint(
             out / CHECKPOINT_DIR, t.checkpoint_every_n_steps, t.keep_last_k, async_save=t.async_checkpoint
         ))
+    if preemption is not None:
+        callbacks.append(preemption)
     trainer = L.Trainer(
         **trainer_kwargs,
         strategy=strategy,
@@ -155,9 +164,14 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
         callbacks=callbacks,
         default_root_dir=str(out),
     )
+    # Lightning's SIGTERM handler runs a collective inside the handler on the signalled rank only (a deadlock): never
+    # installed; the PreemptionCallback handles trainer.preemption_signal, and with null the signal keeps its default.
+    disable_lightning_signal_handlers(trainer)
     # Under torchrun --max-restarts every attempt gets a process group of its own: the strategy starts it (see
     # lightning_par.fault.elastic).
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    if preemption is not None and preemption.preempted_at_step is not None:
+        raise Preempted(preemption.message(trainer.global_rank))
     if trainer.global_rank != 0:
         return None
     return json.loads(summary_path.read_text())
@@ -305,6 +319,9 @@ def launch_job(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any] | None:
         lightning_par.launcher.DistributedRunError: a rank failed (a non-finite step included), died, stopped making
             progress for ``trainer.watchdog_s``, or the job ran past ``trainer.job_timeout_s``; the message names the
             rank and the cause first.
+        lightning_par.fault.preemption.Preempted: ``trainer.preemption_signal`` reached a rank or the launcher: a
+            checkpoint was saved at the next step boundary (``SystemExit`` with status 75; resume with
+            ``ckpt_path=last``).
     """
     run_dir = Path(run_dir)
     plan = preflight(cfg, run_dir)
@@ -335,6 +352,8 @@ def launch_job(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any] | None:
             startup_grace_s=t.watchdog_startup_s,
             heartbeat_dir=run_dir / HEARTBEAT_DIR,
             env={JOB_LOG_ENV: log_file} if (log_file := job_log_file()) else None,
+            preemption_signal=t.preemption_signal,
+            preemption_grace_s=t.preemption_grace_s,
         )
     return results[0]
 
@@ -349,7 +368,14 @@ def run_recipe(cfg: DictConfig) -> float | None:
     return the final validation loss (``None`` on ranks other than 0 under torchrun/SLURM)."""
     from hydra.core.hydra_config import HydraConfig
 
-    summary = launch_job(cfg, HydraConfig.get().runtime.output_dir)
+    from lightning_par.fault.preemption import Preempted
+
+    try:
+        summary = launch_job(cfg, HydraConfig.get().runtime.output_dir)
+    except Preempted as preempted:  # a SystemExit with status 75: it ends the script, and stops a sweep
+        sys.stderr.write(f"lightning_par: {preempted}\n")  # one write: ranks share the stream under torchrun
+        sys.stderr.flush()
+        raise
     if summary is None:
         return None
     print(json.dumps({k: summary.get(k) for k in _PRINTED}, indent=2))

@@ -10,7 +10,10 @@ Hydra #2070). Rank 0's return value is the job's return value.
 
 Jobs run one after another, each with its own ``nprocs`` (an interpolation resolved per job: by default the job's
 ``parallel.world_size``), so one sweep can mix world sizes. A job whose rank raises, dies or runs past ``timeout_s``
-is a failed ``JobReturn`` (Hydra reports it at the end); the following jobs still run.
+is a failed ``JobReturn`` (Hydra reports it at the end); the following jobs still run. SIGTERM or SIGHUP to the Hydra
+process stops the sweep (exit status ``128 + signal``); with the recipe, whose config has
+``trainer.preemption_signal``, that signal is forwarded to the ranks, which save a checkpoint, and the sweep exits
+with status 75 (:mod:`lightning_par.fault.preemption`).
 
 In your own app::
 
@@ -113,20 +116,28 @@ class _WorldTask:
         self.__name__ = getattr(task_function, "__name__", "task")
 
     def __call__(self, cfg: DictConfig) -> Any:
-        from lightning_par.launcher import run_distributed
+        from lightning_par.launcher import LauncherSignalled, run_distributed
 
         nprocs = _check_nprocs(self.nprocs)
         spawn = self.start_method != "fork"
         task = TaskRef.of(self.task_function) if spawn else self.task_function
         threads = self.threads_per_rank or max(1, (os.cpu_count() or 1) // nprocs)
-        results = run_distributed(
-            _rank_main,
-            nprocs,
-            (task, cfg, HydraConfig.instance().cfg if spawn else None),
-            timeout_s=self.timeout_s,
-            start_method=self.start_method,
-            threads_per_rank=threads,
-        )
+        try:
+            results = run_distributed(
+                _rank_main,
+                nprocs,
+                (task, cfg, HydraConfig.instance().cfg if spawn else None),
+                timeout_s=self.timeout_s,
+                start_method=self.start_method,
+                threads_per_rank=threads,
+                # The recipe's ranks agree on preemption (lightning_par.fault.preemption): forward the signal to them.
+                preemption_signal=OmegaConf.select(cfg, "trainer.preemption_signal", default=None),
+                preemption_grace_s=float(OmegaConf.select(cfg, "trainer.preemption_grace_s", default=60.0)),
+            )
+        except LauncherSignalled as stopped:
+            # SIGTERM/SIGHUP to the sweep stops the sweep, not just this job (a SystemExit passes Hydra's run_job).
+            log.error(f"{stopped}; the sweep stops")
+            raise SystemExit(128 + stopped.signum) from stopped
         return results[0]
 
 

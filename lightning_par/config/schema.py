@@ -30,6 +30,7 @@ from hydra.core.config_store import ConfigStore
 from lightning_par.config.option_schema import options_schema, signature_defaults
 from lightning_par.context_parallel.options import ContextParallelOptions
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS, ReducerOptions, ZeroOptions
+from lightning_par.fault.preemption import PREEMPTION_SIGNALS
 from lightning_par.pipeline_parallel.options import PipelineOptions
 from lightning_par.strategies import MeshStrategy, Parallel3DStrategy
 from lightning_par.tensor_parallel.options import TensorParallelOptions
@@ -430,6 +431,12 @@ class TrainerConfig:
     watchdog_startup_s: float = 900.0
     #: wall-clock limit of the whole multi-process job, in seconds; null: no limit.
     job_timeout_s: Optional[float] = 3600.0
+    #: the signal that asks for a checkpoint and an exit with code 75 ("preempted, resumable") at the next step
+    #: boundary, on any rank or the launcher: "SIGTERM" or "SIGUSR1"; null: not handled (the signal's default).
+    preemption_signal: Optional[str] = "SIGTERM"
+    #: seconds from that signal to the exit: past it (or at a second signal) the job exits at once, keeping the last
+    #: good checkpoint.
+    preemption_grace_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.accelerator not in ACCELERATORS:
@@ -459,12 +466,17 @@ class TrainerConfig:
         _seconds("trainer.watchdog_s", self.watchdog_s, none_ok=True)
         _seconds("trainer.watchdog_startup_s", self.watchdog_startup_s, none_ok=False)
         _seconds("trainer.job_timeout_s", self.job_timeout_s, none_ok=True)
+        if self.preemption_signal is not None and self.preemption_signal not in PREEMPTION_SIGNALS:
+            raise _invalid("trainer.preemption_signal", self.preemption_signal,
+                           f"one of {list(PREEMPTION_SIGNALS)}, or null (not handled)")
+        _seconds("trainer.preemption_grace_s", self.preemption_grace_s, none_ok=False)
 
 
 #: ``trainer.*`` keys the recipe uses itself; every other ``trainer`` key is a ``lightning.Trainer`` argument.
 TRAINER_RECIPE_KEYS: frozenset[str] = frozenset({
     "peak_flops_per_device", "checkpoint", "job_timeout_s", "checkpoint_every_n_steps", "keep_last_k", "on_nonfinite",
-    "max_consecutive_skips", "watchdog_s", "watchdog_startup_s", "async_checkpoint",
+    "max_consecutive_skips", "watchdog_s", "watchdog_startup_s", "async_checkpoint", "preemption_signal",
+    "preemption_grace_s",
 })
 
 

@@ -103,12 +103,21 @@ class StepCheckpoint(ModelCheckpoint):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Nothing: saves follow optimizer steps only (``ModelCheckpoint`` would also save after each validation)."""
 
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Save the final step if the last periodic save was earlier; then what ``ModelCheckpoint`` does."""
+    def save_now(self, trainer: L.Trainer) -> str | None:
+        """Save the current step (every rank must call it: a sharded save is collective), unless it was saved already.
+
+        Returns:
+            The path of the newest checkpoint (this step's), or ``None`` when nothing could be saved (not fitting).
+        """
         if not self._should_skip_saving_checkpoint(trainer):
             candidates: dict[str, Any] = self._monitor_candidates(trainer)
             self._save_topk_checkpoint(trainer, candidates)
             self._save_last_checkpoint(trainer, candidates)
-        if self.async_save:
+        if self.async_save:  # a background save must be committed before the process exits
             trainer.strategy.finish_pending_checkpoint(wait=True)
+        return self.best_model_path or None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Save the final step if the last periodic save was earlier; then what ``ModelCheckpoint`` does."""
+        self.save_now(trainer)
         super().on_train_end(trainer, pl_module)

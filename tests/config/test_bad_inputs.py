@@ -41,6 +41,10 @@ PREFLIGHT = [
     ("trainer.max_consecutive_skips=0", "trainer.max_consecutive_skips=0 is not valid: expected an integer >= 1"),
     ("trainer.watchdog_s=0", "trainer.watchdog_s=0.0 is not valid: expected a number of seconds > 0 or null"),
     ("trainer.watchdog_startup_s=-5", "trainer.watchdog_startup_s=-5.0 is not valid: expected a number of seconds > 0"),
+    ("trainer.preemption_signal=SIGKILL",
+     "trainer.preemption_signal='SIGKILL' is not valid: expected one of ['SIGTERM', 'SIGUSR1'], or null"),
+    ("trainer.preemption_grace_s=0", "trainer.preemption_grace_s=0.0 is not valid: expected a number of seconds > 0"),
+    ("trainer.preemption_grace_s=nan", "trainer.preemption_grace_s=nan is not valid: expected a number of seconds > 0"),
     # run-wide
     ("seed=-1", "seed=-1 is not valid: expected an integer in [0, 4294967295]"),
     ("seed=4294967296", "seed=4294967296 is not valid: expected an integer in [0, 4294967295]"),

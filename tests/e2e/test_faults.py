@@ -89,13 +89,15 @@ def _collective_loop(fault: str) -> None:
         time.sleep(0.01)
 
 
-def test_a_killed_rank_is_named_with_its_signal(tmp_path):
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_a_killed_rank_is_named_with_its_signal(tmp_path, sig):
+    """SIGTERM too: a rank does not inherit the launcher's handler (it said "the launcher received SIGTERM")."""
     started = time.monotonic()
     with pytest.raises(DistributedRunError) as info:
-        run_distributed(_collective_loop, 2, ("SIGKILL",), timeout_s=60, heartbeat_dir=tmp_path)
+        run_distributed(_collective_loop, 2, (sig,), timeout_s=60, heartbeat_dir=tmp_path)
     message = str(info.value)
     assert message.startswith("rank 1 (pid "), message
-    assert "was killed by signal SIGKILL (9" in message.splitlines()[0]
+    assert f"was killed by signal {sig} ({getattr(signal, sig).value}" in message.splitlines()[0], message
     assert "rank 0 raised" in message and "a consequence" in message  # the peer's "connection closed", second
     assert time.monotonic() - started < 30
     _assert_all_gone([b.pid for b in read_beats(tmp_path).values()])
@@ -175,6 +177,23 @@ def test_a_stopped_rank_ends_the_recipe_in_seconds(tmp_path):
     first = str(info.value).splitlines()[0]
     assert first.startswith(f"watchdog: rank 1 (pid {stopped['pid']})") and "stopped (SIGSTOP" in first, first
     _assert_all_gone([b.pid for b in read_beats(run_dir / ".heartbeat").values()])
+
+
+SLEEPY = ["model=custom", "model._target_=tests.e2e.fault_models.SleepyGPT", "+model.sleep_step=3"]
+
+
+@pytest.mark.parametrize("sleeper", [0, 1])
+def test_a_rank_stuck_in_its_forward_is_named_not_the_peer_waiting_for_it(tmp_path, sleeper):
+    """The sleeping rank is named, with its phase and line; the peer waits in the gradient all-reduce of backward.
+    Before, the oldest heartbeat won (throttled writes): rank 0 was named whichever rank slept."""
+    with pytest.raises(DistributedRunError) as info:
+        launch_job(_cfg(*SLEEPY, f"+model.sleep_rank={sleeper}", "trainer.max_steps=50", "trainer.watchdog_s=3",
+                        "trainer.watchdog_startup_s=120"), tmp_path / "run")
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith(f"watchdog: rank {sleeper} (pid "), lines
+    assert "last heartbeat at step 3, forward, at training_step (fault_models.py:" in lines[0], lines[0]
+    assert "time.sleep(self.sleep_s)" in lines[0]
+    assert lines[1].startswith(f"Also idle: rank {1 - sleeper} ") and "step 3, backward, waiting in collective" in lines[1]
 
 
 def _kill_rank_after(run_dir: Path, step: int, victim: int, killed: dict[str, Any]) -> threading.Thread:

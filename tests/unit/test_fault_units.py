@@ -3,18 +3,22 @@ choice of cause, run ids, and the non-finite guard's options."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import signal
+import threading
 import time
+import types
 
 import pytest
 
 from lightning_par.config.run_id import job_run_id
-from lightning_par.fault.heartbeat import HeartbeatCallback, read_beats, stalled_ranks, write_beat
+from lightning_par.fault.heartbeat import HeartbeatCallback, culprit_key, read_beats, stalled_ranks, write_beat
 from lightning_par.fault.nonfinite import NonFiniteGuard
 from lightning_par.fault.process import describe_exit, process_state
+from lightning_par.fault.where import locate
 from lightning_par.launcher import _describe_failure, _Outcome
 
 
@@ -114,3 +118,62 @@ def test_a_heartbeat_left_by_an_earlier_run_does_not_count(tmp_path):
     assert stalled_ranks(tmp_path, [0], started_at=later, watchdog_s=5, startup_grace_s=60, now=later + 10) == []
     stalls = stalled_ranks(tmp_path, [0], started_at=later, watchdog_s=5, startup_grace_s=60, now=later + 61)
     assert stalls[0].beat is None and stalls[0].limit_s == 60
+
+
+def _set_time(directory, rank, at):
+    p = directory / f"rank-{rank:05d}.json"
+    data = json.loads(p.read_text())
+    data["time"] = at
+    p.write_text(json.dumps(data))
+
+
+def test_the_rank_behind_is_named_even_when_a_waiting_peer_went_idle_first(tmp_path):
+    """Rank 1 sleeps in its forward at step 3; rank 0 reached that step's backward and waits there for it. Rank 0's
+    last progress is older, and only rank 0 is over the limit yet: the culprit is still rank 1, the one behind."""
+    write_beat(tmp_path, 0, 3, "backward", True, collective="wait")
+    write_beat(tmp_path, 1, 3, "forward", True, where="training_step (m.py:3): time.sleep(60)")
+    t0 = time.time()
+    _set_time(tmp_path, 0, t0 - 1)
+    _set_time(tmp_path, 1, t0)
+    stalls = stalled_ranks(tmp_path, [0, 1], started_at=t0 - 10, watchdog_s=4, startup_grace_s=60, now=t0 + 3.5)
+    assert [s.rank for s in stalls] == [1, 0]
+    assert "last heartbeat at step 3, forward, at training_step (m.py:3)" in stalls[0].describe()
+    assert "waiting in collective wait" in stalls[1].describe()
+
+
+def test_at_the_same_phase_the_rank_not_waiting_in_a_collective_is_the_culprit(tmp_path):
+    write_beat(tmp_path, 0, 3, "forward", True, where="training_step (m.py:3): time.sleep(60)")
+    write_beat(tmp_path, 1, 3, "forward", True, collective="all_gather_into_tensor")
+    t0 = time.time()
+    _set_time(tmp_path, 0, t0)
+    _set_time(tmp_path, 1, t0 - 2)
+    stalls = stalled_ranks(tmp_path, [0, 1], started_at=t0 - 10, watchdog_s=4, startup_grace_s=60, now=t0 + 5)
+    assert [s.rank for s in stalls] == [0, 1]
+    # A lower step always comes first, whatever the phase.
+    assert culprit_key(read_beats(tmp_path)[1]) > culprit_key(None)
+
+
+def test_where_names_the_line_a_thread_is_blocked_on():
+    """A thread blocked in C code (as in a gloo collective or a sleep) is seen at its innermost Python line."""
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+    work = types.SimpleNamespace(wait=functools.partial(os.read, r1, 1))  # a C-level wait, as torch's Work.wait
+
+    def stuck_in_a_collective():
+        work.wait()
+
+    def stuck_in_a_sleep():
+        os.read(r2, 1)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (stuck_in_a_collective, stuck_in_a_sleep)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    try:
+        waiting, sleeping = [locate(t) for t in threads]
+    finally:
+        os.write(w1, b"x")
+        os.write(w2, b"x")
+    assert waiting.collective == "wait" and "stuck_in_a_collective" in waiting.where, waiting
+    assert "work.wait()" in waiting.where
+    assert sleeping.collective is None and "stuck_in_a_sleep" in sleeping.where, sleeping
