@@ -183,6 +183,9 @@ class ParallelDims:
         if name in ("ep", "edp_shard"):  # the inner and outer parts of dp_shard_cp
             return self.tp_size * (self.ep_size if name == "edp_shard" else 1)
         if name == "edp":
+            if self.dp_replicate_enabled:
+                raise ValueError("stride('edp') is not valid under HSDP: its ranks (dp_replicate x edp_shard) are not "
+                                 "evenly spaced; use stride('edp_shard') and stride('dp_replicate').")
             return self.stride("edp_shard")
         innermost = DERIVED_MESHES.get(name, (name,))[-1]
         return math.prod(self.size(a) for a in MESH_AXES[MESH_AXES.index(innermost) + 1:])
@@ -320,21 +323,15 @@ class ParallelDims:
         """The process group of :meth:`get_mesh` ``(name)``."""
         return self.get_mesh(name).get_group()
 
-    def expert_meshes(self) -> tuple[DeviceMesh | None, DeviceMesh, DeviceMesh | None, DeviceMesh]:
-        """``(ep, edp_shard, dp_replicate or None, fsdp)`` of the experts: their ep mesh (``None`` when
-        ``ep_size == 1``), the ranks their state is sharded over, HSDP's replicas, and FSDP2's mesh (2-D
-        ``(dp_replicate, edp_shard)`` under HSDP).
+    def expert_meshes(self) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh | None, DeviceMesh]:
+        """``(ep, edp_shard, dp_replicate or None, fsdp)`` of the experts: their ep mesh, the ranks their state is
+        sharded over, HSDP's replicas, and FSDP2's mesh (2-D ``(dp_replicate, edp_shard)`` under HSDP).
 
         Raises:
-            RuntimeError: :meth:`build_mesh` has not run.
+            RuntimeError: ``ep_size == 1`` or :meth:`build_mesh` has not run.
         """
-        if self._mesh is None:
-            raise RuntimeError("ParallelDims.expert_meshes called before build_mesh.")
-        if not self.ep_enabled:
-            shard = self._meshes["dp_shard_cp"]
-            replicate = self._meshes["dp_replicate"] if self.dp_replicate_enabled else None
-            fsdp = self._mesh["dp_replicate", "dp_shard_cp"] if replicate is not None else shard
-            return None, shard, replicate, fsdp
+        if self._mesh is None or not self.ep_enabled:
+            raise RuntimeError("ParallelDims.expert_meshes needs ep_size > 1 and build_mesh first.")
         replicate = self._meshes["dp_replicate"] if self.dp_replicate_enabled else None
         fsdp = self._meshes["dp_replicate_edp_shard"] if replicate is not None else self._meshes["edp_shard"]
         return self._meshes["ep"], self._meshes["edp_shard"], replicate, fsdp

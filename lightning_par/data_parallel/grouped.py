@@ -67,10 +67,14 @@ class GroupedEngine(DataParallelEngine):
             engine.pre_backward()
 
     def post_backward(self) -> CommStats | None:
-        return [engine.post_backward() for engine in self.engines][0]
+        """Every engine's; the statistics of the first (the parameters on the dp meshes)."""
+        stats = [engine.post_backward() for engine in self.engines]
+        return stats[0]
 
     def reduce_now(self) -> CommStats | None:
-        return [engine.reduce_now() for engine in self.engines][0]
+        """Every engine's; the statistics of the first."""
+        stats = [engine.reduce_now() for engine in self.engines]
+        return stats[0]
 
     def reshard(self) -> None:
         for engine in self.engines:

@@ -64,7 +64,7 @@ def _apply(build: Build) -> None:
     if not dims.ep_enabled:
         return
     ep_mesh, edp_shard, replicate, fsdp = dims.expert_meshes()
-    assert ep_mesh is not None and build.network is not None
+    assert build.network is not None
     group, rank = ep_mesh.get_group(), ep_mesh.get_local_rank()
     modules, dispatchers = [], []
     for path in build.expert_paths:

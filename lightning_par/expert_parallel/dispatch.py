@@ -104,14 +104,12 @@ class ExpertDispatch:
         dist.all_to_all_single(received, per_rank.contiguous(), group=self.group)  # row s: source s's counts
         out_splits = received.sum(1).tolist()
         tokens = all_to_all(x, out_splits, in_splits, self.group)
-        # arrival order is (source, local expert); the experts want (local expert, source)
-        sizes = received.reshape(-1).tolist()
-        starts = torch.tensor([0, *sizes[:-1]]).cumsum(0).reshape(received.shape)
-        local_experts = received.shape[1]
-        order = torch.cat([
-            torch.arange(int(starts[s, e]), int(starts[s, e]) + int(received[s, e]))
-            for e in range(local_experts) for s in range(self.ep_size)
-        ]) if tokens.shape[0] else torch.zeros(0, dtype=torch.long)
+        # arrival order is (source, local expert); the experts want (local expert, source): each segment's start in
+        # the arrival order, taken in expert-major order, plus the position within the segment
+        lengths = received.t().reshape(-1)
+        starts = (received.reshape(-1).cumsum(0) - received.reshape(-1)).reshape(received.shape).t().reshape(-1)
+        within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+        order = torch.repeat_interleave(starts, lengths) + within
         self._state = (order, in_splits, out_splits)
         self.bytes_sent += (sum(in_splits) - in_splits[self.rank]) * x.shape[1] * x.element_size()
         self.calls += 1

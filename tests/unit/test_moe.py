@@ -110,3 +110,10 @@ def test_attach_aux_loss_sends_the_scale_into_the_auxiliary_loss():
     y.sum().backward()
     torch.testing.assert_close(w.grad, torch.full((3,), 0.5))
     torch.testing.assert_close(x.grad, torch.ones(2))
+
+
+def test_edp_has_a_stride_only_without_hsdp():
+    dims = ParallelDims(world_size=8, dp_size=4, tp_size=2, ep_size=2)
+    assert (dims.stride("ep"), dims.stride("edp_shard"), dims.stride("edp")) == (2, 4, 4)
+    with pytest.raises(ValueError, match="not evenly spaced"):
+        ParallelDims(world_size=8, dp_replicate_size=2, dp_shard_size=4, ep_size=2).stride("edp")
