@@ -59,6 +59,7 @@ from typing import Any
 from torch import Tensor, nn
 
 __all__ = [
+    "register_adapter",
     "attention_heads",
     "checkpoint_modules",
     "context_parallel_positions",
@@ -72,6 +73,46 @@ __all__ = [
     "check_tensor_parallel",
     "tp_plan",
 ]
+
+
+#: Adapters for model families whose classes we cannot add methods to: ``(matches(network) -> bool, adapter)``. An
+#: adapter provides any of the contract's network methods as functions taking the network first
+#: (``adapter.pipeline_layers(network)``); a method the network defines itself wins.
+_ADAPTERS: list[tuple[Callable[[nn.Module], bool], Any]] = []
+#: Where a family's adapter lives, by the prefix of its classes' module: imported (and so registered) on first sight,
+#: so that generic code imports no model library.
+_ADAPTER_MODULES = {"transformers.": "lightning_par.hf.adapter"}
+
+
+def register_adapter(matches: Callable[[nn.Module], bool], adapter: Any) -> None:
+    """Register ``adapter`` for the networks ``matches`` accepts (see :data:`_ADAPTERS`)."""
+    _ADAPTERS.append((matches, adapter))
+
+
+def _adapter(network: nn.Module) -> Any:
+    import importlib
+
+    family = type(network).__module__
+    for prefix, module_name in _ADAPTER_MODULES.items():
+        if family.startswith(prefix):
+            importlib.import_module(module_name)
+    for matches, adapter in _ADAPTERS:
+        if matches(network):
+            return adapter
+    return None
+
+
+def _method(network: nn.Module, name: str) -> Callable[..., Any] | None:
+    """``network.<name>`` if the network defines it as a method, else its adapter's ``<name>`` bound to it, else
+    None."""
+    method = getattr(network, name, None)
+    if callable(method):
+        return method
+    adapter = _adapter(network)
+    function = getattr(adapter, name, None) if adapter is not None else None
+    if callable(function):
+        return lambda *args, **kwargs: function(network, *args, **kwargs)
+    return None
 
 
 def find_network(module: nn.Module, module_attr: str | None, pipelined: bool) -> nn.Module:
@@ -112,8 +153,8 @@ def tp_plan(module: nn.Module, network: nn.Module, explicit: Mapping[str, Any] |
     if explicit is not None:
         return dict(explicit)
     for owner in (network, module):
-        method = getattr(owner, "tp_plan", None)
-        if callable(method):
+        method = _method(owner, "tp_plan")
+        if method is not None:
             return dict(method())
     where = f"the network ({type(network).__name__}) or on " if network is not module else ""
     raise ValueError(
@@ -127,7 +168,7 @@ def tp_plan(module: nn.Module, network: nn.Module, explicit: Mapping[str, Any] |
 def check_tensor_parallel(network: nn.Module, tp_size: int, sequence_parallel: bool) -> None:
     """Call the network's own ``check_tensor_parallel(tp_size, sequence_parallel)`` if it has one (it raises
     ``ValueError`` for shapes its plan cannot split)."""
-    method = getattr(network, "check_tensor_parallel", None)
+    method = _method(network, "check_tensor_parallel")
     if callable(method):
         method(tp_size, sequence_parallel)
 
@@ -138,7 +179,7 @@ def pipeline_layers(network: nn.Module) -> list[str]:
     Raises:
         ValueError: the network neither defines ``pipeline_layers()`` nor is an ``nn.Sequential``/``nn.ModuleList``.
     """
-    method = getattr(network, "pipeline_layers", None)
+    method = _method(network, "pipeline_layers")
     if callable(method):
         return list(method())
     if isinstance(network, (nn.Sequential, nn.ModuleList)):
@@ -152,7 +193,7 @@ def pipeline_layers(network: nn.Module) -> list[str]:
 
 def pipeline_stage(network: nn.Module, layers: Sequence[str], *, first: bool, last: bool) -> nn.Module:
     """A module running ``layers`` of ``network`` (see the module docstring); shares the network's parameters."""
-    method = getattr(network, "pipeline_stage", None)
+    method = _method(network, "pipeline_stage")
     if callable(method):
         return method(list(layers), first=first, last=last)
     pipeline_layers(network)  # raises for unsupported networks
@@ -226,7 +267,7 @@ def checkpoint_modules(network: nn.Module, mode: str) -> list[str]:
         ValueError: ``"selective"`` for a network without ``checkpoint_modules``, or ``"full"`` for one that has neither
             the method nor layers (an ``nn.Sequential``/``nn.ModuleList`` or ``pipeline_layers()``).
     """
-    method = getattr(network, "checkpoint_modules", None)
+    method = _method(network, "checkpoint_modules")
     if callable(method):
         return list(method(mode))
     name = type(network).__name__
@@ -268,7 +309,7 @@ def context_parallel_positions(network: nn.Module) -> None:
 
 def attention_heads(network: nn.Module) -> int | None:
     """The number of attention heads, from ``network.attention_heads()`` (``None`` when the network does not say)."""
-    method = getattr(network, "attention_heads", None)
+    method = _method(network, "attention_heads")
     return int(method()) if callable(method) else None
 
 
@@ -281,7 +322,7 @@ def expert_modules(network: nn.Module) -> list[str]:
         ValueError: the network does not define ``expert_modules()``, names none, or a path that is not a module, or an
             experts module whose parameters do not all have the same number of rows (experts) on dim 0.
     """
-    method = getattr(network, "expert_modules", None)
+    method = _method(network, "expert_modules")
     name = type(network).__name__
     paths = list(method()) if callable(method) else []
     if not paths:
