@@ -78,8 +78,23 @@ def _rank_main(task: TaskFunction | TaskRef, cfg: DictConfig, hydra_cfg: DictCon
         HydraConfig.instance().set_config(hydra_cfg)
         configure_log(HydraConfig.get().job_logging, HydraConfig.get().verbose)
     attach_job_log(None)
+    # Look like torchrun to Lightning, so that it takes the world from the environment (its torchelastic cluster
+    # environment) and checks it against Trainer(devices=, num_nodes=): otherwise it builds a world of `devices`
+    # ranks of which only `nprocs` exist and waits for the missing ones until the job's timeout.
+    os.environ.setdefault("GROUP_RANK", os.environ.get("NODE_RANK", "0"))
+    os.environ.setdefault("TORCHELASTIC_RUN_ID", f"lightning_par-hydra-{os.environ.get('MASTER_PORT', '0')}")
     fn = task.resolve() if isinstance(task, TaskRef) else task
-    return fn(cfg)
+    try:
+        return fn(cfg)
+    except ValueError as err:
+        if "does not match the world size" not in str(err):
+            raise
+        world = os.environ.get("WORLD_SIZE")
+        raise ValueError(
+            f"hydra.launcher.nprocs={world} is not valid for this job: {err} The launcher starts hydra.launcher.nprocs "
+            f"processes per job; set it to the Trainer's devices * num_nodes, e.g. hydra.launcher.nprocs=2 or an "
+            f"interpolation such as 'hydra.launcher.nprocs=${{devices}}'."
+        ) from err
 
 
 def _check_nprocs(value: Any) -> int:

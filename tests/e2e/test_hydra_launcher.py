@@ -73,3 +73,21 @@ def test_recipe_strategy_sweep_under_the_launcher_reports_the_zero_memory_effect
     assert (sweep / "report.png").stat().st_size > 10_000
     md = (sweep / "report.md").read_text()
     assert "| zero2 | dp2·tp1·pp1 |" in md
+
+
+def test_nprocs_that_differs_from_the_trainers_devices_fails_at_once_naming_it(tmp_path):
+    """``Trainer(devices=2)`` in a job of one process (``hydra.launcher.nprocs`` left at 1) used to wait for the
+    missing rank until the job's timeout (an hour by default); every job now fails within seconds, naming the
+    option and the value to set, and the sweep goes on to the next job."""
+    app = tmp_path / "app"
+    (app / "conf").mkdir(parents=True)
+    shutil.copy(APP, app / "app.py")
+    (app / "conf" / "config.yaml").write_text(CONFIG)
+    sweep = tmp_path / "sweep"
+    proc = run([sys.executable, "app.py", "-m", "hydra/launcher=lightning_par", "hydra.launcher.timeout_s=120",
+                "devices=2,1", "strategy=ddp", f"hydra.sweep.dir={sweep}"], app, timeout=100)
+    assert proc.returncode != 0, tail(proc)
+    out = proc.stdout + proc.stderr
+    assert "hydra.launcher.nprocs=1 is not valid for this job" in out, tail(proc)
+    assert "devices=2" in out and "hydra.launcher.nprocs=${devices}" in out, tail(proc)
+    assert json.loads((sweep / "1" / "result.json").read_text())["world_size"] == 1  # the next job still ran
