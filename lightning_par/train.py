@@ -111,6 +111,7 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
     from lightning_par.callbacks import LRScalingCallback, ParallelMetricsCallback, RunSummaryCallback, TimelineCallback
     from lightning_par.compat import disable_lightning_signal_handlers
     from lightning_par.fault.heartbeat import HeartbeatCallback
+    from lightning_par.fault.no_progress import ProgressGuard
     from lightning_par.fault.nonfinite import NonFiniteGuard
     from lightning_par.fault.preemption import Preempted, PreemptionCallback
     from lightning_par.fault.step_checkpoint import StepCheckpoint
@@ -157,6 +158,8 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
         ))
     if preemption is not None:
         callbacks.append(preemption)
+    # First, so that a run that trained no step fails before the summary is written.
+    callbacks.insert(0, ProgressGuard())
     trainer = L.Trainer(
         **trainer_kwargs,
         strategy=strategy,

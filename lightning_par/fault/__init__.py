@@ -11,6 +11,7 @@ Callbacks for any Lightning ``Trainer`` (the recipes add all three)::
 """
 
 from lightning_par.fault.heartbeat import HeartbeatCallback, beat, read_beats, stalled_ranks
+from lightning_par.fault.no_progress import NoTrainingStepError, ProgressGuard
 from lightning_par.fault.nonfinite import NonFiniteError, NonFiniteGuard
 from lightning_par.fault.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionCallback
 from lightning_par.fault.process import describe_exit, die_with_parent, process_state
@@ -20,10 +21,12 @@ from lightning_par.fault.step_checkpoint import StepCheckpoint
 __all__ = [
     "PREEMPTED_EXIT_CODE",
     "HeartbeatCallback",
+    "NoTrainingStepError",
     "NonFiniteError",
     "NonFiniteGuard",
     "Preempted",
     "PreemptionCallback",
+    "ProgressGuard",
     "StepCheckpoint",
     "beat",
     "describe_exit",

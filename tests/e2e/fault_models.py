@@ -8,6 +8,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
 from lightning_par.models import GPTConfig, GPTLightningModule
 
 
@@ -26,3 +30,22 @@ class SleepyGPT(GPTLightningModule):
             time.sleep(self.sleep_s)
         time.sleep(self.step_s)
         return super().training_step(batch, batch_idx)
+
+
+class EmptyTrainData(L.LightningDataModule):
+    """Byte-token windows with an empty training set (every rank gets 0 batches) and a small validation set: Lightning
+    skips training with a warning only."""
+
+    def __init__(self, batch_size: int = 4, block_size: int = 32) -> None:
+        super().__init__()
+        self.batch_size, self.block_size = batch_size, block_size
+
+    def _loader(self, n: int) -> DataLoader:
+        data = torch.randint(0, 256, (n, self.block_size + 1), generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=self.batch_size)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(0)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(8)

@@ -156,6 +156,19 @@ def test_a_nan_stops_the_recipe_and_the_last_good_checkpoint_stays(tmp_path):
     assert not (run_dir / "summary.json").exists()
 
 
+def test_a_run_that_trains_no_step_fails_instead_of_exiting_0(tmp_path):
+    """A data module whose training set gives no batch (Lightning only warns and skips training): the job fails on
+    every rank saying it trained 0 steps and why, and writes no summary that a sweep would score."""
+    run_dir = tmp_path / "run"
+    with pytest.raises(DistributedRunError) as info:
+        launch_job(_cfg("data=custom", "data._target_=tests.e2e.fault_models.EmptyTrainData", "trainer.checkpoint=false"),
+                   run_dir)
+    message = str(info.value)
+    assert "NoTrainingStepError: the run trained 0 optimizer steps (step 0, max_steps=6)" in message, message[-2000:]
+    assert "rank 0 had 0 training batches" in message and "rank 1 had 0 training batches" in message, message[-2000:]
+    assert not (run_dir / "summary.json").exists()
+
+
 def test_a_stopped_rank_ends_the_recipe_in_seconds(tmp_path):
     run_dir = tmp_path / "run"
     stopped: dict[str, int] = {}

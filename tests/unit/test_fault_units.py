@@ -177,3 +177,26 @@ def test_where_names_the_line_a_thread_is_blocked_on():
     assert waiting.collective == "wait" and "stuck_in_a_collective" in waiting.where, waiting
     assert "work.wait()" in waiting.where
     assert sleeping.collective is None and "stuck_in_a_sleep" in sleeping.where, sleeping
+
+
+def test_the_progress_guard_fails_only_a_fit_that_had_steps_left_and_trained_none():
+    from types import SimpleNamespace
+
+    from lightning_par.fault.no_progress import NoTrainingStepError, ProgressGuard
+
+    def end(start: int | None, now: int, max_steps: int, should_stop: bool = False) -> None:
+        guard = ProgressGuard()
+        trainer = SimpleNamespace(global_step=now, max_steps=max_steps, should_stop=should_stop, interrupted=False,
+                                  global_rank=1, num_training_batches=0)
+        if start is not None:
+            guard.on_train_start(trainer, None)
+            guard.start_step = start
+        guard.on_fit_end(trainer, None)
+
+    end(0, 6, 6)  # trained
+    end(None, 6, 6)  # resumed at max_steps: nothing left, training skipped
+    end(None, 0, 6, should_stop=True)  # stopped on purpose (a preemption agreed before the first step)
+    with pytest.raises(NoTrainingStepError, match=r"trained 0 optimizer steps \(step 0, max_steps=6\): rank 1 had 0"):
+        end(None, 0, 6)  # an empty training dataloader: Lightning never starts the training loop
+    with pytest.raises(NoTrainingStepError, match=r"step 4, max_steps=-1"):
+        end(4, 4, -1)
