@@ -308,6 +308,39 @@ def pipeline_stage_meta(stage: Any) -> Any:
     return getattr(stage, "_stage_meta", None)
 
 
+def keep_buffers_through_metadata_inference(stage: Any) -> None:
+    """Make ``stage``'s metadata inference leave its module's buffers as they were.
+
+    A ``PipelineStage`` infers its tensor metadata on its first step by running its module's forward once more, in
+    the module's mode (training), on the first micro-batch (stage 0) or on uninitialised tensors made from the
+    received metadata (the later stages): a BatchNorm would count one batch too many on stage 0 and take NaN running
+    statistics on the others (measured on 2.13). Wraps the instance's ``_forward_metadata_inference`` (2.13;
+    ``_shape_inference`` in 2.10) to put every buffer back afterwards; a torch with neither is left alone.
+    """
+    for name in ("_forward_metadata_inference", "_shape_inference"):
+        method = getattr(stage, name, None)
+        if callable(method):
+            break
+    else:
+        return
+
+    def restoring(*args: Any, **kwargs: Any) -> Any:
+        saved = [
+            (module, name, buffer.detach().clone())
+            for module in stage.submod.modules()
+            for name, buffer in module.named_buffers(recurse=False)
+        ]
+        try:
+            return method(*args, **kwargs)
+        finally:
+            # Rebind rather than copy in place: the inference's graph saved the buffers (BatchNorm's running
+            # statistics), and torch's backward metadata inference runs backward through that graph next.
+            for module, name, value in saved:
+                setattr(module, name, value)
+
+    setattr(stage, name, restoring)
+
+
 # ------------------------------------------------------------------------------------------------ gradient scaling
 def multi_device_replicator(master: Tensor) -> Any:
     """A lazy per-device copy of ``master`` that also takes CPU tensors, as ``ShardedGradScaler`` uses

@@ -32,7 +32,12 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_par.aux_loss import set_aux_loss_scale
-from lightning_par.compat import forward_only_schedule, pipeline_stage_meta, stage_to_rank_mapping
+from lightning_par.compat import (
+    forward_only_schedule,
+    keep_buffers_through_metadata_inference,
+    pipeline_stage_meta,
+    stage_to_rank_mapping,
+)
 from lightning_par.pipeline_parallel.bubble import StepRecord, StepTimer
 from lightning_par.pipeline_parallel.options import PipelineOptions
 
@@ -156,6 +161,7 @@ class PipelineEngine:
         stages = []
         for module, sid in zip(self.modules, self.stage_ids):
             stage = PipelineStage(module, sid, self.num_stages, self.device, group=self.pp_group)
+            keep_buffers_through_metadata_inference(stage)  # its extra forward would count in BatchNorm statistics
             self._instrument(stage)
             stages.append(stage)
         self._built.extend(stages)

@@ -178,12 +178,6 @@ def test_buffers_match_lightning_ddp_under_hsdp(world8):
         assert r["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "torch 2.13 PipelineStage infers its metadata on the first step by running each stage's forward once more, in "
-    "training mode: BatchNorm counts one batch too many on stage 0 and takes NaN statistics on the later stages "
-    "(pipeline_parallel/engine.py builds the stages; not fixed here)"))
-
-
 def test_buffers_agree_and_match_lightning_ddp_in_3d(world2, world8):
     """dp2 x tp2 x pp2 (zero1, one micro-batch: BatchNorm then sees the batch ``ddp`` sees): each rank holds its
     stage's buffers. After validation the ranks of one stage hold the same buffers, exactly; after every step each
