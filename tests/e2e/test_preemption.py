@@ -113,10 +113,10 @@ def test_sigterm_to_a_rank_all_ranks_or_the_launcher_saves_and_resumes_exactly(t
     assert worst == 0.0, {s: (ref[s], got[s]) for s in range(STEPS)}
 
 
-#: torchrun cases: SIGTERM to rank 1 in CI; every target, each resumed under torchrun, with LP_FAULT_ALL=1
-#: (.ci/repeat_faults.py).
+#: torchrun cases: SIGTERM to rank 1 in CI; every target (and SIGUSR1 to rank 1, with
+#: trainer.preemption_signal=SIGUSR1), each resumed under torchrun, with LP_FAULT_ALL=1 (.ci/repeat_faults.py).
 ALL = os.environ.get("LP_FAULT_ALL") == "1"
-TORCHRUN_TARGETS = ["1", "0", "all", "agent"] if ALL else ["1"]
+TORCHRUN_TARGETS = ["1", "0", "all", "agent", "1:SIGUSR1"] if ALL else ["1"]
 
 
 def torchrun_cmd(run_dir: Path, *overrides: str) -> tuple[list[str], dict[str, str]]:
@@ -134,20 +134,22 @@ def test_under_torchrun_sigterm_saves_and_the_rerun_resumes_exactly(tmp_path, ta
     the same step and exit with 75 (torchrun reports them, and exits 1 itself); resuming with ckpt_path=last matches
     a run without signal step by step."""
     run_dir = tmp_path / "run"
-    cmd, env = torchrun_cmd(run_dir, *ONLY_PREEMPTION_SAVES)
+    target, _, sig = target.partition(":")
+    sig = sig or "SIGTERM"
+    cmd, env = torchrun_cmd(run_dir, *ONLY_PREEMPTION_SAVES, f"trainer.preemption_signal={sig}")
     reference = launch_job(_cfg(*OVERRIDES, *SLOW_STEPS), tmp_path / "reference")
     assert reference is not None
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         sent = signal_at_step(run_dir / ".heartbeat", 2, "launcher" if target == "agent" else target,
-                              launcher_pid=proc.pid)
+                              launcher_pid=proc.pid, sig=getattr(signal, sig))
         out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()
     took = time.monotonic() - sent["at"]
     assert took < GRACE_S, took
-    reports = dict(re.findall(r"lightning_par: rank (\d): preempted by SIGTERM at step (\d+)", out))
+    reports = dict(re.findall(rf"lightning_par: rank (\d): preempted by {sig} at step (\d+)", out))
     assert sorted(reports) == ["0", "1"], out[-3000:]
     steps = {int(step) for step in reports.values()}
     assert len(steps) == 1, reports  # both ranks saved the same step
