@@ -173,9 +173,11 @@ class PreemptionWatch:
         :data:`PREEMPTED_EXIT_CODE`: ignore further signals from now on (main thread), so that an outside launcher
         that signals the ranks still running once the first one exited (torchrun) does not turn a clean exit into
         death by signal (at interpreter exit, Python would reset a Python-level handler to the default, which ends
-        the process). The grace period still bounds the exit."""
+        the process). SIGTERM too when the preemption signal is another one (SIGUSR1): torchrun ends the workers
+        still running with SIGTERM. The grace period still bounds the exit."""
         if threading.current_thread() is threading.main_thread():
-            signal.signal(self.signum, signal.SIG_IGN)
+            for signum in {self.signum, signal.SIGTERM}:
+                signal.signal(signum, signal.SIG_IGN)
 
     def _run(self) -> None:
         assert self._pipe is not None
