@@ -15,6 +15,9 @@ Table 1 (Narayanan et al. 2021), which validates the planner (``tests/unit/test_
 * **Collective links** (:meth:`DeviceCalibration.link`): nccl-tests bus bandwidth (the rate at which the planner's
   ring volumes, :mod:`lightning_par.comm_cost`, move) and per-step latency for ``all_reduce``, ``all_gather``,
   ``reduce_scatter``, ``all_to_all`` and ``p2p``, inside a node (NVLink) and across nodes (per network adapter).
+  Inside a node the all-reduce's bus bandwidth was published per payload (32 KiB to 16 GiB): a collective of a known
+  payload takes the rate measured there (interpolated in ``log(payload)``), which includes its latency; the other
+  ring collectives follow the same curve's shape from their own large-payload figure.
 
 :func:`layer_matmul_rates` turns a model and layout into the FLOP/s of one transformer layer's matmuls and of the LM
 head on one rank; :mod:`lightning_par.planner.step_time` divides FLOPs by them. Pure Python: no torch import.
@@ -213,7 +216,8 @@ def _parse(data: dict) -> dict[str, DeviceCalibration]:
             for op in COLLECTIVE_OPS:
                 entry = dev["links"].get(link, {}).get(op)
                 if entry is None:
-                    raise ValueError(f"calibration {at}.links.{link}.{op} is missing: expected bandwidth and latency_s.")
+                    raise ValueError(
+                        f"calibration {at}.links.{link}.{op} is missing: expected bandwidth and latency_s.")
                 where = f"{at}.links.{link}.{op}"
                 bw = _positive(_number(entry["bandwidth"], f"{where}.bandwidth", sources), f"{where}.bandwidth")
                 lat = _number(entry["latency_s"], f"{where}.latency_s", sources)

@@ -3,10 +3,10 @@
 GPU presets hold vendor datasheet figures (dense bf16 tensor-core peak, HBM capacity and bandwidth) and published
 measurements read from ``data/calibration.json`` (:mod:`lightning_par.planner.calibration`, every number with its
 source): the best measured matmul rate over the peak (``matmul_efficiency``), refined per GEMM shape by the step-time
-model, and nccl-tests bus bandwidths and latencies of NVLink and of one network adapter (per operation in the
-calibration, the ring collectives' figures in the fields). One assumption remains, stated per field: the share of
-overlappable communication actually hidden (``comm_overlap``). The ``"cpu"`` device is not a preset: it is measured on this machine by
-:func:`lightning_par.planner.calibrate.calibrate_cpu` and loaded from its JSON file
+model, and measured bus bandwidths and latencies of NVLink and of one network adapter (per operation and payload in
+the calibration; the point-to-point figures in the link fields). One assumption remains, stated per field: the share
+of overlappable communication actually hidden (``comm_overlap``). The ``"cpu"`` device is not a preset: it is
+measured on this machine by :func:`lightning_par.planner.calibrate.calibrate_cpu` and loaded from its JSON file
 (:func:`lightning_par.planner.calibrate.load_cpu_device`).
 
 Pure Python: no torch import.
@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+from lightning_par.planner.calibration import calibration_for
 
 __all__ = ["DEVICE_PRESETS", "DeviceSpec", "get_device"]
 
@@ -109,8 +111,6 @@ class DeviceSpec:
                 f"{self.memory_bytes!r}."
             )
         if self.calibration is not None:
-            from lightning_par.planner.calibration import calibration_for
-
             calibration_for(self.calibration)  # raises for an unknown family
 
     @property
@@ -130,8 +130,6 @@ class DeviceSpec:
 
 def _preset(name: str, family: str, memory_bytes: float, peak_flops: float, memory_bandwidth: float) -> DeviceSpec:
     """A GPU preset: datasheet capacity, peak and HBM bandwidth; matmul plateau and links from the calibration."""
-    from lightning_par.planner.calibration import calibration_for
-
     cal = calibration_for(family)
     intra_bw, intra_lat = cal.link("p2p", inside_node=True)
     inter_bw, inter_lat = cal.link("p2p", inside_node=False)
