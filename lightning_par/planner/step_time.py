@@ -206,7 +206,8 @@ def predict_step_time(
     overhead = layers * (model.layer_ops * device.op_overhead_s + (device.tp_layer_overhead_s if t > 1 else 0.0))
     tp_comm = 0.0
     if t > 1:
-        bw, lat = group_link(device, layout, "tp", devices_per_node, op="all_reduce", payload_bytes=b * s_rank * h * e)
+        op = "all_gather" if layout.sequence_parallel else "all_reduce"  # sp: all-gather / reduce-scatter pairs
+        bw, lat = group_link(device, layout, "tp", devices_per_node, op=op, payload_bytes=b * s_rank * h * e)
         recompute = layout.activation_checkpointing == "full"
         n_ops = 6 if recompute else 4  # all-reduces (with sp: as many all-gather + reduce-scatter pairs, same steps)
         sent = tp_layer_comm_bytes(b, s_rank, h, t, e, recompute_forward=recompute)

@@ -211,3 +211,13 @@ def test_every_op_of_every_family_has_both_links():
             for inside in (True, False):
                 bw, lat = cal.link(op, inside)
                 assert bw > 1e9 and 0 <= lat < 1e-4
+
+
+def test_sequence_parallel_pairs_take_the_all_gather_rate_which_nvlink_sharp_does_not_speed_up():
+    spec = ModelSpec(num_layers=32, hidden_size=4096, num_heads=32, vocab_size=50304, seq_len=2048)
+    plain, sp = (Layout(8, 8, 1, "ddp", 1, 4, "none", 1, "none", flag) for flag in (False, True))
+    payload = 2048 * 4096 * 2  # 16 MiB: H200's sweep gives the all-reduce 219.89 GB/s (SHARP), the ring ops less
+    per_layer = 4 * 2 * payload * 7 / 8
+    assert predict_step_time(spec, plain, H100, BF16, 8).tp_comm_s == pytest.approx(4 * 32 * per_layer / 219.89e9)
+    ag = 361.4e9 * 219.89 / 482.26
+    assert predict_step_time(spec, sp, H100, BF16, 8).tp_comm_s == pytest.approx(4 * 32 * per_layer / ag)
