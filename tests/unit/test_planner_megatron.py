@@ -150,3 +150,10 @@ def test_published_layout_is_predicted_near_the_measured_utilisation(row):
     pub = _ranked_pairs(row)[(t, p)]
     # the paper's % of peak counts recomputation FLOPs: compare with the planner's hardware-FLOPs utilisation
     assert abs(100 * pub.hfu - pct) <= 10
+
+
+if __name__ == "__main__":  # the README's table: python tests/unit/test_planner_megatron.py
+    for r, row in zip(megatron_report(), MEGATRON_TABLE_1):
+        print(f"| {r['params_b']}B | {row[6]} | {row[7]} | {r['published']} | {r['rank']} of {r['pairs']} | "
+              f"{r['planner_best']} | {100 * r['gap']:.1f}% | {100 * r['predicted_mfu']:.1f}% | "
+              f"{100 * r['predicted_hfu']:.1f}% | {r['published_pct']}% |")
