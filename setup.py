@@ -1,6 +1,7 @@
 """Packaging beyond what pyproject.toml can say: the repository's top-level ``conf/`` ships inside the package as
 ``lightning_par.conf`` (one package per config group, found by the Hydra search-path plugin), and the
-``hydra_plugins`` namespace package holds the Hydra plugins. Everything else is in pyproject.toml."""
+``hydra_plugins`` namespace package holds the Hydra plugins; the planner's published measurements
+(``lightning_par/planner/data/calibration.json``) ship as package data. Everything else is in pyproject.toml."""
 
 from pathlib import Path
 
@@ -13,5 +14,5 @@ setup(
     packages=[*find_packages(include=["lightning_par", "lightning_par.*"]), *conf_packages,
               "hydra_plugins.lightning_par_hydra"],
     package_dir={"lightning_par.conf": "conf"},
-    package_data={name: ["*.yaml"] for name in conf_packages},
+    package_data={**{name: ["*.yaml"] for name in conf_packages}, "lightning_par.planner": ["data/*.json"]},
 )

@@ -33,6 +33,7 @@ from lightning_par.comm_cost import collective_time, reduce_scatter_bytes, ring_
 from lightning_par.comm_cost import megatron_layer_bytes as tp_layer_comm_bytes
 from lightning_par.comm_cost import ring_attention_layer_bytes, ulysses_layer_bytes
 from lightning_par.context_parallel.options import CP_METHODS
+from lightning_par.planner.calibration import calibration_for
 from lightning_par.planner.devices import DeviceSpec
 from lightning_par.planner.layouts import Layout
 
@@ -146,7 +147,8 @@ def group_ranks_per_node(layout: Layout, axis: str, devices_per_node: int) -> in
     return fewest
 
 
-def group_link(device: DeviceSpec, layout: Layout, axis: str, devices_per_node: int) -> tuple[float, float]:
+def group_link(device: DeviceSpec, layout: Layout, axis: str, devices_per_node: int,
+               op: str | None = None, payload_bytes: float | None = None) -> tuple[float, float]:
     """``(bandwidth, latency)`` of the link a group of ``axis`` (``"tp"``, ``"cp"``, ``"dp"``, ``"dp_cp"`` or
     ``"pp"``) uses.
 
@@ -159,16 +161,28 @@ def group_link(device: DeviceSpec, layout: Layout, axis: str, devices_per_node: 
         layout: the layout.
         axis: see :func:`group_ranks_per_node`.
         devices_per_node: devices per node.
+        op: the operation (:data:`~lightning_par.planner.calibration.COLLECTIVE_OPS`); on a device with a
+            ``calibration``, its measured bus bandwidth and latency for that op replace the link fields (None: the
+            fields).
+        payload_bytes: the operation's buffer in bytes; with ``op`` on a calibrated device, the bandwidth
+            measured at that payload where a curve was published, latency then 0
+            (:meth:`~lightning_par.planner.calibration.DeviceCalibration.link`).
 
     Returns:
         ``(bytes/s, seconds per message)``.
 
     Raises:
-        ValueError: an unknown axis.
+        ValueError: an unknown axis or op.
     """
     dims = layout.dims()
+    intra_bw, intra_lat = device.intra_node_bandwidth, device.intra_node_latency_s
+    inter_bw, inter_lat = device.inter_node_bandwidth, device.inter_node_latency_s
+    if op is not None and device.calibration is not None:  # published figures per operation (calibration.json)
+        cal = calibration_for(device.calibration)
+        intra_bw, intra_lat = cal.link(op, True, payload_bytes)
+        inter_bw, inter_lat = cal.link(op, False, payload_bytes)
     if dims.size(axis) * dims.stride(axis) <= devices_per_node:  # the ranks one group spans (raises for an unknown axis)
-        return device.intra_node_bandwidth, device.intra_node_latency_s
+        return intra_bw, intra_lat
     adapters = group_ranks_per_node(layout, axis, devices_per_node)
-    bandwidth = min(adapters * device.inter_node_bandwidth, device.intra_node_bandwidth)  # rings also cross NVLink
-    return bandwidth, device.inter_node_latency_s
+    bandwidth = min(adapters * inter_bw, intra_bw)  # rings also cross NVLink
+    return bandwidth, inter_lat

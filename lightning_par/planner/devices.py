@@ -1,10 +1,12 @@
 """Device specifications: memory, compute and links of one device, with presets for common GPUs.
 
-GPU presets hold vendor datasheet figures (dense bf16 tensor-core peak, HBM capacity and bandwidth, NVLink and
-per-GPU network bandwidth in one direction) and two assumptions, stated per field: the fraction of peak the training
-kernels reach (``matmul_efficiency``) and the share of overlappable communication actually hidden
-(``comm_overlap``). The ``"cpu"`` device is not a preset: it is measured on this machine by
-:func:`lightning_par.planner.calibrate.calibrate_cpu` and loaded from its JSON file
+GPU presets hold vendor datasheet figures (dense bf16 tensor-core peak, HBM capacity and bandwidth) and published
+measurements read from ``data/calibration.json`` (:mod:`lightning_par.planner.calibration`, every number with its
+source): the best measured matmul rate over the peak (``matmul_efficiency``), refined per GEMM shape by the step-time
+model, and measured bus bandwidths and latencies of NVLink and of one network adapter (per operation and payload in
+the calibration; the point-to-point figures in the link fields). One assumption remains, stated per field: the share
+of overlappable communication actually hidden (``comm_overlap``). The ``"cpu"`` device is not a preset: it is
+measured on this machine by :func:`lightning_par.planner.calibrate.calibrate_cpu` and loaded from its JSON file
 (:func:`lightning_par.planner.calibrate.load_cpu_device`).
 
 Pure Python: no torch import.
@@ -15,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+from lightning_par.planner.calibration import calibration_for
 
 __all__ = ["DEVICE_PRESETS", "DeviceSpec", "get_device"]
 
@@ -38,8 +42,9 @@ class DeviceSpec:
             (:func:`~lightning_par.planner.comm.group_link`).
         intra_node_latency_s: fixed seconds per message (one ring step) inside a node.
         inter_node_latency_s: fixed seconds per message (one ring step) across nodes.
-        matmul_efficiency: fraction of ``peak_flops`` the matmuls reach (an assumption for GPUs; 1.0 for a
-            calibrated CPU, whose peak is the measured matmul rate). The memory-bound kernels are charged apart, at
+        matmul_efficiency: fraction of ``peak_flops`` the matmuls reach (for the GPU presets the best measured
+            matmul rate, refined per GEMM shape when ``calibration`` is set; 1.0 for a calibrated CPU, whose peak is
+            the measured matmul rate). The memory-bound kernels are charged apart, at
             ``memory_bandwidth``.
         comm_overlap: fraction of overlappable communication (the dp gradient reduction during the last backward,
             ZeRO-3 gathers during compute) that is hidden.
@@ -55,6 +60,9 @@ class DeviceSpec:
         sharded_optimizer_tensor_overhead_s: the same for the DTensor shards that the ZeRO modes step.
         default_precision: the precision plans use unless told otherwise (see
             :data:`lightning_par.planner.precision.PRECISIONS`).
+        calibration: a family of :mod:`lightning_par.planner.calibration` (``"a100"``, ``"h100"``): matmul time per
+            GEMM shape and link figures per collective from its published measurements; None (custom specs, the
+            CPU): every matmul at ``achieved_flops``, every collective at the link fields.
 
     Raises:
         ValueError: a non-positive capacity, peak or bandwidth, or a fraction outside its range.
@@ -77,6 +85,7 @@ class DeviceSpec:
     optimizer_tensor_overhead_s: float = 0.0
     sharded_optimizer_tensor_overhead_s: float = 0.0
     default_precision: str = "mixed-bf16"
+    calibration: str | None = None
 
     def __post_init__(self) -> None:
         for f in ("memory_bytes", "peak_flops", "memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
@@ -101,6 +110,8 @@ class DeviceSpec:
                 f"DeviceSpec.reserved_bytes={self.reserved_bytes!r} is not valid: expected less than memory_bytes="
                 f"{self.memory_bytes!r}."
             )
+        if self.calibration is not None:
+            calibration_for(self.calibration)  # raises for an unknown family
 
     @property
     def usable_bytes(self) -> float:
@@ -117,29 +128,26 @@ class DeviceSpec:
         return dataclasses.replace(self, **changes)
 
 
-# Datasheet figures: NVIDIA A100 (SXM4) and H100/H200 (SXM5) product briefs. Memory as nvidia-smi reports it.
-# Network: one 200 Gb/s HDR (DGX A100) or 400 Gb/s NDR (DGX H100/H200) adapter per GPU. NVLink: 600 GB/s (A100) and
-# 900 GB/s (H100/H200) total per GPU, i.e. 300 and 450 GB/s in one direction.
-# matmul_efficiency=0.75: an assumption, the middle of the ~0.7-0.8 of peak that large bf16 GEMMs reach. It covers the
-# matmuls only: the memory-bound norms, dropouts, GeLU and softmax are charged separately at memory_bandwidth
-# (lightning_par.planner.elementwise; before they were, a lumped 0.6 stood for both). comm_overlap=0.8: an assumption.
+def _preset(name: str, family: str, memory_bytes: float, peak_flops: float, memory_bandwidth: float) -> DeviceSpec:
+    """A GPU preset: datasheet capacity, peak and HBM bandwidth; matmul plateau and links from the calibration."""
+    cal = calibration_for(family)
+    intra_bw, intra_lat = cal.link("p2p", inside_node=True)
+    inter_bw, inter_lat = cal.link("p2p", inside_node=False)
+    return DeviceSpec(
+        name=name, memory_bytes=memory_bytes, peak_flops=peak_flops, memory_bandwidth=memory_bandwidth,
+        intra_node_bandwidth=intra_bw, inter_node_bandwidth=inter_bw, intra_node_latency_s=intra_lat,
+        inter_node_latency_s=inter_lat, matmul_efficiency=cal.plateau, calibration=family,
+    )
+
+
+# Datasheet figures: NVIDIA A100 (SXM4) and H100/H200 (SXM5) product briefs: dense bf16 peak, HBM bandwidth, memory as
+# nvidia-smi reports it. Measured figures (matmul plateau, NVLink and network bus bandwidth and latency, one network
+# adapter per GPU as in DGX A100/H100): data/calibration.json, with their sources. comm_overlap=0.8: an assumption.
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
-    "a100-40gb": DeviceSpec(
-        name="a100-40gb", memory_bytes=40 * _GiB, peak_flops=312e12, memory_bandwidth=1.555e12,
-        intra_node_bandwidth=300e9, inter_node_bandwidth=25e9,
-    ),
-    "a100-80gb": DeviceSpec(
-        name="a100-80gb", memory_bytes=80 * _GiB, peak_flops=312e12, memory_bandwidth=2.039e12,
-        intra_node_bandwidth=300e9, inter_node_bandwidth=25e9,
-    ),
-    "h100-80gb": DeviceSpec(
-        name="h100-80gb", memory_bytes=80 * _GiB, peak_flops=989e12, memory_bandwidth=3.35e12,
-        intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
-    ),
-    "h200": DeviceSpec(
-        name="h200", memory_bytes=143771 * (1 << 20), peak_flops=989e12, memory_bandwidth=4.8e12,
-        intra_node_bandwidth=450e9, inter_node_bandwidth=50e9,
-    ),
+    "a100-40gb": _preset("a100-40gb", "a100", 40 * _GiB, 312e12, 1.555e12),
+    "a100-80gb": _preset("a100-80gb", "a100", 80 * _GiB, 312e12, 2.039e12),
+    "h100-80gb": _preset("h100-80gb", "h100", 80 * _GiB, 989e12, 3.35e12),
+    "h200": _preset("h200", "h100", 143771 * (1 << 20), 989e12, 4.8e12),
 }
 
 

@@ -3,7 +3,9 @@
 Per pipeline rank and micro-batch (``b`` sequences of ``s`` tokens), the rank's ``L / p`` layers cost
 
 * **compute**: ``b s (L/p) (f_layer + f_recompute) / t`` FLOPs, plus the head's ``6 V h b s / t`` on the last rank,
-  at ``peak_flops * matmul_efficiency`` (model FLOPs per token from :class:`~lightning_par.planner.model.ModelSpec`;
+  at ``peak_flops * matmul_efficiency`` (on a device with a ``calibration``: at the rate its published measurements
+  give each GEMM shape, :func:`~lightning_par.planner.calibration.layer_matmul_rates`) (model FLOPs per token from
+  :class:`~lightning_par.planner.model.ModelSpec`;
   full recomputation adds one forward, ``f_layer / 3``; selective adds the attention scores' forward, ``4 s h``:
   Korthikanti et al. 2022, §5);
 * **memory-bound kernels**: the bytes that the layer's norms, dropouts, residual adds, bias-GeLU and attention
@@ -50,6 +52,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lightning_par.planner.calibration import layer_matmul_rates
 from lightning_par.planner.comm import (
     allgather_bytes,
     collective_time,
@@ -111,11 +114,12 @@ def pp_message_time(message_bytes: float, layout: Layout, device: DeviceSpec, de
         Seconds.
     """
     t = layout.tp_size
-    bw, lat = group_link(device, layout, "pp", devices_per_node)
+    bw, lat = group_link(device, layout, "pp", devices_per_node, op="p2p")
     if layout.sequence_parallel:
         return collective_time(message_bytes / t, bw, lat, 1, ring_steps("p2p", 2))
     if scatter_gather and t > 1:
-        tp_bw, tp_lat = group_link(device, layout, "tp", devices_per_node)
+        tp_bw, tp_lat = group_link(device, layout, "tp", devices_per_node, op="all_gather",
+                                   payload_bytes=message_bytes)
         gather = collective_time(allgather_bytes(message_bytes, t), tp_bw, tp_lat, 1, ring_steps("all_gather", t))
         return collective_time(message_bytes / t, bw, lat, 1, ring_steps("p2p", 2)) + gather
     return collective_time(message_bytes, bw, lat, 1, ring_steps("p2p", 2))
@@ -185,13 +189,13 @@ def predict_step_time(
     e = precision.activation_bytes
     tokens_mb = b * s_rank
     layers = model.num_layers / p
-    flops = device.achieved_flops
+    layer_rate, head_rate = layer_matmul_rates(model, layout, device, e)  # FLOP/s per GEMM shape (calibration.py)
 
     # --- one micro-batch on the slowest pipeline rank: compute, overhead, tp, cp and pp communication
     f_layer = model.layer_flops_per_token()  # per token over the whole sequence's keys, whatever the cp split
     f_extra = recompute_flops_per_token(model, layout.activation_checkpointing)
-    layer_compute = tokens_mb * (f_layer + f_extra) / t / flops
-    head_compute = tokens_mb * model.head_flops_per_token() / t / flops
+    layer_compute = tokens_mb * (f_layer + f_extra) / t / layer_rate
+    head_compute = tokens_mb * model.head_flops_per_token() / t / head_rate
     slot_compute = layers * layer_compute + head_compute  # the last rank, which also runs the head
     elementwise = elementwise_bytes_per_layer(
         s, b, h, model.num_heads, t, layout.sequence_parallel, layout.activation_checkpointing, e, model.ffn,
@@ -202,14 +206,16 @@ def predict_step_time(
     overhead = layers * (model.layer_ops * device.op_overhead_s + (device.tp_layer_overhead_s if t > 1 else 0.0))
     tp_comm = 0.0
     if t > 1:
-        bw, lat = group_link(device, layout, "tp", devices_per_node)
+        op = "all_gather" if layout.sequence_parallel else "all_reduce"  # sp: all-gather / reduce-scatter pairs
+        bw, lat = group_link(device, layout, "tp", devices_per_node, op=op, payload_bytes=b * s_rank * h * e)
         recompute = layout.activation_checkpointing == "full"
         n_ops = 6 if recompute else 4  # all-reduces (with sp: as many all-gather + reduce-scatter pairs, same steps)
         sent = tp_layer_comm_bytes(b, s_rank, h, t, e, recompute_forward=recompute)
         tp_comm = layers * collective_time(sent, bw, lat, n_ops, ring_steps("all_reduce", t))
     cp_comm = 0.0
     if cp > 1:
-        bw, lat = group_link(device, layout, "cp", devices_per_node)
+        bw, lat = group_link(device, layout, "cp", devices_per_node,
+                             op="p2p" if layout.cp_method == "ring" else "all_to_all")
         # Selective recomputation reruns the attention, whose exchanges are inside it; full reruns the whole forward.
         recompute = layout.activation_checkpointing != "none"
         sent, n_ops, steps = cp_layer_comm_bytes(layout.cp_method, b, s, h, cp, t, e, recompute_forward=recompute)
@@ -227,7 +233,10 @@ def predict_step_time(
     dcp = d * cp
     dp_comm = 0.0
     if dcp > 1:
-        bw, lat = group_link(device, layout, "dp_cp", devices_per_node)
+        bucket = min(params * precision.grad_bytes, 25 * (1 << 20))  # the reducer's 25 MiB buckets
+        bw, lat = group_link(device, layout, "dp_cp", devices_per_node,
+                             op="all_reduce" if layout.dp_mode in ("ddp", "zero1") else "reduce_scatter",
+                             payload_bytes=bucket if layout.dp_mode != "zero3" else None)
         sent = zero_step_comm_bytes(layout.dp_mode, params, dcp, precision.param_bytes, precision.grad_bytes, m)
         buckets = max(1, math.ceil(params * precision.grad_bytes / (25 * (1 << 20))))  # 25 MiB buckets
         steps = {  # ring steps per step: reductions and gathers over the buckets, or per block for zero3

@@ -13,7 +13,8 @@ from lightning_par.planner.comm import group_link, group_ranks_per_node
 from lightning_par.planner.elementwise import elementwise_bytes_per_layer
 from lightning_par.planner.step_time import pp_message_time
 
-A100 = DEVICE_PRESETS["a100-80gb"]
+A100 = DEVICE_PRESETS["a100-80gb"].replace(calibration=None)  # the fields alone: hand-computable (per-shape GEMM
+# rates and per-payload link rates are tested in test_planner_calibration.py)
 NVLINK, NIC = A100.intra_node_bandwidth, A100.inter_node_bandwidth  # 300 GB/s, 25 GB/s per GPU (one HDR HCA)
 #: Megatron-LM's 7.5B and 18.4B GPTs of Table 1 (s = 2048, V = 51200, tied embeddings).
 GPT_7B = ModelSpec(num_layers=36, hidden_size=4096, num_heads=32, vocab_size=51200, seq_len=2048, tied_embeddings=True)

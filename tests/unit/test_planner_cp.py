@@ -37,7 +37,7 @@ from lightning_par.planner.step_time import predict_step_time
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
 SMALL = GPTConfig.from_preset("small")  # 4 layers, 4 heads, 128 wide, 128 tokens
-A100 = DEVICE_PRESETS["a100-80gb"]
+A100 = DEVICE_PRESETS["a100-80gb"].replace(calibration=None)  # the link fields alone: hand-computable
 NVLINK, NIC = A100.intra_node_bandwidth, A100.inter_node_bandwidth
 BF16 = get_precision("mixed-bf16")
 #: A 7B-class GPT (README's worked example).
