@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from lightning_par.compat import local_tensor
+from torch.distributed.tensor import DTensor
 
 __all__ = ["SUPPORTED_BLOCKS", "ContractExperts", "ContractSparseBlock", "expert_modules"]
 
@@ -27,16 +26,21 @@ __all__ = ["SUPPORTED_BLOCKS", "ContractExperts", "ContractSparseBlock", "expert
 SUPPORTED_BLOCKS = ("Qwen3MoeSparseMoeBlock",)
 
 
+def _local(w: Tensor) -> Tensor:
+    """This rank's experts of an expert weight (a ``Shard(0)`` DTensor under ep), differentiably."""
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
 class ContractExperts(nn.Module):
     """Mixin over an HF experts class: ``forward(x, counts)`` per the contract.
 
     ``x`` ``(tokens, hidden)`` sorted by expert, ``counts`` ``(experts held,)`` int64; returns ``(tokens, hidden)`` in
     the order of ``x``: each expert's ``down(act(gate(x)) * up(x))`` from its rows of ``gate_up_proj`` (gate first,
-    then up, concatenated) and ``down_proj``, read through their local shards under ep.
+    then up, concatenated) and ``down_proj``, read through ``to_local()`` under ep.
     """
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:  # type: ignore[override]
-        gate_up, down = local_tensor(self.gate_up_proj), local_tensor(self.down_proj)
+        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
         out = []
         for e, chunk in enumerate(x.split(counts.tolist())):
             gate, up = F.linear(chunk, gate_up[e]).chunk(2, dim=-1)
