@@ -2,7 +2,7 @@
 
 Models (tiny configs built here, random weights, fp32): Llama and Qwen3 (hidden 32, 4 layers, 4 heads over 2 KV
 heads, vocab 256 as :class:`tests.helpers.TokenDataset`) and Qwen3-MoE (every layer 4 experts, top-2), each wrapped in
-:class:`lightning_par.hf.HFCausalLM` with SGD + momentum or AdamW. Layouts: pp2 (1F1B, 2 micro-batches), dp2·pp2,
+:class:`lightning_par.hf.HFCausalLM` with SGD + momentum or AdamW. Layouts: pp2 (1F1B, 2 micro-batches), dp2·pp2 (ddp, zero3),
 cp2 (ring and all-to-all, and cp2·pp2), qwen3_moe ep2 under zero1 and zero3, and dp2·tp2·pp2 at world 8 once the HF
 tensor-parallel plan exists (``HFAdapter.tp_plan``). Each case: every step's global loss and the gathered parameters
 within ``rtol=1e-5`` of one process on the same global batches; a pipelined run's parameter names are the plain
@@ -95,7 +95,8 @@ WORLD2 = [
 ]
 WORLD4 = [
     _case("dp2pp2-1f1b-qwen3-sgd", "qwen3-sgd", dp_size=2, pp_size=2, schedule="1f1b", num_microbatches=2),
-    _case("dp2pp2-1f1b-llama-adamw", "llama-adamw", dp_size=2, pp_size=2, schedule="1f1b", num_microbatches=2),
+    _case("dp2pp2-1f1b-zero3-llama-adamw", "llama-adamw", dp_size=2, pp_size=2, schedule="1f1b", num_microbatches=2,
+          dp_mode="zero3"),
     _case("cp2pp2-1f1b-llama-sgd", "llama-sgd", cp_size=2, pp_size=2, schedule="1f1b", num_microbatches=2),
 ]
 WORLD8 = [
