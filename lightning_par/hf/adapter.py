@@ -59,7 +59,7 @@ class HFAdapter:
 
     @staticmethod
     def expert_modules(network: nn.Module) -> list[str]:
-        """Paths of the experts modules of the supported MoE architectures (qwen3_moe); their sparse blocks are
+        """Paths of the experts modules of the supported MoE architectures (qwen3_moe, mixtral); their sparse blocks are
         switched to the contract's ``experts(x sorted by expert, counts)`` call (:mod:`lightning_par.hf.experts`).
 
         Raises:

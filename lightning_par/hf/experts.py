@@ -1,4 +1,4 @@
-"""Expert parallelism for a Hugging Face mixture-of-experts architecture: ``qwen3_moe``.
+"""Expert parallelism for Hugging Face mixture-of-experts architectures: ``qwen3_moe`` (and ``mixtral``).
 
 ``transformers`` 5.24 keeps each MoE layer's experts as one module with the expert index on dim 0 of every parameter
 (``Qwen3MoeExperts``: ``gate_up_proj`` ``(E, 2 * moe_intermediate_size, hidden)``, ``down_proj``
@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 __all__ = ["SUPPORTED_BLOCKS", "ContractExperts", "ContractSparseBlock", "expert_modules"]
 
 #: Sparse-block classes whose experts can be split over the ep ranks (by class name: ``transformers`` is optional).
-SUPPORTED_BLOCKS = ("Qwen3MoeSparseMoeBlock",)
+SUPPORTED_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock")
 
 
 def _local(w: Tensor) -> Tensor:
@@ -95,7 +95,7 @@ def expert_modules(network: nn.Module) -> list[str]:
     Raises:
         ValueError: a sparse block of an architecture not in :data:`SUPPORTED_BLOCKS` (any module with ``experts``
             and ``gate`` children), or one whose experts are not laid out as ``gate_up_proj``/``down_proj``
-            ``(E, ...)``.
+            ``(E, ...)``; a router with jitter noise (``router_jitter_noise > 0``).
     """
     paths = []
     for name, module in network.named_modules():
@@ -107,7 +107,13 @@ def expert_modules(network: nn.Module) -> list[str]:
             raise ValueError(
                 f"expert parallelism (ep_size > 1) is not valid for {type(network).__name__}: its mixture-of-experts "
                 f"layer {name!r} ({type(module).__name__}) is not supported; supported: {list(SUPPORTED_BLOCKS)} "
-                f"(model_type 'qwen3_moe'). Use ep_size=1 (zero3 shards the experts with the rest)."
+                f"(model_type 'qwen3_moe', 'mixtral'). Use ep_size=1 (zero3 shards the experts with the rest)."
+            )
+        if getattr(module, "jitter_noise", 0):
+            raise ValueError(
+                f"expert parallelism is not valid for {type(network).__name__} with router_jitter_noise="
+                f"{module.jitter_noise}: the contract's experts call routes the tokens as given; expected "
+                f"router_jitter_noise=0."
             )
         if not _experts_shapes_ok(experts):
             raise ValueError(

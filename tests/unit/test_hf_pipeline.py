@@ -126,8 +126,13 @@ def test_cp_positions_reach_sdpa_unmasked_under_the_adapter_context() -> None:
     assert model.config._attn_implementation == "sdpa"  # restored
 
 
-def test_qwen3_moe_experts_in_the_contract_call_match_transformers() -> None:
-    plain, switched = _model("qwen3_moe"), _model("qwen3_moe")
+MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_moe_experts_in_the_contract_call_match_transformers(model_type: str) -> None:
+    extra = MIXTRAL if model_type == "mixtral" else {}
+    plain, switched = _model(model_type, **extra), _model(model_type, **extra)
     paths = contract.expert_modules(switched)
     assert paths == [f"model.layers.{i}.mlp.experts" for i in range(4)]
     assert contract.num_experts(switched, paths[0]) == 4
@@ -140,7 +145,25 @@ def test_qwen3_moe_experts_in_the_contract_call_match_transformers() -> None:
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_an_unsupported_moe_architecture_is_refused_for_ep() -> None:
-    model = _model("mixtral", num_local_experts=4, num_experts_per_tok=2)
-    with pytest.raises(ValueError, match=r"MixtralSparseMoeBlock\) is not supported; supported: \['Qwen3MoeSparse"):
+def test_an_unsupported_moe_architecture_or_router_is_refused_for_ep() -> None:
+    model = _model("qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[])
+    with pytest.raises(ValueError, match=r"Qwen2MoeSparseMoeBlock\) is not supported; supported: \['Qwen3MoeSparse"):
         contract.expert_modules(model)
+    with pytest.raises(ValueError, match="router_jitter_noise=0.01: .* expected router_jitter_noise=0"):
+        contract.expert_modules(_model("mixtral", router_jitter_noise=0.01, **MIXTRAL))
+
+
+def test_cp_refuses_a_sliding_window_shorter_than_the_sequence() -> None:
+    from lightning_par.context_parallel import sequence
+
+    model = _model("mistral", sliding_window=8)
+    positions = torch.tensor([0, 1, 2, 3, 12, 13, 14, 15])
+    sequence.push(sequence.SequenceShard(None, positions, 2))
+    try:
+        with contract.context_parallel_attention(model)(), pytest.raises(
+            ValueError, match=r"sliding_window=8 on sequences of 16 tokens"
+        ):
+            model(input_ids=IDS[:1, :8], position_ids=positions[None], use_cache=False)
+    finally:
+        sequence.pop()
