@@ -167,3 +167,26 @@ def test_cp_refuses_a_sliding_window_shorter_than_the_sequence() -> None:
             model(input_ids=IDS[:1, :8], position_ids=positions[None], use_cache=False)
     finally:
         sequence.pop()
+
+
+def test_layouts_an_hf_model_cannot_run_are_refused_before_any_process_starts() -> None:
+    """The checks the strategies make before the process group starts (``parallelize.validate``)."""
+    from lightning_par.hf import HFCausalLM
+    from lightning_par.parallel_dims import ParallelDims
+    from lightning_par.parallelize import ParallelOptions, validate
+
+    gpt2 = HFCausalLM(model_type="gpt2", config=dict(n_embd=32, n_layer=2, n_head=2, vocab_size=256))
+    with pytest.raises(ValueError, match="no base_model_pp_plan"):
+        validate(gpt2, ParallelDims(pp_size=2, world_size=2), ParallelOptions.build())
+    tied = HFCausalLM(model_type="llama", config={**TINY, "tie_word_embeddings": True})
+    with pytest.raises(ValueError, match="tie_word_embeddings=True"):
+        validate(tied, ParallelDims(pp_size=2, world_size=2), ParallelOptions.build())
+    shared = HFCausalLM(model_type="qwen2_moe", config={**TINY, "num_experts": 4, "moe_intermediate_size": 32,
+                                                        "shared_expert_intermediate_size": 32})
+    with pytest.raises(ValueError, match="Qwen2MoeSparseMoeBlock.*is not supported"):
+        validate(shared, ParallelDims(ep_size=2, world_size=2), ParallelOptions.build())
+    moe = HFCausalLM(model_type="qwen3_moe", config={**TINY, **MOE, "num_experts": 6})
+    with pytest.raises(ValueError, match=r"ep_size=4 is not valid for model.layers.0.mlp.experts with num_experts=6"):
+        validate(moe, ParallelDims(ep_size=4, world_size=4), ParallelOptions.build())
+    validate(HFCausalLM(model_type="qwen3", config=TINY), ParallelDims(pp_size=2, cp_size=2, world_size=4),
+             ParallelOptions.build())  # a layout it can run passes
