@@ -2,11 +2,11 @@
 
 Models (tiny configs built here, random weights, fp32): Llama and Qwen3 (hidden 32, 4 layers, 4 heads over 2 KV
 heads, vocab 256 as :class:`tests.helpers.TokenDataset`) and Qwen3-MoE (every layer 4 experts, top-2), each wrapped in
-:class:`lightning_par.hf.HFCausalLM` with SGD + momentum or AdamW. Layouts: pp2 (1F1B, 2 micro-batches), dp2·pp2 (ddp, zero3),
-cp2 (ring and all-to-all, and cp2·pp2), qwen3_moe ep2 under zero1 and zero3, and dp2·tp2·pp2 at world 8 once the HF
-tensor-parallel plan exists (``HFAdapter.tp_plan``). Each case: every step's global loss and the gathered parameters
-within ``rtol=1e-5`` of one process on the same global batches; a pipelined run's parameter names are the plain
-module's. Cases of one world size share one launch.
+:class:`lightning_par.hf.HFCausalLM` with SGD + momentum or AdamW. Layouts: pp2 (1F1B, 2 micro-batches), dp2·pp2
+(ddp, zero3), cp2 (ring and all-to-all), cp2·pp2, qwen3_moe ep2 under zero1 and zero3, and dp2·tp2·pp2 at world 8
+once the HF tensor-parallel plan exists (``HFAdapter.tp_plan``). Each case: every step's global loss and the gathered
+parameters within ``rtol=1e-5`` of one process on the same global batches; a pipelined run's parameter names are the
+plain module's. Cases of one world size share one launch.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ def _run(world: int, plan: list[dict[str, Any]]) -> dict[str, list[dict[str, Any
 
 
 def _check(results: list[dict[str, Any]], model: str) -> None:
-    """Every step's global loss (the mean over the ranks that report one: the last stage of each dp replica ... cp
-    piece) and the gathered parameters against one process on the same global batches."""
+    """Every step's global loss (the mean over the ranks holding the last stage: one per dp replica and cp piece,
+    each the mean over as many tokens) and the gathered parameters against one process on the same global batches."""
     dp = results[0]["dp"]
     ref_losses, ref_params = reference_fit(lambda: make_hf(model), TokenDataset(n=MICRO * 2 * STEPS, seq=SEQ),
                                            MICRO * dp, STEPS)
