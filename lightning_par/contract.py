@@ -36,7 +36,9 @@ context parallelism         attention through ``torch.nn.functional.scaled_dot_p
                             positions of the tokens a rank holds. Batches arrive with every tensor's sequence dim
                             (dim 1) split and ``position_ids`` ``(seq_local,)`` appended (a tuple batch) or added under
                             that key (a dict batch); under pipelining ``pipeline_batch`` maps them into the first
-                            stage's inputs. For ``method="all_to_all"``: ``network.attention_heads()``.
+                            stage's inputs. For ``method="all_to_all"``: ``network.attention_heads()``. Optional
+                            ``network.context_parallel_attention()``: a context each cp step runs in (e.g. to turn
+                            off a mask the model would build from the positions).
 expert parallelism          ``network.expert_modules() -> list[str]``: paths (relative to the network) of the experts
                             of every mixture-of-experts layer. An experts module is called as ``experts(x, counts)``
                             with ``x`` ``(tokens, d)`` sorted by expert and ``counts`` ``(experts held,)`` int64; it
@@ -62,6 +64,7 @@ __all__ = [
     "register_adapter",
     "attention_heads",
     "checkpoint_modules",
+    "context_parallel_attention",
     "context_parallel_positions",
     "expert_modules",
     "find_network",
@@ -305,6 +308,14 @@ def context_parallel_positions(network: nn.Module) -> None:
         f"position_ids argument (global positions, (seq,) or (batch, seq)) to forward and use it for position "
         f"embeddings or rotary frequencies; the LightningModule receives it as the last element of each batch."
     )
+
+
+def context_parallel_attention(network: nn.Module) -> Callable[[], Any] | None:
+    """``network.context_parallel_attention`` (or its adapter's): a factory of the context every context-parallel
+    step runs in, for networks whose attention only reaches ``scaled_dot_product_attention`` unmasked after a change
+    (Hugging Face models build a mask from ``position_ids``); ``None`` when the network has none."""
+    method = _method(network, "context_parallel_attention")
+    return method if callable(method) else None
 
 
 def attention_heads(network: nn.Module) -> int | None:

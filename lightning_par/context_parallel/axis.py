@@ -40,6 +40,9 @@ def _apply(build: Build) -> None:
     method, group = build.options.context_parallel.method, dims.group("cp")
     split = SequenceSplit(rank, dims.cp_size)
     build.batch_transforms.append(split)
+    attention = contract.context_parallel_attention(build.network)
+    if attention is not None:  # e.g. a Hugging Face model's attention without its position-built mask
+        build.step_contexts.append(attention)
     # A fresh mode per step: the positions of the batch the split last cut.
     build.step_contexts.append(lambda: CPAttentionMode(method, group, split.positions))
     build.summaries.append(lambda: {

@@ -24,6 +24,51 @@ class HFAdapter:
 
     # -- pipeline, context and expert parallelism (lightning_par/hf/pipeline.py, lightning_par/hf/experts.py) --
 
+    @staticmethod
+    def pipeline_layers(network: nn.Module) -> list[str]:
+        """The decoder layers from ``config.base_model_pp_plan`` (``["model.layers.0", ...]``).
+
+        Raises:
+            ValueError: no ``base_model_pp_plan``, or tied input/output embeddings
+                (:func:`lightning_par.hf.pipeline.read_plan`).
+        """
+        from lightning_par.hf.pipeline import pipeline_layers
+
+        return pipeline_layers(network)
+
+    @staticmethod
+    def pipeline_stage(network: nn.Module, layers: list[str], *, first: bool, last: bool) -> nn.Module:
+        """A stage running ``layers`` (plus the embedding if ``first``, the norm and head if ``last``) over the
+        network's own modules, parameter names unchanged (:class:`lightning_par.hf.pipeline.HFPipelineStage`)."""
+        from lightning_par.hf.pipeline import pipeline_stage
+
+        return pipeline_stage(network, layers, first=first, last=last)
+
+    @staticmethod
+    def context_parallel_attention(network: nn.Module) -> Any:
+        """The context a context-parallel step runs in: attention without a mask built from ``position_ids``
+        (:func:`lightning_par.hf.context.mask_free_attention`)."""
+        from lightning_par.hf.context import mask_free_attention
+
+        return mask_free_attention(network)
+
+    @staticmethod
+    def attention_heads(network: nn.Module) -> int:
+        """Query heads per layer (``config.num_attention_heads``), for all-to-all context parallelism."""
+        return int(network.config.num_attention_heads)
+
+    @staticmethod
+    def expert_modules(network: nn.Module) -> list[str]:
+        """Paths of the experts modules of the supported MoE architectures (qwen3_moe, mixtral); their sparse blocks are
+        switched to the contract's ``experts(x sorted by expert, counts)`` call (:mod:`lightning_par.hf.experts`).
+
+        Raises:
+            ValueError: a mixture-of-experts layer of an architecture not supported.
+        """
+        from lightning_par.hf.experts import expert_modules
+
+        return expert_modules(network)
+
 
 def _is_pretrained(network: nn.Module) -> bool:
     from transformers import PreTrainedModel

@@ -102,6 +102,14 @@ class HFCausalLM(L.LightningModule):
         x, y, *positions = batch
         return self.loss_fn(self(x, *positions), y)
 
+    def pipeline_batch(self, batch: tuple[torch.Tensor, ...]) -> tuple[Any, torch.Tensor]:
+        """``(inputs, targets)`` for a pipeline schedule: ``x``, or under context parallelism ``(x, position_ids)``
+        with the positions ``(batch, seq)`` so that the schedule splits them into micro-batches with ``x``."""
+        x, y, *positions = batch
+        if not positions:
+            return x, y
+        return (x, positions[0].expand(x.shape[0], -1).contiguous()), y
+
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         """Loss of a batch ``(x, y)`` (``(x, y, position_ids)`` under cp); logs ``train_loss``."""
         loss = self._loss(batch)
