@@ -69,7 +69,8 @@ class HFCausalLM(L.LightningModule):
         adam_eps: AdamW's ``eps``.
 
     Raises:
-        ValueError: neither or both of ``model_type`` and ``pretrained``; an unknown optimizer; a non-positive
+        ValueError: neither or both of ``model_type`` and ``pretrained``; an unknown ``model_type``; a
+            ``pretrained`` path that is not a directory with a ``config.json``; an unknown optimizer; a non-positive
             learning rate. The message names the argument, the value and what is valid.
         ImportError: ``transformers`` is not installed (``pip install 'lightning-par[hf]'``).
     """
@@ -90,6 +91,11 @@ class HFCausalLM(L.LightningModule):
                "exactly one of model_type and pretrained (a local save_pretrained directory)")
         _check("optimizer", optimizer, optimizer in OPTIMIZERS, f"one of {OPTIMIZERS}")
         _check("learning_rate", learning_rate, learning_rate > 0, "a positive float")
+        if pretrained is not None:
+            import os
+
+            _check("pretrained", pretrained, os.path.isfile(os.path.join(str(pretrained), "config.json")),
+                   "a local directory written by save_pretrained (with a config.json)")
         if model_type is not None:
             _check("model_type", model_type, _known_model_type(model_type),
                    "a transformers model type such as 'llama', 'qwen2', 'qwen3', 'mistral', 'qwen3_moe', 'mixtral'")
