@@ -44,6 +44,8 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any]]] = {
     "ac": ("ddp_overlap", {"activation_checkpointing": "full"}),
     "zero3ac": ("zero3", {"activation_checkpointing": "full"}),
     "acsel": ("zero2", {"activation_checkpointing": "selective"}),
+    "dp2tp2sp-zero1": ("parallel_3d", {"dp_size": 2, "tp_size": 2, "dp_mode": "zero1", "sequence_parallel": True}),
+    "dp2tp2-zero3": ("parallel_3d", {"dp_size": 2, "tp_size": 2, "dp_mode": "zero3"}),
 }
 #: (architecture, layout, optimizer): every layout for llama and qwen3, the optimizers spread over them; the MoE
 #: architecture under zero3 and under tp2 + sequence parallelism (experts whole on each tp rank, per-token block).
@@ -55,6 +57,10 @@ CASES = [
     ("qwen2", "tp2sp", "adamw"), ("mistral", "tp2", "sgd"), ("llama", "acsel", "adamw"),
     ("qwen3_moe", "zero3", "adamw"), ("qwen3_moe", "tp2sp", "sgd"),
 ]
+
+#: World 4, one launch: dp2 x tp2, the partial gradients of the replicated norms (q/k norms, sequence-parallel norms)
+#: summed over tp on the ZeRO engine's shards, and FSDP2 over tensor-parallel DTensors.
+CASES4 = [("qwen3", "dp2tp2sp-zero1", "sgd"), ("llama", "dp2tp2-zero3", "adamw")]
 
 
 def make_hf(arch: str, optimizer: str) -> Any:
@@ -108,6 +114,12 @@ def world2(data) -> dict[str, list[dict[str, Any]]]:
     return {_name(case): [per_rank[r][i] for r in range(2)] for i, case in enumerate(CASES)}
 
 
+@pytest.fixture(scope="module")
+def world4(data) -> dict[str, list[dict[str, Any]]]:
+    per_rank = run_distributed(hf_worker, 4, (CASES4, data), timeout_s=900)
+    return {_name(case): [per_rank[r][i] for r in range(4)] for i, case in enumerate(CASES4)}
+
+
 _REFERENCES: dict[tuple[str, str], tuple[list[float], dict[str, torch.Tensor]]] = {}
 
 
@@ -120,8 +132,16 @@ def _reference(arch: str, optimizer: str, data: TokenDataset) -> tuple[list[floa
 
 @pytest.mark.parametrize("case", CASES, ids=_name)
 def test_hf_model_matches_one_process(world2, data, case):
+    _check(world2[_name(case)], data, case)
+
+
+@pytest.mark.parametrize("case", CASES4, ids=_name)
+def test_hf_model_on_dp2_tp2_matches_one_process(world4, data, case):
+    _check(world4[_name(case)], data, case)
+
+
+def _check(runs: list[dict[str, Any]], data: TokenDataset, case: tuple[str, str, str]) -> None:
     arch, layout, optimizer = case
-    runs = world2[_name(case)]
     ref_losses, ref_params = _reference(arch, optimizer, data)
     torch.testing.assert_close(torch.tensor(global_losses(runs)), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     for r in runs:
@@ -132,6 +152,7 @@ def test_hf_model_matches_one_process(world2, data, case):
     assert extras["activation_checkpointing"] == LAYOUTS[layout][1].get("activation_checkpointing", "none")
     if layout.startswith("tp2"):  # each rank holds half of what the model's plan splits, all of the rest
         assert extras["param_bytes_per_rank"] == _tp2_param_bytes(arch)
+    assert extras["dp_size"] == LAYOUTS[layout][1].get("dp_size", 2 // extras["tp_size"])
 
 
 def _tp2_param_bytes(arch: str) -> int:
