@@ -71,7 +71,9 @@ HF_STYLES: dict[str, tuple[str | None, str]] = {
 }
 
 #: Styles valid only on a parameter of an experts module (dropped: the experts module's entry covers them).
-_EXPERT_PARAM_STYLES = {"packed_colwise", "packed_rowwise", "local_packed_rowwise", "rowwise", "colwise", "grouped_gemm"}
+_EXPERT_PARAM_STYLES = {
+    "packed_colwise", "packed_rowwise", "local_packed_rowwise", "rowwise", "colwise", "grouped_gemm",
+}
 
 
 class GlobalPositions(ParallelStyle):

@@ -4,9 +4,9 @@ A plan is declarative and lives beside the model (see ``lightning_par/models/gpt
 module paths relative to the module the plan is applied to; a ``*`` segment matches every child (``"blocks.*.attn"``)
 and ``""`` is that module itself.
 Values are style names (below) or torch ``ParallelStyle`` objects, which are applied as given (and own the
-parameters of their subtree, unless the object has ``covers_parameters = False``: a style that only adds hooks). A style name means the
-same thing with and without sequence parallelism; :func:`resolve_style` picks the layouts for the mode, so one plan
-serves both.
+parameters of their subtree, unless the object has ``covers_parameters = False``: a style that only adds hooks). A
+style name means the same thing with and without sequence parallelism; :func:`resolve_style` picks the layouts for the
+mode, so one plan serves both.
 
 ===================== ================================================================================================
 name                  meaning (Megatron-LM, Shoeybi et al. 2019, §3; sequence parallelism, Korthikanti et al. 2022)

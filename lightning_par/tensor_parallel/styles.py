@@ -150,8 +150,8 @@ class PlainSequenceParallel(ParallelStyle):
     Sequence parallelism (Korthikanti et al. 2022, §4.2.2): the activations between the sub-blocks are split over the
     sequence (dim 1) across the tp ranks, so a norm computes ``seq / tp_size`` positions. Its weight and bias stay
     plain tensors; their gradients (those of its whole subtree) cover this rank's positions only (partial sums over
-    the tp ranks), recorded for :func:`sync_partial_grads`. Input and output: local ``(batch, seq / tp_size, ...)`` tensors (a DTensor input is
-    made ``Shard(1)`` and local first).
+    the tp ranks), recorded for :func:`sync_partial_grads`. Input and output: local ``(batch, seq / tp_size, ...)``
+    tensors (a DTensor input is made ``Shard(1)`` and local first).
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

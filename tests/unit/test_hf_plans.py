@@ -57,7 +57,8 @@ def test_every_style_name_of_the_architectures_translates(arch_model):
     assert plan["model.layers.0.self_attn"] == "colwise_input"
     assert plan["model.layers.0.self_attn.q_proj"] == "colwise" and plan["model.layers.0.self_attn.o_proj"] == "rowwise"
     if arch.startswith("qwen3"):  # per-head norms on the local heads: replicated, gradients summed over tp
-        assert plan["model.layers.0.self_attn.q_norm"] == plan["model.layers.1.self_attn.k_norm"] == "replicate_grad_sum"
+        norms = (plan["model.layers.0.self_attn.q_norm"], plan["model.layers.1.self_attn.k_norm"])
+        assert norms == ("replicate_grad_sum", "replicate_grad_sum")
     if arch in ("qwen3_moe", "mixtral"):  # experts whole on every tp rank, the block a per-token module
         assert plan["model.layers.0.mlp"] == "sequence_parallel" and "model.layers.0.mlp.experts" not in plan
     else:
