@@ -12,6 +12,10 @@ model's prefix ``model.``). :func:`hf_tp_plan` translates its style names into o
 * a hook on the network that passes ``position_ids`` (``0..seq-1``) when the caller gives none, so that under sequence
   parallelism the rotary embedding is computed for the whole sequence, not from the length of a sequence shard.
 
+Under sequence parallelism a padding ``attention_mask`` is not supported: transformers builds the mask from the
+length of the embeddings, a shard's. Without one (causal language modelling) SDPA's ``is_causal`` sees the gathered
+sequence inside attention.
+
 :data:`HF_STYLES` is the translation table; a style name not in it, or one used where it does not apply, is refused
 with a message naming the module and the Hugging Face style.
 """
