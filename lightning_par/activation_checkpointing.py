@@ -112,10 +112,20 @@ def apply_activation_checkpointing(network: nn.Module, paths: Sequence[str], ski
     return done
 
 
+def _paths(network: nn.Module, mode: str) -> list[str]:
+    """:func:`lightning_par.contract.checkpoint_modules`, its error standing alone: the message already says what
+    activation checkpointing needs, and a chained cause from the fallback (the pipeline layers) would speak of
+    pipeline stages to a run that has none."""
+    try:
+        return contract.checkpoint_modules(network, mode)
+    except ValueError as err:
+        raise ValueError(str(err)) from None
+
+
 def _check(module: nn.Module, network: nn.Module, dims: Any, options: Any) -> None:
     if options.activation_checkpointing == "none":
         return
-    for path in contract.checkpoint_modules(network, options.activation_checkpointing):
+    for path in _paths(network, options.activation_checkpointing):
         try:
             network.get_submodule(path)
         except AttributeError as err:
@@ -129,7 +139,7 @@ def _read_paths(build: Build) -> None:
     """The modules to recompute, read from the whole network before any cut."""
     mode = build.options.activation_checkpointing
     if mode != "none":
-        build.checkpoint_paths = contract.checkpoint_modules(build.network, mode)
+        build.checkpoint_paths = _paths(build.network, mode)
 
 
 def _recompute(build: Build) -> None:

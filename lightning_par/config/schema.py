@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omegaconf import II, MISSING
+from omegaconf import II, MISSING, OmegaConf
 
 from hydra.core.config_store import ConfigStore
 
@@ -50,6 +50,7 @@ __all__ = [
     "ZeroGroup",
     "GPT_TARGET",
     "GPTModelConfig",
+    "HFModelConfig",
     "LOGGER_SCHEMAS",
     "MLFlowLoggerConfig",
     "TensorBoardLoggerConfig",
@@ -256,6 +257,41 @@ class CustomModelConfig:
     """
 
     _target_: str = MISSING
+
+
+#: The Hugging Face causal LM factory that ``model=hf`` instantiates.
+HF_TARGET = "lightning_par.hf.module.recipe_model"
+#: The resolver ``model=hf`` uses: ``${lp_unless:${.pretrained},llama}`` is ``llama`` unless ``pretrained`` is set.
+UNLESS_RESOLVER = "lp_unless"
+
+
+@dataclass
+class HFModelConfig:
+    """A Hugging Face causal LM (``model=hf``, :class:`lightning_par.hf.HFCausalLM`): a ``model_type`` built with
+    random weights, or a local ``pretrained`` directory (never downloaded); exactly one of the two.
+
+    ``python recipes/train.py model=hf model.model_type=qwen3 +model.config.hidden_size=64`` or
+    ``model=hf model.pretrained=DIR``. Its parallelism comes from the model's own plans (lightning_par.hf.adapter).
+    """
+
+    _target_: str = HF_TARGET
+    #: a transformers model type (llama, qwen2, qwen3, mistral, qwen3_moe, mixtral...); conf/model/hf.yaml makes it
+    #: ``llama`` unless ``pretrained`` is set.
+    model_type: Optional[str] = None
+    #: a local directory written by ``save_pretrained`` (config.json and safetensors).
+    pretrained: Optional[str] = None
+    #: config fields overriding ``base_config`` (with ``model_type``) or the directory's config.json
+    #: (``+model.config.hidden_size=64``).
+    config: dict[str, Any] = field(default_factory=dict)
+    #: config fields of a ``model_type`` build under ``config``: a tiny model in conf/model/hf.yaml (vocab 256, as the
+    #: byte corpora); ignored with ``pretrained``.
+    base_config: dict[str, Any] = field(default_factory=dict)
+    #: ``adamw`` or ``sgd`` (with ``momentum``).
+    optimizer: str = "adamw"
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    momentum: float = 0.9
+    adam_eps: float = 1e-8
 
 
 @dataclass
@@ -568,11 +604,14 @@ def register_configs(cs: ConfigStore | None = None) -> None:
     from lightning_par.config.run_id import register_resolvers
 
     register_resolvers()
+    if not OmegaConf.has_resolver(UNLESS_RESOLVER):
+        OmegaConf.register_new_resolver(UNLESS_RESOLVER, lambda other, value: value if other in (None, "") else None)
     cs = cs or ConfigStore.instance()
     cs.store(name="schema_run", node=RunConfig)
     cs.store(group="parallel", name="schema_parallel", node=ParallelConfig)
     cs.store(group="model", name="schema_gpt", node=GPTModelConfig)
     cs.store(group="model", name="schema_custom", node=CustomModelConfig)
+    cs.store(group="model", name="schema_hf", node=HFModelConfig)
     cs.store(group="data", name="schema_byte_corpus", node=ByteCorpusDataConfig)
     cs.store(group="data", name="schema_custom", node=CustomDataConfig)
     for name, schema in LOGGER_SCHEMAS.items():

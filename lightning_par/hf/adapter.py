@@ -22,6 +22,27 @@ class HFAdapter:
 
     # -- tensor parallelism and activation checkpointing (lightning_par/hf/tensor_parallel.py) --
 
+    def tp_plan(self, network: nn.Module) -> dict[str, Any]:
+        """The model's own plan (``network.tp_plan`` / ``config.base_model_tp_plan``) in our style names
+        (:func:`lightning_par.hf.tensor_parallel.hf_tp_plan`)."""
+        from lightning_par.hf.tensor_parallel import hf_tp_plan
+
+        return hf_tp_plan(network)
+
+    def check_tensor_parallel(self, network: nn.Module, tp_size: int, sequence_parallel: bool) -> None:
+        """Heads and key/value heads divisible by ``tp_size``, embeddings untied
+        (:func:`lightning_par.hf.tensor_parallel.check_hf_tensor_parallel`)."""
+        from lightning_par.hf.tensor_parallel import check_hf_tensor_parallel
+
+        check_hf_tensor_parallel(network, tp_size, sequence_parallel)
+
+    def checkpoint_modules(self, network: nn.Module, mode: str) -> list[str]:
+        """Decoder layers (``"full"``) or their attention (``"selective"``)
+        (:func:`lightning_par.hf.tensor_parallel.hf_checkpoint_modules`)."""
+        from lightning_par.hf.tensor_parallel import hf_checkpoint_modules
+
+        return hf_checkpoint_modules(network, mode)
+
     # -- pipeline, context and expert parallelism (lightning_par/hf/pipeline.py, lightning_par/hf/experts.py) --
 
     @staticmethod

@@ -13,9 +13,35 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HFCausalLM"]
+__all__ = ["HFCausalLM", "recipe_model"]
 
 OPTIMIZERS = ("adamw", "sgd")
+
+
+def _known_model_type(model_type: object) -> bool:
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:  # pragma: no cover - reported when the model is built
+        return True
+    return isinstance(model_type, str) and model_type in CONFIG_MAPPING
+
+
+def recipe_model(
+    model_type: str | None = None,
+    pretrained: str | None = None,
+    config: Mapping[str, Any] | None = None,
+    base_config: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> "HFCausalLM":
+    """The recipe's ``model=hf`` entry: :class:`HFCausalLM` with ``config`` over ``base_config`` for a ``model_type``
+    build (the tiny default of conf/model/hf.yaml), or ``config`` alone over a ``pretrained`` directory's.
+
+    Raises:
+        ValueError: as :class:`HFCausalLM` (neither or both of ``model_type`` and ``pretrained``, an unknown
+            ``model_type``...), naming the argument.
+    """
+    merged = dict(config or {}) if pretrained is not None else {**dict(base_config or {}), **dict(config or {})}
+    return HFCausalLM(model_type=model_type, config=merged, pretrained=pretrained, **kwargs)
 
 
 def _check(name: str, value: object, ok: bool, valid: str) -> None:
@@ -43,7 +69,8 @@ class HFCausalLM(L.LightningModule):
         adam_eps: AdamW's ``eps``.
 
     Raises:
-        ValueError: neither or both of ``model_type`` and ``pretrained``; an unknown optimizer; a non-positive
+        ValueError: neither or both of ``model_type`` and ``pretrained``; an unknown ``model_type``; a
+            ``pretrained`` path that is not a directory with a ``config.json``; an unknown optimizer; a non-positive
             learning rate. The message names the argument, the value and what is valid.
         ImportError: ``transformers`` is not installed (``pip install 'lightning-par[hf]'``).
     """
@@ -64,6 +91,14 @@ class HFCausalLM(L.LightningModule):
                "exactly one of model_type and pretrained (a local save_pretrained directory)")
         _check("optimizer", optimizer, optimizer in OPTIMIZERS, f"one of {OPTIMIZERS}")
         _check("learning_rate", learning_rate, learning_rate > 0, "a positive float")
+        if pretrained is not None:
+            import os
+
+            _check("pretrained", pretrained, os.path.isfile(os.path.join(str(pretrained), "config.json")),
+                   "a local directory written by save_pretrained (with a config.json)")
+        if model_type is not None:
+            _check("model_type", model_type, _known_model_type(model_type),
+                   "a transformers model type such as 'llama', 'qwen2', 'qwen3', 'mistral', 'qwen3_moe', 'mixtral'")
         config = dict(config or {})
         self.save_hyperparameters(
             {"model_type": model_type, "config": config, "pretrained": pretrained, "optimizer": optimizer,
@@ -80,6 +115,12 @@ class HFCausalLM(L.LightningModule):
         # SDPA: the attention the cp axis intercepts; eager would bypass it.
         hf_config._attn_implementation = "sdpa"
         self.model = AutoModelForCausalLM.from_config(hf_config)
+
+    @property
+    def block_size(self) -> int:
+        """The longest sequence the model takes (``config.max_position_embeddings``), in tokens: what the recipe's data
+        uses when ``data.block_size`` is null."""
+        return int(self.model.config.max_position_embeddings)
 
     @property
     def hf_config(self) -> Any:

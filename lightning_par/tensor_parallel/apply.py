@@ -82,7 +82,7 @@ def apply_tensor_parallel(
 
     Raises:
         ValueError: the plan does not fit the module (see :func:`~lightning_par.tensor_parallel.plan.validate_plan`),
-            or ``tp_mesh`` is not 1-D.
+            ``tp_mesh`` is not 1-D, or a style fails on its module (the message names the module path and class).
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"tp_mesh has {tp_mesh.ndim} dims: expected the 1-D tp sub-mesh (mesh['tp']).")
@@ -91,7 +91,14 @@ def apply_tensor_parallel(
     for path, style in expanded.items():
         # src_data_rank=None: every rank already holds tp-rank 0's values, so each cuts its shard with no traffic.
         style_obj = resolve_style(style, sequence_parallel)
-        parallelize_module(module.get_submodule(path), tp_mesh, style_obj, src_data_rank=None)
+        target = module.get_submodule(path)
+        try:
+            parallelize_module(target, tp_mesh, style_obj, src_data_rank=None)
+        except (ValueError, TypeError, RuntimeError, AssertionError) as err:  # torch's messages name no module
+            raise ValueError(
+                f"tensor-parallel style {style!r} could not be applied to module {path!r} "
+                f"({type(target).__name__}): {err}"
+            ) from err
     # Replicated parameters stay plain tensors (a Replicate DTensor makes AdamW about 6x slower per tensor, see
     # styles.ReplicateParallel); DTensor ones with Partial gradients (a user's torch SequenceParallel) are still
     # summed, eagerly or by reduce_partial_grads.

@@ -3,9 +3,10 @@
 A plan is declarative and lives beside the model (see ``lightning_par/models/gpt_tp_plan.py``). Keys are dotted
 module paths relative to the module the plan is applied to; a ``*`` segment matches every child (``"blocks.*.attn"``)
 and ``""`` is that module itself.
-Values are style names (below) or torch ``ParallelStyle`` objects, which are applied as given. A style name means the
-same thing with and without sequence parallelism; :func:`resolve_style` picks the layouts for the mode, so one plan
-serves both.
+Values are style names (below) or torch ``ParallelStyle`` objects, which are applied as given (and own the
+parameters of their subtree, unless the object has ``covers_parameters = False``: a style that only adds hooks). A
+style name means the same thing with and without sequence parallelism; :func:`resolve_style` picks the layouts for the
+mode, so one plan serves both.
 
 ===================== ================================================================================================
 name                  meaning (Megatron-LM, Shoeybi et al. 2019, §3; sequence parallelism, Korthikanti et al. 2022)
@@ -16,12 +17,17 @@ name                  meaning (Megatron-LM, Shoeybi et al. 2019, §3; sequence p
                       reduce-scattered over the sequence with sequence parallelism.
 ``colwise_input``     on a module whose sub-layers are ``colwise`` (attention, MLP): one collective for the whole group
                       — Megatron's ``f`` (identity forward, all-reduce backward), or with sequence parallelism ``g``
-                      (all-gather forward, reduce-scatter backward). Holds no parameters.
-``sequence_parallel`` a per-token module on the residual stream (``LayerNorm``, ``RMSNorm``, ``Dropout``): runs on the
-                      sequence shard with sequence parallelism, replicated otherwise. Parameters replicated (plain).
+                      (all-gather forward, reduce-scatter backward), on the module's first input, positional or by
+                      keyword. Holds no parameters.
+``sequence_parallel`` a per-token module on the residual stream (``LayerNorm``, ``RMSNorm``, ``Dropout``, a model
+                      library's own norm class, a token-wise mixture of experts): runs on the sequence shard with
+                      sequence parallelism, replicated otherwise. Parameters replicated (plain). The plan asserts that
+                      the module is per-token; no type is checked.
 ``position_embedding`` an ``nn.Embedding`` of positions ``(seq, n_embd)``: replicated table; with sequence parallelism
                       its output is cut to this rank's positions.
 ``replicate``         any module that runs on replicated activations; parameters replicated, no communication.
+``replicate_grad_sum`` a module inside a split region that runs on this rank's part (a per-head norm on the local
+                      heads, Qwen3's ``q_norm``): parameters replicated (plain), gradients summed over the tp ranks.
 ``vocab_embedding``   the token ``nn.Embedding`` split over the vocabulary (padded to a multiple of ``tp_size``).
 ``vocab_head``        the LM-head ``nn.Linear`` split over the vocabulary; logits stay a vocab-sharded DTensor so the
                       cross-entropy never gathers them.
@@ -47,14 +53,10 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_par.tensor_parallel.styles import (
+    ColwiseInput,
     PlainSequenceParallel,
     ReplicateParallel,
     VocabParallelEmbedding,
@@ -83,6 +85,7 @@ STYLE_NAMES: tuple[str, ...] = (
     "sequence_parallel",
     "position_embedding",
     "replicate",
+    "replicate_grad_sum",
     "vocab_embedding",
     "vocab_head",
 )
@@ -94,16 +97,17 @@ _ACCEPTS: dict[str, tuple[type[nn.Module], ...] | None] = {
     "colwise_input": None,
     "colwise": (nn.Linear,),
     "rowwise": (nn.Linear,),
-    "sequence_parallel": (nn.LayerNorm, _RMSNorm, nn.Dropout),
+    "sequence_parallel": None,  # the plan asserts the module is per-token (a library's own norm class qualifies)
     "position_embedding": (nn.Embedding,),
     "replicate": None,
+    "replicate_grad_sum": None,
     "vocab_embedding": (nn.Embedding,),
     "vocab_head": (nn.Linear,),
 }
 
 #: Styles that turn the parameters of their whole subtree into DTensors (``colwise``/``rowwise``/vocab styles: the
 #: module's own parameters; ``colwise_input``: none).
-_SUBTREE_STYLES = {"sequence_parallel", "position_embedding", "replicate"}
+_SUBTREE_STYLES = {"sequence_parallel", "position_embedding", "replicate", "replicate_grad_sum"}
 
 
 def resolve_style(style: str | ParallelStyle, sequence_parallel: bool) -> ParallelStyle:
@@ -124,13 +128,15 @@ def resolve_style(style: str | ParallelStyle, sequence_parallel: bool) -> Parall
     if style == "rowwise":
         return RowwiseParallel(output_layouts=seq)
     if style == "colwise_input":
-        return PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=False)
+        return ColwiseInput(sequence_parallel=sequence_parallel)
     if style == "sequence_parallel":
         return PlainSequenceParallel() if sequence_parallel else ReplicateParallel()
     if style == "position_embedding":
         return ReplicateParallel(output_shard_dim=-2 if sequence_parallel else None)
     if style == "replicate":
         return ReplicateParallel()
+    if style == "replicate_grad_sum":
+        return ReplicateParallel(partial_grads=True)
     if style == "vocab_embedding":
         return VocabParallelEmbedding(sequence_parallel=sequence_parallel)
     if style == "vocab_head":
@@ -237,7 +243,7 @@ def _covered_params(root: nn.Module, expanded: Mapping[str, str | ParallelStyle]
     for path, style in expanded.items():
         module = root.get_submodule(path)
         prefix = f"{path}." if path else ""
-        if style == "colwise_input":
+        if style == "colwise_input" or not getattr(style, "covers_parameters", True):
             continue
         recurse = isinstance(style, ParallelStyle) or style in _SUBTREE_STYLES
         covered.update(prefix + n for n, _ in module.named_parameters(recurse=recurse))

@@ -11,8 +11,13 @@ maps the plan's style names onto them. This file adds what they lack:
   tensor than on a plain one, which made our plan 1.06x torch's stock plan in CPU time per step at tp 2 (small GPT).
   With ``output_shard_dim`` the replicated output is cut to this rank's sequence shard (a learned position table
   under sequence parallelism).
-* :class:`PlainSequenceParallel`: a per-token module on the residual stream (LayerNorm, RMSNorm, Dropout) under
-  sequence parallelism (Korthikanti et al. 2022, §4.2.2) runs on this rank's sequence shard, with plain parameters.
+* :class:`PlainSequenceParallel`: a per-token module on the residual stream (LayerNorm, RMSNorm, Dropout, a model
+  library's own norm class, a token-wise mixture of experts) under sequence parallelism (Korthikanti et al. 2022,
+  §4.2.2) runs on this rank's sequence shard, with plain parameters.
+* :class:`ColwiseInput`: the one collective in front of a group of column-parallel layers (Megatron's ``f``, or ``g``
+  under sequence parallelism) on the module's *first input*, passed by position or by keyword (Hugging Face layers
+  call ``self_attn(hidden_states=...)``; torch's ``PrepareModuleInput`` needs the layouts of each calling
+  convention spelled out).
 * Parameters that see only this rank's positions (those two cases) get a gradient that is this rank's *partial sum*:
   the style records them on their module (:data:`PARTIAL_GRAD_ATTR`) and :func:`sync_partial_grads` sums them over
   the tp ranks in one all-reduce, once per optimizer step, after the data-parallel reduction and before clipping (the
@@ -55,6 +60,7 @@ from lightning_par.tensor_parallel.vocab import VOCAB_SIZE_ATTR, mask_padded_log
 
 __all__ = [
     "PARTIAL_GRAD_ATTR",
+    "ColwiseInput",
     "PlainSequenceParallel",
     "ReplicateParallel",
     "VocabParallelEmbedding",
@@ -85,9 +91,11 @@ def check_sequence_divisible(seq: int, tp_size: int) -> None:
 
 
 def _mark_partial_grads(module: nn.Module) -> None:
-    names = {n for n, p in module.named_parameters(recurse=False) if p.requires_grad}
-    if names:
-        setattr(module, PARTIAL_GRAD_ATTR, frozenset(names) | getattr(module, PARTIAL_GRAD_ATTR, frozenset()))
+    """Record every trainable parameter of ``module``'s subtree as a partial-gradient one (on its own module)."""
+    for sub in module.modules():
+        names = {n for n, p in sub.named_parameters(recurse=False) if p.requires_grad}
+        if names:
+            setattr(sub, PARTIAL_GRAD_ATTR, frozenset(names) | getattr(sub, PARTIAL_GRAD_ATTR, frozenset()))
 
 
 def _to_local(x: Any, placement: Placement) -> Any:
@@ -110,34 +118,40 @@ class ReplicateParallel(ParallelStyle):
             from the end; a view, no communication). A position table ``(seq, n_embd)`` under sequence parallelism
             uses ``-2``. Its parameters then get gradients from this rank's positions only: partial sums over the tp
             ranks, recorded for :func:`sync_partial_grads`.
+        partial_grads: the module runs on this rank's *part* of a tensor that is split over the tp ranks elsewhere
+            (a per-head norm on the local heads, Qwen3's ``q_norm``/``k_norm``): its parameters' gradients are partial
+            sums over the tp ranks, recorded for :func:`sync_partial_grads`.
 
     Raises:
         ValueError: (in forward) the output's ``output_shard_dim`` is not divisible by ``tp_size``.
     """
 
-    def __init__(self, *, output_shard_dim: int | None = None) -> None:
+    def __init__(self, *, output_shard_dim: int | None = None, partial_grads: bool = False) -> None:
         super().__init__()
         self.output_shard_dim = output_shard_dim
+        self.partial_grads = partial_grads
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module.register_forward_pre_hook(_InputsToLocal(Replicate()))
         if self.output_shard_dim is not None:
             module.register_forward_hook(_ShardOutput(self.output_shard_dim, device_mesh))
+        if self.output_shard_dim is not None or self.partial_grads:
             _mark_partial_grads(module)
         return module
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(output_shard_dim={self.output_shard_dim})"
+        return f"{type(self).__name__}(output_shard_dim={self.output_shard_dim}, partial_grads={self.partial_grads})"
 
 
 class PlainSequenceParallel(ParallelStyle):
-    """Run a per-token module (LayerNorm, RMSNorm, Dropout) on this rank's sequence shard with plain parameters.
+    """Run a per-token module (LayerNorm, RMSNorm, Dropout, any module whose output at a position depends only on its
+    input at that position) on this rank's sequence shard with plain parameters.
 
     Sequence parallelism (Korthikanti et al. 2022, §4.2.2): the activations between the sub-blocks are split over the
     sequence (dim 1) across the tp ranks, so a norm computes ``seq / tp_size`` positions. Its weight and bias stay
-    plain tensors; their gradients cover this rank's positions only (partial sums over the tp ranks), recorded for
-    :func:`sync_partial_grads`. Input and output: local ``(batch, seq / tp_size, ...)`` tensors (a DTensor input is
-    made ``Shard(1)`` and local first).
+    plain tensors; their gradients (those of its whole subtree) cover this rank's positions only (partial sums over
+    the tp ranks), recorded for :func:`sync_partial_grads`. Input and output: local ``(batch, seq / tp_size, ...)``
+    tensors (a DTensor input is made ``Shard(1)`` and local first).
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -147,6 +161,74 @@ class PlainSequenceParallel(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class ColwiseInput(ParallelStyle):
+    """Prepare the first input of a module whose sub-layers are column-parallel (attention, MLP): one collective.
+
+    Megatron-LM's ``f`` (identity forward, all-reduce backward; Shoeybi et al. 2019, §3), or under sequence parallelism
+    its ``g`` (all-gather over the sequence forward, reduce-scatter backward; Korthikanti et al. 2022, §4.2.2). The
+    input ``(batch, seq, d)`` (``(batch, seq / tp, d)`` with sequence parallelism) becomes a replicated DTensor
+    ``(batch, seq, d)``, which the column-parallel layers inside take as is. The first input is the module's first
+    positional argument, or the keyword argument named like the first parameter of its ``forward`` (``hidden_states``
+    for a Hugging Face attention called as ``self_attn(hidden_states=...)``); other arguments pass untouched. The same
+    operations as torch's ``PrepareModuleInput(input_layouts=(layout,), desired_input_layouts=(Replicate(),),
+    use_local_output=False)`` on a positional input.
+
+    Args:
+        sequence_parallel: the input is sharded on the sequence dim (1).
+
+    Raises:
+        ValueError: (when applied) ``forward`` has no parameter to take the input; (in forward) the module was called
+            without its first input. The message names the module's class and the parameter.
+    """
+
+    def __init__(self, *, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        import inspect
+
+        params = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if not params:
+            raise ValueError(
+                f"style 'colwise_input' is not valid for a {type(module).__name__}: its forward takes no positional "
+                f"parameter to receive the activations (batch, seq, d)."
+            )
+        layout = Shard(1) if self.sequence_parallel else Replicate()
+        module.register_forward_pre_hook(_FirstInput(params[0].name, layout, device_mesh), with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(sequence_parallel={self.sequence_parallel})"
+
+
+class _FirstInput:
+    """Forward pre-hook of :class:`ColwiseInput`: the first input as a replicated DTensor."""
+
+    def __init__(self, name: str, layout: Placement, mesh: DeviceMesh) -> None:
+        self.name, self.layout, self.mesh = name, layout, mesh
+
+    def _prepare(self, x: Any) -> Any:
+        if not isinstance(x, Tensor):
+            return x
+        dt = x if isinstance(x, DTensor) else DTensor.from_local(x, self.mesh, (self.layout,), run_check=False)
+        if self.layout != Replicate():
+            dt = dt.redistribute(placements=(Replicate(),))
+        return dt
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if args:
+            return (self._prepare(args[0]), *args[1:]), kwargs
+        if self.name in kwargs:
+            return args, {**kwargs, self.name: self._prepare(kwargs[self.name])}
+        raise ValueError(
+            f"style 'colwise_input' on a {type(module).__name__}: it was called without its first input "
+            f"{self.name!r} (neither positionally nor as {self.name}=...), so the column-parallel layers inside would "
+            f"get activations no collective prepared."
+        )
 
 
 class _InputsToLocal:

@@ -78,6 +78,19 @@ PREFLIGHT = [
     ("model.warmup_steps=-1", "GPTLightningModule warmup_steps=-1 is not valid: expected an integer >= 0"),
     ("model.min_lr_ratio=2", "GPTLightningModule min_lr_ratio=2.0 is not valid: expected a float in [0, 1]"),
     ("model.adam_eps=0", "GPTLightningModule adam_eps=0.0 is not valid: expected a positive float"),
+    # model=hf (a Hugging Face causal LM)
+    ("model=hf model.model_type=gpt5", "HFCausalLM model_type='gpt5' is not valid: expected a transformers model type"),
+    ("model=hf model.model_type=null",
+     "HFCausalLM model_type=None is not valid: expected exactly one of model_type and pretrained"),
+    ("model=hf model.pretrained={tmp} model.model_type=llama",
+     "HFCausalLM model_type='llama' is not valid: expected exactly one of model_type and pretrained"),
+    ("model=hf model.pretrained={tmp}", "HFCausalLM pretrained='{tmp}' is not valid: expected a local directory "
+                                        "written by save_pretrained (with a config.json)"),
+    ("model=hf model.optimizer=lamb", "HFCausalLM optimizer='lamb' is not valid: expected one of ('adamw', 'sgd')"),
+    ("model=hf strategy=tensor_parallel parallel=tp4",
+     "LlamaForCausalLM.config.num_key_value_heads=2 is not divisible by tp_size=4"),
+    ("model=hf strategy=tensor_parallel parallel=tp2 +model.config.tie_word_embeddings=true",
+     "LlamaForCausalLM.config.tie_word_embeddings=True is not valid with tensor parallelism (tp_size=2)"),
     # layout
     ("parallel.world_size=0", "world_size=0 is not valid: expected an integer >= 1"),
     ("parallel.world_size=3 parallel.dp_size=2", "dp_size * tp_size * pp_size = 2 * 1 * 1 = 2 does not equal world_size=3"),

@@ -1,0 +1,287 @@
+"""Tensor parallelism and activation checkpointing of any ``transformers.PreTrainedModel``, from its own plan.
+
+A Hugging Face model carries its tensor-parallel plan: ``network.tp_plan`` (a dict property in transformers 5.x: the
+head's ``_tp_plan``, e.g. ``{"lm_head": "colwise_gather_output"}``, plus ``config.base_model_tp_plan`` under the base
+model's prefix ``model.``). :func:`hf_tp_plan` translates its style names into ours
+(:mod:`lightning_par.tensor_parallel.plan`) and adds what transformers leaves to its own per-layer styles:
+
+* a ``colwise_input`` on the module holding each group of column-parallel layers (``self_attn``, ``mlp``): one
+  collective per sub-block (Megatron's ``f``/``g``) instead of one per layer;
+* ``sequence_parallel`` on the norms of the residual stream (any module class named ``...Norm``, outside the split
+  attention/MLP regions): transformers' own norm classes (``LlamaRMSNorm``...) are per-token modules;
+* a hook on the network that passes ``position_ids`` (``0..seq-1``) when the caller gives none, so that under sequence
+  parallelism the rotary embedding is computed for the whole sequence, not from the length of a sequence shard.
+
+Under sequence parallelism a padding ``attention_mask`` is not supported: transformers builds the mask from the
+length of the embeddings, a shard's. Without one (causal language modelling) SDPA's ``is_causal`` sees the gathered
+sequence inside attention.
+
+:data:`HF_STYLES` is the translation table; a style name not in it, or one used where it does not apply, is refused
+with a message naming the module and the Hugging Face style.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from lightning_par.tensor_parallel.plan import STYLE_NAMES
+
+__all__ = [
+    "HF_STYLES",
+    "GlobalPositions",
+    "hf_checkpoint_modules",
+    "hf_raw_tp_plan",
+    "hf_tp_plan",
+    "check_hf_tensor_parallel",
+]
+
+#: Hugging Face style name -> our style name (``None``: refused, with the reason). ``colwise_gather_output`` and
+#: ``embedding_rowwise`` translate only on the model's output/input embeddings; ``moe_tp_experts`` keeps the experts
+#: whole on every tp rank and plans the block that holds them as a per-token module, and the entries on the experts'
+#: own parameters (``packed_colwise``, ``rowwise``, ``grouped_gemm``) are then covered by it.
+HF_STYLES: dict[str, tuple[str | None, str]] = {
+    "colwise": ("colwise", "nn.Linear split by output features"),
+    "rowwise": ("rowwise", "nn.Linear split by input features"),
+    "local_colwise": ("colwise", "our column-parallel layers already return local tensors"),
+    "local_rowwise": ("rowwise", "our row-parallel layers already return local tensors"),
+    "colwise_gather_output": ("vocab_head", "the LM head, split over the vocabulary with a vocab-parallel loss"),
+    "colwise_rep": ("vocab_head", "the LM head, split over the vocabulary with a vocab-parallel loss"),
+    "embedding_rowwise": ("vocab_embedding", "the token embedding, split over the vocabulary"),
+    "replicated_with_grad_allreduce": ("replicate_grad_sum", "per-head norm on the local heads"),
+    "replicate": ("replicate", "whole on every tp rank"),
+    "sequence_parallel": ("sequence_parallel", "per-token module"),
+    "moe_tp_experts": ("sequence_parallel", "experts whole on every tp rank; their block is a per-token module"),
+    "moe_identity_expert": ("replicate", "whole on every tp rank"),
+    "embedding_colwise": (None, "an embedding split over the hidden size is not supported; plan it 'vocab_embedding'"),
+    "rowwise_split_input": (None, "a row-parallel layer that splits a replicated input is not supported"),
+    "rowwise_rep": (None, "a row-parallel layer that splits a replicated input is not supported"),
+    "packed_colwise": (None, "packed (fused) weights need an interleaved split, supported only inside experts"),
+    "packed_rowwise": (None, "packed (fused) weights need an interleaved split, supported only inside experts"),
+    "local_packed_rowwise": (None, "packed (fused) weights need an interleaved split, supported only inside experts"),
+    "grouped_gemm": (None, "expert-parallel weights: use the ep axis, not the tp plan"),
+    "ep_dispatch_experts": (None, "expert-parallel dispatch: use the ep axis, not the tp plan"),
+    "mla_kv_a_proj": (None, "multi-head latent attention projections are not supported"),
+    "all_reduce": (None, "a bare all-reduce style is not supported"),
+    "local_params": (None, "parameters kept as local shards are not supported"),
+    "local": (None, "modules running on local shards without layouts are not supported"),
+    "gather": (None, "a gathered output inside the model is not supported"),
+    "isolated": (None, "isolated sub-meshes are not supported"),
+}
+
+#: Styles valid only on a parameter of an experts module (dropped: the experts module's entry covers them).
+_EXPERT_PARAM_STYLES = {
+    "packed_colwise", "packed_rowwise", "local_packed_rowwise", "rowwise", "colwise", "grouped_gemm",
+}
+
+
+class GlobalPositions(ParallelStyle):
+    """A forward pre-hook on the network: ``position_ids = arange(seq)`` when the caller passes none and no cache.
+
+    transformers computes default positions from the length of the embeddings, which under sequence parallelism is a
+    sequence shard's; passing the global positions keeps the rotary embedding of the whole sequence (what every rank
+    gathers before attention). With ``position_ids`` given (context parallelism, generation) nothing changes. Holds
+    no parameters (``covers_parameters = False``).
+    """
+
+    covers_parameters = False
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(_fill_positions, with_kwargs=True)
+        return module
+
+
+def _fill_positions(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if kwargs.get("position_ids") is not None or any(kwargs.get(k) is not None for k in ("cache", "past_key_values")):
+        return None
+    ids = args[0] if args else kwargs.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return None
+    positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
+    return args, {**kwargs, "position_ids": positions}
+
+
+def hf_raw_tp_plan(network: nn.Module) -> dict[str, str]:
+    """The model's own plan with paths relative to ``network``: ``network.tp_plan`` (transformers 5.x), else its
+    ``_tp_plan`` plus ``config.base_model_tp_plan`` under the base model's prefix.
+
+    Raises:
+        ValueError: the model has no plan (its ``config.base_model_tp_plan`` is empty).
+    """
+    plan = getattr(network, "tp_plan", None)
+    if isinstance(plan, Mapping) and plan:
+        return dict(plan)
+    out = dict(getattr(network, "_tp_plan", None) or {})
+    prefix = getattr(network, "base_model_prefix", "")
+    prefix = f"{prefix}." if prefix and isinstance(getattr(network, prefix, None), nn.Module) else ""
+    base = getattr(getattr(network, "config", None), "base_model_tp_plan", None) or {}
+    out.update({f"{prefix}{k}": v for k, v in base.items()})
+    if not out:
+        raise ValueError(
+            f"tensor parallelism needs a plan for {type(network).__name__}: its config.base_model_tp_plan is empty. "
+            f"Pass strategy.tensor_parallel.plan={{module path: style}} with styles {list(STYLE_NAMES)}."
+        )
+    return out
+
+
+def _targets(network: nn.Module, key: str) -> list[tuple[str, Any]]:
+    """``(exact path, module or parameter)`` for every match of an HF plan key (``*`` = any child); none if absent."""
+    found: list[tuple[str, Any]] = [("", network)]
+    for segment in key.split("."):
+        nxt = []
+        for prefix, obj in found:
+            if not isinstance(obj, nn.Module):
+                continue
+            if segment == "*":
+                nxt.extend((f"{prefix}{n}.", c) for n, c in obj.named_children())
+            elif obj._modules.get(segment) is not None:
+                nxt.append((f"{prefix}{segment}.", obj._modules[segment]))
+            elif segment in obj._parameters and obj._parameters[segment] is not None:
+                nxt.append((f"{prefix}{segment}.", obj._parameters[segment]))
+        found = nxt
+    return [(p[:-1], o) for p, o in found]
+
+
+def _refuse(network: nn.Module, path: str, hf_style: str, reason: str) -> ValueError:
+    return ValueError(
+        f"the tensor-parallel plan of {type(network).__name__} gives {path!r} the Hugging Face style {hf_style!r}, "
+        f"which lightning_par does not translate here: {reason}. Pass strategy.tensor_parallel.plan={{module path: "
+        f"style}} with styles {list(STYLE_NAMES)} to plan this model yourself."
+    )
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower() and any(True for _ in module.parameters(recurse=False))
+
+
+def hf_tp_plan(network: nn.Module) -> dict[str, Any]:
+    """Our plan (exact module path -> style, see :mod:`lightning_par.tensor_parallel.plan`) from the model's own.
+
+    One plan for both modes: with and without sequence parallelism the style names mean the same.
+
+    Raises:
+        ValueError: a style name :data:`HF_STYLES` refuses or does not know, or one used where it does not apply
+            (``colwise_gather_output`` on a module that is not the output embeddings, ``embedding_rowwise`` on one
+            that is not the input embeddings, an expert-parameter style outside an experts module). The message names
+            the path and the style.
+    """
+    raw = hf_raw_tp_plan(network)
+    inputs = network.get_input_embeddings() if hasattr(network, "get_input_embeddings") else None
+    outputs = network.get_output_embeddings() if hasattr(network, "get_output_embeddings") else None
+    plan: dict[str, Any] = {}
+    experts: list[str] = []
+    params: list[tuple[str, str]] = []
+    for key, hf_style in raw.items():
+        if hf_style not in HF_STYLES:
+            raise _refuse(network, key, hf_style, f"an unknown style (known: {sorted(HF_STYLES)})")
+        ours, reason = HF_STYLES[hf_style]
+        for path, target in _targets(network, key):
+            if isinstance(target, nn.Parameter):
+                params.append((path, hf_style))
+                continue
+            if ours is None:
+                raise _refuse(network, path, hf_style, reason)
+            if ours == "vocab_head" and target is not outputs:
+                raise _refuse(network, path, hf_style, "a gathered column-parallel output is supported only on the "
+                              "LM head (the model's output embeddings)")
+            if ours == "vocab_embedding" and target is not inputs:
+                raise _refuse(network, path, hf_style, "supported only on the model's input embeddings")
+            if hf_style == "moe_tp_experts":
+                experts.append(path)
+                path = path.rpartition(".")[0]  # the block holding router and experts: one per-token module
+            plan[path] = ours
+    for path, hf_style in params:  # entries on the experts' own weights: covered by their module's entry
+        if hf_style not in _EXPERT_PARAM_STYLES or not any(path.startswith(e + ".") for e in experts):
+            raise _refuse(network, path, hf_style, "a parameter, not a module, outside an experts module")
+    for path in [p for p, s in plan.items() if s == "colwise"]:
+        parent = path.rpartition(".")[0]
+        plan.setdefault(parent, "colwise_input")
+    regions = [p for p, s in plan.items() if s != "colwise_input"]
+    gathered = [p for p, s in plan.items() if s == "colwise_input"]
+    for name, module in network.named_modules():
+        inside = any(name == r or name.startswith(r + ".") for r in regions + gathered if r)
+        if _is_norm(module) and name not in plan and not inside:
+            plan[name] = "sequence_parallel"
+    plan[""] = GlobalPositions()
+    return plan
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_hf_tensor_parallel(network: nn.Module, tp_size: int, sequence_parallel: bool) -> None:
+    """Check that a Hugging Face model can be split over ``tp_size`` ranks by its plan.
+
+    Raises:
+        ValueError: ``config.num_attention_heads`` or ``config.num_key_value_heads`` not divisible by ``tp_size``
+            (whole heads, and whole key/value heads under grouped-query attention, go to each rank), or tied input
+            and output embeddings (``config.tie_word_embeddings=True``: one weight cannot be split twice). The message
+            names the config field, its value and what would be valid.
+    """
+    config = network.config
+    name = type(network).__name__
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        value = getattr(config, field, None)
+        if isinstance(value, int) and value % tp_size:
+            raise ValueError(
+                f"{name}.config.{field}={value} is not divisible by tp_size={tp_size}: tensor parallelism gives each "
+                f"rank whole heads; choose tp_size in {_divisors(value)} or change {field}."
+            )
+    inputs = network.get_input_embeddings() if hasattr(network, "get_input_embeddings") else None
+    outputs = network.get_output_embeddings() if hasattr(network, "get_output_embeddings") else None
+    if inputs is not None and outputs is not None and inputs.weight is outputs.weight and tp_size > 1:
+        raise ValueError(
+            f"{name}.config.tie_word_embeddings=True is not valid with tensor parallelism (tp_size={tp_size}): the "
+            f"embedding and the LM head share one weight, which the vocab-parallel styles would split twice. Build "
+            f"the model with config tie_word_embeddings=False (+model.config.tie_word_embeddings=false)."
+        )
+
+
+def _layers(network: nn.Module) -> list[str]:
+    """Paths of the outermost ``GradientCheckpointingLayer`` modules: transformers' own checkpointing units."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    found: list[str] = []
+    for name, module in network.named_modules():
+        if isinstance(module, GradientCheckpointingLayer) and not any(name.startswith(f + ".") for f in found):
+            found.append(name)
+    return found
+
+
+def hf_checkpoint_modules(network: nn.Module, mode: str) -> list[str]:
+    """Modules activation checkpointing recomputes: ``"full"``: every decoder layer (the model's
+    ``GradientCheckpointingLayer`` modules, ``model.layers.N``); ``"selective"``: the attention of each (its child
+    whose class name ends with ``Attention``, ``model.layers.N.self_attn``).
+
+    Raises:
+        ValueError: an unknown mode, a model with no decoder layers, or (``"selective"``) a layer with no attention
+            child. The message is about activation checkpointing and names the model.
+    """
+    name = type(network).__name__
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation_checkpointing={mode!r} is not valid: expected 'full' or 'selective'.")
+    layers = _layers(network)
+    if not layers:
+        raise ValueError(
+            f"activation_checkpointing={mode!r} is not valid for {name}: it has no decoder layers "
+            f"(transformers GradientCheckpointingLayer modules) to recompute."
+        )
+    if mode == "full":
+        return layers
+    out = []
+    for path in layers:
+        attention = [n for n, c in network.get_submodule(path).named_children()
+                     if type(c).__name__.endswith("Attention")]
+        if not attention:
+            raise ValueError(
+                f"activation_checkpointing='selective' is not valid for {name}: layer {path!r} has no attention "
+                f"child (a module whose class name ends with 'Attention'); use activation_checkpointing='full'."
+            )
+        out.append(f"{path}.{attention[0]}")
+    return out
