@@ -6,12 +6,16 @@ The network is ``self.model`` (a ``PreTrainedModel``), so the strategies find it
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+
+from lightning_par.checkpoint.loading import ShardedCheckpointLoading
+from lightning_par.hf.load import load_hf_weights, tied_aliases
 
 __all__ = ["HFCausalLM"]
 
@@ -23,7 +27,7 @@ def _check(name: str, value: object, ok: bool, valid: str) -> None:
         raise ValueError(f"HFCausalLM {name}={value!r} is not valid: expected {valid}.")
 
 
-class HFCausalLM(L.LightningModule):
+class HFCausalLM(ShardedCheckpointLoading, L.LightningModule):
     """Next-token language modelling with a Hugging Face causal LM.
 
     Exactly one of ``model_type`` and ``pretrained`` names the model:
@@ -35,7 +39,9 @@ class HFCausalLM(L.LightningModule):
         config: config fields (``hidden_size``, ``num_hidden_layers``...) overriding the model type's defaults, or
             the pretrained directory's ``config.json``.
         pretrained: a local directory written by ``save_pretrained`` (``config.json`` and safetensors); never
-            downloads.
+            downloads. Its weights are loaded at once in a single process, and after the strategy has parallelized
+            the model under a launcher (``WORLD_SIZE`` > 1), each rank reading only what it holds
+            (:meth:`load_pretrained_weights`).
         optimizer: ``"adamw"`` (default) or ``"sgd"`` (with ``momentum``).
         learning_rate: the optimizer's learning rate.
         weight_decay: AdamW's decoupled weight decay (matrices and embeddings only); SGD's L2 term.
@@ -80,6 +86,48 @@ class HFCausalLM(L.LightningModule):
         # SDPA: the attention the cp axis intercepts; eager would bypass it.
         hf_config._attn_implementation = "sdpa"
         self.model = AutoModelForCausalLM.from_config(hf_config)
+        self._pretrained_pending = pretrained is not None
+        self._tied = tied_aliases(self.model)
+        if pretrained is not None and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            self.load_pretrained_weights()  # one process: it holds every weight
+
+    def load_pretrained_weights(self, parallel: Any = None) -> int:
+        """Read ``pretrained``'s safetensors weights into the model (done once; a no-op without ``pretrained`` or on
+        the ``meta`` device). Under a lightning_par strategy, each rank reads only the blocks it holds
+        (:func:`lightning_par.hf.load.load_hf_weights`). Called by ``__init__`` in a single process, else by
+        :meth:`on_fit_start` (after the strategy has parallelized the model, before a ``ckpt_path`` is restored).
+
+        Args:
+            parallel: the strategy's parallel model (``trainer.strategy.parallel``), or ``None`` for this module.
+
+        Returns:
+            The bytes read by this process.
+
+        Raises:
+            ValueError: the directory has no safetensors weights, or they do not fit the model (names, shapes).
+        """
+        pretrained = self.hparams.pretrained
+        if not self._pretrained_pending or pretrained is None:
+            return 0
+        if any(p.is_meta for p in self.model.parameters()):
+            return 0  # built on the meta device to be checked: there is nothing to fill
+        read = load_hf_weights(pretrained, self, parallel=parallel, aliases=self._tied)
+        self._pretrained_pending = False
+        self.pretrained_bytes_read = read
+        return read
+
+    def on_fit_start(self) -> None:
+        """Load ``pretrained``'s weights into this rank's part of the parallelized model if ``__init__`` has not."""
+        if self._pretrained_pending:
+            self.load_pretrained_weights(getattr(self.trainer.strategy, "parallel", None))
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the model's whole config (and generation config) in the checkpoint, for
+        ``python -m lightning_par.hf export`` without the pretrained directory."""
+        checkpoint["hf_config"] = self.model.config.to_dict()
+        generation = getattr(self.model, "generation_config", None)
+        if generation is not None:
+            checkpoint["hf_generation_config"] = generation.to_dict()
 
     @property
     def hf_config(self) -> Any:
