@@ -11,6 +11,7 @@ single-file checkpoint holds and hands it to Lightning's own ``load_from_checkpo
 from __future__ import annotations
 
 import io
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,17 @@ import torch
 
 from lightning_par.checkpoint.sharded import METADATA_FILENAME, verify_checkpoint
 
-__all__ = ["ShardedCheckpointLoading", "load_from_checkpoint", "read_full_checkpoint"]
+__all__ = ["ShardedCheckpointLoading", "load_from_checkpoint", "load_in_one_process", "read_full_checkpoint"]
+
+
+def load_in_one_process(request: dict[str, Any], path: str | Path) -> None:
+    """``torch.distributed.checkpoint.load(request, checkpoint_id=path, no_dist=True)``, without DCP's warning that
+    no process group exists (here that is the intent)."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(request, checkpoint_id=path, no_dist=True)
 
 
 def read_full_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -41,7 +52,7 @@ def read_full_checkpoint(path: str | Path) -> dict[str, Any]:
         for key, entry in saved.items()
         if key.startswith(head) and isinstance(entry, TensorStorageMetadata)
     }
-    dcp.load({"state_dict": state}, checkpoint_id=path, no_dist=True)
+    load_in_one_process({"state_dict": state}, path)
     checkpoint = torch.load(path / METADATA_FILENAME, weights_only=False)
     checkpoint["state_dict"] = state
     return checkpoint

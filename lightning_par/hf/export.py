@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from lightning_par.checkpoint.loading import load_in_one_process
 from lightning_par.checkpoint.sharded import METADATA_FILENAME, verify_checkpoint
 from lightning_par.hf.load import INDEX_NAME, tied_aliases
 
@@ -123,7 +124,7 @@ def export_hf(
     for i, shard in enumerate(shards, start=1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         tensors = {name: torch.empty(specs[name][0], dtype=specs[name][1]) for name in shard}
-        dcp.load({"state_dict": {prefix + n: t for n, t in tensors.items()}}, checkpoint_id=path, no_dist=True)
+        load_in_one_process({"state_dict": {prefix + n: t for n, t in tensors.items()}}, path)
         save_file(tensors, str(staged / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file))
         del tensors

@@ -164,3 +164,41 @@ def test_load_from_checkpoint_returns_trained_weights(runs, name):
     for key, value in trained.items():
         if key in params:
             torch.testing.assert_close(params[key].detach(), value, rtol=0, atol=0, msg=key)
+
+
+def _hf_layouts_missing() -> bool:
+    from lightning_par.hf.adapter import HFAdapter
+
+    return not (hasattr(HFAdapter, "tp_plan") and hasattr(HFAdapter, "pipeline_layers"))
+
+
+@pytest.mark.skipif(_hf_layouts_missing(), reason="tensor/pipeline parallelism of HF models is not on this branch")
+def test_pretrained_into_dp2_tp2_pp2_and_export(tmp_path):
+    """The HF directory loaded into dp2·tp2·pp2 (world 8) gives one process's first-step loss, each rank reading less
+    than the whole; the 3D checkpoint exports to the trained logits."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_par.hf import HFCausalLM
+    from lightning_par.hf.export import export_hf
+
+    pretrained = str(tmp_path / "pretrained")
+    save_tiny_llama(pretrained)
+    train = TokenDataset(n=MICRO * 2 * STEPS, seq=SEQ, vocab=VOCAB)
+    plan = [{"name": "3d", "strategy": "parallel_3d", "model": "hf", "pretrained": pretrained,
+             "options": {"dp_size": 2, "tp_size": 2, "pp_size": 2}, "save": str(tmp_path / "p3d.ckpt")}]
+    results = [r[0] for r in run_distributed(plan_worker, 8, (plan, train), timeout_s=TIMEOUT_S)]
+    reference = AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True).eval()
+    x, y = next(iter(DataLoader(train, batch_size=MICRO * 2)))
+    with torch.no_grad():
+        expected = float(HFCausalLM.loss_fn(reference(input_ids=x).logits, y))
+    last = [r for r in results if r["losses"]]  # the last stage's ranks report the loss
+    got = sum({r["dp_rank"]: r["losses"][0] for r in last}.values()) / 2
+    assert abs(got - expected) <= 1e-5 * abs(expected), (got, expected)
+    total = sum(p.numel() * 4 for p in reference.parameters())  # fp32, the tied weight once
+    assert all(0 < r["read"] < total / 2 for r in results), [r["read"] for r in results]
+    exported = AutoModelForCausalLM.from_pretrained(export_hf(plan[0]["save"], tmp_path / "hf"), local_files_only=True)
+    trained = AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True).eval()
+    trained.load_state_dict({k.removeprefix("model."): v for k, v in results[0]["state"].items()}, strict=False)
+    xs = train.data[:4, :-1]
+    with torch.no_grad():
+        assert (exported.eval()(input_ids=xs).logits - trained(input_ids=xs).logits).abs().max() <= 1e-5
