@@ -94,8 +94,9 @@ class HFCausalLM(ShardedCheckpointLoading, L.LightningModule):
     def load_pretrained_weights(self, parallel: Any = None) -> int:
         """Read ``pretrained``'s safetensors weights into the model (done once; a no-op without ``pretrained`` or on
         the ``meta`` device). Under a lightning_par strategy, each rank reads only the blocks it holds
-        (:func:`lightning_par.hf.load.load_hf_weights`). Called by ``__init__`` in a single process, else by
-        :meth:`on_fit_start` (after the strategy has parallelized the model, before a ``ckpt_path`` is restored).
+        (:func:`lightning_par.hf.load.load_hf_weights`). Called by ``__init__`` in a single process, else at the start of
+        ``fit``/``validate``/``test``/``predict``, after the strategy has parallelized the model (skipped when the run
+        restores a ``ckpt_path``).
 
         Args:
             parallel: the strategy's parallel model (``trainer.strategy.parallel``), or ``None`` for this module.
@@ -116,10 +117,31 @@ class HFCausalLM(ShardedCheckpointLoading, L.LightningModule):
         self.pretrained_bytes_read = read
         return read
 
+    def _load_pending(self) -> None:
+        """Load ``pretrained``'s weights into this rank's part of the parallelized model if ``__init__`` has not,
+        unless the run restores a checkpoint (``ckpt_path``), whose weights win."""
+        if not self._pretrained_pending:
+            return
+        if self.trainer.ckpt_path is not None:
+            self._pretrained_pending = False
+            return
+        self.load_pretrained_weights(getattr(self.trainer.strategy, "parallel", None))
+
     def on_fit_start(self) -> None:
-        """Load ``pretrained``'s weights into this rank's part of the parallelized model if ``__init__`` has not."""
-        if self._pretrained_pending:
-            self.load_pretrained_weights(getattr(self.trainer.strategy, "parallel", None))
+        """See :meth:`load_pretrained_weights` (runs after the strategy's setup, before a checkpoint is restored)."""
+        self._load_pending()
+
+    def on_validation_start(self) -> None:
+        """See :meth:`load_pretrained_weights` (for ``Trainer.validate``; a no-op once loaded)."""
+        self._load_pending()
+
+    def on_test_start(self) -> None:
+        """See :meth:`load_pretrained_weights` (for ``Trainer.test``)."""
+        self._load_pending()
+
+    def on_predict_start(self) -> None:
+        """See :meth:`load_pretrained_weights` (for ``Trainer.predict``)."""
+        self._load_pending()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the model's whole config (and generation config) in the checkpoint, for

@@ -150,3 +150,24 @@ def test_load_from_checkpoint_directory_for_any_module(tmp_path):
     (tmp_path / "torn.ckpt").mkdir()
     with pytest.raises(ValueError, match="is incomplete or not a lightning_par checkpoint"):
         UserModuleWithMixin.load_from_checkpoint(tmp_path / "torn.ckpt")
+
+
+def test_under_a_launcher_the_weights_load_when_the_trainer_starts(pretrained, monkeypatch):
+    """``WORLD_SIZE`` > 1: nothing is read when the module is built (each rank reads its blocks once the strategy has
+    split the model); ``Trainer.validate`` then evaluates the pretrained weights."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import quiet_trainer
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    torch.manual_seed(0)
+    module = HFCausalLM(pretrained=str(pretrained))
+    monkeypatch.delenv("WORLD_SIZE")
+    reference = AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True)
+    assert not torch.equal(module.model.model.embed_tokens.weight, reference.model.embed_tokens.weight)
+    y = torch.roll(X, -1, dims=1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, y), batch_size=2)
+    metrics = quiet_trainer("auto", 1).validate(module, loader, verbose=False)
+    expected = float(HFCausalLM.loss_fn(logits(reference), y))
+    assert metrics[0]["val_loss"] == pytest.approx(expected, rel=1e-6)
+    assert module.pretrained_bytes_read > 0
