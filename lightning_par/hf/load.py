@@ -70,7 +70,11 @@ def tied_aliases(network: nn.Module) -> dict[str, str]:
 
 @torch.no_grad()
 def fill_from_safetensors(
-    state: dict[str, Any], directory: str | Path, prefix: str = "model.", aliases: dict[str, str] | None = None
+    state: dict[str, Any],
+    directory: str | Path,
+    prefix: str = "model.",
+    aliases: dict[str, str] | None = None,
+    check_only: bool = False,
 ) -> int:
     """Copy this rank's block of every tensor of ``state`` from the safetensors files of ``directory``, in place.
 
@@ -80,6 +84,8 @@ def fill_from_safetensors(
         directory: a ``save_pretrained`` directory.
         prefix: what the state's keys put before the Hugging Face name (``"model."`` for ``HFCausalLM``).
         aliases: tied names, ``{alias: name}`` (:func:`tied_aliases`), read under ``name`` when the files lack them.
+        check_only: only check that every tensor is in the files with its shape (safetensors headers; nothing read
+            or copied): for a model on the ``meta`` device, before any process starts.
 
     Returns:
         The bytes read from the files (this rank's blocks).
@@ -124,6 +130,8 @@ def fill_from_safetensors(
                         f"model.pretrained={str(directory)!r} does not fit this model: {source!r} has shape {shape} "
                         f"in {file.name} and {tuple(tensor.shape)} here."
                     )
+                if check_only:
+                    continue
                 offsets, sizes = local_chunk(tensor)
                 if any(s == 0 for s in sizes):
                     continue  # an empty shard (more ranks than rows)
@@ -131,7 +139,7 @@ def fill_from_safetensors(
                 local = local_tensor(tensor)
                 local.copy_(block.reshape(local.shape))
                 read += block.numel() * block.element_size()
-    for source_tensor, tensor in copies:
+    for source_tensor, tensor in [] if check_only else copies:
         if local_chunk(source_tensor) != local_chunk(tensor):
             raise ValueError(f"tied weights are sharded differently ({local_chunk(source_tensor)} and "
                              f"{local_chunk(tensor)}); expected the same layout for both names.")

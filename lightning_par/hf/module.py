@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_par.checkpoint.loading import ShardedCheckpointLoading
-from lightning_par.hf.load import load_hf_weights, tied_aliases
+from lightning_par.hf.load import fill_from_safetensors, load_hf_weights, tied_aliases
 
 __all__ = ["HFCausalLM"]
 
@@ -49,8 +50,9 @@ class HFCausalLM(ShardedCheckpointLoading, L.LightningModule):
         adam_eps: AdamW's ``eps``.
 
     Raises:
-        ValueError: neither or both of ``model_type`` and ``pretrained``; an unknown optimizer; a non-positive
-            learning rate. The message names the argument, the value and what is valid.
+        ValueError: neither or both of ``model_type`` and ``pretrained``; ``pretrained`` without ``config.json``, or
+            (when the weights load) without safetensors weights or with weights that do not fit the config; an unknown
+            optimizer; a non-positive learning rate. The message names the argument, the value and what is valid.
         ImportError: ``transformers`` is not installed (``pip install 'lightning-par[hf]'``).
     """
 
@@ -80,6 +82,9 @@ class HFCausalLM(ShardedCheckpointLoading, L.LightningModule):
         except ImportError as err:  # pragma: no cover - depends on the environment
             raise ImportError("lightning_par.hf needs transformers: pip install 'lightning-par[hf]'") from err
         if pretrained is not None:
+            _check("pretrained", pretrained, (Path(pretrained).expanduser() / "config.json").is_file(),
+                   "a local directory written by save_pretrained (config.json and model.safetensors or its index); "
+                   "nothing is downloaded")
             hf_config = AutoConfig.from_pretrained(pretrained, local_files_only=True, **config)
         else:
             hf_config = AutoConfig.for_model(model_type, **config)
@@ -92,8 +97,8 @@ class HFCausalLM(ShardedCheckpointLoading, L.LightningModule):
             self.load_pretrained_weights()  # one process: it holds every weight
 
     def load_pretrained_weights(self, parallel: Any = None) -> int:
-        """Read ``pretrained``'s safetensors weights into the model (done once; a no-op without ``pretrained`` or on
-        the ``meta`` device). Under a lightning_par strategy, each rank reads only the blocks it holds
+        """Read ``pretrained``'s safetensors weights into the model (done once; a no-op without ``pretrained``; on the
+        ``meta`` device only a check of the files' names and shapes). Under a lightning_par strategy, each rank reads only the blocks it holds
         (:func:`lightning_par.hf.load.load_hf_weights`). Called by ``__init__`` in a single process, else at the start of
         ``fit``/``validate``/``test``/``predict``, after the strategy has parallelized the model (skipped when the run
         restores a ``ckpt_path``).
@@ -110,8 +115,9 @@ class HFCausalLM(ShardedCheckpointLoading, L.LightningModule):
         pretrained = self.hparams.pretrained
         if not self._pretrained_pending or pretrained is None:
             return 0
-        if any(p.is_meta for p in self.model.parameters()):
-            return 0  # built on the meta device to be checked: there is nothing to fill
+        if any(p.is_meta for p in self.model.parameters()):  # built to be checked before start: names and shapes
+            fill_from_safetensors(self.state_dict(), pretrained, "model.", self._tied, check_only=True)
+            return 0
         read = load_hf_weights(pretrained, self, parallel=parallel, aliases=self._tied)
         self._pretrained_pending = False
         self.pretrained_bytes_read = read

@@ -99,6 +99,9 @@ def test_export_streams_one_shard_at_a_time(tmp_path, monkeypatch):
 
 
 def test_bad_pretrained_directories(tmp_path, pretrained):
+    with pytest.raises(ValueError, match=re.escape("HFCausalLM pretrained='/no/such/model' is not valid: expected a "
+                                                   "local directory written by save_pretrained (config.json")):
+        HFCausalLM(pretrained="/no/such/model")
     (tmp_path / "config.json").write_text((pretrained / "config.json").read_text())  # a config, no weights
     with pytest.raises(ValueError, match=re.escape(f"model.pretrained='{tmp_path}' is not valid: it has no "
                                                    f"model.safetensors and no model.safetensors.index.json")):
@@ -171,3 +174,36 @@ def test_under_a_launcher_the_weights_load_when_the_trainer_starts(pretrained, m
     expected = float(HFCausalLM.loss_fn(logits(reference), y))
     assert metrics[0]["val_loss"] == pytest.approx(expected, rel=1e-6)
     assert module.pretrained_bytes_read > 0
+
+
+@pytest.mark.parametrize(("pretrained_dir", "message"), [
+    ("/no/such/model", "HFCausalLM pretrained='/no/such/model' is not valid: expected a local directory"),
+    ("{config_only}", "model.pretrained='{config_only}' is not valid: it has no model.safetensors"),
+])
+def test_bad_pretrained_refused_before_any_process_starts(tmp_path, pretrained, monkeypatch, pretrained_dir, message):
+    """Through the recipe: the launching process builds the module on the meta device, which checks the files'
+    names and shapes (headers only) without reading weights."""
+    from hydra import compose, initialize_config_dir
+
+    import lightning_par.train as train
+    from lightning_par.config.schema import register_configs
+    from tests.config.test_compose import CONF
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process was about to start")
+
+    register_configs()
+    monkeypatch.setattr(train, "run_distributed", refuse)
+    monkeypatch.setattr(train, "train_worker", refuse)
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((pretrained / "config.json").read_text())
+    directory = pretrained_dir.format(config_only=config_only)
+    overrides = ["model=custom", "model._target_=lightning_par.hf.HFCausalLM", f"+model.pretrained={directory}",
+                 "data=synthetic", "data.block_size=16", "trainer=smoke"]
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose("config", overrides=overrides)
+    with pytest.raises(ValueError, match=re.escape(message.format(config_only=config_only))):
+        train.launch_job(cfg, tmp_path / "run")
