@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,10 @@ OPTIMIZERS = ("adamw", "sgd")
 def _check(name: str, value: object, ok: bool, valid: str) -> None:
     if not ok:
         raise ValueError(f"HFCausalLM {name}={value!r} is not valid: expected {valid}.")
+
+
+#: Set while :meth:`HFCausalLM.load_from_checkpoint` builds a module.
+_FROM_CHECKPOINT: ContextVar[bool] = ContextVar("hf_from_checkpoint", default=False)
 
 
 class HFCausalLM(ShardedCheckpointLoading, L.LightningModule):
@@ -91,7 +96,8 @@ class HFCausalLM(ShardedCheckpointLoading, L.LightningModule):
         # SDPA: the attention the cp axis intercepts; eager would bypass it.
         hf_config._attn_implementation = "sdpa"
         self.model = AutoModelForCausalLM.from_config(hf_config)
-        self._pretrained_pending = pretrained is not None
+        # Built by load_from_checkpoint: the checkpoint's weights replace the pretrained ones, which are not read.
+        self._pretrained_pending = pretrained is not None and not _FROM_CHECKPOINT.get()
         self._tied = tied_aliases(self.model)
         if pretrained is not None and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             self.load_pretrained_weights()  # one process: it holds every weight
@@ -148,6 +154,21 @@ class HFCausalLM(ShardedCheckpointLoading, L.LightningModule):
     def on_predict_start(self) -> None:
         """See :meth:`load_pretrained_weights` (for ``Trainer.predict``)."""
         self._load_pending()
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's ``load_from_checkpoint``, also for lightning_par checkpoint directories
+        (:class:`~lightning_par.checkpoint.ShardedCheckpointLoading`); the ``pretrained`` directory's ``config.json``
+        is read, its weights are not (the checkpoint's replace them).
+
+        Raises:
+            FileNotFoundError, ValueError: a missing, torn or damaged checkpoint directory; what Lightning raises.
+        """
+        token = _FROM_CHECKPOINT.set(True)
+        try:
+            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+        finally:
+            _FROM_CHECKPOINT.reset(token)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the model's whole config (and generation config) in the checkpoint, for

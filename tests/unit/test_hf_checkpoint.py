@@ -207,3 +207,20 @@ def test_bad_pretrained_refused_before_any_process_starts(tmp_path, pretrained, 
         cfg = compose("config", overrides=overrides)
     with pytest.raises(ValueError, match=re.escape(message.format(config_only=config_only))):
         train.launch_job(cfg, tmp_path / "run")
+
+
+def test_load_from_checkpoint_reads_no_pretrained_weights(pretrained, tmp_path, monkeypatch):
+    """A checkpoint of a module built from ``pretrained=DIR``: the checkpoint's weights are loaded, the pretrained
+    safetensors are not read."""
+    import lightning_par.hf.module as hf_module
+
+    torch.manual_seed(0)
+    module = HFCausalLM(pretrained=str(pretrained))
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.5)  # "trained"
+    save_checkpoint(module, tmp_path / "ft.ckpt")
+    monkeypatch.setattr(hf_module, "load_hf_weights", lambda *a, **k: pytest.fail("pretrained weights were read"))
+    loaded = HFCausalLM.load_from_checkpoint(tmp_path / "ft.ckpt")
+    assert loaded.hparams.pretrained == str(pretrained)
+    torch.testing.assert_close(logits(loaded.model), logits(module.model), rtol=0, atol=0)
