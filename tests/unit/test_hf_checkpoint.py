@@ -100,7 +100,7 @@ def test_export_streams_one_shard_at_a_time(tmp_path, monkeypatch):
 
 def test_bad_pretrained_directories(tmp_path, pretrained):
     with pytest.raises(ValueError, match=re.escape("HFCausalLM pretrained='/no/such/model' is not valid: expected a "
-                                                   "local directory written by save_pretrained (config.json")):
+                                                   "local directory written by save_pretrained")):
         HFCausalLM(pretrained="/no/such/model")
     (tmp_path / "config.json").write_text((pretrained / "config.json").read_text())  # a config, no weights
     with pytest.raises(ValueError, match=re.escape(f"model.pretrained='{tmp_path}' is not valid: it has no "
