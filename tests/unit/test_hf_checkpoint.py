@@ -179,7 +179,7 @@ def test_under_a_launcher_the_weights_load_when_the_trainer_starts(pretrained, m
 @pytest.mark.parametrize(("pretrained_dir", "message"), [
     ("/no/such/model", "HFCausalLM pretrained='/no/such/model' is not valid: expected a local directory"),
     ("{config_only}", "model.pretrained='{config_only}' is not valid: it has no model.safetensors"),
-])
+], ids=["missing", "config-only"])
 def test_bad_pretrained_refused_before_any_process_starts(tmp_path, pretrained, monkeypatch, pretrained_dir, message):
     """Through the recipe: the launching process builds the module on the meta device, which checks the files'
     names and shapes (headers only) without reading weights."""
