@@ -22,12 +22,13 @@ import numpy as np
 
 from lightning_par.data.corpus import corpus_files, default_cache_dir, is_text
 
-__all__ = ["TOKENIZER_FILE", "build_tokenized_file", "load_tokenizer", "token_dtype"]
+__all__ = ["TOKENIZER_FILE", "TOKENIZER_FILES", "build_tokenized_file", "load_tokenizer", "token_dtype"]
 
 #: The one-file tokenizer ``tokenizers`` and ``save_pretrained`` write.
 TOKENIZER_FILE = "tokenizer.json"
 _CACHE_FORMAT = 1
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "vocab.txt",
+#: The files a tokenizer directory may hold (what ``save_pretrained`` of the common tokenizers writes).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "vocab.txt",
                     "tokenizer.model", "special_tokens_map.json", "added_tokens.json")
 
 
@@ -79,7 +80,7 @@ def load_tokenizer(directory: str | Path) -> tuple[Callable[[str], list[int]], i
 def _tokenizer_digest(directory: Path) -> list[str]:
     return [
         f"{name}:{hashlib.sha256((directory / name).read_bytes()).hexdigest()}"
-        for name in _TOKENIZER_FILES
+        for name in TOKENIZER_FILES
         if (directory / name).is_file()
     ]
 

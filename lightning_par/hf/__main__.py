@@ -16,8 +16,10 @@ def main(argv: list[str] | None = None) -> None:
     export.add_argument("output", help="the directory to write (must not exist or be empty)")
     export.add_argument("--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES,
                         help=f"largest safetensors shard in bytes (default {DEFAULT_SHARD_BYTES})")
+    export.add_argument("--tokenizer", default=None,
+                        help="a local tokenizer directory to copy into the output (e.g. the one of data.tokenizer)")
     args = parser.parse_args(argv)
-    print(export_hf(args.checkpoint, args.output, max_shard_bytes=args.max_shard_bytes))
+    print(export_hf(args.checkpoint, args.output, max_shard_bytes=args.max_shard_bytes, tokenizer=args.tokenizer))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch
 
 from lightning_par.checkpoint.loading import load_in_one_process
 from lightning_par.checkpoint.sharded import METADATA_FILENAME, verify_checkpoint
+from lightning_par.data.tokenize import TOKENIZER_FILES
 from lightning_par.hf.load import INDEX_NAME, tied_aliases
 
 __all__ = ["DEFAULT_SHARD_BYTES", "export_hf", "hf_config_of"]
@@ -66,7 +67,11 @@ def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
 
 
 def export_hf(
-    checkpoint: str | Path, output: str | Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES, prefix: str = "model."
+    checkpoint: str | Path,
+    output: str | Path,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    prefix: str = "model.",
+    tokenizer: str | Path | None = None,
 ) -> Path:
     """Write a ``save_pretrained``-compatible directory from a lightning_par checkpoint of an ``HFCausalLM``.
 
@@ -78,6 +83,8 @@ def export_hf(
         output: the directory to write; it must not exist or be empty.
         max_shard_bytes: largest safetensors shard, in bytes.
         prefix: the network's attribute in the LightningModule, with a dot (``HFCausalLM``: ``"model."``).
+        tokenizer: a local tokenizer directory whose files (``tokenizer.json``, ``tokenizer_config.json``, ...) are
+            copied into ``output``, so that ``AutoTokenizer.from_pretrained(output)`` works too.
 
     Returns:
         ``output``.
@@ -85,7 +92,8 @@ def export_hf(
     Raises:
         FileNotFoundError, ValueError: a missing or damaged checkpoint (see
             :func:`lightning_par.checkpoint.verify_checkpoint`); ``max_shard_bytes`` not positive; ``output`` is a
-            non-empty directory or a file; the checkpoint is not an ``HFCausalLM``'s or lacks a weight of its model.
+            non-empty directory or a file; ``tokenizer`` holds no tokenizer file; the checkpoint is not an
+            ``HFCausalLM``'s or lacks a weight of its model.
     """
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
@@ -97,6 +105,11 @@ def export_hf(
     path, output = Path(checkpoint), Path(output)
     if output.is_file() or (output.is_dir() and any(output.iterdir())):
         raise ValueError(f"output={str(output)!r} is not valid: it exists and is not an empty directory.")
+    tokenizer_files = [] if tokenizer is None else [
+        Path(tokenizer).expanduser() / f for f in TOKENIZER_FILES if (Path(tokenizer).expanduser() / f).is_file()
+    ]
+    if tokenizer is not None and not tokenizer_files:
+        raise ValueError(f"tokenizer={str(tokenizer)!r} is not valid: it holds none of {list(TOKENIZER_FILES)}.")
     verify_checkpoint(path)
     meta = torch.load(path / METADATA_FILENAME, weights_only=False)
     config = hf_config_of(meta)
@@ -134,6 +147,8 @@ def export_hf(
     generation = meta.get("hf_generation_config")
     if generation is not None:
         GenerationConfig.from_dict(generation).save_pretrained(staged)
+    for file in tokenizer_files:
+        shutil.copyfile(file, staged / file.name)
     if output.is_dir():
         output.rmdir()
     staged.rename(output)

@@ -75,6 +75,21 @@ def test_export_round_trip(tmp_path, tied):
     torch.testing.assert_close(logits(exported), logits(module.model), rtol=0, atol=1e-6)
 
 
+def test_export_copies_the_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.unit.test_tokenizer import word_level
+
+    torch.manual_seed(0)
+    save_checkpoint(HFCausalLM(model_type="llama", config=LLAMA), tmp_path / "step.ckpt")
+    tok = word_level(tmp_path / "tok")
+    out = export_hf(tmp_path / "step.ckpt", tmp_path / "hf", tokenizer=tok)
+    assert AutoTokenizer.from_pretrained(str(out), local_files_only=True).encode("w1 w5", add_special_tokens=False) == [3, 7]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=re.escape(f"tokenizer='{tmp_path / 'empty'}' is not valid: it holds none of")):
+        export_hf(tmp_path / "step.ckpt", tmp_path / "hf2", tokenizer=tmp_path / "empty")
+
+
 def test_export_streams_one_shard_at_a_time(tmp_path, monkeypatch):
     """Each shard's tensors are read from the checkpoint by one ``dcp.load`` of that shard's names only."""
     import torch.distributed.checkpoint as dcp
