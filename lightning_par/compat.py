@@ -53,6 +53,7 @@ __all__ = [
     "forward_only_schedule",
     "grad_scaler_init_kwargs",
     "is_view",
+    "local_chunk",
     "local_tensor",
     "multi_device_replicator",
     "op_name",
@@ -152,6 +153,19 @@ def strided_shard(dim: int, split_factor: int) -> Placement:
         RuntimeError: the installed torch has no ``_StridedShard``.
     """
     return _private("_StridedShard")(dim, split_factor=split_factor)
+
+
+def local_chunk(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offsets, sizes)`` of the block of the global tensor that this rank holds: for a ``DTensor`` from its
+    ``__create_chunk_list__`` (the dunder DCP plans reads with; one chunk per rank since torch 2.2), for a plain
+    tensor the whole of it (zero offsets, its shape)."""
+    create = getattr(t, "__create_chunk_list__", None)
+    if create is None:
+        return (0,) * t.dim(), tuple(t.shape)
+    chunks = create()
+    if len(chunks) != 1:
+        raise RuntimeError(f"torch {torch.__version__} gives {len(chunks)} local chunks for a DTensor; expected 1.")
+    return tuple(int(o) for o in chunks[0].offsets), tuple(int(s) for s in chunks[0].sizes)
 
 
 def is_view(t: Tensor) -> bool:

@@ -41,6 +41,7 @@ from lightning_par.config.build import (
     build_strategy,
     build_trainer_kwargs,
     check_loggers,
+    model_vocab_size,
 )
 from lightning_par.config.schema import check_run_config
 from lightning_par.fault.heartbeat import HEARTBEAT_DIR_ENV
@@ -225,13 +226,17 @@ def validate_run(cfg: DictConfig, dims: ParallelDims | None = None) -> None:
     check_precision(str(cfg.trainer.precision), dims.pp_size)
     strategy.validate_model(dims)
     datamodule = build_datamodule(cfg, module)
-    # Token ids against the model's vocabulary, where both are known (the reference GPT on a byte corpus).
-    model_vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+    # Token ids against the model's vocabulary, where both are known (bytes or data.tokenizer's ids; the reference
+    # GPT's model.vocab_size or a Hugging Face model's config.vocab_size).
+    model_vocab = model_vocab_size(module)
     data_vocab = getattr(datamodule, "vocab_size", None)
     if isinstance(model_vocab, int) and isinstance(data_vocab, int) and model_vocab < data_vocab:
+        tokenizer = getattr(datamodule, "tokenizer", None)
+        source = f"data.tokenizer={tokenizer!r} has {data_vocab} tokens" if tokenizer else "one token per byte"
         raise ValueError(
             f"model.vocab_size={model_vocab} is not valid for this data: its token ids go up to {data_vocab - 1} "
-            f"(one token per byte). Expected model.vocab_size >= {data_vocab}."
+            f"({source}). Expected model.vocab_size >= {data_vocab} (a Hugging Face model: config.vocab_size, "
+            f"+model.config.vocab_size=N or a pretrained model with a vocabulary that large)."
         )
     if callable(getattr(datamodule, "check_corpus", None)):
         datamodule.check_corpus(replicas=dims.dp_size)

@@ -178,6 +178,16 @@ def model_block_size(module: Any) -> int | None:
     return None
 
 
+def model_vocab_size(module: Any) -> int | None:
+    """The vocabulary a module was built for: ``module.config.vocab_size`` or the same on its network
+    ``module.model`` (a Hugging Face model's config); ``None`` when it declares none."""
+    for owner in (module, getattr(module, "model", None)):
+        value = getattr(getattr(owner, "config", None), "vocab_size", None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
 def build_datamodule(cfg: Any, module: Any = None) -> Any:
     """The LightningDataModule of the ``data`` group entry (a byte corpus or any ``_target_``).
 

@@ -296,7 +296,8 @@ class HFModelConfig:
 
 @dataclass
 class ByteCorpusDataConfig:
-    """Byte-level text: the interpreter's standard library by default, or ``path`` (a file or directory)."""
+    """Text: the interpreter's standard library by default, or ``path`` (a file or directory); byte tokens, or a
+    local tokenizer's (``tokenizer``)."""
 
     _target_: str = BYTE_CORPUS_TARGET
     path: Optional[str] = None
@@ -310,6 +311,10 @@ class ByteCorpusDataConfig:
     val_batches: int = 20
     cache_dir: Optional[str] = None
     seed: int = II("seed")
+    #: a local Hugging Face tokenizer directory (``tokenizer.json``, or what ``AutoTokenizer`` reads offline): the
+    #: corpus is tokenized once into the token cache, and the model's vocabulary must hold the tokenizer's; null:
+    #: one token per byte.
+    tokenizer: Optional[str] = None
 
 
 #: Kept for code that imports the old name: the byte corpus's schema.

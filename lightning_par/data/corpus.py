@@ -21,7 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["build_token_file", "default_cache_dir", "load_tokens", "stdlib_files"]
+__all__ = [
+    "build_token_file",
+    "corpus_files",
+    "default_cache_dir",
+    "is_text",
+    "load_tokens",
+    "stdlib_files",
+    "token_file_dtype",
+]
 
 _CACHE_FORMAT = 1  # bump when the way bytes are gathered changes, so old caches are not reused
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages"})
@@ -49,7 +57,8 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in found if p.is_file())
 
 
-def _is_text(path: Path) -> bool:
+def is_text(path: Path) -> bool:
+    """Whether ``path`` looks like text: no NUL byte in its first 8 KiB."""
     with open(path, "rb") as f:
         return b"\0" not in f.read(_SNIFF_BYTES)
 
@@ -64,7 +73,13 @@ def _directory_files(root: Path, exclude: Path) -> list[Path]:
     return sorted(p for p in found if p.is_file())
 
 
-def _source_files(source: Path | None, cache_dir: Path) -> tuple[str, list[Path]]:
+def corpus_files(source: Path | None, cache_dir: Path) -> tuple[str, list[Path]]:
+    """``(kind, files)`` of a corpus: ``("stdlib", ...)`` for None, ``("file", [source])``, or ``("dir", every
+    non-hidden file under it, sorted, outside ``cache_dir``)``; a directory's binary files are skipped when read.
+
+    Raises:
+        ValueError: ``source`` does not exist or is neither a regular file nor a directory.
+    """
     if source is None:
         return "stdlib", stdlib_files()
     if not source.exists():
@@ -96,7 +111,7 @@ def build_token_file(source: str | Path | None = None, cache_dir: str | Path | N
     """
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     src = Path(source).expanduser() if source is not None else None
-    kind, files = _source_files(src, cache)
+    kind, files = corpus_files(src, cache)
     if not files:
         raise ValueError(f"corpus path={str(src)!r} is not valid: it holds no files. Expected at least one text file.")
     stats = [(str(p), st.st_size, st.st_mtime_ns) for p in files for st in (p.stat(),)]
@@ -111,7 +126,7 @@ def build_token_file(source: str | Path | None = None, cache_dir: str | Path | N
         total = 0
         with os.fdopen(fd, "wb") as out:
             for path in files:
-                if kind == "dir" and not _is_text(path):
+                if kind == "dir" and not is_text(path):
                     continue
                 data = path.read_bytes()
                 out.write(data)
@@ -127,5 +142,16 @@ def build_token_file(source: str | Path | None = None, cache_dir: str | Path | N
 
 
 def load_tokens(path: str | Path) -> np.ndarray:
-    """Read-only ``numpy.memmap`` of a token file, shape ``(n_tokens,)``, dtype ``uint8``."""
-    return np.memmap(path, dtype=np.uint8, mode="r")
+    """Read-only ``numpy.memmap`` of a token file, shape ``(n_tokens,)``: ``uint8`` for byte tokens, or the dtype a
+    tokenized file's name ends with (``...-uint16.bin``, ``...-uint32.bin``; see :mod:`lightning_par.data.tokenize`)."""
+    return np.memmap(path, dtype=token_file_dtype(path), mode="r")
+
+
+def token_file_dtype(path: str | Path) -> np.dtype:
+    """The dtype of a token file, from its name: ``uint16``/``uint32`` when it ends ``-uint16.bin``/``-uint32.bin``,
+    else ``uint8`` (bytes)."""
+    stem = Path(path).stem
+    for name in ("uint16", "uint32"):
+        if stem.endswith(f"-{name}"):
+            return np.dtype(name)
+    return np.dtype(np.uint8)

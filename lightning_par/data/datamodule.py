@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from lightning_par.data.corpus import build_token_file, load_tokens
+from lightning_par.data.tokenize import build_tokenized_file, load_tokenizer
 from lightning_par.data.resumable import ResumableDataLoader
 
 __all__ = [
@@ -143,7 +144,8 @@ def _check_int(name: str, value: object, minimum: int) -> None:
 
 
 class ByteCorpusDataModule(L.LightningDataModule):
-    """Byte-level language-modelling data: the standard library, a user file or directory, or a synthetic stream.
+    """Language-modelling data: the standard library, a user file or directory, or a synthetic stream; byte tokens,
+    or the ids of a local Hugging Face tokenizer (``tokenizer``).
 
     Args:
         path: file or directory to train on; None for the standard-library corpus (see ``corpus.py``).
@@ -156,6 +158,9 @@ class ByteCorpusDataModule(L.LightningDataModule):
         cache_dir: token cache directory; ``$LP_CACHE_DIR`` or ``~/.cache/lightning_par`` if None.
         val_batches: if set, validation uses only the first ``val_batches * batch_size`` validation windows (in
             total, shared among data-parallel ranks), to keep validation short.
+        tokenizer: a local tokenizer directory (``tokenizer.json``, or what ``AutoTokenizer`` reads offline): the
+            corpus is tokenized once into a cached token file (:mod:`lightning_par.data.tokenize`) and
+            :attr:`vocab_size` is the tokenizer's. None: one token per byte.
 
     Raises:
         ValueError: an invalid argument, a missing path, or (in :meth:`setup`) a corpus too small to give one
@@ -173,6 +178,7 @@ class ByteCorpusDataModule(L.LightningDataModule):
         seed: int = 1234,
         cache_dir: str | None = None,
         val_batches: int | None = None,
+        tokenizer: str | None = None,
     ) -> None:
         super().__init__()
         _check_int("block_size", block_size, 1)
@@ -192,7 +198,14 @@ class ByteCorpusDataModule(L.LightningDataModule):
                 f"ByteCorpusDataModule path={path!r} is not valid: it does not exist. Expected an existing file or "
                 f"directory, or None for the Python standard library."
             )
+        if tokenizer is not None and synthetic:
+            raise ValueError(
+                f"ByteCorpusDataModule tokenizer={tokenizer!r} is not valid with synthetic=True: the synthetic stream is "
+                f"bytes. Expected tokenizer=None with synthetic=True, or synthetic=False to tokenize a text corpus."
+            )
+        self._vocab_size = VOCAB_SIZE if tokenizer is None else load_tokenizer(tokenizer)[1]
         self.save_hyperparameters()
+        self.tokenizer = tokenizer
         self.path = path
         self.block_size = block_size
         self.batch_size = batch_size
@@ -207,18 +220,24 @@ class ByteCorpusDataModule(L.LightningDataModule):
 
     @property
     def vocab_size(self) -> int:
-        """Number of distinct tokens: 256 (one per byte value)."""
-        return VOCAB_SIZE
+        """Number of distinct tokens: 256 (one per byte value), or the tokenizer's vocabulary size."""
+        return self._vocab_size
+
+    def token_file(self) -> Path:
+        """The cached token file of the corpus (built on first use): bytes, or the tokenizer's ids."""
+        if self.tokenizer is not None:
+            return build_tokenized_file(self.path, self.tokenizer, self.cache_dir)[0]
+        return build_token_file(self.path, self.cache_dir)
 
     def prepare_data(self) -> None:
         """Build the token cache (Lightning calls this on local rank 0 only)."""
         if not self.synthetic:
-            build_token_file(self.path, self.cache_dir)
+            self.token_file()
 
     def _tokens(self) -> np.ndarray:
         if self.synthetic:
             return make_synthetic_tokens(self.synthetic_tokens, seed=self.seed)
-        return load_tokens(build_token_file(self.path, self.cache_dir))
+        return load_tokens(self.token_file())
 
     def _chunk(self, n_tokens: int) -> int:
         return min(65536, max(self.block_size + 1, n_tokens // 20))
@@ -259,7 +278,7 @@ class ByteCorpusDataModule(L.LightningDataModule):
         if self.synthetic:
             self._check_size(self.synthetic_tokens, replicas)
         else:
-            self._check_size(Path(build_token_file(self.path, self.cache_dir)).stat().st_size, replicas)
+            self._check_size(len(load_tokens(self.token_file())), replicas)
 
     def setup(self, stage: str | None = None) -> None:
         """Load the tokens, split them (see the module docstring) and make the window datasets; idempotent.

@@ -6,12 +6,18 @@ The network is ``self.model`` (a ``PreTrainedModel``), so the strategies find it
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from contextvars import ContextVar
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+
+from lightning_par.checkpoint.loading import ShardedCheckpointLoading
+from lightning_par.hf.load import fill_from_safetensors, load_hf_weights, tied_aliases
 
 __all__ = ["HFCausalLM", "recipe_model"]
 
@@ -49,7 +55,11 @@ def _check(name: str, value: object, ok: bool, valid: str) -> None:
         raise ValueError(f"HFCausalLM {name}={value!r} is not valid: expected {valid}.")
 
 
-class HFCausalLM(L.LightningModule):
+#: Set while :meth:`HFCausalLM.load_from_checkpoint` builds a module.
+_FROM_CHECKPOINT: ContextVar[bool] = ContextVar("hf_from_checkpoint", default=False)
+
+
+class HFCausalLM(ShardedCheckpointLoading, L.LightningModule):
     """Next-token language modelling with a Hugging Face causal LM.
 
     Exactly one of ``model_type`` and ``pretrained`` names the model:
@@ -61,7 +71,9 @@ class HFCausalLM(L.LightningModule):
         config: config fields (``hidden_size``, ``num_hidden_layers``...) overriding the model type's defaults, or
             the pretrained directory's ``config.json``.
         pretrained: a local directory written by ``save_pretrained`` (``config.json`` and safetensors); never
-            downloads.
+            downloads. Its weights are loaded at once in a single process, and after the strategy has parallelized
+            the model under a launcher (``WORLD_SIZE`` > 1), each rank reading only what it holds
+            (:meth:`load_pretrained_weights`).
         optimizer: ``"adamw"`` (default) or ``"sgd"`` (with ``momentum``).
         learning_rate: the optimizer's learning rate.
         weight_decay: AdamW's decoupled weight decay (matrices and embeddings only); SGD's L2 term.
@@ -69,9 +81,10 @@ class HFCausalLM(L.LightningModule):
         adam_eps: AdamW's ``eps``.
 
     Raises:
-        ValueError: neither or both of ``model_type`` and ``pretrained``; an unknown ``model_type``; a
-            ``pretrained`` path that is not a directory with a ``config.json``; an unknown optimizer; a non-positive
-            learning rate. The message names the argument, the value and what is valid.
+        ValueError: neither or both of ``model_type`` and ``pretrained``; an unknown ``model_type``; ``pretrained``
+            not a directory with a ``config.json``, or (when the weights load) without safetensors weights or with
+            weights that do not fit the config; an unknown optimizer; a non-positive learning rate. The message names
+            the argument, the value and what is valid.
         ImportError: ``transformers`` is not installed (``pip install 'lightning-par[hf]'``).
     """
 
@@ -91,11 +104,6 @@ class HFCausalLM(L.LightningModule):
                "exactly one of model_type and pretrained (a local save_pretrained directory)")
         _check("optimizer", optimizer, optimizer in OPTIMIZERS, f"one of {OPTIMIZERS}")
         _check("learning_rate", learning_rate, learning_rate > 0, "a positive float")
-        if pretrained is not None:
-            import os
-
-            _check("pretrained", pretrained, os.path.isfile(os.path.join(str(pretrained), "config.json")),
-                   "a local directory written by save_pretrained (with a config.json)")
         if model_type is not None:
             _check("model_type", model_type, _known_model_type(model_type),
                    "a transformers model type such as 'llama', 'qwen2', 'qwen3', 'mistral', 'qwen3_moe', 'mixtral'")
@@ -109,12 +117,96 @@ class HFCausalLM(L.LightningModule):
         except ImportError as err:  # pragma: no cover - depends on the environment
             raise ImportError("lightning_par.hf needs transformers: pip install 'lightning-par[hf]'") from err
         if pretrained is not None:
+            _check("pretrained", pretrained, (Path(pretrained).expanduser() / "config.json").is_file(),
+                   "a local directory written by save_pretrained (config.json and model.safetensors or its index); "
+                   "nothing is downloaded")
             hf_config = AutoConfig.from_pretrained(pretrained, local_files_only=True, **config)
         else:
             hf_config = AutoConfig.for_model(model_type, **config)
         # SDPA: the attention the cp axis intercepts; eager would bypass it.
         hf_config._attn_implementation = "sdpa"
         self.model = AutoModelForCausalLM.from_config(hf_config)
+        # Built by load_from_checkpoint: the checkpoint's weights replace the pretrained ones, which are not read.
+        self._pretrained_pending = pretrained is not None and not _FROM_CHECKPOINT.get()
+        self._tied = tied_aliases(self.model)
+        if pretrained is not None and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            self.load_pretrained_weights()  # one process: it holds every weight
+
+    def load_pretrained_weights(self, parallel: Any = None) -> int:
+        """Read ``pretrained``'s safetensors weights into the model (done once; a no-op without ``pretrained``; on the
+        ``meta`` device only a check of the files' names and shapes). Under a lightning_par strategy, each rank reads only the blocks it holds
+        (:func:`lightning_par.hf.load.load_hf_weights`). Called by ``__init__`` in a single process, else at the start of
+        ``fit``/``validate``/``test``/``predict``, after the strategy has parallelized the model (skipped when the run
+        restores a ``ckpt_path``).
+
+        Args:
+            parallel: the strategy's parallel model (``trainer.strategy.parallel``), or ``None`` for this module.
+
+        Returns:
+            The bytes read by this process.
+
+        Raises:
+            ValueError: the directory has no safetensors weights, or they do not fit the model (names, shapes).
+        """
+        pretrained = self.hparams.pretrained
+        if not self._pretrained_pending or pretrained is None:
+            return 0
+        if any(p.is_meta for p in self.model.parameters()):  # built to be checked before start: names and shapes
+            fill_from_safetensors(self.state_dict(), pretrained, "model.", self._tied, check_only=True)
+            return 0
+        read = load_hf_weights(pretrained, self, parallel=parallel, aliases=self._tied)
+        self._pretrained_pending = False
+        self.pretrained_bytes_read = read
+        return read
+
+    def _load_pending(self) -> None:
+        """Load ``pretrained``'s weights into this rank's part of the parallelized model if ``__init__`` has not,
+        unless the run restores a checkpoint (``ckpt_path``), whose weights win."""
+        if not self._pretrained_pending:
+            return
+        if self.trainer.ckpt_path is not None:
+            self._pretrained_pending = False
+            return
+        self.load_pretrained_weights(getattr(self.trainer.strategy, "parallel", None))
+
+    def on_fit_start(self) -> None:
+        """See :meth:`load_pretrained_weights` (runs after the strategy's setup, before a checkpoint is restored)."""
+        self._load_pending()
+
+    def on_validation_start(self) -> None:
+        """See :meth:`load_pretrained_weights` (for ``Trainer.validate``; a no-op once loaded)."""
+        self._load_pending()
+
+    def on_test_start(self) -> None:
+        """See :meth:`load_pretrained_weights` (for ``Trainer.test``)."""
+        self._load_pending()
+
+    def on_predict_start(self) -> None:
+        """See :meth:`load_pretrained_weights` (for ``Trainer.predict``)."""
+        self._load_pending()
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's ``load_from_checkpoint``, also for lightning_par checkpoint directories
+        (:class:`~lightning_par.checkpoint.ShardedCheckpointLoading`); the ``pretrained`` directory's ``config.json``
+        is read, its weights are not (the checkpoint's replace them).
+
+        Raises:
+            FileNotFoundError, ValueError: a missing, torn or damaged checkpoint directory; what Lightning raises.
+        """
+        token = _FROM_CHECKPOINT.set(True)
+        try:
+            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+        finally:
+            _FROM_CHECKPOINT.reset(token)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the model's whole config (and generation config) in the checkpoint, for
+        ``python -m lightning_par.hf export`` without the pretrained directory."""
+        checkpoint["hf_config"] = self.model.config.to_dict()
+        generation = getattr(self.model, "generation_config", None)
+        if generation is not None:
+            checkpoint["hf_generation_config"] = generation.to_dict()
 
     @property
     def block_size(self) -> int:

@@ -14,6 +14,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from lightning_par.checkpoint.loading import ShardedCheckpointLoading
 from lightning_par.models.gpt import GPT, GPTConfig
 
 __all__ = ["GPTLightningModule", "lr_lambda"]
@@ -43,7 +44,7 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class GPTLightningModule(L.LightningModule):
+class GPTLightningModule(ShardedCheckpointLoading, L.LightningModule):
     """Next-token language modelling with a :class:`GPT`.
 
     Args:

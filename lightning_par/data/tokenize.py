@@ -1,0 +1,135 @@
+"""Token files made with a local Hugging Face tokenizer (``data.tokenizer=DIR``), cached like the byte corpus.
+
+The corpus is gathered as in :mod:`lightning_par.data.corpus` (the standard library, a file, or a directory's text
+files in sorted order); each file is decoded as UTF-8 (undecodable bytes replaced) and encoded on its own, without
+special tokens, and the ids are concatenated. They are written once as ``uint16`` (vocabularies up to 65,536) or
+``uint32``, under a name hashing the corpus's ``(path, size, mtime)`` list and the tokenizer files' contents, so a
+second run, or another rank, reuses the file. The tokenizer is read with ``tokenizers.Tokenizer.from_file``
+(``tokenizer.json``) or, without that file, ``transformers.AutoTokenizer.from_pretrained(DIR,
+local_files_only=True)``: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from lightning_par.data.corpus import corpus_files, default_cache_dir, is_text
+
+__all__ = ["TOKENIZER_FILE", "TOKENIZER_FILES", "build_tokenized_file", "load_tokenizer", "token_dtype"]
+
+#: The one-file tokenizer ``tokenizers`` and ``save_pretrained`` write.
+TOKENIZER_FILE = "tokenizer.json"
+_CACHE_FORMAT = 1
+#: The files a tokenizer directory may hold (what ``save_pretrained`` of the common tokenizers writes).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "vocab.txt",
+                    "tokenizer.model", "special_tokens_map.json", "added_tokens.json")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype holding ids below ``vocab_size``: ``uint8``, ``uint16`` or ``uint32``."""
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if vocab_size <= np.iinfo(dtype).max + 1:
+            return np.dtype(dtype)
+    raise ValueError(f"vocab_size={vocab_size} is not valid: expected at most 2**32.")
+
+
+def load_tokenizer(directory: str | Path) -> tuple[Callable[[str], list[int]], int]:
+    """``(encode, vocab_size)`` of the tokenizer in a local directory.
+
+    Args:
+        directory: a directory with ``tokenizer.json`` (``tokenizers``), or one that
+            ``AutoTokenizer.from_pretrained`` reads offline.
+
+    Returns:
+        ``encode(text) -> ids`` (no special tokens added) and the vocabulary size, added tokens included.
+
+    Raises:
+        ValueError: ``directory`` does not exist or holds no tokenizer (the message names ``data.tokenizer``).
+    """
+    path = Path(directory).expanduser()
+    if not path.is_dir():
+        raise ValueError(
+            f"data.tokenizer={str(directory)!r} is not valid: it is not a directory. Expected a local tokenizer "
+            f"directory (with {TOKENIZER_FILE}, as tokenizer.save_pretrained(DIR) writes), or null for bytes."
+        )
+    if (path / TOKENIZER_FILE).is_file():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(path / TOKENIZER_FILE))
+        return (lambda text: tok.encode(text, add_special_tokens=False).ids), tok.get_vocab_size(with_added_tokens=True)
+    try:
+        from transformers import AutoTokenizer
+
+        auto = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, ImportError) as err:
+        raise ValueError(
+            f"data.tokenizer={str(directory)!r} is not valid: no tokenizer could be read from it ({type(err).__name__}:"
+            f" {str(err).splitlines()[0][:200] if str(err) else ''}). Expected a directory with {TOKENIZER_FILE} or "
+            f"one AutoTokenizer.from_pretrained reads offline."
+        ) from None
+    return (lambda text: auto.encode(text, add_special_tokens=False)), len(auto)
+
+
+def _tokenizer_digest(directory: Path) -> list[str]:
+    return [
+        f"{name}:{hashlib.sha256((directory / name).read_bytes()).hexdigest()}"
+        for name in TOKENIZER_FILES
+        if (directory / name).is_file()
+    ]
+
+
+def build_tokenized_file(
+    source: str | Path | None, tokenizer: str | Path, cache_dir: str | Path | None = None
+) -> tuple[Path, int]:
+    """Token ids of ``source`` under ``tokenizer`` as a cached file, built on first use.
+
+    Args:
+        source: as :func:`lightning_par.data.corpus.build_token_file` (None: the standard library).
+        tokenizer: a local tokenizer directory (:func:`load_tokenizer`).
+        cache_dir: where the file goes; :func:`lightning_par.data.corpus.default_cache_dir` if None.
+
+    Returns:
+        ``(path, vocab_size)``: the token file (``<cache_dir>/tokens-<hash>-<dtype>.bin``, read back with
+        :func:`lightning_par.data.corpus.load_tokens`) and the tokenizer's vocabulary size.
+
+    Raises:
+        ValueError: see :func:`load_tokenizer`; ``source`` is missing or holds no text; the text gives no token.
+    """
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    src = Path(source).expanduser() if source is not None else None
+    encode, vocab_size = load_tokenizer(tokenizer)
+    dtype = token_dtype(vocab_size)
+    kind, files = corpus_files(src, cache)
+    stats = [(str(p), st.st_size, st.st_mtime_ns) for p in files for st in (p.stat(),)]
+    key = [_CACHE_FORMAT, kind, stats, _tokenizer_digest(Path(tokenizer).expanduser()), vocab_size]
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:20]
+    target = cache / f"tokens-{digest}-{dtype.name}.bin"
+    if target.exists():
+        return target, vocab_size
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=cache, prefix=".tmp-tokens-", suffix=".bin")
+    try:
+        total = 0
+        with os.fdopen(fd, "wb") as out:
+            for path in files:
+                if kind == "dir" and not is_text(path):
+                    continue
+                ids = encode(path.read_bytes().decode("utf-8", errors="replace"))
+                np.asarray(ids, dtype=dtype).tofile(out)
+                total += len(ids)
+        if total == 0:
+            what = "corpus" if src is None else f"corpus path={str(src)!r}"
+            raise ValueError(f"{what} is not valid with data.tokenizer={str(tokenizer)!r}: it gives 0 tokens. "
+                             f"Expected a non-empty text corpus.")
+        os.replace(tmp_name, target)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return target, vocab_size

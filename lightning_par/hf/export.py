@@ -1,0 +1,155 @@
+"""A lightning_par checkpoint of an ``HFCausalLM`` out as a Hugging Face ``save_pretrained`` directory.
+
+The checkpoint is a sharded DCP directory (:mod:`lightning_par.checkpoint.sharded`) of any strategy and layout, its
+tensors keyed ``state_dict.model.<HF name>``. :func:`export_hf` writes ``config.json``, ``generation_config.json``
+(when the model has one), ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``, one shard at a
+time: for each output shard only its tensors are read from the checkpoint (``torch.distributed.checkpoint.load`` of
+that subset, one process) and written, so memory holds one shard, never the whole model. Weights the model ties
+(``lm_head.weight`` under ``tie_word_embeddings``) are written once, under the first name, as ``save_pretrained``
+does.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_par.checkpoint.loading import load_in_one_process
+from lightning_par.checkpoint.sharded import METADATA_FILENAME, verify_checkpoint
+from lightning_par.data.tokenize import TOKENIZER_FILES
+from lightning_par.hf.load import INDEX_NAME, tied_aliases
+
+__all__ = ["DEFAULT_SHARD_BYTES", "export_hf", "hf_config_of"]
+
+#: Largest output shard, in bytes, unless asked otherwise (a tensor larger than this gets a shard of its own).
+DEFAULT_SHARD_BYTES = 2 * 1024**3
+
+
+def hf_config_of(meta: dict[str, Any]) -> Any:
+    """The ``transformers`` config of a checkpoint's model: the whole config ``HFCausalLM`` keeps in its checkpoints
+    (``hf_config``), else rebuilt from its hyper-parameters (``model_type`` + ``config``, or ``pretrained``).
+
+    Raises:
+        ValueError: the checkpoint holds neither (it is not an ``HFCausalLM``'s).
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    saved = meta.get("hf_config")
+    if saved is not None:
+        return CONFIG_MAPPING[saved["model_type"]].from_dict(dict(saved))
+    hp = dict(meta.get("hyper_parameters") or {})
+    if hp.get("pretrained"):
+        return AutoConfig.from_pretrained(hp["pretrained"], local_files_only=True, **dict(hp.get("config") or {}))
+    if hp.get("model_type"):
+        return AutoConfig.for_model(hp["model_type"], **dict(hp.get("config") or {}))
+    raise ValueError(
+        "checkpoint is not valid for export: it holds no Hugging Face config (hf_config) and no HFCausalLM "
+        "hyper-parameters (model_type or pretrained). Expected a checkpoint of lightning_par.hf.HFCausalLM."
+    )
+
+
+def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Consecutive groups of names whose bytes stay within ``max_bytes`` (a larger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if shards[-1] and used + size > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def export_hf(
+    checkpoint: str | Path,
+    output: str | Path,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    prefix: str = "model.",
+    tokenizer: str | Path | None = None,
+) -> Path:
+    """Write a ``save_pretrained``-compatible directory from a lightning_par checkpoint of an ``HFCausalLM``.
+
+    One process, no process group; memory for one output shard at a time.
+    Also a command: ``python -m lightning_par.hf export CHECKPOINT OUTPUT_DIR [--max-shard-bytes N]``.
+
+    Args:
+        checkpoint: the checkpoint directory (``*.ckpt``) of any lightning_par strategy.
+        output: the directory to write; it must not exist or be empty.
+        max_shard_bytes: largest safetensors shard, in bytes.
+        prefix: the network's attribute in the LightningModule, with a dot (``HFCausalLM``: ``"model."``).
+        tokenizer: a local tokenizer directory whose files (``tokenizer.json``, ``tokenizer_config.json``, ...) are
+            copied into ``output``, so that ``AutoTokenizer.from_pretrained(output)`` works too.
+
+    Returns:
+        ``output``.
+
+    Raises:
+        FileNotFoundError, ValueError: a missing or damaged checkpoint (see
+            :func:`lightning_par.checkpoint.verify_checkpoint`); ``max_shard_bytes`` not positive; ``output`` is a
+            non-empty directory or a file; ``tokenizer`` holds no tokenizer file; the checkpoint is not an
+            ``HFCausalLM``'s or lacks a weight of its model.
+    """
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes!r} is not valid: expected a positive number of bytes.")
+    path, output = Path(checkpoint), Path(output)
+    if output.is_file() or (output.is_dir() and any(output.iterdir())):
+        raise ValueError(f"output={str(output)!r} is not valid: it exists and is not an empty directory.")
+    tokenizer_files = [] if tokenizer is None else [
+        Path(tokenizer).expanduser() / f for f in TOKENIZER_FILES if (Path(tokenizer).expanduser() / f).is_file()
+    ]
+    if tokenizer is not None and not tokenizer_files:
+        raise ValueError(f"tokenizer={str(tokenizer)!r} is not valid: it holds none of {list(TOKENIZER_FILES)}.")
+    verify_checkpoint(path)
+    meta = torch.load(path / METADATA_FILENAME, weights_only=False)
+    config = hf_config_of(meta)
+    with torch.device("meta"):  # names and ties only: no memory
+        network = AutoModelForCausalLM.from_config(config)
+    tied = tied_aliases(network)
+    names = [n for n in network.state_dict() if n not in tied]
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    sizes: dict[str, int] = {}
+    specs: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    for name in names:
+        entry = saved.get(f"state_dict.{prefix}{name}")
+        if not isinstance(entry, TensorStorageMetadata):
+            raise ValueError(
+                f"checkpoint {str(path)!r} is not valid for export: it has no tensor {prefix}{name} of the "
+                f"{config.model_type} model its config describes."
+            )
+        specs[name] = (entry.size, entry.properties.dtype)
+        sizes[name] = entry.size.numel() * torch.empty((), dtype=entry.properties.dtype).element_size()
+    staged = output.with_name(output.name + ".exporting")
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
+    shards = _plan_shards(sizes, max_shard_bytes)
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: torch.empty(specs[name][0], dtype=specs[name][1]) for name in shard}
+        load_in_one_process({"state_dict": {prefix + n: t for n, t in tensors.items()}}, path)
+        save_file(tensors, str(staged / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+        del tensors
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+    (staged / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config.save_pretrained(staged)
+    generation = meta.get("hf_generation_config")
+    if generation is not None:
+        GenerationConfig.from_dict(generation).save_pretrained(staged)
+    for file in tokenizer_files:
+        shutil.copyfile(file, staged / file.name)
+    if output.is_dir():
+        output.rmdir()
+    staged.rename(output)
+    return output
