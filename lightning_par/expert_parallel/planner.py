@@ -16,7 +16,9 @@ from typing import Any
 from lightning_par.axis_registry import PlannerTerms
 from lightning_par.comm_cost import all_to_all_bytes, collective_time, ring_steps
 
-__all__ = ["EXPERT_PARALLEL_TERMS", "check", "check_num_experts", "layer_all_to_all_bytes", "slot_comm_s"]
+__all__ = [
+    "EXPERT_PARALLEL_TERMS", "check", "check_num_experts", "expert_shard_ranks", "layer_all_to_all_bytes", "slot_comm_s"
+]
 
 
 def check_num_experts(where: str, num_experts: int, ep_size: int, borrowed: int) -> None:
@@ -37,6 +39,26 @@ def check_num_experts(where: str, num_experts: int, ep_size: int, borrowed: int)
             f"ep_size={ep_size} is not valid for {where} with num_experts={num_experts}: each ep rank holds "
             f"num_experts / ep_size experts; expected ep_size in {valid}."
         )
+
+
+def expert_shard_ranks(num_experts: int, ep_size: int, edp_shard: int) -> float:
+    """The ``N`` that the ZeRO formulas divide an ep rank's expert state by, on its fullest ``edp_shard`` rank.
+
+    The dp modes shard each expert tensor ``(E / ep, ...)`` on dim 0, so a shard holds whole experts: the first ranks
+    of ``edp_shard`` hold ``ceil((E / ep) / edp_shard)`` experts each, later ones fewer or none (measured at world 8:
+    ``E / ep = 2`` experts over ``edp_shard = 4`` ranks put one expert on each of two ranks). The fullest rank holds
+    ``ceil(E_l / N) / E_l`` of them, i.e. ``N_eff = E_l / ceil(E_l / N)`` (``= N`` when ``N`` divides ``E_l``).
+
+    Args:
+        num_experts: experts ``E`` of a MoE block.
+        ep_size: ep ranks.
+        edp_shard: ranks the experts' state is sharded over (``dp_shard * cp / ep``).
+
+    Returns:
+        ``N_eff`` (``>= 1``).
+    """
+    local = max(1, num_experts // ep_size)
+    return local / -(-local // edp_shard)
 
 
 def check(layout: Any, model: Any) -> None:

@@ -111,21 +111,26 @@ def rank_params(model: ModelSpec, layout: Layout, pp_rank: int) -> float:
 
 
 def rank_state_bytes(model: ModelSpec, layout: Layout, precision: Precision, pp_rank: int) -> float:
-    """Bytes of parameters, gradients and optimizer state of one rank of pipeline rank ``pp_rank``: the dense
-    parameters sharded over the runtime's ``dp_shard_cp`` mesh, the experts over ``edp_shard`` (see
-    :func:`model_state_bytes`).
+    """Bytes of parameters, gradients and optimizer state of the fullest rank of pipeline rank ``pp_rank``: the dense
+    parameters sharded over the runtime's ``dp_shard_cp`` mesh, the experts over ``edp_shard`` in whole experts
+    (:func:`~lightning_par.expert_parallel.planner.expert_shard_ranks`; see :func:`model_state_bytes`).
 
     Raises:
         ValueError: ``pp_rank`` out of range, an unknown ``dp_mode``, or sizes :class:`~lightning_par.parallel_dims.
             ParallelDims` refuses.
     """
+    from lightning_par.expert_parallel.planner import expert_shard_ranks
+
     dense, experts = rank_param_groups(model, layout, pp_rank)
     dims = layout.dims()
-    return (model_state_bytes(dense, layout.dp_mode, dims.size("dp_shard_cp"), precision)
-            + model_state_bytes(experts, layout.dp_mode, dims.size("edp_shard"), precision))
+    state = model_state_bytes(dense, layout.dp_mode, dims.size("dp_shard_cp"), precision)
+    if experts:  # whole experts per ZeRO shard: the fullest rank's N
+        n = expert_shard_ranks(model.num_experts, layout.ep_size, dims.size("edp_shard"))
+        state += model_state_bytes(experts, layout.dp_mode, n, precision)
+    return state
 
 
-def model_state_bytes(params: float, dp_mode: str, dp_size: int, precision: Precision) -> float:
+def model_state_bytes(params: float, dp_mode: str, dp_size: float, precision: Precision) -> float:
     """Bytes of parameters, gradients and optimizer state per rank (Rajbhandari et al. 2020, §5.1).
 
     Args:
