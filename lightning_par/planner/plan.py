@@ -75,6 +75,16 @@ class Prediction:
         return self.layout.cp_method
 
     @property
+    def dp_replicate_size(self) -> int:
+        """HSDP replicas among the data-parallel ranks (1: none)."""
+        return self.layout.dp_replicate_size
+
+    @property
+    def ep_size(self) -> int:
+        """Expert-parallel ranks (borrowed from ``dp_shard x cp``)."""
+        return self.layout.ep_size
+
+    @property
     def dp_mode(self) -> str:
         """``ddp``, ``zero1``, ``zero2`` or ``zero3``."""
         return self.layout.dp_mode
@@ -220,6 +230,8 @@ def plan(
     sequence_parallel: Sequence[bool] = (False, True),
     cp_sizes: Sequence[int] = (1,),
     cp_methods: Sequence[str] = CP_METHODS,
+    dp_replicate_sizes: Sequence[int] = (1,),
+    ep_sizes: Sequence[int] = (1,),
     include_unfit: bool = True,
     calibration: Any = None,
     pp_scatter_gather: bool = False,
@@ -250,6 +262,9 @@ def plan(
         cp_sizes: context-parallel sizes to enumerate (default ``(1,)``: none), e.g. ``(1, 2, 4)``.
         cp_methods: context-parallel attentions to enumerate when ``cp_size > 1``: a non-empty subset of
             :data:`~lightning_par.context_parallel.options.CP_METHODS`.
+        dp_replicate_sizes: HSDP replica counts to enumerate (default ``(1,)``: none), e.g. ``(1, 2)``: the ZeRO
+            modes then shard over ``dp_size / dp_replicate_size * cp_size`` ranks and all-reduce across the replicas.
+        ep_sizes: expert-parallel sizes to enumerate for a MoE model (default ``(1,)``), e.g. ``(1, 2, 4)``.
         max_tp_size: largest tensor-parallel size (None: any divisor of ``devices_per_node``: tensor parallelism
             stays inside a node).
         include_unfit: also return the layouts that do not fit (after all that fit, each with its ``reason``).
@@ -287,6 +302,11 @@ def plan(
             _check_positive_int("micro_batch_sizes", b)
     if not cp_sizes or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in cp_sizes):
         raise ValueError(f"cp_sizes={list(cp_sizes)!r} is not valid: expected a non-empty list of positive integers.")
+    for name, values in (("dp_replicate_sizes", dp_replicate_sizes), ("ep_sizes", ep_sizes)):
+        if not values or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in values):
+            raise ValueError(f"{name}={list(values)!r} is not valid: expected a non-empty list of positive integers.")
+    if any(e > 1 for e in ep_sizes) and not spec.num_experts:
+        raise ValueError(f"ep_sizes={list(ep_sizes)!r} is not valid for a dense model (num_experts=0): expected [1].")
     if not cp_methods or any(x not in CP_METHODS for x in cp_methods):
         raise ValueError(
             f"cp_methods={list(cp_methods)!r} is not valid: expected a non-empty subset of {list(CP_METHODS)}."
@@ -298,7 +318,7 @@ def plan(
         max_tp_size=max_tp_size, devices_per_node=min(devices_per_node, num_devices),
         dp_modes=dp_modes, schedules=schedules, checkpointing=checkpointing, micro_batch_sizes=micro_batch_sizes,
         max_virtual_stages=max_virtual_stages, sequence_parallel=sequence_parallel, cp_sizes=cp_sizes,
-        cp_methods=cp_methods,
+        cp_methods=cp_methods, dp_replicate_sizes=dp_replicate_sizes, ep_sizes=ep_sizes,
     ))
     if not layouts:
         raise ValueError(
