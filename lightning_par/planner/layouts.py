@@ -28,6 +28,9 @@ rulebook of the planner's own:
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+import dataclasses
+import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -50,6 +53,7 @@ __all__ = [
     "divisors",
     "enumerate_layouts",
     "planner_terms",
+    "size_fields",
 ]
 
 #: The runtime's schedules whose step time the planner models (``"none"`` when ``pp_size == 1``: micro-batches are
@@ -147,6 +151,15 @@ class Layout:
         )
 
 
+def size_fields() -> tuple[str, ...]:
+    """The :class:`Layout` size fields beyond ``dp_size``, ``tp_size`` and ``pp_size`` (those of the axes added on the
+    registry: ``cp_size``, ``dp_replicate_size``, ``ep_size``; 1 = not used), read from the dataclass: the emitted
+    overrides, the run-config reader and the report's columns follow a new one without an edit."""
+    return tuple(f.name for f in dataclasses.fields(Layout)
+                 if f.name.endswith("_size") and f.default == 1 and f.name not in ("tp_size", "pp_size",
+                                                                                    "micro_batch_size"))
+
+
 def _check_choice(name: str, value: object, valid: Sequence[object]) -> None:
     if value not in valid:
         raise ValueError(f"{name}={value!r} is not valid: expected one of {list(valid)}.")
@@ -231,6 +244,7 @@ def enumerate_layouts(
     cp_methods: Sequence[str] = CP_METHODS,
     dp_replicate_sizes: Sequence[int] = (1,),
     ep_sizes: Sequence[int] = (1,),
+    sizes: Mapping[str, Sequence[int]] | None = None,
 ) -> Iterator[Layout]:
     """Every valid :class:`Layout` for ``model`` on ``num_devices`` devices at ``global_batch_size`` sequences/step.
 
@@ -254,6 +268,8 @@ def enumerate_layouts(
         dp_replicate_sizes: HSDP replica counts to consider (each dividing ``dp_size``; default ``(1,)``: no HSDP).
         ep_sizes: expert-parallel sizes to consider for a MoE model (each dividing ``dp_shard_size * cp_size`` and
             the experts; default ``(1,)``).
+        sizes: further :func:`size_fields` of axes that borrow their ranks (do not change the world size), each with
+            the sizes to consider, e.g. ``{"ep_size": (1, 2)}`` (the same as ``ep_sizes``).
 
     Yields:
         Valid layouts, in a deterministic order.
@@ -271,7 +287,7 @@ def enumerate_layouts(
                 dp_modes=dp_modes, schedules=schedules, checkpointing=checkpointing,
                 micro_batch_sizes=micro_batch_sizes, num_microbatches=num_microbatches,
                 max_virtual_stages=max_virtual_stages, sequence_parallel=sequence_parallel,
-                dp_replicate_sizes=dp_replicate_sizes, ep_sizes=ep_sizes,
+                borrowed={"dp_replicate_size": dp_replicate_sizes, "ep_size": ep_sizes, **(sizes or {})},
             )
 
 
@@ -290,8 +306,7 @@ def _enumerate_pp_dp(
     num_microbatches: Sequence[int] | None,
     max_virtual_stages: int,
     sequence_parallel: Sequence[bool],
-    dp_replicate_sizes: Sequence[int] = (1,),
-    ep_sizes: Sequence[int] = (1,),
+    borrowed: Mapping[str, Sequence[int]],
 ) -> Iterator[Layout]:
     """The valid layouts of :func:`enumerate_layouts` with tensor-parallel size ``tp`` and cp size ``cp``."""
     for pp in divisors(num_devices // (tp * cp)):
@@ -321,20 +336,11 @@ def _enumerate_pp_dp(
                     for ckpt in checkpointing:
                         for sp in sequence_parallel if tp > 1 else (False,):
                             for method in cp_methods:
-                                for r, ep in _borrowed_sizes(dp, cp, dp_replicate_sizes, ep_sizes):
-                                    layout = Layout(dp, tp, pp, mode, b, m, sched, v, ckpt, sp, cp, method, r, ep)
+                                base = Layout(dp, tp, pp, mode, b, m, sched, v, ckpt, sp, cp, method)
+                                for combo in itertools.product(*borrowed.values()):
+                                    layout = dataclasses.replace(base, **dict(zip(borrowed, combo)))
                                     try:
-                                        check_layout(layout, model)
+                                        check_layout(layout, model)  # ParallelDims and every axis's check
                                     except ValueError:
                                         continue
                                     yield layout
-
-
-def _borrowed_sizes(dp: int, cp: int, replicas: Sequence[int], eps: Sequence[int]) -> Iterator[tuple[int, int]]:
-    """``(dp_replicate_size, ep_size)`` pairs that split ``dp`` (the world is fixed by dp x cp x tp x pp already)."""
-    for r in replicas:
-        if dp % r:
-            continue
-        for ep in eps:
-            if (dp // r * cp) % ep == 0:
-                yield r, ep

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from lightning_par.planner.layouts import Layout
+from lightning_par.planner.layouts import Layout, size_fields
 
 __all__ = ["STRATEGY_FIELDS", "layout_notes", "layout_overrides", "parallel_option_name", "strategy_name"]
 
@@ -48,8 +48,9 @@ def parallel_option_name(layout: Layout) -> str:
 
 
 def _borrowed_axes(layout: Layout) -> bool:
-    """Context parallelism, HSDP or expert parallelism: sizes the conventional option names do not spell."""
-    return layout.cp_size > 1 or layout.dp_replicate_size > 1 or layout.ep_size > 1
+    """An axis added on the registry in use (context parallelism, HSDP, expert parallelism, ...: a size of
+    :func:`~lightning_par.planner.layouts.size_fields` above 1): sizes the conventional option names do not spell."""
+    return any(getattr(layout, size) > 1 for size in size_fields())
 
 
 def strategy_name(layout: Layout) -> str:
@@ -90,7 +91,7 @@ def layout_overrides(
     else:
         out += [f"parallel.world_size={layout.world_size}", f"parallel.dp_size={layout.dp_size}",
                 f"parallel.tp_size={layout.tp_size}", f"parallel.pp_size={layout.pp_size}"]
-        for size in ("cp_size", "dp_replicate_size", "ep_size"):
+        for size in size_fields():
             if getattr(layout, size) > 1:
                 out.append(f"parallel.{size}={getattr(layout, size)}")
     strategy = strategy_name(layout)

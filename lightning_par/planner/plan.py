@@ -6,7 +6,7 @@ Pure Python: no torch import, no processes (``device="cpu"`` reads the calibrati
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -232,6 +232,7 @@ def plan(
     cp_methods: Sequence[str] = CP_METHODS,
     dp_replicate_sizes: Sequence[int] = (1,),
     ep_sizes: Sequence[int] = (1,),
+    sizes: Mapping[str, Sequence[int]] | None = None,
     include_unfit: bool = True,
     calibration: Any = None,
     pp_scatter_gather: bool = False,
@@ -265,6 +266,8 @@ def plan(
         dp_replicate_sizes: HSDP replica counts to enumerate (default ``(1,)``: none), e.g. ``(1, 2)``: the ZeRO
             modes then shard over ``dp_size / dp_replicate_size * cp_size`` ranks and all-reduce across the replicas.
         ep_sizes: expert-parallel sizes to enumerate for a MoE model (default ``(1,)``), e.g. ``(1, 2, 4)``.
+        sizes: sizes of further borrowed-rank axes to enumerate, by Layout field (see
+            :func:`~lightning_par.planner.layouts.enumerate_layouts`).
         max_tp_size: largest tensor-parallel size (None: any divisor of ``devices_per_node``: tensor parallelism
             stays inside a node).
         include_unfit: also return the layouts that do not fit (after all that fit, each with its ``reason``).
@@ -302,7 +305,8 @@ def plan(
             _check_positive_int("micro_batch_sizes", b)
     if not cp_sizes or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in cp_sizes):
         raise ValueError(f"cp_sizes={list(cp_sizes)!r} is not valid: expected a non-empty list of positive integers.")
-    for name, values in (("dp_replicate_sizes", dp_replicate_sizes), ("ep_sizes", ep_sizes)):
+    extra = {f"sizes[{k!r}]": v for k, v in (sizes or {}).items()}
+    for name, values in (("dp_replicate_sizes", dp_replicate_sizes), ("ep_sizes", ep_sizes), *extra.items()):
         if not values or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in values):
             raise ValueError(f"{name}={list(values)!r} is not valid: expected a non-empty list of positive integers.")
     if any(e > 1 for e in ep_sizes) and not spec.num_experts:
@@ -318,7 +322,7 @@ def plan(
         max_tp_size=max_tp_size, devices_per_node=min(devices_per_node, num_devices),
         dp_modes=dp_modes, schedules=schedules, checkpointing=checkpointing, micro_batch_sizes=micro_batch_sizes,
         max_virtual_stages=max_virtual_stages, sequence_parallel=sequence_parallel, cp_sizes=cp_sizes,
-        cp_methods=cp_methods, dp_replicate_sizes=dp_replicate_sizes, ep_sizes=ep_sizes,
+        cp_methods=cp_methods, dp_replicate_sizes=dp_replicate_sizes, ep_sizes=ep_sizes, sizes=sizes,
     ))
     if not layouts:
         raise ValueError(

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_par.planner.layouts import size_fields
 from lightning_par.planner.plan import Prediction
 
 __all__ = ["COLUMNS", "CP_COLUMNS", "OPTIONAL_COLUMNS", "format_table", "to_csv", "to_markdown", "to_rows"]
@@ -91,6 +92,7 @@ def to_rows(predictions: Sequence[Prediction]) -> list[dict[str, Any]]:
             "cp_comm_s": p.time.cp_comm_s,
             "ep_comm_s": p.time.ep_comm_s,
             "reason": p.reason or "; ".join(p.notes),
+            **{size: getattr(lay, size) for size in size_fields() if size not in COLUMNS},  # a newer axis's size
         })
     return rows
 
@@ -115,7 +117,8 @@ def _cells(predictions: Sequence[Prediction], top: int | None) -> tuple[list[str
     hidden = {c for size, cols in OPTIONAL_COLUMNS.items()  # unless some layout planned, shown or not, uses the axis
               if not any(getattr(p.layout, size) > 1 for p in predictions) for c in cols}
     keys = [k for k in COLUMNS if k not in hidden]
-    headers = [COLUMNS[k] for k in keys]
+    keys += [k for k in rows[0] if k not in COLUMNS and any(r[k] != 1 for r in rows)] if rows else []
+    headers = [COLUMNS.get(k, k) for k in keys]
     return headers, [[_fmt(k, r[k]) for k in keys] for r in rows]
 
 
@@ -140,7 +143,8 @@ def to_csv(predictions: Sequence[Prediction], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(COLUMNS))
+        rows = to_rows(predictions)
+        writer = csv.DictWriter(f, fieldnames=list(COLUMNS) + [k for k in (rows[0] if rows else {}) if k not in COLUMNS])
         writer.writeheader()
-        writer.writerows(to_rows(predictions))
+        writer.writerows(rows)
     return path

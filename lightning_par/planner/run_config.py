@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_par.planner.devices import DeviceSpec
-from lightning_par.planner.layouts import Layout
+from lightning_par.planner.layouts import Layout, size_fields
 from lightning_par.planner.plan import predict
 
 __all__ = ["layout_from_run", "model_from_run", "predict_run", "predicted_columns"]
@@ -68,7 +68,7 @@ def layout_from_run(cfg: Mapping[str, Any]) -> Layout:
     par = cfg.get("parallel") or {}
     tp, pp, world = int(par.get("tp_size", 1)), int(par.get("pp_size", 1)), int(par.get("world_size", 1))
     cp = int(par.get("cp_size", 1))
-    replicas, ep = int(par.get("dp_replicate_size", 1)), int(par.get("ep_size", 1))
+    borrowed = {size: int(par.get(size, 1)) for size in size_fields() if size != "cp_size"}
     dp = int(par.get("dp_size", -1))
     if dp == -1:
         dp = world // (tp * pp * cp)
@@ -101,7 +101,7 @@ def layout_from_run(cfg: Mapping[str, Any]) -> Layout:
         dp_size=dp, tp_size=tp, pp_size=pp, dp_mode=dp_mode if dp * cp > 1 else "ddp",
         micro_batch_size=batch // chunks, num_microbatches=chunks * accumulate, schedule=schedule,
         virtual_stages=int(virtual), activation_checkpointing="none", sequence_parallel=sp and tp > 1,
-        cp_size=cp, cp_method=method, dp_replicate_size=replicas, ep_size=ep,
+        cp_size=cp, cp_method=method, **borrowed,
     )
 
 
