@@ -205,3 +205,21 @@ def test_hsdp_and_ep_layouts_become_runs_that_compose_and_read_back():
         run = OmegaConf.to_container(cfg, resolve=True)
         assert layout_from_run(run) == lay
         validate_run(cfg)  # the strategy accepts the layout
+
+
+def test_plan_config_takes_hsdp_and_ep_sizes_and_refuses_bad_ones_at_compose_time():
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import ValidationError
+
+    from lightning_par.config.schema import register_configs
+    from lightning_par.planner.config import register_planner_config
+
+    register_configs()
+    register_planner_config()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="plan", overrides=["model=moe_small", "planner.ep_sizes=[1,2,4]",
+                                                     "planner.dp_replicate_sizes=[1,2]"])
+        assert list(cfg.planner.ep_sizes) == [1, 2, 4] and list(cfg.planner.dp_replicate_sizes) == [1, 2]
+        with pytest.raises((ValidationError, ConfigCompositionException), match="ep_sizes"):
+            compose(config_name="plan", overrides=["planner.ep_sizes=[two]"])
