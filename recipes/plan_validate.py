@@ -1,4 +1,4 @@
-"""Calibrate the planner's "cpu" device on this machine and validate its predictions against measured runs.
+r"""Calibrate the planner's "cpu" device on this machine and validate its predictions against measured runs.
 
     python recipes/plan_validate.py                       # worlds 2, 4, 8 with the small GPT (~20-40 min on 2 cores)
     python recipes/plan_validate.py --worlds 8 --rounds 3 # the world-8 layouts, each run 3 times (fastest)

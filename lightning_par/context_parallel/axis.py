@@ -11,8 +11,8 @@ from lightning_par import contract
 from lightning_par.axis_registry import Axis, Build
 from lightning_par.context_parallel.attention import CPAttentionMode, check_ulysses_heads
 from lightning_par.context_parallel.batch import SequenceSplit
-from lightning_par.parallel_dims import ParallelDims
 from lightning_par.context_parallel.planner import CONTEXT_PARALLEL_TERMS
+from lightning_par.parallel_dims import ParallelDims
 
 __all__ = ["CONTEXT_PARALLEL"]
 

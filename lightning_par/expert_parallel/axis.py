@@ -14,8 +14,8 @@ from lightning_par.compat import local_tensor
 from lightning_par.data_parallel.meshes import DataParallelMeshes
 from lightning_par.expert_parallel.dispatch import ExpertDispatch
 from lightning_par.expert_parallel.metrics import moe_step_metrics
-from lightning_par.parallel_dims import ParallelDims
 from lightning_par.expert_parallel.planner import EXPERT_PARALLEL_TERMS, check_num_experts
+from lightning_par.parallel_dims import ParallelDims
 
 __all__ = ["EXPERT_PARALLEL"]
 

@@ -11,9 +11,9 @@ from torch import nn
 from lightning_par import contract
 from lightning_par.axis_registry import Axis, Build
 from lightning_par.parallel_dims import ParallelDims
-from lightning_par.pipeline_parallel.planner import PIPELINE_PARALLEL_TERMS
 from lightning_par.pipeline_parallel.engine import PipelineEngine
 from lightning_par.pipeline_parallel.options import PipelineOptions
+from lightning_par.pipeline_parallel.planner import PIPELINE_PARALLEL_TERMS
 from lightning_par.pipeline_parallel.split import cut_network, plan_split, validate_split
 from lightning_par.pipeline_parallel.steps import PipelinedSteps
 

@@ -48,7 +48,9 @@ def check(layout: Any, model: Any) -> None:
             raise ValueError(f"virtual_stages={v} is not valid with pp_size=1: expected 1.")
         return
     if layout.schedule == "none":
-        raise ValueError(f"schedule='none' is not valid with pp_size={p}: expected one of {list(PLANNED_SCHEDULES[1:])}.")
+        raise ValueError(
+            f"schedule='none' is not valid with pp_size={p}: expected one of {list(PLANNED_SCHEDULES[1:])}."
+        )
     PipelineOptions(schedule=layout.schedule, num_microbatches=layout.num_microbatches,
                     virtual_stages=v).check_layout(p, layout.dp_mode)
     if layout.schedule == "interleaved_1f1b" and layout.num_microbatches % p:

@@ -144,7 +144,8 @@ def to_csv(predictions: Sequence[Prediction], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         rows = to_rows(predictions)
-        writer = csv.DictWriter(f, fieldnames=list(COLUMNS) + [k for k in (rows[0] if rows else {}) if k not in COLUMNS])
+        extra = [k for k in (rows[0] if rows else {}) if k not in COLUMNS]  # a newer axis's size
+        writer = csv.DictWriter(f, fieldnames=list(COLUMNS) + extra)
         writer.writeheader()
         writer.writerows(rows)
     return path

@@ -10,9 +10,9 @@ from lightning_par import contract
 from lightning_par.axis_registry import Axis, Build
 from lightning_par.memory import model_state_bytes
 from lightning_par.parallel_dims import ParallelDims
-from lightning_par.tensor_parallel.planner import TENSOR_PARALLEL_TERMS
 from lightning_par.tensor_parallel.apply import apply_tensor_parallel, reduce_partial_grads
 from lightning_par.tensor_parallel.plan import uses_vocab_parallel_loss, validate_plan
+from lightning_par.tensor_parallel.planner import TENSOR_PARALLEL_TERMS
 from lightning_par.tensor_parallel.state_dict import padded_parameters, unpad_vocab_state
 from lightning_par.tensor_parallel.styles import sync_tp_partial_grads
 from lightning_par.tensor_parallel.vocab import VOCAB_SIZE_ATTR, vocab_parallel_loss

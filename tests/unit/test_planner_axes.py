@@ -95,7 +95,8 @@ def test_hsdp_shards_the_state_over_dp_shard_not_dp():
         hsdp = predict(DENSE, Layout(8, 1, 1, mode, dp_replicate_size=2), precision="fp32")
         params = rank_param_groups(spec, hsdp.layout, 0)[0]
         assert hsdp.memory.model_state_bytes == pytest.approx(model_state_bytes(params, mode, 4, FP32))
-        assert hsdp.memory.model_state_bytes > predict(DENSE, Layout(8, 1, 1, mode), precision="fp32").memory.model_state_bytes
+        flat = predict(DENSE, Layout(8, 1, 1, mode), precision="fp32")
+        assert hsdp.memory.model_state_bytes > flat.memory.model_state_bytes
     with_cp = Layout(2, 1, 1, "zero3", cp_size=2, dp_replicate_size=2)  # dp_shard 1 x cp 2: N = 2
     assert rank_state_bytes(spec, with_cp, FP32, 0) == pytest.approx(rank_param_groups(spec, with_cp, 0)[0] * 16 / 2)
 
