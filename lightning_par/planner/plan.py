@@ -11,7 +11,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_par.planner.devices import DeviceSpec, get_device
-from lightning_par.planner.layouts import CHECKPOINTING, CP_METHODS, DP_MODES, Layout, check_layout, enumerate_layouts
+from lightning_par.planner.layouts import (
+    CHECKPOINTING,
+    CP_METHODS,
+    DP_MODES,
+    Layout,
+    check_layout,
+    enumerate_layouts,
+    size_fields,
+)
 from lightning_par.planner.memory import MemoryBreakdown, predict_memory
 from lightning_par.planner.model import ModelSpec, model_spec
 from lightning_par.planner.overrides import layout_notes
@@ -305,6 +313,11 @@ def plan(
             _check_positive_int("micro_batch_sizes", b)
     if not cp_sizes or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in cp_sizes):
         raise ValueError(f"cp_sizes={list(cp_sizes)!r} is not valid: expected a non-empty list of positive integers.")
+    borrowed = [f for f in size_fields() if f != "cp_size"]
+    unknown = sorted(set(sizes or {}) - set(borrowed))
+    if unknown:
+        raise ValueError(f"sizes={dict(sizes or {})!r} is not valid: {unknown} are not sizes of an axis on borrowed "
+                         f"ranks; expected keys among {borrowed} (cp_size: cp_sizes=).")
     extra = {f"sizes[{k!r}]": v for k, v in (sizes or {}).items()}
     for name, values in (("dp_replicate_sizes", dp_replicate_sizes), ("ep_sizes", ep_sizes), *extra.items()):
         if not values or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in values):

@@ -168,6 +168,8 @@ def test_plan_enumerates_hsdp_and_ep_on_the_runtimes_rules():
     (lambda: plan(DENSE, 8, ep_sizes=(1, 2)), r"ep_sizes=\[1, 2\] is not valid for a dense model"),
     (lambda: plan(MOE, 8, ep_sizes=(0,)), r"ep_sizes=\[0\] is not valid: expected a non-empty list of positive"),
     (lambda: plan(MOE, 8, dp_replicate_sizes=()), r"dp_replicate_sizes=\[\] is not valid"),
+    (lambda: plan(MOE, 8, sizes={"xp_size": (1, 2)}), r"sizes=\{'xp_size': \(1, 2\)\} is not valid: \['xp_size'\]"),
+    (lambda: plan(MOE, 8, sizes={"ep_size": (1, -2)}), r"sizes\['ep_size'\]=\[1, -2\] is not valid"),
     (lambda: check_layout(Layout(8, 1, 1, "zero2", ep_size=3), model_spec(MOE)),
      r"ep_size=3 is not valid: expert parallelism borrows its ranks from dp_shard_size \* cp_size"),
     (lambda: check_layout(Layout(6, 1, 1, "zero2", ep_size=3), model_spec(MOE)),
