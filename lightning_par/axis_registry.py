@@ -120,7 +120,8 @@ class PlannerTerms:
 
     The planner core runs every registered ``check`` in :func:`~lightning_par.planner.layouts.check_layout`, adds every
     ``slot_comm_s`` to the time of one micro-batch slot and every ``step_comm_s`` after the schedule
-    (:func:`~lightning_par.planner.step_time.predict_step_time`), and reports each under the axis's name.
+    (:func:`~lightning_par.planner.step_time.predict_step_time`), reporting each under the axis's name, and sums every
+    ``state_bytes`` into a rank's model state (:func:`~lightning_par.planner.memory.rank_state_bytes`).
 
     Attributes:
         check: ``check(layout, model)``: raise ``ValueError`` naming the field, its value and what would be valid when
@@ -130,11 +131,15 @@ class PlannerTerms:
             :class:`~lightning_par.planner.context.PlanContext`.
         step_comm_s: ``step_comm_s(ctx, window_s)``: seconds of this axis's exposed communication once per optimizer
             step, after the schedule, given ``window_s`` seconds of compute it may overlap (the dp axis).
+        state_bytes: ``state_bytes(ctx, pp_rank)``: bytes of parameters, gradients and optimizer state of the parameter
+            group this axis shards, on the fullest rank of pipeline rank ``pp_rank`` (the dp axis: the dense
+            parameters; the ep axis: the experts); the planner's model state is their sum.
     """
 
     check: Callable[[Any, Any], None] | None = None
     slot_comm_s: Callable[[Any], float] | None = None
     step_comm_s: Callable[[Any, float], float] | None = None
+    state_bytes: Callable[[Any, int], float] | None = None
 
 
 @dataclass(frozen=True)

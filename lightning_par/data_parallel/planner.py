@@ -19,7 +19,7 @@ from lightning_par.axis_registry import PlannerTerms
 from lightning_par.comm_cost import all_reduce_bytes, collective_time, ring_steps
 from lightning_par.data_parallel.options import DP_MODES
 
-__all__ = ["DATA_PARALLEL_TERMS", "check", "step_comm_s"]
+__all__ = ["DATA_PARALLEL_TERMS", "check", "state_bytes", "step_comm_s"]
 
 _BUCKET_BYTES = 25 * (1 << 20)  # the reducers' bucket_cap_mb default
 
@@ -95,5 +95,15 @@ def step_comm_s(ctx: Any, window_s: float) -> float:
     return total - ctx.device.comm_overlap * min(total, window_s)
 
 
+def state_bytes(ctx: Any, pp_rank: int) -> float:
+    """Bytes of the dense parameters' state on a rank of pipeline rank ``pp_rank``: the ZeRO formula
+    (:func:`~lightning_par.planner.memory.model_state_bytes`) with ``N`` the runtime's ``dp_shard_cp`` mesh (HSDP's
+    replicas each hold a whole sharded copy; ddp a whole copy on every rank)."""
+    from lightning_par.planner.memory import model_state_bytes, rank_param_groups
+
+    dense = rank_param_groups(ctx.model, ctx.layout, pp_rank)[0]
+    return model_state_bytes(dense, ctx.layout.dp_mode, ctx.dims.size("dp_shard_cp"), ctx.precision)
+
+
 #: The dp axis's terms (declared on its registry entry).
-DATA_PARALLEL_TERMS = PlannerTerms(check=check, step_comm_s=step_comm_s)
+DATA_PARALLEL_TERMS = PlannerTerms(check=check, step_comm_s=step_comm_s, state_bytes=state_bytes)

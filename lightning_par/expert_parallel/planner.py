@@ -17,7 +17,8 @@ from lightning_par.axis_registry import PlannerTerms
 from lightning_par.comm_cost import all_to_all_bytes, collective_time, ring_steps
 
 __all__ = [
-    "EXPERT_PARALLEL_TERMS", "check", "check_num_experts", "expert_shard_ranks", "layer_all_to_all_bytes", "slot_comm_s"
+    "EXPERT_PARALLEL_TERMS", "check", "check_num_experts", "expert_shard_ranks", "layer_all_to_all_bytes", "slot_comm_s",
+    "state_bytes",
 ]
 
 
@@ -99,5 +100,18 @@ def slot_comm_s(ctx: Any) -> float:
     return moe_layers * collective_time(n_ops * sent, bw, lat, n_ops, ring_steps("all_to_all", lay.ep_size))
 
 
+def state_bytes(ctx: Any, pp_rank: int) -> float:
+    """Bytes of the experts' state on the fullest rank of pipeline rank ``pp_rank``: its ``E / ep`` experts of each of
+    its MoE blocks, the ZeRO formula (:func:`~lightning_par.planner.memory.model_state_bytes`) over
+    :func:`expert_shard_ranks` (0 for a dense model)."""
+    from lightning_par.planner.memory import model_state_bytes, rank_param_groups
+
+    experts = rank_param_groups(ctx.model, ctx.layout, pp_rank)[1]
+    if not experts:
+        return 0.0
+    n = expert_shard_ranks(ctx.model.num_experts, ctx.layout.ep_size, ctx.dims.size("edp_shard"))
+    return model_state_bytes(experts, ctx.layout.dp_mode, n, ctx.precision)
+
+
 #: The ep axis's terms (declared on its registry entry).
-EXPERT_PARALLEL_TERMS = PlannerTerms(check=check, slot_comm_s=slot_comm_s)
+EXPERT_PARALLEL_TERMS = PlannerTerms(check=check, slot_comm_s=slot_comm_s, state_bytes=state_bytes)

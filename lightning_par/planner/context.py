@@ -25,7 +25,7 @@ class PlanContext:
     Attributes:
         model: the model (its ``seq_len`` is the training sequence length).
         layout: the layout.
-        device: the device spec (bandwidths in bytes/s, latencies in seconds).
+        device: the device spec (bandwidths in bytes/s, latencies in seconds); ``None`` for memory alone.
         precision: bytes per element of parameters, gradients, optimizer state and activations.
         devices_per_node: devices sharing fast links in one node.
         pp_scatter_gather: pipeline sends as Megatron-LM's scatter/gather (Narayanan et al. 2021, §4.1).
@@ -33,9 +33,9 @@ class PlanContext:
 
     model: ModelSpec
     layout: Layout
-    device: DeviceSpec
+    device: DeviceSpec | None
     precision: Precision
-    devices_per_node: int
+    devices_per_node: int = 1
     pp_scatter_gather: bool = False
 
     @cached_property

@@ -111,23 +111,22 @@ def rank_params(model: ModelSpec, layout: Layout, pp_rank: int) -> float:
 
 
 def rank_state_bytes(model: ModelSpec, layout: Layout, precision: Precision, pp_rank: int) -> float:
-    """Bytes of parameters, gradients and optimizer state of the fullest rank of pipeline rank ``pp_rank``: the dense
-    parameters sharded over the runtime's ``dp_shard_cp`` mesh, the experts over ``edp_shard`` in whole experts
-    (:func:`~lightning_par.expert_parallel.planner.expert_shard_ranks`; see :func:`model_state_bytes`).
+    """Bytes of parameters, gradients and optimizer state of the fullest rank of pipeline rank ``pp_rank``: the sum of
+    every registered axis's ``state_bytes`` (:class:`~lightning_par.axis_registry.PlannerTerms`): the dense parameters
+    sharded over the runtime's ``dp_shard_cp`` mesh (the dp axis), the experts over ``edp_shard`` in whole experts
+    (the ep axis, :func:`~lightning_par.expert_parallel.planner.expert_shard_ranks`; see :func:`model_state_bytes`).
 
     Raises:
         ValueError: ``pp_rank`` out of range, an unknown ``dp_mode``, or sizes :class:`~lightning_par.parallel_dims.
             ParallelDims` refuses.
     """
-    from lightning_par.expert_parallel.planner import expert_shard_ranks
+    from lightning_par.planner.context import PlanContext
+    from lightning_par.planner.layouts import planner_terms
 
-    dense, experts = rank_param_groups(model, layout, pp_rank)
-    dims = layout.dims()
-    state = model_state_bytes(dense, layout.dp_mode, dims.size("dp_shard_cp"), precision)
-    if experts:  # whole experts per ZeRO shard: the fullest rank's N
-        n = expert_shard_ranks(model.num_experts, layout.ep_size, dims.size("edp_shard"))
-        state += model_state_bytes(experts, layout.dp_mode, n, precision)
-    return state
+    if not 0 <= pp_rank < layout.pp_size:
+        raise ValueError(f"pp_rank={pp_rank!r} is not valid: expected 0 <= pp_rank < pp_size={layout.pp_size}.")
+    ctx = PlanContext(model, layout, None, precision)
+    return sum(t.state_bytes(ctx, pp_rank) for _, t in planner_terms() if t.state_bytes is not None)
 
 
 def model_state_bytes(params: float, dp_mode: str, dp_size: float, precision: Precision) -> float:

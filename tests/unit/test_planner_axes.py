@@ -30,11 +30,12 @@ def test_every_axis_gives_its_planner_terms_from_its_own_folder():
 
     terms = dict(planner_terms())
     assert sorted(terms) == ["cp", "dp", "ep", "pp", "tp"]
+    assert [n for n, t in terms.items() if t.state_bytes is not None] == ["dp", "ep"]
     for axis in AXES:
         if axis.planner is not None:
             assert type(axis.planner).__module__ == "lightning_par.axis_registry"
-            owner = {f.__module__ for f in (axis.planner.check, axis.planner.slot_comm_s, axis.planner.step_comm_s)
-                     if f is not None}
+            parts = (axis.planner.check, axis.planner.slot_comm_s, axis.planner.step_comm_s, axis.planner.state_bytes)
+            owner = {f.__module__ for f in parts if f is not None}
             assert owner == {f"lightning_par.{axis.steps[0][1].__module__.split('.')[1]}.planner"}, axis.name
     lay = Layout(2, 2, 2, "zero1", 1, 4, "1f1b", cp_size=1, ep_size=2)
     pred = predict(MOE_BIG, lay, device="h100-80gb")
@@ -50,13 +51,15 @@ def test_the_core_sums_whatever_the_registry_holds(monkeypatch):
         if layout.num_microbatches % 2:
             raise ValueError(f"num_microbatches={layout.num_microbatches} is not valid for the new axis: even.")
 
-    new = Axis(name="new", planner=PlannerTerms(check=refuse_odd_microbatches, slot_comm_s=lambda ctx: 0.25))
+    new = Axis(name="new", planner=PlannerTerms(check=refuse_odd_microbatches, slot_comm_s=lambda ctx: 0.25,
+                                                state_bytes=lambda ctx, pp_rank: 1000.0))
     lay = Layout(8, 1, 1, "zero2", 1, 2)
     before = predict(DENSE, lay)
     monkeypatch.setattr(axes, "AXES", (*axes.AXES, new))
     after = predict(DENSE, lay)
     assert after.time.comm_s["new"] == pytest.approx(2 * 0.25)  # per micro-batch slot, 2 slots
     assert after.step_time_s == pytest.approx(before.step_time_s + 0.5)
+    assert after.memory.model_state_bytes == pytest.approx(before.memory.model_state_bytes + 1000)
     with pytest.raises(ValueError, match="num_microbatches=1 is not valid for the new axis"):
         check_layout(dataclasses.replace(lay, num_microbatches=1, micro_batch_size=2), model_spec(DENSE))
 
