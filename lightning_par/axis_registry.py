@@ -134,12 +134,15 @@ class PlannerTerms:
         state_bytes: ``state_bytes(ctx, pp_rank)``: bytes of parameters, gradients and optimizer state of the parameter
             group this axis shards, on the fullest rank of pipeline rank ``pp_rank`` (the dp axis: the dense
             parameters; the ep axis: the experts); the planner's model state is their sum.
+        canonical: ``canonical(layout)``: ``False`` for a valid layout the enumeration leaves out because another
+            spelling of it runs the same way (HSDP under ``ddp`` is ``ddp`` over ``dp_replicate x dp_shard``).
     """
 
     check: Callable[[Any, Any], None] | None = None
     slot_comm_s: Callable[[Any], float] | None = None
     step_comm_s: Callable[[Any, float], float] | None = None
     state_bytes: Callable[[Any, int], float] | None = None
+    canonical: Callable[[Any], bool] | None = None
 
 
 @dataclass(frozen=True)

@@ -19,15 +19,14 @@ from lightning_par.axis_registry import PlannerTerms
 from lightning_par.comm_cost import all_reduce_bytes, collective_time, ring_steps
 from lightning_par.data_parallel.options import DP_MODES
 
-__all__ = ["DATA_PARALLEL_TERMS", "check", "state_bytes", "step_comm_s"]
+__all__ = ["DATA_PARALLEL_TERMS", "canonical", "check", "state_bytes", "step_comm_s"]
 
 _BUCKET_BYTES = 25 * (1 << 20)  # the reducers' bucket_cap_mb default
 
 
 def check(layout: Any, model: Any) -> None:
     """``dp_mode`` one of :data:`~lightning_par.data_parallel.options.DP_MODES`; a ZeRO mode only with something to
-    shard (``dp_shard_size * cp_size > 1``); HSDP (``dp_replicate_size > 1``) only under a ZeRO mode (``ddp`` treats
-    ``dp_replicate x dp_shard`` as one group: one spelling per layout).
+    shard (``dp_shard_size * cp_size > 1``).
 
     Raises:
         ValueError: naming the field, its value and what would be valid.
@@ -39,12 +38,12 @@ def check(layout: Any, model: Any) -> None:
         what = "dp_size=1" if layout.dp_replicate_size == 1 else (
             f"dp_shard_size * cp_size = 1 (dp_replicate_size={layout.dp_replicate_size} = dp_size)")
         raise ValueError(f"dp_mode={layout.dp_mode!r} is not valid with {what}: expected 'ddp' (nothing to shard).")
-    if layout.dp_replicate_size > 1 and layout.dp_mode == "ddp":
-        raise ValueError(
-            f"dp_replicate_size={layout.dp_replicate_size} is not valid with dp_mode='ddp': ddp all-reduces over "
-            f"dp_replicate x dp_shard as one group; expected dp_replicate_size=1, or one of "
-            f"{[m for m in DP_MODES if m != 'ddp']}."
-        )
+
+
+def canonical(layout: Any) -> bool:
+    """HSDP only under a ZeRO mode: ``ddp`` all-reduces over ``dp_replicate x dp_shard`` as one group, so HSDP under
+    ``ddp`` is the same run as ``ddp`` at ``dp_replicate_size=1`` (enumerated once)."""
+    return layout.dp_replicate_size == 1 or layout.dp_mode != "ddp"
 
 
 def _group_time(ctx: Any, params: float, shard: int, replicas: int) -> float:
@@ -106,4 +105,5 @@ def state_bytes(ctx: Any, pp_rank: int) -> float:
 
 
 #: The dp axis's terms (declared on its registry entry).
-DATA_PARALLEL_TERMS = PlannerTerms(check=check, step_comm_s=step_comm_s, state_bytes=state_bytes)
+DATA_PARALLEL_TERMS = PlannerTerms(check=check, step_comm_s=step_comm_s, state_bytes=state_bytes,
+                                   canonical=canonical)

@@ -132,7 +132,8 @@ class Layout:
     @property
     def mesh(self) -> str:
         """``"dp2·tp2·pp2"``; with context parallelism ``"dp2·cp2·tp2·pp1"`` (in rank order, between dp and tp);
-        with HSDP ``"dp2x2·tp2·pp1"`` (replicas x shard); with expert parallelism ``"·ep2"`` after (borrowed ranks)."""
+        with HSDP ``"dp2x2·tp2·pp1"`` (replicas x shard); with expert parallelism ``"·ep2"`` after (borrowed
+        ranks)."""
         r = self.dp_replicate_size
         dp = f"dp{r}x{self.dp_size // r}" if r > 1 else f"dp{self.dp_size}"
         cp = f"·cp{self.cp_size}" if self.cp_size > 1 else ""
@@ -343,4 +344,5 @@ def _enumerate_pp_dp(
                                         check_layout(layout, model)  # ParallelDims and every axis's check
                                     except ValueError:
                                         continue
-                                    yield layout
+                                    if all(t.canonical(layout) for _, t in planner_terms() if t.canonical):
+                                        yield layout

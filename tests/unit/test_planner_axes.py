@@ -94,6 +94,9 @@ def test_moe_spec_refuses_bad_fields():
 # ------------------------------------------------------------------------------------------------ memory
 def test_hsdp_shards_the_state_over_dp_shard_not_dp():
     spec = model_spec(DENSE)
+    hsdp_ddp, ddp = (predict(DENSE, Layout(8, 1, 1, "ddp", dp_replicate_size=r), precision="fp32") for r in (2, 1))
+    assert hsdp_ddp.step_time_s == pytest.approx(ddp.step_time_s)  # ddp: one group of 8 either way
+    assert hsdp_ddp.memory.model_state_bytes == ddp.memory.model_state_bytes
     for mode in ("zero1", "zero2", "zero3"):
         hsdp = predict(DENSE, Layout(8, 1, 1, mode, dp_replicate_size=2), precision="fp32")
         params = rank_param_groups(spec, hsdp.layout, 0)[0]
@@ -180,8 +183,6 @@ def test_plan_enumerates_hsdp_and_ep_on_the_runtimes_rules():
      r"expected ep_size in \[1, 2\]"),
     (lambda: check_layout(Layout(8, 1, 1, "zero2", ep_size=2), model_spec(DENSE)),
      r"ep_size=2 is not valid for a dense model \(num_experts=0\): expected 1"),
-    (lambda: check_layout(Layout(8, 1, 1, "ddp", dp_replicate_size=2), model_spec(DENSE)),
-     r"dp_replicate_size=2 is not valid with dp_mode='ddp'"),
     (lambda: check_layout(Layout(8, 1, 1, "zero2", dp_replicate_size=3), model_spec(DENSE)),
      r"dp_replicate_size=3 is not valid with dp_size=8: expected a divisor of dp_size"),
     (lambda: check_layout(Layout(2, 1, 1, "zero1", dp_replicate_size=2), model_spec(DENSE)),
