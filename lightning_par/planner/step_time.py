@@ -124,7 +124,7 @@ class TimeBreakdown:
     model_flops: float
     hardware_flops: float
     cp_comm_s: float = 0.0
-    comm_s: dict[str, float] = field(default_factory=dict)
+    comm_s: dict[str, float] = field(default_factory=dict, hash=False)
 
     @property
     def ep_comm_s(self) -> float:
