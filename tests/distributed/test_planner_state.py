@@ -47,11 +47,9 @@ def _case(model: str, layout: Layout, **extra) -> dict:
             "micro_batch": MICRO * layout.num_microbatches, "bytes": True}
 
 
-#: name -> (model config, layout, the run's step)
+#: name -> (model config, layout): HSDP, cp (ring and all-to-all), ep, and ep with HSDP, cp, tp and pp; zero1/2/3
 CASES: dict[str, tuple[GPTConfig, Layout]] = {
-    "hsdp2x4-zero2": (CONFIG, Layout(8, 1, 1, "zero2", dp_replicate_size=2)),
     "hsdp2x2-tp2-zero3": (CONFIG, Layout(4, 2, 1, "zero3", dp_replicate_size=2)),
-    "cp2-dp4-zero1-ring": (CONFIG, Layout(4, 1, 1, "zero1", cp_size=2)),
     "cp2-dp2-tp2-zero3-a2a": (H4, Layout(2, 2, 1, "zero3", cp_size=2, cp_method="all_to_all")),
     "ep2-dp8-zero2": (MOE, Layout(8, 1, 1, "zero2", ep_size=2)),
     "ep4-cp2-dp4-zero3": (MOE, Layout(4, 1, 1, "zero3", cp_size=2, ep_size=4)),
