@@ -7,6 +7,10 @@ being parallelised); what it leaves there (a step protocol of its own, a gradien
 loss context, summary figures) is how the axis takes part in the run, so the strategy has no per-axis branch.
 
 The registry itself, in ``parallelize()``'s order, is :data:`lightning_par.axes.AXES`.
+
+An entry may also carry its :class:`PlannerTerms`: its rules and costs in the layout planner
+(:mod:`lightning_par.planner`), kept in the axis's folder (``<axis>/planner.py``), which the planner sums over the
+registry instead of naming axes.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ if TYPE_CHECKING:
     from lightning_par.parallelize import ParallelOptions
     from lightning_par.steps import StepHooks
 
-__all__ = ["PHASES", "Axis", "Build", "Check", "StateTransform"]
+__all__ = ["PHASES", "Axis", "Build", "Check", "PlannerTerms", "StateTransform"]
 
 #: ``parallelize()``'s order: a step's phase places it (Megatron-LM's PTD-P order as torchtitan applies it: the pipeline
 #: cut, tensor parallelism, context parallelism, activation checkpointing inside the tp styles' hooks and outside the dp
@@ -110,6 +114,38 @@ class Build:
 
 
 @dataclass(frozen=True)
+class PlannerTerms:
+    """An axis's part in the layout planner (:mod:`lightning_par.planner`): pure functions of the planner's
+    ``ModelSpec`` and ``Layout`` (no process group, no tensor).
+
+    The planner core runs every registered ``check`` in :func:`~lightning_par.planner.layouts.check_layout`, adds every
+    ``slot_comm_s`` to the time of one micro-batch slot and every ``step_comm_s`` after the schedule
+    (:func:`~lightning_par.planner.step_time.predict_step_time`), reporting each under the axis's name, and sums every
+    ``state_bytes`` into a rank's model state (:func:`~lightning_par.planner.memory.rank_state_bytes`).
+
+    Attributes:
+        check: ``check(layout, model)``: raise ``ValueError`` naming the field, its value and what would be valid when
+            this axis cannot run the layout (the runtime's own rules, plus the choices the planner's cost model covers).
+        slot_comm_s: ``slot_comm_s(ctx)``: seconds of this axis's communication, not overlapped, in one micro-batch slot
+            (forward and backward) on the slowest pipeline rank; ``ctx`` is a
+            :class:`~lightning_par.planner.context.PlanContext`.
+        step_comm_s: ``step_comm_s(ctx, window_s)``: seconds of this axis's exposed communication once per optimizer
+            step, after the schedule, given ``window_s`` seconds of compute it may overlap (the dp axis).
+        state_bytes: ``state_bytes(ctx, pp_rank)``: bytes of parameters, gradients and optimizer state of the parameter
+            group this axis shards, on the fullest rank of pipeline rank ``pp_rank`` (the dp axis: the dense
+            parameters; the ep axis: the experts); the planner's model state is their sum.
+        canonical: ``canonical(layout)``: ``False`` for a valid layout the enumeration leaves out because another
+            spelling of it runs the same way (HSDP under ``ddp`` is ``ddp`` over ``dp_replicate x dp_shard``).
+    """
+
+    check: Callable[[Any, Any], None] | None = None
+    slot_comm_s: Callable[[Any], float] | None = None
+    step_comm_s: Callable[[Any, float], float] | None = None
+    state_bytes: Callable[[Any, int], float] | None = None
+    canonical: Callable[[Any], bool] | None = None
+
+
+@dataclass(frozen=True)
 class Axis:
     """One parallelism in the registry.
 
@@ -124,6 +160,7 @@ class Axis:
         steps: its steps in ``parallelize()``, each ``(phase, step)`` with a phase of :data:`PHASES`; every step is
             called for every build and decides from ``build.dims`` and ``build.options`` whether there is anything to
             do.
+        planner: its terms in the layout planner (``None``: the planner has none for it).
     """
 
     name: str
@@ -131,3 +168,4 @@ class Axis:
     option_groups: tuple[str, ...] = ()
     check: Check | None = None
     steps: tuple[tuple[str, Callable[[Build], None]], ...] = ()
+    planner: PlannerTerms | None = None

@@ -4,6 +4,7 @@ devices, and with ``planner.cp_sizes`` the dp x cp x tp layouts of context paral
     python recipes/plan.py model=gpt2 parallel.world_size=64 planner.device=h100-80gb planner.global_batch_size=512
     python recipes/plan.py model=small parallel.world_size=8 planner=cpu planner.top_k=4   # + a ready multirun
     python recipes/plan.py model=gpt2 parallel.world_size=64 planner.cp_sizes=[1,2,4]     # context parallelism too
+    python recipes/plan.py model=moe_small parallel.world_size=16 planner.ep_sizes=[1,2,4]  # + planner.dp_replicate_sizes
 
 Prints the ranked table (best first; layouts that do not fit last, with the reason) and writes ``plan.md`` and
 ``plan.csv`` into the Hydra run directory (``outputs/plan/<date>/<time>/``). With ``planner.top_k=K`` it also writes
@@ -54,6 +55,7 @@ def main(cfg: DictConfig) -> None:
         checkpointing=list(p.checkpointing), micro_batch_sizes=p.micro_batch_sizes,
         max_virtual_stages=p.max_virtual_stages, sequence_parallel=list(p.sequence_parallel),
         cp_sizes=list(p.cp_sizes), cp_methods=list(p.cp_methods), include_unfit=p.include_unfit,
+        dp_replicate_sizes=list(p.dp_replicate_sizes), ep_sizes=list(p.ep_sizes),
         calibration=p.calibration,
     )
     spec = model_spec(gpt, p.seq_len)

@@ -1,9 +1,11 @@
-"""Calibrate the planner's "cpu" device on this machine and validate its predictions against measured runs.
+r"""Calibrate the planner's "cpu" device on this machine and validate its predictions against measured runs.
 
     python recipes/plan_validate.py                       # worlds 2, 4, 8 with the small GPT (~20-40 min on 2 cores)
     python recipes/plan_validate.py --worlds 8 --rounds 3 # the world-8 layouts, each run 3 times (fastest)
     python recipes/plan_validate.py --quick               # worlds 2 and 4, fewer steps (a few minutes)
     python recipes/plan_validate.py --calibrate-only      # write the calibration file that device="cpu" reads
+    python recipes/plan_validate.py --worlds 8 --rounds 1 --model moe_small --dp-modes zero2 \
+        --cp-sizes 1,2 --dp-replicate-sizes 1,2 --ep-sizes 1,2,4     # every axis: cp, HSDP and ep layouts too
 
 For each world size N: calibrate N processes (:func:`lightning_par.planner.calibrate_cpu`: matmul FLOP/s, gloo
 all-reduce latency and bandwidth, framework overheads, all measured with every process busy), then train every
@@ -83,6 +85,10 @@ def _world_table(world: int, rows: list[dict], load: tuple[float, float]) -> tup
     return "\n".join(lines) + "\n", stats
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worlds", default="2,4,8", help="comma-separated world sizes (default 2,4,8)")
@@ -97,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibrate-only", action="store_true", help="calibrate worlds 1,2,4,8, save, stop")
     parser.add_argument("--calibration", default=None, help="calibration file to write (default: the planner's)")
     parser.add_argument("--quick", action="store_true", help="worlds 2 and 4, 6 steps")
+    parser.add_argument("--cp-sizes", default="1", help="cp sizes to measure too, e.g. 1,2 (ring attention)")
+    parser.add_argument("--dp-replicate-sizes", default="1", help="HSDP replica counts to measure too, e.g. 1,2")
+    parser.add_argument("--ep-sizes", default="1", help="ep sizes to measure too (a MoE --model), e.g. 1,2,4")
+    parser.add_argument("--dp-modes", default="ddp,zero1,zero2,zero3", help="dp modes to measure")
     parser.add_argument("--from", dest="from_dir", default=None,
                         help="re-compare the summaries.json and calibration.json of an earlier --out, without running")
     args = parser.parse_args(argv)
@@ -128,7 +138,11 @@ def main(argv: list[str] | None = None) -> int:
             summaries = earlier[world]
             load_start = summaries[0].get("loadavg_start", float("nan"))
         else:
-            layouts = cpu_validation_layouts(spec, world, args.global_batch)
+            layouts = cpu_validation_layouts(
+                spec, world, args.global_batch, cp_sizes=_ints(args.cp_sizes),
+                dp_replicate_sizes=_ints(args.dp_replicate_sizes), ep_sizes=_ints(args.ep_sizes),
+                dp_modes=[m.strip() for m in args.dp_modes.split(",") if m.strip()],
+            )
             fresh = calibrate_cpu((world,), repeats=args.calibration_repeats)  # right before the runs
             calibration.worlds[world] = fresh.worlds[world]
             calibration.machine = fresh.machine

@@ -11,6 +11,7 @@ from lightning_par import contract
 from lightning_par.axis_registry import Axis, Build
 from lightning_par.context_parallel.attention import CPAttentionMode, check_ulysses_heads
 from lightning_par.context_parallel.batch import SequenceSplit
+from lightning_par.context_parallel.planner import CONTEXT_PARALLEL_TERMS
 from lightning_par.parallel_dims import ParallelDims
 
 __all__ = ["CONTEXT_PARALLEL"]
@@ -58,4 +59,5 @@ CONTEXT_PARALLEL = Axis(
     option_groups=("context_parallel",),
     check=_check,
     steps=(("context", _apply),),
+    planner=CONTEXT_PARALLEL_TERMS,
 )

@@ -10,6 +10,7 @@ from lightning_par.axis_registry import Axis, Build
 from lightning_par.data_parallel.buffers import prepare_sync_batchnorm
 from lightning_par.data_parallel.engine import apply_data_parallel
 from lightning_par.data_parallel.meshes import DataParallelMeshes
+from lightning_par.data_parallel.planner import DATA_PARALLEL_TERMS
 from lightning_par.parallel_dims import ParallelDims
 
 __all__ = ["DATA_PARALLEL"]
@@ -46,4 +47,5 @@ DATA_PARALLEL = Axis(
     option_groups=("reducer", "zero"),
     check=_check,
     steps=(("data", _apply),),
+    planner=DATA_PARALLEL_TERMS,
 )

@@ -14,6 +14,7 @@ from lightning_par.compat import local_tensor
 from lightning_par.data_parallel.meshes import DataParallelMeshes
 from lightning_par.expert_parallel.dispatch import ExpertDispatch
 from lightning_par.expert_parallel.metrics import moe_step_metrics
+from lightning_par.expert_parallel.planner import EXPERT_PARALLEL_TERMS, check_num_experts
 from lightning_par.parallel_dims import ParallelDims
 
 __all__ = ["EXPERT_PARALLEL"]
@@ -23,13 +24,7 @@ def _check(module: nn.Module, network: nn.Module, dims: ParallelDims, options: A
     if not dims.ep_enabled:
         return
     for path in contract.expert_modules(network):
-        experts = contract.num_experts(network, path)
-        if experts % dims.ep_size:
-            valid = [d for d in range(1, experts + 1) if experts % d == 0 and (dims.dp_shard_size * dims.cp_size) % d == 0]
-            raise ValueError(
-                f"ep_size={dims.ep_size} is not valid for {path} with num_experts={experts}: each ep rank holds "
-                f"num_experts / ep_size experts; expected ep_size in {valid}."
-            )
+        check_num_experts(path, contract.num_experts(network, path), dims.ep_size, dims.dp_shard_size * dims.cp_size)
 
 
 def _read(build: Build) -> None:
@@ -113,4 +108,5 @@ EXPERT_PARALLEL = Axis(
     option_groups=(),
     check=_check,
     steps=(("read", _read), ("context", _apply)),
+    planner=EXPERT_PARALLEL_TERMS,
 )

@@ -13,6 +13,7 @@ from lightning_par.axis_registry import Axis, Build
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.pipeline_parallel.engine import PipelineEngine
 from lightning_par.pipeline_parallel.options import PipelineOptions
+from lightning_par.pipeline_parallel.planner import PIPELINE_PARALLEL_TERMS
 from lightning_par.pipeline_parallel.split import cut_network, plan_split, validate_split
 from lightning_par.pipeline_parallel.steps import PipelinedSteps
 
@@ -79,4 +80,5 @@ PIPELINE_PARALLEL = Axis(
     option_groups=("pipeline",),
     check=_check,
     steps=(("cut", _cut), ("schedule", _schedule)),
+    planner=PIPELINE_PARALLEL_TERMS,
 )

@@ -1,5 +1,7 @@
 """A layout planner: the best dp x tp x pp (dp mode, micro-batches, schedule, checkpointing) for N devices, and with
-``cp_sizes`` the dp x cp x tp layouts of context parallelism.
+``cp_sizes``, ``dp_replicate_sizes`` and ``ep_sizes`` the layouts of context parallelism, HSDP and expert parallelism
+(a MoE model). Each axis's rules and communication time come from its folder's ``planner.py`` through the axis
+registry (:class:`~lightning_par.axis_registry.PlannerTerms`).
 
 Predicts, for every valid layout of a model, the memory per device (model state per ZeRO stage, activations per
 Korthikanti et al. 2022, buffers) and the step time (compute, exposed communication, pipeline bubble, optimizer),

@@ -81,32 +81,16 @@ def zero_step_comm_bytes(dp_mode: str, params: float, dp_size: int, param_bytes:
 
 def cp_layer_comm_bytes(method: str, micro_batch_size: int, seq_len: int, hidden_size: int, cp_size: int,
                         tp_size: int, element_bytes: int, recompute_forward: bool = False) -> tuple[float, int, int]:
-    """What one rank sends per attention layer per micro-batch on the cp axis, as lightning_par's cp methods run.
-
-    * ``"ring"``: :func:`~lightning_par.comm_cost.ring_attention_layer_bytes`; ``cp - 1`` point-to-point sends of
-      the K/V block forward and as many of its gradient backward (one more forward pass with recomputation);
-    * ``"all_to_all"``: :func:`~lightning_par.comm_cost.ulysses_layer_bytes`; lightning_par sends q, k and v as one
-      all-to-all, so two all-to-alls forward (q/k/v, output) and two backward (three forward passes' worth, six, with
-      recomputation), each of ``cp - 1`` pairwise steps.
-
-    Args:
-        method: ``"ring"`` or ``"all_to_all"``.
-        micro_batch_size, seq_len, hidden_size, cp_size, tp_size, element_bytes, recompute_forward: as the formulas
-            (``seq_len`` the whole sequence before the cp split).
-
-    Returns:
-        ``(bytes, operations, steps per operation)``, for :func:`collective_time`.
+    """What one rank sends per attention layer per micro-batch on the cp axis: the cp axis's own term,
+    :func:`lightning_par.context_parallel.planner.layer_comm` (same arguments and returns).
 
     Raises:
         ValueError: an unknown ``method``.
     """
-    args = (micro_batch_size, seq_len, hidden_size, cp_size, tp_size, element_bytes, recompute_forward)
-    passes = 3 if recompute_forward else 2
-    if method == "ring":
-        return ring_attention_layer_bytes(*args), passes * (cp_size - 1), ring_steps("p2p", cp_size)
-    if method == "all_to_all":
-        return ulysses_layer_bytes(*args), 2 * passes, ring_steps("all_to_all", cp_size)
-    raise ValueError(f"method={method!r} is not valid: expected one of {list(CP_METHODS)}.")
+    from lightning_par.context_parallel.planner import layer_comm
+
+    return layer_comm(method, micro_batch_size, seq_len, hidden_size, cp_size, tp_size, element_bytes,
+                      recompute_forward)
 
 
 def group_ranks_per_node(layout: Layout, axis: str, devices_per_node: int) -> int:

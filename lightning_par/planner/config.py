@@ -48,6 +48,10 @@ class PlannerConfig:
     cp_sizes: list[int] = field(default_factory=lambda: [1])
     #: context-parallel attentions to enumerate when cp > 1: ring | all_to_all
     cp_methods: list[str] = field(default_factory=lambda: ["ring", "all_to_all"])
+    #: HSDP replica counts to enumerate, e.g. [1,2] ([1]: none; > 1 only under the ZeRO modes)
+    dp_replicate_sizes: list[int] = field(default_factory=lambda: [1])
+    #: expert-parallel sizes to enumerate for a MoE model, e.g. [1,2,4] ([1]: none)
+    ep_sizes: list[int] = field(default_factory=lambda: [1])
     max_virtual_stages: int = 4
     #: rows of the printed table (the markdown and CSV files hold every layout)
     top: int = 15

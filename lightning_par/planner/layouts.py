@@ -1,48 +1,47 @@
 """Layouts: how a training step is spread over devices, and the enumeration of every valid one.
 
-A :class:`Layout` fixes the four mesh sizes (``dp_size x cp_size x tp_size x pp_size = world_size``, the
-mesh of :class:`~lightning_par.parallel_dims.ParallelDims`: tp innermost, then cp, dp, pp outermost) and the choices
-that change memory or time without changing the mesh: the dp mode (ZeRO stage), the micro-batching, the pipeline
-schedule, activation checkpointing, sequence parallelism and the context-parallel attention (ring or all-to-all).
+A :class:`Layout` fixes the mesh sizes of :class:`~lightning_par.parallel_dims.ParallelDims` (``dp_size x cp_size x
+tp_size x pp_size = world_size``, ``dp_size = dp_replicate_size x dp_shard_size`` for HSDP, and ``ep_size`` borrowed
+from ``dp_shard x cp``) and the choices that change memory or time without changing the mesh: the dp mode (ZeRO
+stage), the micro-batching, the pipeline schedule, activation checkpointing, sequence parallelism and the
+context-parallel attention (ring or all-to-all).
 
-Validity (checked by :func:`check_layout`, used by :func:`enumerate_layouts`), on the runtime's own validators where
-the runtime has the rule:
+Validity (checked by :func:`check_layout`, used by :func:`enumerate_layouts`) comes from the runtime, not from a
+rulebook of the planner's own:
 
-* the sizes: :class:`~lightning_par.parallel_dims.ParallelDims` (``dp_size * cp_size * tp_size * pp_size ==
-  num_devices``, each a positive integer); the dp mode: the runtime's
-  :data:`~lightning_par.data_parallel.options.DP_MODES`; the schedule, ``virtual_stages`` and ``num_microbatches``
-  against ``pp_size`` and the dp mode: the runtime's :class:`~lightning_par.pipeline_parallel.options.PipelineOptions`
-  and its ``check_layout`` (so ``1f1b`` needs ``num_microbatches >= pp_size``, as torch's ``Schedule1F1B``);
-* context parallelism, as the runtime's cp axis (:mod:`lightning_par.context_parallel`): the method one of
-  :data:`~lightning_par.context_parallel.options.CP_METHODS`; the sequence length a multiple of ``2 * cp_size``
-  (causal load balancing cuts it into ``2 * cp_size`` chunks); ``all_to_all`` (Ulysses) with whole heads per rank,
-  ``num_heads % (cp_size * tp_size) == 0`` (:func:`~lightning_par.context_parallel.attention.check_ulysses_heads`);
-* and the planner's own choices on top, which narrow what it enumerates to what its cost model covers:
-  ``tp_size`` divides the number of heads (whole heads per rank) and is at most ``max_tp_size``; with
-  ``devices_per_node`` given, a tensor-parallel group lies inside one node: ``tp_size`` divides ``devices_per_node``
-  (the per-layer all-reduces need the fast links; Narayanan et al. 2021, §3.3); the layers split evenly over the
-  virtual stages (as Megatron-LM requires; the emitted runs pass the same split explicitly); the global batch splits
-  into ``dp_size * num_microbatches`` micro-batches of ``micro_batch_size`` sequences; ``interleaved_1f1b`` with
-  ``num_microbatches % pp_size == 0`` (Megatron-LM's rule, which the bubble formula assumes); the schedules it models
-  (:data:`SCHEDULES`, ``"none"`` when ``pp_size == 1``); ZeRO modes only with ``dp_size * cp_size > 1`` (ZeRO shards
-  over the runtime's ``dp_shard_cp`` mesh); sequence parallelism only with ``tp_size > 1`` and a per-rank sequence
-  (``seq_len / cp_size`` tokens) divisible by ``tp_size``; ``cp_method="ring"`` when ``cp_size == 1`` (nothing to
-  split: one spelling per layout).
+* the sizes: :class:`~lightning_par.parallel_dims.ParallelDims` (the product is the world size, ``dp_replicate_size``
+  divides ``dp_size``, ``ep_size`` divides ``dp_shard_size * cp_size``);
+* each registered axis's rules (:func:`planner_terms`: the ``check`` of the :class:`~lightning_par.axis_registry.
+  PlannerTerms` in each axis folder's ``planner.py``), built on the axis's own validators: the dp modes and HSDP
+  (``data_parallel/planner.py``), whole heads and sequence parallelism (``tensor_parallel/planner.py``), the layer
+  split and the schedule's rules (``pipeline_parallel/planner.py``, through :class:`~lightning_par.pipeline_parallel.
+  options.PipelineOptions`), the sequence split and Ulysses' heads (``context_parallel/planner.py``, the runtime's
+  own checks), experts per ep rank (``expert_parallel/planner.py``, the same function the ep axis checks a network
+  with);
+* the planner's own choices on top, which narrow what it enumerates to what its cost model covers: ``tp_size`` at
+  most ``max_tp_size`` and, with ``devices_per_node`` given, dividing it (tensor-parallel groups inside a node;
+  Narayanan et al. 2021, §3.3); the global batch split into ``dp_size * num_microbatches`` micro-batches of
+  ``micro_batch_size`` sequences; one spelling per layout (``cp_method="ring"`` at ``cp_size == 1``, HSDP only under
+  a ZeRO mode, ZeRO only with something to shard).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+import dataclasses
+import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from lightning_par.context_parallel.attention import _check_seq_len as check_cp_seq_len
-from lightning_par.context_parallel.attention import check_ulysses_heads
 from lightning_par.context_parallel.options import CP_METHODS
 from lightning_par.data_parallel.options import DP_MODES
 from lightning_par.parallel_dims import ParallelDims
-from lightning_par.pipeline_parallel.options import SCHEDULES as RUNTIME_SCHEDULES
-from lightning_par.pipeline_parallel.options import PipelineOptions
+from lightning_par.pipeline_parallel.planner import PLANNED_SCHEDULES
 from lightning_par.planner.model import ModelSpec
+
+if TYPE_CHECKING:
+    from lightning_par.axis_registry import PlannerTerms
 
 __all__ = [
     "CHECKPOINTING",
@@ -53,11 +52,13 @@ __all__ = [
     "check_layout",
     "divisors",
     "enumerate_layouts",
+    "planner_terms",
+    "size_fields",
 ]
 
 #: The runtime's schedules whose step time the planner models (``"none"`` when ``pp_size == 1``: micro-batches are
 #: gradient accumulation).
-SCHEDULES: tuple[str, ...] = ("none", *(s for s in ("gpipe", "1f1b", "interleaved_1f1b") if s in RUNTIME_SCHEDULES))
+SCHEDULES: tuple[str, ...] = PLANNED_SCHEDULES
 #: Activation checkpointing (Korthikanti et al. 2022): keep all, recompute attention cores, recompute whole layers.
 CHECKPOINTING: tuple[str, ...] = ("none", "selective", "full")
 
@@ -85,6 +86,10 @@ class Layout:
         sequence_parallel: shard norms/dropouts over the sequence inside tensor parallelism.
         cp_size: context-parallel ranks each sequence is split over (each holds ``seq_len / cp_size`` tokens).
         cp_method: the context-parallel attention, one of :data:`CP_METHODS` (``"ring"`` when ``cp_size == 1``).
+        dp_replicate_size: HSDP replicas among the ``dp_size`` data-parallel ranks (each holds one copy of the model
+            state sharded over ``dp_size / dp_replicate_size`` ranks, times ``cp_size``).
+        ep_size: expert-parallel ranks, borrowed from ``dp_shard x cp`` (a MoE model's experts split over them; it
+            does not multiply into the world size).
     """
 
     dp_size: int
@@ -99,6 +104,8 @@ class Layout:
     sequence_parallel: bool = False
     cp_size: int = 1
     cp_method: str = "ring"
+    dp_replicate_size: int = 1
+    ep_size: int = 1
 
     @property
     def world_size(self) -> int:
@@ -113,6 +120,7 @@ class Layout:
                 a product that is not ``world_size``).
         """
         return ParallelDims(dp_size=self.dp_size, tp_size=self.tp_size, pp_size=self.pp_size, cp_size=self.cp_size,
+                            dp_replicate_size=self.dp_replicate_size, ep_size=self.ep_size,
                             world_size=self.world_size if world_size is None else world_size)
 
     @property
@@ -123,9 +131,14 @@ class Layout:
 
     @property
     def mesh(self) -> str:
-        """``"dp2·tp2·pp2"``; with context parallelism ``"dp2·cp2·tp2·pp1"`` (in rank order, between dp and tp)."""
+        """``"dp2·tp2·pp2"``; with context parallelism ``"dp2·cp2·tp2·pp1"`` (in rank order, between dp and tp);
+        with HSDP ``"dp2x2·tp2·pp1"`` (replicas x shard); with expert parallelism ``"·ep2"`` after (borrowed
+        ranks)."""
+        r = self.dp_replicate_size
+        dp = f"dp{r}x{self.dp_size // r}" if r > 1 else f"dp{self.dp_size}"
         cp = f"·cp{self.cp_size}" if self.cp_size > 1 else ""
-        return f"dp{self.dp_size}{cp}·tp{self.tp_size}·pp{self.pp_size}"
+        ep = f"·ep{self.ep_size}" if self.ep_size > 1 else ""
+        return f"{dp}{cp}·tp{self.tp_size}·pp{self.pp_size}{ep}"
 
     def describe(self) -> str:
         """One line: mesh, dp mode, schedule, cp method (``cp_size > 1``), micro-batching, checkpointing, sequence
@@ -137,6 +150,15 @@ class Layout:
             f"{self.mesh} {self.dp_mode}{sched}{cp} m={self.num_microbatches} b={self.micro_batch_size}"
             f" ckpt={self.activation_checkpointing}" + (" sp" if self.sequence_parallel else "")
         )
+
+
+def size_fields() -> tuple[str, ...]:
+    """The :class:`Layout` size fields beyond ``dp_size``, ``tp_size`` and ``pp_size`` (those of the axes added on the
+    registry: ``cp_size``, ``dp_replicate_size``, ``ep_size``; 1 = not used), read from the dataclass: the emitted
+    overrides, the run-config reader and the report's columns follow a new one without an edit."""
+    return tuple(f.name for f in dataclasses.fields(Layout)
+                 if f.name.endswith("_size") and f.default == 1 and f.name not in ("tp_size", "pp_size",
+                                                                                    "micro_batch_size"))
 
 
 def _check_choice(name: str, value: object, valid: Sequence[object]) -> None:
@@ -171,12 +193,9 @@ def check_layout(
         ValueError: the first rule broken, naming the field, its value and what would be valid.
     """
     for name in ("dp_size", "tp_size", "pp_size", "cp_size", "micro_batch_size", "num_microbatches",
-                 "virtual_stages"):
+                 "virtual_stages", "dp_replicate_size", "ep_size"):
         _check_int(name, getattr(layout, name))
     layout.dims(num_devices)  # the runtime's size rules
-    _check_choice("dp_mode", layout.dp_mode, DP_MODES)
-    _check_choice("cp_method", layout.cp_method, CP_METHODS)
-    _check_choice("schedule", layout.schedule, SCHEDULES)
     _check_choice("activation_checkpointing", layout.activation_checkpointing, CHECKPOINTING)
     if not isinstance(layout.sequence_parallel, bool):
         raise ValueError(f"sequence_parallel={layout.sequence_parallel!r} is not valid: expected True or False.")
@@ -184,11 +203,6 @@ def check_layout(
         raise ValueError(
             f"dp_size * num_microbatches * micro_batch_size = {layout.global_batch_size} is not valid: expected "
             f"global_batch_size={global_batch_size}."
-        )
-    if model.num_heads % layout.tp_size:
-        raise ValueError(
-            f"tp_size={layout.tp_size} is not valid for num_heads={model.num_heads}: tensor parallelism splits whole "
-            f"heads; expected one of {divisors(model.num_heads)}."
         )
     if max_tp_size is not None and layout.tp_size > max_tp_size:
         raise ValueError(
@@ -200,67 +214,17 @@ def check_layout(
             f"tp_size={layout.tp_size} is not valid with devices_per_node={devices_per_node}: a tensor-parallel group "
             f"must lie inside one node; expected one of {divisors(devices_per_node)}."
         )
-    stages = layout.pp_size * layout.virtual_stages
-    if model.num_layers % stages:
-        raise ValueError(
-            f"pp_size * virtual_stages = {layout.pp_size} * {layout.virtual_stages} = {stages} is not valid for "
-            f"num_layers={model.num_layers}: expected a divisor of the layers, one of {divisors(model.num_layers)}."
-        )
-    if layout.pp_size == 1 and layout.schedule != "none":
-        raise ValueError(f"schedule={layout.schedule!r} is not valid with pp_size=1: expected 'none'.")
-    if layout.pp_size > 1 and layout.schedule == "none":
-        raise ValueError(
-            f"schedule='none' is not valid with pp_size={layout.pp_size}: expected one of {list(SCHEDULES[1:])}."
-        )
-    if layout.pp_size > 1:  # the runtime's schedule rules (virtual stages, micro-batches against pp_size)
-        PipelineOptions(
-            schedule=layout.schedule, num_microbatches=layout.num_microbatches, virtual_stages=layout.virtual_stages
-        ).check_layout(layout.pp_size, layout.dp_mode)
-    elif layout.virtual_stages != 1:
-        raise ValueError(f"virtual_stages={layout.virtual_stages} is not valid with pp_size=1: expected 1.")
-    if layout.schedule == "interleaved_1f1b" and layout.num_microbatches % layout.pp_size:
-        raise ValueError(
-            f"num_microbatches={layout.num_microbatches} is not valid for schedule='interleaved_1f1b' with "
-            f"pp_size={layout.pp_size}: expected a multiple of pp_size (Megatron-LM's rule, which the planner's bubble "
-            f"formula assumes)."
-        )
-    if layout.dp_size * layout.cp_size == 1 and layout.dp_mode != "ddp":
-        raise ValueError(f"dp_mode={layout.dp_mode!r} is not valid with dp_size=1: expected 'ddp' (nothing to shard).")
-    _check_context_parallel(layout, model)
-    if layout.tp_size == 1 and layout.sequence_parallel:
-        raise ValueError("sequence_parallel=True is not valid with tp_size=1: expected False.")
-    if layout.sequence_parallel and model.seq_len % layout.tp_size:
-        raise ValueError(
-            f"sequence_parallel=True is not valid with tp_size={layout.tp_size} and seq_len={model.seq_len}: expected "
-            f"a sequence length divisible by tp_size."
-        )
-    if layout.sequence_parallel and layout.cp_size > 1 and (model.seq_len // layout.cp_size) % layout.tp_size:
-        raise ValueError(
-            f"sequence_parallel=True is not valid with tp_size={layout.tp_size}, cp_size={layout.cp_size} and "
-            f"seq_len={model.seq_len}: expected the tokens per cp rank, seq_len / cp_size = "
-            f"{model.seq_len // layout.cp_size}, divisible by tp_size."
-        )
+    for _, terms in planner_terms():
+        if terms.check is not None:
+            terms.check(layout, model)
 
 
-def _check_context_parallel(layout: Layout, model: ModelSpec) -> None:
-    """The cp axis's rules (:mod:`lightning_par.context_parallel`), on the runtime's own checks where it has them.
+def planner_terms() -> list[tuple[str, PlannerTerms]]:
+    """``(axis name, its planner terms)`` of every registered axis that has them, in the registry's order
+    (:data:`lightning_par.axes.AXES`; each axis's ``planner.py``)."""
+    from lightning_par.axes import AXES  # the registry imports the axes' folders, which import the planner
 
-    Raises:
-        ValueError: ``cp_method`` other than ``"ring"`` with ``cp_size == 1``; a sequence length that is not a multiple of ``2 * cp_size``; ``all_to_all`` with heads that do not split
-            over ``cp_size * tp_size`` ranks.
-    """
-    cp = layout.cp_size
-    if cp == 1:
-        if layout.cp_method != "ring":
-            raise ValueError(
-                f"cp_method={layout.cp_method!r} is not valid with cp_size=1: expected 'ring' (nothing to split)."
-            )
-        return
-    # The runtime's own rule (private there: split_sequence and load_balanced_positions call it on tensors):
-    # causal load balancing cuts the sequence into 2 * cp_size equal chunks.
-    check_cp_seq_len(model.seq_len, cp)
-    if layout.cp_method == "all_to_all":
-        check_ulysses_heads(model.num_heads, cp, layout.tp_size)
+    return [(axis.name, axis.planner) for axis in AXES if axis.planner is not None]
 
 
 def enumerate_layouts(
@@ -279,6 +243,9 @@ def enumerate_layouts(
     sequence_parallel: Sequence[bool] = (False, True),
     cp_sizes: Sequence[int] = (1,),
     cp_methods: Sequence[str] = CP_METHODS,
+    dp_replicate_sizes: Sequence[int] = (1,),
+    ep_sizes: Sequence[int] = (1,),
+    sizes: Mapping[str, Sequence[int]] | None = None,
 ) -> Iterator[Layout]:
     """Every valid :class:`Layout` for ``model`` on ``num_devices`` devices at ``global_batch_size`` sequences/step.
 
@@ -299,6 +266,11 @@ def enumerate_layouts(
             layouts of dp x tp x pp alone, in the same order).
         cp_methods: context-parallel attentions to consider when ``cp_size > 1`` (only ``"ring"`` when
             ``cp_size == 1``).
+        dp_replicate_sizes: HSDP replica counts to consider (each dividing ``dp_size``; default ``(1,)``: no HSDP).
+        ep_sizes: expert-parallel sizes to consider for a MoE model (each dividing ``dp_shard_size * cp_size`` and
+            the experts; default ``(1,)``).
+        sizes: further :func:`size_fields` of axes that borrow their ranks (do not change the world size), each with
+            the sizes to consider, e.g. ``{"ep_size": (1, 2)}`` (the same as ``ep_sizes``).
 
     Yields:
         Valid layouts, in a deterministic order.
@@ -316,6 +288,7 @@ def enumerate_layouts(
                 dp_modes=dp_modes, schedules=schedules, checkpointing=checkpointing,
                 micro_batch_sizes=micro_batch_sizes, num_microbatches=num_microbatches,
                 max_virtual_stages=max_virtual_stages, sequence_parallel=sequence_parallel,
+                borrowed={"dp_replicate_size": dp_replicate_sizes, "ep_size": ep_sizes, **(sizes or {})},
             )
 
 
@@ -334,6 +307,7 @@ def _enumerate_pp_dp(
     num_microbatches: Sequence[int] | None,
     max_virtual_stages: int,
     sequence_parallel: Sequence[bool],
+    borrowed: Mapping[str, Sequence[int]],
 ) -> Iterator[Layout]:
     """The valid layouts of :func:`enumerate_layouts` with tensor-parallel size ``tp`` and cp size ``cp``."""
     for pp in divisors(num_devices // (tp * cp)):
@@ -363,9 +337,12 @@ def _enumerate_pp_dp(
                     for ckpt in checkpointing:
                         for sp in sequence_parallel if tp > 1 else (False,):
                             for method in cp_methods:
-                                layout = Layout(dp, tp, pp, mode, b, m, sched, v, ckpt, sp, cp, method)
-                                try:
-                                    check_layout(layout, model)
-                                except ValueError:
-                                    continue
-                                yield layout
+                                base = Layout(dp, tp, pp, mode, b, m, sched, v, ckpt, sp, cp, method)
+                                for combo in itertools.product(*borrowed.values()):
+                                    layout = dataclasses.replace(base, **dict(zip(borrowed, combo)))
+                                    try:
+                                        check_layout(layout, model)  # ParallelDims and every axis's check
+                                    except ValueError:
+                                        continue
+                                    if all(t.canonical(layout) for _, t in planner_terms() if t.canonical):
+                                        yield layout

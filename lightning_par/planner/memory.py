@@ -3,12 +3,15 @@
 * **Parameters per rank** (:func:`rank_params`): the rank's ``L / p`` blocks, their matrices and column-parallel biases
   split over ``tp``, norms and row-parallel biases replicated; the vocab-parallel token embedding (and position table)
   on the first rank, the final norm and vocab-parallel head on the last (Megatron-LM, Shoeybi et al. 2019, §3;
-  Narayanan et al. 2021, §2.2). An untied head on one rank is not shared.
+  Narayanan et al. 2021, §2.2). An untied head on one rank is not shared. A MoE block's experts are split over
+  ``ep`` (each rank ``E / ep`` of them), not over ``tp`` (:func:`rank_param_groups`).
 * **Model state** (:func:`model_state_bytes`): the ZeRO paper's per-stage formulas (Rajbhandari et al. 2020, §5.1 and
   Figure 1) over the ``d`` ranks that shard it, with the precision's bytes per parameter, gradient and optimizer
   state: ddp ``(P+G+K) Psi``, zero1 ``(P+G) Psi + K Psi / d``, zero2 ``P Psi + (G+K) Psi / d``, zero3
-  ``(P+G+K) Psi / d``. With context parallelism the ZeRO modes shard over ``d = dp_size * cp_size`` (the runtime's
-  ``dp_shard_cp`` mesh); ddp keeps a whole copy on every rank.
+  ``(P+G+K) Psi / d``. ``d`` is the size of the runtime's shard mesh (:class:`~lightning_par.parallel_dims.
+  ParallelDims`): ``dp_shard_cp`` (``dp_shard_size * cp_size``; HSDP's replicas each hold a whole sharded copy) for
+  the dense parameters, ``edp_shard`` (``dp_shard_size * cp_size / ep_size``) for the experts; ddp keeps a whole copy
+  on every rank.
 * **Activations** (:func:`activation_bytes_per_layer`): Korthikanti et al. 2022, Table 2, per layer and micro-batch,
   generalised to any activation element size (the paper counts 2-byte activations and 1-byte dropout masks) and to
   a sequence split over ``cp`` ranks (each holds ``s / cp`` tokens and their ``s / cp x s`` attention scores), times
@@ -37,23 +40,38 @@ __all__ = [
     "microbatches_in_flight",
     "model_state_bytes",
     "predict_memory",
+    "rank_param_groups",
     "rank_params",
+    "rank_state_bytes",
+    "stage_layers",
 ]
 
 #: Bucket size of the dp reducers (``bucket_cap_mb`` default, 25 MiB).
 BUCKET_BYTES = 25 * (1 << 20)
 
 
-def rank_params(model: ModelSpec, layout: Layout, pp_rank: int) -> float:
-    """Parameters held by one rank of pipeline rank ``pp_rank`` (any of its tp ranks; before dp sharding).
+def stage_layers(num_layers: int, layout: Layout, pp_rank: int) -> list[int] | None:
+    """The blocks pipeline rank ``pp_rank`` holds under the even split (its ``virtual_stages`` chunks ``pp_rank``,
+    ``pp_rank + pp_size``, ... of ``L / (pp_size v)`` blocks each), or ``None`` when the layers do not split evenly."""
+    p, v = layout.pp_size, layout.virtual_stages
+    if num_layers % (p * v):
+        return None
+    n = num_layers // (p * v)
+    return [c * n + i for c in range(pp_rank, p * v, p) for i in range(n)]
+
+
+def rank_param_groups(model: ModelSpec, layout: Layout, pp_rank: int) -> tuple[float, float]:
+    """Parameters held by one rank of pipeline rank ``pp_rank`` (any of its tp and ep ranks; before dp sharding), as
+    ``(dense, experts)``: the experts are the rank's ``E / ep`` experts of each of its MoE blocks (their own gradient
+    and shard group, ``edp``); everything else is dense.
 
     Args:
         model: the model.
-        layout: gives ``tp_size``, ``pp_size`` and the even split ``L / pp_size`` layers per rank.
+        layout: gives ``tp_size``, ``pp_size``, ``virtual_stages`` (the even split) and ``ep_size``.
         pp_rank: ``0 <= pp_rank < pp_size``.
 
     Returns:
-        Parameter count (a float: vocab padding rounds ``V / t`` up).
+        Parameter counts (floats: vocab padding rounds ``V / t`` up).
 
     Raises:
         ValueError: ``pp_rank`` out of range.
@@ -61,27 +79,64 @@ def rank_params(model: ModelSpec, layout: Layout, pp_rank: int) -> float:
     p, t = layout.pp_size, layout.tp_size
     if not 0 <= pp_rank < p:
         raise ValueError(f"pp_rank={pp_rank!r} is not valid: expected 0 <= pp_rank < pp_size={p}.")
-    split, replicated = model.layer_params()
-    n = model.num_layers / p * (split / t + replicated)
+    layers = stage_layers(model.num_layers, layout, pp_rank) if model.num_experts else None
+    experts = 0.0
+    if layers is None:  # a dense model (or an uneven split: the average block)
+        split, replicated = model.layer_params()
+        n = model.num_layers / p * (split / t + replicated)
+    else:
+        n = 0.0
+        for layer in layers:
+            split, replicated, expert = model.block_params(layer)
+            n += split / t + replicated
+            experts += expert / layout.ep_size
     vocab_shard = math.ceil(model.vocab_size / t) * model.hidden_size
-    last = pp_rank == p - 1
     if pp_rank == 0:
         n += model.embedding_params() - model.vocab_size * model.hidden_size + vocab_shard  # position table whole
-    if last:
+    if pp_rank == p - 1:
         n += model.head_params() - model.vocab_size * model.hidden_size
         if not (model.tied_embeddings and p == 1):  # a tied head on the embedding's rank is the same tensor
             n += vocab_shard
-    return n
+    return n, experts
 
 
-def model_state_bytes(params: float, dp_mode: str, dp_size: int, precision: Precision) -> float:
+def rank_params(model: ModelSpec, layout: Layout, pp_rank: int) -> float:
+    """Parameters held by one rank of pipeline rank ``pp_rank`` (any of its tp and ep ranks; before dp sharding): the
+    sum of :func:`rank_param_groups`.
+
+    Raises:
+        ValueError: ``pp_rank`` out of range.
+    """
+    return sum(rank_param_groups(model, layout, pp_rank))
+
+
+def rank_state_bytes(model: ModelSpec, layout: Layout, precision: Precision, pp_rank: int) -> float:
+    """Bytes of parameters, gradients and optimizer state of the fullest rank of pipeline rank ``pp_rank``: the sum of
+    every registered axis's ``state_bytes`` (:class:`~lightning_par.axis_registry.PlannerTerms`): the dense parameters
+    sharded over the runtime's ``dp_shard_cp`` mesh (the dp axis), the experts over ``edp_shard`` in whole experts
+    (the ep axis, :func:`~lightning_par.expert_parallel.planner.expert_shard_ranks`; see :func:`model_state_bytes`).
+
+    Raises:
+        ValueError: ``pp_rank`` out of range, an unknown ``dp_mode``, or sizes :class:`~lightning_par.parallel_dims.
+            ParallelDims` refuses.
+    """
+    from lightning_par.planner.context import PlanContext
+    from lightning_par.planner.layouts import planner_terms
+
+    if not 0 <= pp_rank < layout.pp_size:
+        raise ValueError(f"pp_rank={pp_rank!r} is not valid: expected 0 <= pp_rank < pp_size={layout.pp_size}.")
+    ctx = PlanContext(model, layout, None, precision)
+    return sum(t.state_bytes(ctx, pp_rank) for _, t in planner_terms() if t.state_bytes is not None)
+
+
+def model_state_bytes(params: float, dp_mode: str, dp_size: float, precision: Precision) -> float:
     """Bytes of parameters, gradients and optimizer state per rank (Rajbhandari et al. 2020, §5.1).
 
     Args:
         params: parameters ``Psi`` of the rank before dp sharding (:func:`rank_params`).
         dp_mode: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"zero3"``.
-        dp_size: ``d``, the ranks the ZeRO modes shard over (``dp_size * cp_size`` of a layout: the runtime's
-            ``dp_shard_cp`` mesh).
+        dp_size: ``d``, the ranks the ZeRO modes shard over (the runtime's ``dp_shard_cp`` mesh for dense
+            parameters, ``edp_shard`` for experts).
         precision: bytes per parameter ``P``, gradient ``G`` and optimizer state ``K``.
 
     Returns:
@@ -262,17 +317,19 @@ def _activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, pp
 def predict_memory(model: ModelSpec, layout: Layout, precision: Precision) -> MemoryBreakdown:
     """The :class:`MemoryBreakdown` of the pipeline rank that needs the most memory.
 
-    Only the first and the last rank are candidates: a middle rank holds the same blocks without the embedding or
-    the head, and no more micro-batches in flight than the first.
+    For a dense model only the first and the last rank are candidates: a middle rank holds the same blocks without
+    the embedding or the head, and no more micro-batches in flight than the first. With experts every rank is (a
+    middle rank may hold more MoE blocks).
     """
     best: MemoryBreakdown | None = None
     max_state = 0.0
-    for r in sorted({0, layout.pp_size - 1}):
+    ranks = range(layout.pp_size) if model.num_experts else sorted({0, layout.pp_size - 1})
+    for r in ranks:
         params = rank_params(model, layout, r)
         mb = MemoryBreakdown(
             pp_rank=r,
             params=params,
-            model_state_bytes=model_state_bytes(params, layout.dp_mode, layout.dp_size * layout.cp_size, precision),
+            model_state_bytes=rank_state_bytes(model, layout, precision, r),
             activation_bytes=_activation_bytes(model, layout, precision, r),
             buffer_bytes=buffer_bytes(model, layout, params, precision),
         )

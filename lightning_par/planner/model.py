@@ -10,6 +10,12 @@ al. 2019, §3; Narayanan et al. 2021, §2): per layer, the weight matrices and c
 ``tp``) and the layer norms and row-parallel biases (replicated); the token embedding and the LM head (vocab-parallel,
 split over ``tp``; first and last pipeline stage); the position table and final norm (replicated).
 
+A mixture-of-experts model (``num_experts > 0``, the reference GPT's MoE blocks: every ``moe_every``-th block's MLP is
+``num_experts`` experts of width ``expert_hidden_size``, each token running ``moe_top_k`` of them) has, per MoE block,
+the expert weights ``E x 2 h f_e`` (split over ``ep``, not over ``tp``: lightning_par keeps a MoE block's router and
+experts whole on every tp rank), the router ``E h`` and an optional shared expert (replicated); its FLOPs per token
+count the *active* parameters (the ``top_k`` experts a token runs), its memory the *total*.
+
 Pure Python: no torch import.
 """
 
@@ -56,10 +62,19 @@ class ModelSpec:
         tensors_per_layer: parameter tensors of one block (the optimizer's per-tensor cost); ``None``: 16 with
             biases, 8 without (the GPT-2 block).
         name: label for tables.
+        num_experts: experts ``E`` of each mixture-of-experts block (0: a dense model).
+        moe_every: every ``moe_every``-th block is a mixture of experts (blocks ``moe_every - 1``, ``2 moe_every - 1``,
+            ...; the reference GPT's rule).
+        moe_top_k: experts each token runs.
+        expert_hidden_size: hidden width ``f_e`` of one expert; ``None``: ``4 h / moe_top_k`` (the dense MLP's active
+            width, the GPT's default).
+        moe_shared_expert: each MoE block also has one always-on expert of width ``f_e`` (with biases).
 
     Raises:
         ValueError: a size that is not a positive integer, ``hidden_size`` not divisible by ``num_heads``, a
-            ``num_params`` smaller than the embedding and head alone, or ``flops_per_token <= 0``.
+            ``num_params`` smaller than the embedding and head alone, ``flops_per_token <= 0``, a MoE field out of range
+            (``num_experts`` 1 or negative, ``moe_top_k`` above ``num_experts``), or ``num_params`` given for a MoE
+            model (its parts are counted from the shapes).
     """
 
     num_layers: int
@@ -77,6 +92,11 @@ class ModelSpec:
     ops_per_layer: int | None = None
     tensors_per_layer: int | None = None
     name: str = "model"
+    num_experts: int = 0
+    moe_every: int = 1
+    moe_top_k: int = 2
+    expert_hidden_size: int | None = None
+    moe_shared_expert: bool = False
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_len"):
@@ -102,6 +122,27 @@ class ModelSpec:
             and self.flops_per_token > 0
         ):
             raise ValueError(f"ModelSpec.flops_per_token={self.flops_per_token!r} is not valid: expected a number > 0.")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        e = self.num_experts
+        if isinstance(e, bool) or not isinstance(e, int) or e < 0 or e == 1:
+            raise ValueError(f"ModelSpec.num_experts={e!r} is not valid: expected 0 (dense) or an integer >= 2.")
+        if not e:
+            return
+        for f in ("moe_every", "moe_top_k"):
+            _check_positive_int("ModelSpec", f, getattr(self, f))
+        if self.expert_hidden_size is not None:
+            _check_positive_int("ModelSpec", "expert_hidden_size", self.expert_hidden_size)
+        if self.moe_top_k > e:
+            raise ValueError(f"ModelSpec.moe_top_k={self.moe_top_k} is not valid with num_experts={e}: expected at "
+                             f"most num_experts.")
+        if self.moe_every > self.num_layers:
+            raise ValueError(f"ModelSpec.moe_every={self.moe_every} is not valid with num_layers={self.num_layers}: "
+                             f"expected at most num_layers (one MoE block at least).")
+        if self.num_params is not None:
+            raise ValueError(f"ModelSpec.num_params={self.num_params} is not valid with num_experts={e}: a MoE "
+                             f"model's dense, router and expert parameters are counted from its shapes; use None.")
 
     # ------------------------------------------------------------------ shapes
     @property
@@ -152,6 +193,46 @@ class ModelSpec:
         per_layer = (self.num_params - self.embedding_params() - self.head_params()) / self.num_layers
         return max(0, int(round(per_layer)) - replicated), replicated
 
+    # ------------------------------------------------------------------ mixture of experts
+    @property
+    def expert_hidden(self) -> int:
+        """Hidden width ``f_e`` of one expert (``expert_hidden_size``, default ``4 h / moe_top_k``)."""
+        return self.expert_hidden_size or max(1, 4 * self.hidden_size // self.moe_top_k)
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` (0-based) is a mixture of experts."""
+        return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
+
+    def moe_layer_count(self) -> int:
+        """MoE blocks of the model (0 when dense)."""
+        return self.num_layers // self.moe_every if self.num_experts else 0
+
+    def moe_layer_params(self) -> tuple[int, int, int]:
+        """Parameters of one MoE block as ``(split over tp, replicated over tp, expert weights)``: the attention as a
+        dense block's (its matrices and q/k/v biases split, the norms and output bias replicated); the router ``E h``
+        and the shared expert ``2 h f_e + f_e + h`` replicated (whole on every tp rank); the experts ``E 2 h f_e``
+        (split over ep only)."""
+        h, b, fe = self.hidden_size, int(self.bias), self.expert_hidden
+        split = 4 * h * h + b * 3 * h
+        replicated = 2 * h * (1 + b) + b * h + self.num_experts * h
+        if self.moe_shared_expert:
+            replicated += 2 * h * fe + fe + h
+        return split, replicated, self.num_experts * 2 * h * fe
+
+    def block_params(self, layer: int) -> tuple[int, int, int]:
+        """Block ``layer``'s parameters ``(split over tp, replicated over tp, expert weights)`` (0 experts when
+        dense)."""
+        if self.is_moe(layer):
+            return self.moe_layer_params()
+        return (*self.layer_params(), 0)
+
+    def moe_mlp_flops_per_token(self) -> float:
+        """Training FLOPs per token of one MoE block's router, ``moe_top_k`` experts and shared expert (``6`` per
+        active weight): the part tensor parallelism does not split."""
+        h, fe = self.hidden_size, self.expert_hidden
+        active = self.num_experts * h + self.moe_top_k * 2 * h * fe + (2 * h * fe if self.moe_shared_expert else 0)
+        return 6.0 * active
+
     def embedding_params(self) -> int:
         """Token embedding ``V h`` plus the position table ``max_seq_len x h`` (if learned)."""
         rows = self.max_seq_len or self.seq_len
@@ -167,16 +248,23 @@ class ModelSpec:
         """All parameters, each counted once."""
         if self.num_params is not None:
             return self.num_params
-        split, replicated = self._computed_layer_params()
-        total = self.num_layers * (split + replicated) + self.embedding_params() + self.head_params()
+        total = sum(sum(self.block_params(i)) for i in range(self.num_layers))
+        total += self.embedding_params() + self.head_params()
         if self.tied_embeddings:
             total -= self.vocab_size * self.hidden_size
         return total
 
     def non_embedding_params(self) -> int:
-        """Parameters that do arithmetic per token: blocks, final norm and the (untied) head matrix."""
-        split, replicated = self.layer_params()
-        return self.num_layers * (split + replicated) + self.head_params()
+        """Parameters that do arithmetic per token: blocks, final norm and the (untied) head matrix; of a MoE block
+        only the router, the ``moe_top_k`` experts a token runs and the shared expert (the *active* parameters)."""
+        if not self.num_experts:
+            split, replicated = self.layer_params()
+            return self.num_layers * (split + replicated) + self.head_params()
+        total = self.head_params()
+        for i in range(self.num_layers):
+            split, replicated, experts = self.block_params(i)
+            total += split + replicated + (experts * self.moe_top_k // self.num_experts)
+        return total
 
     # ------------------------------------------------------------------ FLOPs
     def model_flops_per_token(self) -> float:
@@ -212,6 +300,16 @@ class ModelSpec:
 _SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(ModelSpec))
 
 
+def _moe_fields(config: Any) -> dict[str, Any]:
+    """The MoE fields of a ``GPTConfig``-like object (``num_experts``, ``moe_every``, ``moe_top_k``, ``moe_hidden``,
+    ``moe_shared_expert``); none for a dense one."""
+    if not getattr(config, "num_experts", 0):
+        return {}
+    return {"num_experts": config.num_experts, "moe_every": config.moe_every, "moe_top_k": config.moe_top_k,
+            "expert_hidden_size": getattr(config, "moe_hidden", None),
+            "moe_shared_expert": bool(getattr(config, "moe_shared_expert", False))}
+
+
 def model_spec(model: Any, seq_len: int | None = None) -> ModelSpec:
     """Convert a model description into a :class:`ModelSpec`.
 
@@ -241,6 +339,7 @@ def model_spec(model: Any, seq_len: int | None = None) -> ModelSpec:
             max_seq_len=model.block_size,
             bias=bool(getattr(model, "bias", True)),
             name=type(model).__name__,
+            **_moe_fields(model),
         )
     else:
         data = model if isinstance(model, dict) else {k: getattr(model, k) for k in _SPEC_FIELDS if hasattr(model, k)}

@@ -2,7 +2,8 @@
 
 Each layout maps to the simplest registry name that runs it (``ddp_overlap``, ``zero1``-``zero3``,
 ``tensor_parallel``, ``gpipe``/``1f1b``/``pipeline``) and to ``parallel_3d`` otherwise (always with context
-parallelism, whose ``parallel.cp_size`` and ``strategy.context_parallel.method`` are written out), with the
+parallelism, HSDP or expert parallelism, whose sizes ``parallel.cp_size``, ``parallel.dp_replicate_size`` and
+``parallel.ep_size`` and ``strategy.context_parallel.method`` are written out), with the
 per-replica batch ``data.batch_size = micro_batch_size * num_microbatches`` (the pipeline strategies cut it into
 ``num_microbatches`` micro-batches; the others take one micro-batch per step) and, with pipelining, the even layer
 split the planner assumed (``strategy.split``), and its activation checkpointing
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from lightning_par.planner.layouts import Layout
+from lightning_par.planner.layouts import Layout, size_fields
 
 __all__ = ["STRATEGY_FIELDS", "layout_notes", "layout_overrides", "parallel_option_name", "strategy_name"]
 
@@ -46,10 +47,16 @@ def parallel_option_name(layout: Layout) -> str:
     return "_".join(parts) or "dp1"
 
 
+def _borrowed_axes(layout: Layout) -> bool:
+    """An axis added on the registry in use (context parallelism, HSDP, expert parallelism, ...: a size of
+    :func:`~lightning_par.planner.layouts.size_fields` above 1): sizes the conventional option names do not spell."""
+    return any(getattr(layout, size) > 1 for size in size_fields())
+
+
 def strategy_name(layout: Layout) -> str:
-    """The registry name that runs ``layout`` most simply (``parallel_3d`` for context parallelism: the strategy
-    that has the cp axis)."""
-    if layout.cp_size > 1:
+    """The registry name that runs ``layout`` most simply (``parallel_3d`` for context parallelism, HSDP and expert
+    parallelism: the strategy that has every axis)."""
+    if _borrowed_axes(layout):
         return "parallel_3d"
     single_step = layout.num_microbatches == 1
     if layout.pp_size == 1 and layout.tp_size == 1 and single_step:
@@ -69,8 +76,8 @@ def layout_overrides(
     Args:
         layout: the layout.
         parallel_options: option names of the ``parallel`` config group (``conf/parallel/*.yaml``); a layout whose
-            conventional name is among them is given as ``parallel=<name>``, any other as its four fields (five, with
-            ``parallel.cp_size``, for a layout with context parallelism, always written out).
+            conventional name is among them is given as ``parallel=<name>``, any other as its four fields (plus
+            ``parallel.cp_size``, ``parallel.dp_replicate_size``, ``parallel.ep_size`` where > 1, always written out).
         num_layers: the model's layers; with pipelining, the even split ``strategy.split=[L/(p v), ...]`` is added.
 
     Returns:
@@ -78,14 +85,15 @@ def layout_overrides(
     """
     out: list[str] = []
     name = parallel_option_name(layout)
-    # A cp layout states every size, parallel.cp_size among them, rather than trusting an option file by its name.
-    if layout.cp_size == 1 and parallel_options is not None and name in parallel_options:
+    # A cp / HSDP / ep layout states every size rather than trusting an option file by its name.
+    if not _borrowed_axes(layout) and parallel_options is not None and name in parallel_options:
         out.append(f"parallel={name}")
     else:
         out += [f"parallel.world_size={layout.world_size}", f"parallel.dp_size={layout.dp_size}",
                 f"parallel.tp_size={layout.tp_size}", f"parallel.pp_size={layout.pp_size}"]
-        if layout.cp_size > 1:
-            out.append(f"parallel.cp_size={layout.cp_size}")
+        for size in size_fields():
+            if getattr(layout, size) > 1:
+                out.append(f"parallel.{size}={getattr(layout, size)}")
     strategy = strategy_name(layout)
     out.append(f"strategy={strategy}")
     f = STRATEGY_FIELDS

@@ -6,12 +6,20 @@ Pure Python: no torch import, no processes (``device="cpu"`` reads the calibrati
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lightning_par.planner.devices import DeviceSpec, get_device
-from lightning_par.planner.layouts import CHECKPOINTING, CP_METHODS, DP_MODES, Layout, check_layout, enumerate_layouts
+from lightning_par.planner.layouts import (
+    CHECKPOINTING,
+    CP_METHODS,
+    DP_MODES,
+    Layout,
+    check_layout,
+    enumerate_layouts,
+    size_fields,
+)
 from lightning_par.planner.memory import MemoryBreakdown, predict_memory
 from lightning_par.planner.model import ModelSpec, model_spec
 from lightning_par.planner.overrides import layout_notes
@@ -73,6 +81,16 @@ class Prediction:
     def cp_method(self) -> str:
         """Context-parallel attention: ``ring`` or ``all_to_all``."""
         return self.layout.cp_method
+
+    @property
+    def dp_replicate_size(self) -> int:
+        """HSDP replicas among the data-parallel ranks (1: none)."""
+        return self.layout.dp_replicate_size
+
+    @property
+    def ep_size(self) -> int:
+        """Expert-parallel ranks (borrowed from ``dp_shard x cp``)."""
+        return self.layout.ep_size
 
     @property
     def dp_mode(self) -> str:
@@ -220,6 +238,9 @@ def plan(
     sequence_parallel: Sequence[bool] = (False, True),
     cp_sizes: Sequence[int] = (1,),
     cp_methods: Sequence[str] = CP_METHODS,
+    dp_replicate_sizes: Sequence[int] = (1,),
+    ep_sizes: Sequence[int] = (1,),
+    sizes: Mapping[str, Sequence[int]] | None = None,
     include_unfit: bool = True,
     calibration: Any = None,
     pp_scatter_gather: bool = False,
@@ -250,6 +271,11 @@ def plan(
         cp_sizes: context-parallel sizes to enumerate (default ``(1,)``: none), e.g. ``(1, 2, 4)``.
         cp_methods: context-parallel attentions to enumerate when ``cp_size > 1``: a non-empty subset of
             :data:`~lightning_par.context_parallel.options.CP_METHODS`.
+        dp_replicate_sizes: HSDP replica counts to enumerate (default ``(1,)``: none), e.g. ``(1, 2)``: the ZeRO
+            modes then shard over ``dp_size / dp_replicate_size * cp_size`` ranks and all-reduce across the replicas.
+        ep_sizes: expert-parallel sizes to enumerate for a MoE model (default ``(1,)``), e.g. ``(1, 2, 4)``.
+        sizes: sizes of further borrowed-rank axes to enumerate, by Layout field (see
+            :func:`~lightning_par.planner.layouts.enumerate_layouts`).
         max_tp_size: largest tensor-parallel size (None: any divisor of ``devices_per_node``: tensor parallelism
             stays inside a node).
         include_unfit: also return the layouts that do not fit (after all that fit, each with its ``reason``).
@@ -287,6 +313,17 @@ def plan(
             _check_positive_int("micro_batch_sizes", b)
     if not cp_sizes or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in cp_sizes):
         raise ValueError(f"cp_sizes={list(cp_sizes)!r} is not valid: expected a non-empty list of positive integers.")
+    borrowed = [f for f in size_fields() if f != "cp_size"]
+    unknown = sorted(set(sizes or {}) - set(borrowed))
+    if unknown:
+        raise ValueError(f"sizes={dict(sizes or {})!r} is not valid: {unknown} are not sizes of an axis on borrowed "
+                         f"ranks; expected keys among {borrowed} (cp_size: cp_sizes=).")
+    extra = {f"sizes[{k!r}]": v for k, v in (sizes or {}).items()}
+    for name, values in (("dp_replicate_sizes", dp_replicate_sizes), ("ep_sizes", ep_sizes), *extra.items()):
+        if not values or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in values):
+            raise ValueError(f"{name}={list(values)!r} is not valid: expected a non-empty list of positive integers.")
+    if any(e > 1 for e in ep_sizes) and not spec.num_experts:
+        raise ValueError(f"ep_sizes={list(ep_sizes)!r} is not valid for a dense model (num_experts=0): expected [1].")
     if not cp_methods or any(x not in CP_METHODS for x in cp_methods):
         raise ValueError(
             f"cp_methods={list(cp_methods)!r} is not valid: expected a non-empty subset of {list(CP_METHODS)}."
@@ -298,7 +335,7 @@ def plan(
         max_tp_size=max_tp_size, devices_per_node=min(devices_per_node, num_devices),
         dp_modes=dp_modes, schedules=schedules, checkpointing=checkpointing, micro_batch_sizes=micro_batch_sizes,
         max_virtual_stages=max_virtual_stages, sequence_parallel=sequence_parallel, cp_sizes=cp_sizes,
-        cp_methods=cp_methods,
+        cp_methods=cp_methods, dp_replicate_sizes=dp_replicate_sizes, ep_sizes=ep_sizes, sizes=sizes,
     ))
     if not layouts:
         raise ValueError(

@@ -1,7 +1,7 @@
 """Tables of predictions: rows of plain values, a fixed-width text table, markdown and CSV.
 
-The context-parallel columns (:data:`CP_COLUMNS`) are in every row and CSV; the text and markdown tables show them
-only when some layout of the predictions given has ``cp_size > 1``.
+The columns of context parallelism, HSDP and expert parallelism (:data:`OPTIONAL_COLUMNS`) are in every row and CSV;
+the text and markdown tables show them only when some layout of the predictions given uses the axis.
 
 Pure Python: no torch import.
 """
@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_par.planner.layouts import size_fields
 from lightning_par.planner.plan import Prediction
 
-__all__ = ["COLUMNS", "CP_COLUMNS", "format_table", "to_csv", "to_markdown", "to_rows"]
+__all__ = ["COLUMNS", "CP_COLUMNS", "OPTIONAL_COLUMNS", "format_table", "to_csv", "to_markdown", "to_rows"]
 
 _GiB = 1 << 30
 
@@ -27,6 +28,8 @@ COLUMNS: dict[str, str] = {
     "pp_size": "pp",
     "cp_size": "cp",
     "cp_method": "cp method",
+    "dp_replicate_size": "rep",
+    "ep_size": "ep",
     "dp_mode": "dp mode",
     "schedule": "schedule",
     "num_microbatches": "m",
@@ -44,10 +47,15 @@ COLUMNS: dict[str, str] = {
     "dp_comm_s": "dp comm s",
     "tp_comm_s": "tp comm s",
     "cp_comm_s": "cp comm s",
+    "ep_comm_s": "ep comm s",
     "reason": "why not / notes",
 }
 #: The columns of context parallelism (left out of the text and markdown tables when no layout uses it).
 CP_COLUMNS: tuple[str, ...] = ("cp_size", "cp_method", "cp_comm_s")
+#: Columns shown only when some layout uses their axis: the layout field that says so -> its columns.
+OPTIONAL_COLUMNS: dict[str, tuple[str, ...]] = {
+    "cp_size": CP_COLUMNS, "dp_replicate_size": ("dp_replicate_size",), "ep_size": ("ep_size", "ep_comm_s"),
+}
 
 
 def to_rows(predictions: Sequence[Prediction]) -> list[dict[str, Any]]:
@@ -63,6 +71,8 @@ def to_rows(predictions: Sequence[Prediction]) -> list[dict[str, Any]]:
             "pp_size": lay.pp_size,
             "cp_size": lay.cp_size,
             "cp_method": lay.cp_method if lay.cp_size > 1 else "",
+            "dp_replicate_size": lay.dp_replicate_size,
+            "ep_size": lay.ep_size,
             "dp_mode": lay.dp_mode,
             "schedule": schedule,
             "num_microbatches": lay.num_microbatches,
@@ -80,7 +90,9 @@ def to_rows(predictions: Sequence[Prediction]) -> list[dict[str, Any]]:
             "dp_comm_s": p.time.dp_comm_s,
             "tp_comm_s": p.time.tp_comm_s,
             "cp_comm_s": p.time.cp_comm_s,
+            "ep_comm_s": p.time.ep_comm_s,
             "reason": p.reason or "; ".join(p.notes),
+            **{size: getattr(lay, size) for size in size_fields() if size not in COLUMNS},  # a newer axis's size
         })
     return rows
 
@@ -102,9 +114,11 @@ def _fmt(key: str, value: Any) -> str:
 def _cells(predictions: Sequence[Prediction], top: int | None) -> tuple[list[str], list[list[str]]]:
     shown = predictions[:top] if top else predictions
     rows = to_rows(shown)
-    with_cp = any(p.layout.cp_size > 1 for p in predictions)  # any layout planned, shown or not
-    keys = [k for k in COLUMNS if with_cp or k not in CP_COLUMNS]
-    headers = [COLUMNS[k] for k in keys]
+    hidden = {c for size, cols in OPTIONAL_COLUMNS.items()  # unless some layout planned, shown or not, uses the axis
+              if not any(getattr(p.layout, size) > 1 for p in predictions) for c in cols}
+    keys = [k for k in COLUMNS if k not in hidden]
+    keys += [k for k in rows[0] if k not in COLUMNS and any(r[k] != 1 for r in rows)] if rows else []
+    headers = [COLUMNS.get(k, k) for k in keys]
     return headers, [[_fmt(k, r[k]) for k in keys] for r in rows]
 
 
@@ -129,7 +143,9 @@ def to_csv(predictions: Sequence[Prediction], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(COLUMNS))
+        rows = to_rows(predictions)
+        extra = [k for k in (rows[0] if rows else {}) if k not in COLUMNS]  # a newer axis's size
+        writer = csv.DictWriter(f, fieldnames=list(COLUMNS) + extra)
         writer.writeheader()
-        writer.writerows(to_rows(predictions))
+        writer.writerows(rows)
     return path

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from lightning_par.planner.devices import DeviceSpec
-from lightning_par.planner.layouts import Layout
+from lightning_par.planner.layouts import Layout, size_fields
 from lightning_par.planner.plan import predict
 
 __all__ = ["layout_from_run", "model_from_run", "predict_run", "predicted_columns"]
@@ -53,8 +53,9 @@ def model_from_run(cfg: Mapping[str, Any]) -> Any:
         )
     from lightning_par.models.gpt import GPTConfig
 
-    overrides = {k: model[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
-                 if model.get(k) is not None}
+    keys = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias", "num_experts", "moe_every", "moe_top_k",
+            "moe_hidden", "moe_shared_expert")
+    overrides = {k: model[k] for k in keys if model.get(k) is not None}
     return GPTConfig.from_preset(model["preset"], **overrides)
 
 
@@ -67,6 +68,7 @@ def layout_from_run(cfg: Mapping[str, Any]) -> Layout:
     par = cfg.get("parallel") or {}
     tp, pp, world = int(par.get("tp_size", 1)), int(par.get("pp_size", 1)), int(par.get("world_size", 1))
     cp = int(par.get("cp_size", 1))
+    borrowed = {size: int(par.get(size, 1)) for size in size_fields() if size != "cp_size"}
     dp = int(par.get("dp_size", -1))
     if dp == -1:
         dp = world // (tp * pp * cp)
@@ -99,7 +101,7 @@ def layout_from_run(cfg: Mapping[str, Any]) -> Layout:
         dp_size=dp, tp_size=tp, pp_size=pp, dp_mode=dp_mode if dp * cp > 1 else "ddp",
         micro_batch_size=batch // chunks, num_microbatches=chunks * accumulate, schedule=schedule,
         virtual_stages=int(virtual), activation_checkpointing="none", sequence_parallel=sp and tp > 1,
-        cp_size=cp, cp_method=method,
+        cp_size=cp, cp_method=method, **borrowed,
     )
 
 

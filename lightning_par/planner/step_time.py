@@ -1,5 +1,10 @@
 """Predicted time of one optimizer step: compute, exposed communication, pipeline bubble, optimizer.
 
+Each axis's communication is its own term, in its folder's ``planner.py``
+(:class:`~lightning_par.axis_registry.PlannerTerms` on its registry entry): this module adds every registered axis's
+``slot_comm_s`` to a micro-batch slot and every ``step_comm_s`` after the schedule, naming no axis; what each term
+models is summarised below.
+
 Per pipeline rank and micro-batch (``b`` sequences of ``s`` tokens), the rank's ``L / p`` layers cost
 
 * **compute**: ``b s (L/p) (f_layer + f_recompute) / t`` FLOPs, plus the head's ``6 V h b s / t`` on the last rank,
@@ -20,8 +25,11 @@ Per pipeline rank and micro-batch (``b`` sequences of ``s`` tokens), the rank's 
   over the whole sequence, so the attention FLOPs per token do not change); per layer and micro-batch the cp axis
   adds ring attention's ``cp - 1`` K/V block sends forward and backward (Liu et al. 2023, §3) or Ulysses' four
   all-to-alls forward and four backward (Jacobs et al. 2023, §3), repeated forward under recomputation
-  (:func:`~lightning_par.planner.comm.cp_layer_comm_bytes`), over the cp group's link, not overlapped (lightning_par's
-  exchanges are blocking);
+  (:func:`~lightning_par.context_parallel.planner.layer_comm`), over the cp group's link, not overlapped
+  (lightning_par's exchanges are blocking);
+* **expert parallelism** over ``ep`` ranks (:mod:`lightning_par.expert_parallel.planner`): per MoE block two token
+  all-to-alls forward and two backward of the rank's ``b s k`` routed copies; a MoE block's router and experts run
+  whole on every tp rank, so their FLOPs are not divided by ``t``; FLOPs per token count the active experts;
 * **pipeline point-to-point**: one activation send forward and one gradient send backward per chunk and
   micro-batch, ``b s h`` elements each, so ``v`` times as many with ``v`` chunks per rank (Narayanan et al. 2021,
   §2.2.2: "the amount of communication also increases by v"); ``/ t`` with sequence parallelism; with Megatron's
@@ -30,8 +38,9 @@ Per pipeline rank and micro-batch (``b`` sequences of ``s`` tokens), the rank's 
 
 A step of a pipeline runs ``m + (p-1)/v`` such slots on the slowest rank (GPipe and 1F1B: ``v = 1``): the bubble is
 ``(p-1)/v`` slots, i.e. a fraction ``(p-1) / (v m + p - 1)`` of the pipeline time (Narayanan et al. 2021, §2.2).
-Without pipelining it runs ``m`` slots. Then the dp axis (:func:`~lightning_par.planner.comm.zero_step_comm_bytes`,
-over the ``dp * cp`` ranks of the runtime's ``dp_cp`` mesh):
+Without pipelining it runs ``m`` slots. Then the dp axis (:mod:`lightning_par.data_parallel.planner`:
+:func:`~lightning_par.planner.comm.zero_step_comm_bytes` over the runtime's ``dp_cp`` mesh for ddp, ``dp_shard_cp``
+for the ZeRO modes, plus HSDP's all-reduce of each shard over ``dp_replicate``; the experts over ``edp_shard``):
 the gradient reduction overlaps the last micro-batch's backward only in the single-micro-batch, unpipelined layouts
 whose strategy reduces during backward (``ddp_overlap``, ``zero1``, ``zero2``); the other layouts reduce once after
 the schedule; ZeRO-3's gathers overlap compute (prefetch); ``comm_overlap`` of the overlappable part is hidden. Last,
@@ -50,22 +59,15 @@ All times in seconds. Pure Python: no torch import.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from lightning_par.pipeline_parallel.planner import pp_message_time
 from lightning_par.planner.calibration import layer_matmul_rates
-from lightning_par.planner.comm import (
-    allgather_bytes,
-    collective_time,
-    cp_layer_comm_bytes,
-    group_link,
-    ring_steps,
-    tp_layer_comm_bytes,
-    zero_step_comm_bytes,
-)
+from lightning_par.planner.context import PlanContext
 from lightning_par.planner.devices import DeviceSpec
 from lightning_par.planner.elementwise import elementwise_bytes_per_layer
-from lightning_par.planner.layouts import Layout
-from lightning_par.planner.memory import rank_params
+from lightning_par.planner.layouts import Layout, planner_terms
+from lightning_par.planner.memory import rank_param_groups
 from lightning_par.planner.model import ModelSpec
 from lightning_par.planner.precision import Precision
 
@@ -89,42 +91,6 @@ def recompute_flops_per_token(model: ModelSpec, checkpointing: str) -> float:
     return 0.0
 
 
-def pp_message_time(message_bytes: float, layout: Layout, device: DeviceSpec, devices_per_node: int,
-                    scatter_gather: bool = False) -> float:
-    """Seconds of one pipeline send between neighbouring stages (one micro-batch's activation or its gradient).
-
-    Every tp rank of a stage sends to its counterpart in the next stage, all at once, each over its own link
-    (:func:`~lightning_par.planner.comm.group_link`, axis ``"pp"``: across nodes, one network adapter per device).
-
-    * default: each tp rank sends the whole ``b s h`` activation, replicated over tp (Narayanan et al. 2021, §3.2:
-      ``b s h`` per micro-batch between consecutive devices);
-    * sequence parallelism: each tp rank holds and sends only its ``1/t`` of the sequence;
-    * ``scatter_gather`` (Megatron-LM, Narayanan et al. 2021, §4.1 and Figure 9; on in its Table 1 runs, §5.1):
-      each tp rank sends ``1/t`` of the replicated activation, then the receiving stage all-gathers it over its
-      node's links (the tp group is inside a node): ``b s h / t`` on the pipeline link plus an all-gather of ``b s h``.
-
-    Args:
-        message_bytes: ``b s h`` elements times the activation element size.
-        layout: the layout (``tp_size``, ``sequence_parallel``, the mesh for the link).
-        device: the device spec.
-        devices_per_node: devices per node.
-        scatter_gather: see above.
-
-    Returns:
-        Seconds.
-    """
-    t = layout.tp_size
-    bw, lat = group_link(device, layout, "pp", devices_per_node, op="p2p")
-    if layout.sequence_parallel:
-        return collective_time(message_bytes / t, bw, lat, 1, ring_steps("p2p", 2))
-    if scatter_gather and t > 1:
-        tp_bw, tp_lat = group_link(device, layout, "tp", devices_per_node, op="all_gather",
-                                   payload_bytes=message_bytes)
-        gather = collective_time(allgather_bytes(message_bytes, t), tp_bw, tp_lat, 1, ring_steps("all_gather", t))
-        return collective_time(message_bytes / t, bw, lat, 1, ring_steps("p2p", 2)) + gather
-    return collective_time(message_bytes, bw, lat, 1, ring_steps("p2p", 2))
-
-
 @dataclass(frozen=True)
 class TimeBreakdown:
     """Predicted seconds of one optimizer step.
@@ -144,6 +110,9 @@ class TimeBreakdown:
         optimizer_s: the optimizer step.
         model_flops: model FLOPs of the whole step over all devices (no recomputation).
         hardware_flops: the same with recomputation.
+        comm_s: every registered axis's communication over the step, by axis name (``"tp"``, ``"cp"``, ``"ep"``,
+            ``"pp"`` per micro-batch slot times the slots a rank runs; ``"dp"`` once, exposed): the terms of each
+            axis's ``planner.py`` (:class:`~lightning_par.axis_registry.PlannerTerms`).
     """
 
     step_time_s: float
@@ -158,6 +127,12 @@ class TimeBreakdown:
     model_flops: float
     hardware_flops: float
     cp_comm_s: float = 0.0
+    comm_s: dict[str, float] = field(default_factory=dict, hash=False)
+
+    @property
+    def ep_comm_s(self) -> float:
+        """Expert-parallel token all-to-alls over the step."""
+        return self.comm_s.get("ep", 0.0)
 
 
 def predict_step_time(
@@ -182,83 +157,55 @@ def predict_step_time(
     Returns:
         The :class:`TimeBreakdown`.
     """
-    p, t, d, m, v = layout.pp_size, layout.tp_size, layout.dp_size, layout.num_microbatches, layout.virtual_stages
-    cp = layout.cp_size
+    p, t, m, v = layout.pp_size, layout.tp_size, layout.num_microbatches, layout.virtual_stages
+    ctx = PlanContext(model, layout, device, precision, devices_per_node, pp_scatter_gather)
+    dims = ctx.dims
     b, s, h = layout.micro_batch_size, model.seq_len, model.hidden_size
-    s_rank = s // cp  # tokens per cp rank (check_layout: s is a multiple of 2 cp)
     e = precision.activation_bytes
-    tokens_mb = b * s_rank
-    layers = model.num_layers / p
+    tokens_mb = ctx.tokens  # b s / cp: each cp rank holds its share of the sequence
+    layers = ctx.layers
     layer_rate, head_rate = layer_matmul_rates(model, layout, device, e)  # FLOP/s per GEMM shape (calibration.py)
 
-    # --- one micro-batch on the slowest pipeline rank: compute, overhead, tp, cp and pp communication
+    # --- one micro-batch on the slowest pipeline rank: compute, overhead, every axis's communication
     f_layer = model.layer_flops_per_token()  # per token over the whole sequence's keys, whatever the cp split
     f_extra = recompute_flops_per_token(model, layout.activation_checkpointing)
     layer_compute = tokens_mb * (f_layer + f_extra) / t / layer_rate
+    if model.num_experts and t > 1:  # a MoE block's router and experts run whole on every tp rank
+        moe = model.moe_mlp_flops_per_token() * (1.0 + (1.0 / 3.0 if layout.activation_checkpointing == "full" else 0))
+        layer_compute += tokens_mb * moe * (1 - 1 / t) / layer_rate * model.moe_layer_count() / model.num_layers
     head_compute = tokens_mb * model.head_flops_per_token() / t / head_rate
     slot_compute = layers * layer_compute + head_compute  # the last rank, which also runs the head
     elementwise = elementwise_bytes_per_layer(
         s, b, h, model.num_heads, t, layout.sequence_parallel, layout.activation_checkpointing, e, model.ffn,
     )
-    if cp > 1:  # s / cp tokens per rank, their s / cp x s scores: every term / cp
-        elementwise /= cp
+    if layout.cp_size > 1:  # s / cp tokens per rank, their s / cp x s scores: every term / cp
+        elementwise /= layout.cp_size
     memory_bound = layers * elementwise / device.memory_bandwidth
     overhead = layers * (model.layer_ops * device.op_overhead_s + (device.tp_layer_overhead_s if t > 1 else 0.0))
-    tp_comm = 0.0
-    if t > 1:
-        op = "all_gather" if layout.sequence_parallel else "all_reduce"  # sp: all-gather / reduce-scatter pairs
-        bw, lat = group_link(device, layout, "tp", devices_per_node, op=op, payload_bytes=b * s_rank * h * e)
-        recompute = layout.activation_checkpointing == "full"
-        n_ops = 6 if recompute else 4  # all-reduces (with sp: as many all-gather + reduce-scatter pairs, same steps)
-        sent = tp_layer_comm_bytes(b, s_rank, h, t, e, recompute_forward=recompute)
-        tp_comm = layers * collective_time(sent, bw, lat, n_ops, ring_steps("all_reduce", t))
-    cp_comm = 0.0
-    if cp > 1:
-        bw, lat = group_link(device, layout, "cp", devices_per_node,
-                             op="p2p" if layout.cp_method == "ring" else "all_to_all")
-        # Selective recomputation reruns the attention, whose exchanges are inside it; full reruns the whole forward.
-        recompute = layout.activation_checkpointing != "none"
-        sent, n_ops, steps = cp_layer_comm_bytes(layout.cp_method, b, s, h, cp, t, e, recompute_forward=recompute)
-        cp_comm = layers * collective_time(sent, bw, lat, n_ops, steps)
-    pp_comm = 0.0
-    if p > 1:
-        pp_comm = 2 * v * pp_message_time(tokens_mb * h * e, layout, device, devices_per_node, pp_scatter_gather)
-    slot = slot_compute + memory_bound + overhead + tp_comm + cp_comm + pp_comm
+    terms = planner_terms()
+    slot_comm = {name: term.slot_comm_s(ctx) for name, term in terms if term.slot_comm_s is not None}
+    slot = slot_compute + memory_bound + overhead + sum(slot_comm.values())
     slots = m + (p - 1) / v if p > 1 else float(m)
     pipeline = slots * slot
     busy = m * slot  # a rank's own work, without waiting
 
-    # --- dp axis: gradients averaged (and ZeRO's shards) over the dp x cp ranks (the runtime's dp_cp / dp_shard_cp)
-    params = max(rank_params(model, layout, 0), rank_params(model, layout, p - 1))
-    dcp = d * cp
-    dp_comm = 0.0
-    if dcp > 1:
-        bucket = min(params * precision.grad_bytes, 25 * (1 << 20))  # the reducer's 25 MiB buckets
-        bw, lat = group_link(device, layout, "dp_cp", devices_per_node,
-                             op="all_reduce" if layout.dp_mode in ("ddp", "zero1") else "reduce_scatter",
-                             payload_bytes=bucket if layout.dp_mode != "zero3" else None)
-        sent = zero_step_comm_bytes(layout.dp_mode, params, dcp, precision.param_bytes, precision.grad_bytes, m)
-        buckets = max(1, math.ceil(params * precision.grad_bytes / (25 * (1 << 20))))  # 25 MiB buckets
-        steps = {  # ring steps per step: reductions and gathers over the buckets, or per block for zero3
-            "ddp": buckets * ring_steps("all_reduce", dcp),
-            "zero1": buckets * (ring_steps("all_reduce", dcp) + ring_steps("all_gather", dcp)),
-            "zero2": buckets * (ring_steps("reduce_scatter", dcp) + ring_steps("all_gather", dcp)),
-            "zero3": math.ceil(m * model.num_layers / p) * 3 * ring_steps("all_gather", dcp),
-        }[layout.dp_mode]
-        total = collective_time(sent, bw, lat, 1, steps)
-        if layout.dp_mode == "zero3":
-            window = m * (slot_compute + memory_bound)
-        elif p == 1 and m == 1:
-            window = (slot_compute + memory_bound) * 2.0 / 3.0  # the backward of the only micro-batch
-        else:
-            window = 0.0
-        dp_comm = total - device.comm_overlap * min(total, window)
+    # --- after the schedule: the dp axis (gradients averaged, ZeRO's shards), overlapping what it can
+    if layout.dp_mode == "zero3":
+        window = m * (slot_compute + memory_bound)
+    elif p == 1 and m == 1:
+        window = (slot_compute + memory_bound) * 2.0 / 3.0  # the backward of the only micro-batch
+    else:
+        window = 0.0
+    step_comm = {name: term.step_comm_s(ctx, window) for name, term in terms if term.step_comm_s is not None}
+    dp_comm = sum(step_comm.values())
 
     # --- optimizer: its shard of parameters, gradients and state, read and written once
-    opt_params = params / dcp if layout.dp_mode != "ddp" else params
+    dense, experts = max((rank_param_groups(model, layout, r) for r in {0, p - 1}), key=sum)
+    sharded = layout.dp_mode != "ddp"
+    opt_params = dense / dims.size("dp_shard_cp") + experts / dims.size("edp_shard") if sharded else dense + experts
     traffic = precision.param_bytes + precision.grad_bytes + 2 * precision.optimizer_bytes
     tensors = model.layer_tensors * layers + 4
-    per_tensor = device.sharded_optimizer_tensor_overhead_s if layout.dp_mode != "ddp" and dcp > 1 else (
+    per_tensor = device.sharded_optimizer_tensor_overhead_s if sharded and dims.size("dp_shard_cp") > 1 else (
         device.optimizer_tensor_overhead_s)
     optimizer = opt_params * traffic / device.memory_bandwidth + tensors * per_tensor
 
@@ -277,12 +224,13 @@ def predict_step_time(
         compute_s=m * slot_compute,
         memory_bound_s=m * memory_bound,
         overhead_s=m * overhead,
-        tp_comm_s=m * tp_comm,
-        cp_comm_s=m * cp_comm,
-        pp_comm_s=m * pp_comm,
+        tp_comm_s=m * slot_comm.get("tp", 0.0),
+        cp_comm_s=m * slot_comm.get("cp", 0.0),
+        pp_comm_s=m * slot_comm.get("pp", 0.0),
         bubble_s=bubble,
         dp_comm_s=dp_comm,
         optimizer_s=optimizer,
         model_flops=model_flops,
         hardware_flops=hardware_flops,
+        comm_s={**{name: m * x for name, x in slot_comm.items()}, **step_comm},
     )

@@ -12,6 +12,7 @@ from lightning_par.memory import model_state_bytes
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.tensor_parallel.apply import apply_tensor_parallel, reduce_partial_grads
 from lightning_par.tensor_parallel.plan import uses_vocab_parallel_loss, validate_plan
+from lightning_par.tensor_parallel.planner import TENSOR_PARALLEL_TERMS
 from lightning_par.tensor_parallel.state_dict import padded_parameters, unpad_vocab_state
 from lightning_par.tensor_parallel.styles import sync_tp_partial_grads
 from lightning_par.tensor_parallel.vocab import VOCAB_SIZE_ATTR, vocab_parallel_loss
@@ -83,4 +84,5 @@ TENSOR_PARALLEL = Axis(
     option_groups=("tensor_parallel",),
     check=_check,
     steps=(("read", _read_plan), ("split", _split)),
+    planner=TENSOR_PARALLEL_TERMS,
 )
