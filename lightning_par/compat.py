@@ -47,6 +47,7 @@ __all__ = [
     "default_store",
     "disable_lightning_signal_handlers",
     "dtensor_spec",
+    "fake_store",
     "flash_attention_cpu",
     "flash_attention_cpu_backward",
     "flatten_mesh",
@@ -101,6 +102,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "FORWARD": ("torch.distributed.pipelining.schedules",),
     "_add_send_recv": ("torch.distributed.pipelining.schedules",),
     "_GeneralMultiDeviceReplicator": ("torch.distributed.fsdp.sharded_grad_scaler",),
+    "FakeStore": ("torch.testing._internal.distributed.fake_pg",),
 }
 
 
@@ -209,6 +211,18 @@ def default_store() -> Store:
         RuntimeError: the default process group is not initialised (from torch), or the function is missing.
     """
     return _private("_get_default_store")()
+
+
+def fake_store() -> Store:
+    """A store for ``init_process_group("fake", store=..., rank=r, world_size=n)``: one process acting as rank ``r``
+    of an ``n``-rank world whose collectives move no data (``torch.testing._internal.distributed.fake_pg.FakeStore``;
+    importing that module registers the ``"fake"`` backend; present in 2.10). For dry runs of :func:`~lightning_par.
+    parallelize.parallelize` at any world size (:mod:`lightning_par.planner.dry_run`).
+
+    Raises:
+        RuntimeError: the installed torch has no ``FakeStore``.
+    """
+    return _private("FakeStore")()
 
 
 # ------------------------------------------------------------------------------------------------ dispatcher
