@@ -134,3 +134,24 @@ def test_the_nearest_layout_passes_the_check_and_no_device_means_no_check(_hydra
 def test_an_unknown_device_fails_when_the_config_is_composed(_hydra):
     with pytest.raises(ConfigCompositionException, match="planner.device=h100"):
         compose(config_name="config", overrides=["planner.device=h100"])
+
+
+# ----------------------------------------------------------------------------------------------- recipes/plan.py
+def test_plan_recipe_dry_run_prints_each_stage_next_to_the_prediction(tmp_path):
+    """``--dry-run`` at 1024 ranks (GPT-2, tp 4, pp 4, zero1) and a user's model (no prediction) in one command
+    each; the worst stage is named."""
+    import subprocess
+    import sys
+
+    from tests.e2e.test_plan_recipe import ROOT
+
+    cmd = [sys.executable, "recipes/plan.py", "--dry-run-rank=5", "model=gpt2", "parallel.world_size=1024",
+           "parallel.tp_size=4", "parallel.pp_size=4", "strategy=parallel_3d", "strategy.dp_mode=zero1",
+           "strategy.pipeline.num_microbatches=4", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "fake process group of 1024 ranks, dp_mode=zero1" in proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [(int(r[0]), int(r[1])) for r in rows] == [(5, 0), (261, 1), (517, 2), (773, 3)]
+    assert all(abs(float(r[-1]) - 1.0) <= 0.01 for r in rows), proc.stdout  # dry run / predicted
+    assert "worst rank over the pipeline stages: rank 5 (pp 0)" in proc.stdout
