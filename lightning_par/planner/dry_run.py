@@ -15,7 +15,9 @@ ep). Then, from what was built:
 * optimizer state: the module's own optimizer (``configure_optimizers``), re-pointed by the dp engine at what this
   rank steps, and its state created lazily the way the runtime does it (one step with zero gradients and learning
   rate 0, :func:`~lightning_par.data_parallel.zero.init_optimizer_state`, on meta tensors), plus fp32 master chunks
-  under ZeRO-1/2 mixed precision.
+  under ZeRO-1/2 mixed precision;
+* buffers: the flat gradient buckets of the dp all-reduce (``ddp``, ``zero1``) and which gradients are views of them
+  (a tensor-parallel DTensor's gradient is not: it is held twice, as itself and in its bucket slot).
 
 All counts are bytes of local shapes (``numel * element_size``), so they are what a real run of the same layout holds
 (the gloo runs' storage counts agree, ``tests/e2e/test_plan_dry_run.py``) and scale to thousands of ranks in
@@ -54,6 +56,14 @@ class RankState:
         grad_bytes: bytes of the gradients alive at the optimizer step.
         optimizer_state_bytes: bytes of the optimizer's state (and fp32 master chunks under ZeRO-1/2 mixed precision).
         optimizers: the optimizers' class names.
+        bucket_bytes: the flat gradient buckets of the dp all-reduce (``ddp``, ``zero1``), allocated when the engine
+            is built: a buffer, not model state (the planner's ``buffer_bytes`` counts it).
+        grad_view_bytes: the part of ``grad_bytes`` that lives inside those buckets (``gradient_as_bucket_view``:
+            a plain parameter's gradient is its bucket slot; a tensor-parallel DTensor's gradient is a tensor of its
+            own, copied into its slot). Gradients and buckets together hold ``grad_bytes - grad_view_bytes +
+            bucket_bytes``.
+        viewed_bucket_bytes: the buckets among ``bucket_bytes`` that hold at least one gradient view (what a count
+            of the gradients' storages, :func:`lightning_par.memory.model_state_bytes`, includes).
     """
 
     rank: int
@@ -63,6 +73,9 @@ class RankState:
     grad_bytes: int
     optimizer_state_bytes: int
     optimizers: tuple[str, ...] = ()
+    bucket_bytes: int = 0
+    grad_view_bytes: int = 0
+    viewed_bucket_bytes: int = 0
 
     @property
     def pp_rank(self) -> int:
@@ -136,6 +149,25 @@ def _unique(tensors: Iterable[Tensor]) -> list[Tensor]:
     return out
 
 
+def _buckets(parallel: ParallelModel) -> tuple[int, int, int]:
+    """``(bucket_bytes, grad_view_bytes, viewed_bucket_bytes)``: the dp all-reduce buckets built on this rank, the
+    gradients that will be views of them, and the buckets holding such views."""
+    from lightning_par.data_parallel.reducer import GradientReducer
+
+    buckets = views = viewed = 0
+    for engine in _engines(parallel.engine):
+        reducer = getattr(engine, "reducer", None)
+        if not isinstance(reducer, GradientReducer):
+            continue
+        for bucket in reducer.buckets:
+            buckets += bucket.nbytes
+            if reducer.gradient_as_bucket_view:
+                inside = sum(_nbytes(p) for p, is_dtensor in zip(bucket.params, bucket.is_dtensor) if not is_dtensor)
+                views += inside
+                viewed += bucket.nbytes if inside else 0
+    return buckets, views, viewed
+
+
 def _count(parallel: ParallelModel, optimizers: list[torch.optim.Optimizer]) -> tuple[int, int, int, int]:
     """``(params, param_bytes, grad_bytes, optimizer_state_bytes)`` of what ``parallel`` built on this rank."""
     params = _unique(parallel.module.parameters())
@@ -199,9 +231,11 @@ def dry_run(
                 parallel.engine.shard_optimizer(opt)
                 init_optimizer_state(opt)
         numel, param_bytes, grad_bytes, state_bytes = _count(parallel, optimizers)
+        bucket_bytes, view_bytes, viewed_bytes = _buckets(parallel)
     return RankState(
         rank=rank, coordinates=coords, params=numel, param_bytes=param_bytes, grad_bytes=grad_bytes,
         optimizer_state_bytes=state_bytes, optimizers=tuple(type(o).__name__ for o in optimizers),
+        bucket_bytes=bucket_bytes, grad_view_bytes=view_bytes, viewed_bucket_bytes=viewed_bytes,
     )
 
 
