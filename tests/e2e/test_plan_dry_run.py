@@ -1,6 +1,7 @@
 """The dry run against real gloo runs at N = 8, and "will it fit" refusing a layout before any process starts.
 
-One launch of 8 gloo processes fits one optimizer step of each layout below (every dp mode; tp, pp, cp, HSDP, ep) and
+One launch of 8 gloo processes fits one optimizer step of each layout below (every dp mode; tp, pp, cp, HSDP, ep; the
+reference GPT, its MoE variant and a user's network speaking the model contract) and
 counts each rank's model-state storages at the step (``tests.zero_helpers.StateBytesProbe``); the dry run of the same
 rank, on the meta device and a fake process group (:func:`lightning_par.planner.dry_run.dry_run`), must give the same
 bytes within 1%. The analytic prediction is checked against the dry run at 8, 512 and 1024 ranks in
@@ -36,6 +37,9 @@ CASES = [
     _fit("zero2-cp2-tp2-dp2", dp_mode="zero2", cp_size=2, tp_size=2),
     _fit("zero3-hsdp2x2-tp2", dp_mode="zero3", dp_replicate_size=2, dp_shard_size=2, tp_size=2),
     _fit("zero1-ep2-dp8", "moegpt", dp_mode="zero1", ep_size=2),
+    # a user's network with its own tp plan and stages (the model contract), SGD with momentum
+    _fit("zero1-tp2-pp2-user-mlp-sgd", "mlp-sgd", dp_mode="zero1", tp_size=2, pp_size=2, schedule="1f1b",
+         num_microbatches=2),
 ]
 
 

@@ -164,3 +164,38 @@ def test_bad_inputs_are_refused_before_building():
     with fake_world(0, 2), pytest.raises(RuntimeError, match="already has one"):
         dry_run(_module(SMALL), ParallelDims(world_size=2), ParallelOptions.build(), 0)
     assert not torch.distributed.is_initialized()  # every fake world is torn down, also after an error
+
+
+def test_a_user_model_and_its_optimizer_kind_are_read_from_what_was_built():
+    """A user's network with its own tp plan (:class:`tests.user_models.ResidualMLP`, the model contract), zero1
+    over dp 4: SGD with momentum keeps one buffer per parameter chunk (4 bytes), AdamW two (8 bytes) and a 4-byte
+    step counter per tensor."""
+    from tests.user_models import make_mlp
+
+    dims = ParallelDims(world_size=8, tp_size=2)
+    sgd, adamw = (dry_run(lambda o=o: make_mlp(optimizer=o), dims, ParallelOptions.build(dp_mode="zero1"), 3)
+                  for o in ("sgd", "adamw"))
+    assert sgd.optimizers == ("SGD",) and adamw.optimizers == ("AdamW",)
+    assert sgd.param_bytes == adamw.param_bytes > 0
+    assert sgd.optimizer_state_bytes == pytest.approx(sgd.param_bytes / 4, rel=0.02)  # a quarter of the chunks
+    assert adamw.optimizer_state_bytes == pytest.approx(2 * sgd.optimizer_state_bytes, rel=0.02)
+
+
+# ----------------------------------------------------------------------------------------------- will it fit
+def test_layout_distance_and_the_nearest_fitting_layout():
+    from lightning_par.planner.fit import layout_distance, memory_terms, nearest_fitting
+
+    a = Layout(dp_size=8, tp_size=1, pp_size=1)
+    assert layout_distance(a, a) == 0
+    assert layout_distance(a, Layout(dp_size=2, tp_size=4, pp_size=1)) == 2
+    assert layout_distance(a, Layout(dp_size=8, tp_size=1, pp_size=1, dp_mode="zero3")) == 1
+    big = GPTConfig(n_layer=16, n_head=32, n_embd=4096, block_size=1024, vocab_size=50304)
+    layout = Layout(dp_size=8, tp_size=1, pp_size=1, micro_batch_size=2)
+    near = nearest_fitting(big, layout, "a100-40gb", 8, "32-true")
+    assert near is not None and near.fits and near.layout.world_size == 8
+    assert near.layout.dp_size * near.layout.micro_batch_size * near.layout.num_microbatches == 16  # same batch
+    from lightning_par.planner import predict
+
+    terms = memory_terms(predict(big, layout, device="a100-40gb", precision="32-true"), "32-true")
+    assert [t[0] for t in terms][:2] == ["optimizer state", "activations"]
+    assert terms == sorted(terms, key=lambda t: -t[1])
