@@ -48,6 +48,7 @@ __all__ = [
     "disable_lightning_signal_handlers",
     "dtensor_spec",
     "fake_store",
+    "clear_dtensor_sharding_cache",
     "flash_attention_cpu",
     "flash_attention_cpu_backward",
     "flatten_mesh",
@@ -103,6 +104,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "_add_send_recv": ("torch.distributed.pipelining.schedules",),
     "_GeneralMultiDeviceReplicator": ("torch.distributed.fsdp.sharded_grad_scaler",),
     "FakeStore": ("torch.testing._internal.distributed.fake_pg",),
+    "_clear_sharding_prop_cache": ("torch.distributed.tensor.debug",),
 }
 
 
@@ -223,6 +225,21 @@ def fake_store() -> Store:
         RuntimeError: the installed torch has no ``FakeStore``.
     """
     return _private("FakeStore")()
+
+
+def clear_dtensor_sharding_cache() -> None:
+    """Forget DTensor's cached sharding propagations (Python and C++ fast path;
+    ``torch.distributed.tensor.debug._clear_sharding_prop_cache``, present in 2.13).
+
+    The cache is keyed by specs whose meshes compare equal across process groups of the same shape, and its results
+    carry the mesh they were computed on, with that mesh's process-group names: after a process group is destroyed
+    (a dry run's fake world), a later group of the same shape in this process or a forked child would redistribute
+    over the old, unregistered names ("Could not resolve the process group registered under the name ...").
+
+    Raises:
+        RuntimeError: the installed torch has no ``_clear_sharding_prop_cache``.
+    """
+    _private("_clear_sharding_prop_cache")()
 
 
 # ------------------------------------------------------------------------------------------------ dispatcher

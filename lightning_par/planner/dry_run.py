@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_par.compat import fake_store, local_tensor
+from lightning_par.compat import clear_dtensor_sharding_cache, fake_store, local_tensor
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.parallelize import ParallelModel, ParallelOptions, parallelize
 
@@ -91,7 +91,9 @@ class RankState:
 @contextmanager
 def fake_world(rank: int, world_size: int) -> Iterator[None]:
     """This process as ``rank`` of a ``world_size``-rank default process group on torch's fake backend (collectives
-    return without moving data), destroyed on exit.
+    return without moving data), destroyed on exit; DTensor's sharding cache is cleared on entry and exit, so that
+    no result computed on the fake meshes outlives them (a later real world, or a forked child, would resolve their
+    process-group names).
 
     Raises:
         RuntimeError: a default process group already exists in this process (a dry run needs its own).
@@ -101,11 +103,13 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
             "A dry run needs its own (fake) default process group, but this process already has one: run the dry "
             "run in a process without torch.distributed initialised (e.g. recipes/plan.py --dry-run)."
         )
+    clear_dtensor_sharding_cache()  # results cached under an earlier group of the same shape name its groups
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        clear_dtensor_sharding_cache()  # nor may a later (or forked) real group redistribute over the fake names
 
 
 def _fresh(dims: ParallelDims) -> ParallelDims:
