@@ -185,3 +185,23 @@ def test_plan_recipe_dry_run_prints_each_stage_next_to_the_prediction(_hydra):
     assert "worst rank over the pipeline stages: rank 5 (pp 0)" in out
     with pytest.raises(ValueError, match="rank=1024 is not valid"):
         recipe.dry_run_report(cfg, 1024)
+
+
+def test_plan_prints_the_given_layouts_predicted_peak_memory(_hydra):
+    recipe = _plan_recipe()
+    cfg = compose(config_name="plan", overrides=["model=gpt2", "parallel=tp2_dp4", "strategy=tensor_parallel"])
+    from omegaconf import OmegaConf
+
+    line = recipe._peak_line(OmegaConf.to_container(cfg, resolve=True), "a100-40gb", 8)
+    assert re.fullmatch(r"Predicted peak memory per rank of the given layout dp4·tp2·pp1 ddp m=1 b=\d+ ckpt=none on "
+                        r"a100-40gb: [\d.]+ GiB on the fullest rank \(model state [\d.]+ GiB at most, activations "
+                        r"[\d.]+ GiB\); fits: (True|False)", line), line
+
+
+def test_the_fit_check_names_a_model_it_cannot_read():
+    from lightning_par.planner.fit import check_fit
+
+    run = {"model": {"_target_": "my_pkg.MyModule"}, "parallel": {"world_size": 2}, "strategy": {"name": "ddp_overlap"}}
+    with pytest.raises(ValueError, match=r"planner.device='h100-80gb': the fit check cannot read this model .* Set "
+                                         r"planner.device=null to start without the check"):
+        check_fit(run, "h100-80gb")
