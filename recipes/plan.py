@@ -97,17 +97,20 @@ def dry_run_report(cfg: DictConfig, rank: int) -> str:
     predicted = _predicted_states(OmegaConf.to_container(cfg, resolve=True), dims.pp_size)
     lines = [f"Dry run (meta device, fake process group of {dims.world_size} ranks, dp_mode={options.dp_mode}): "
              f"model state per rank, MiB",
-             f"{'rank':>6} {'pp':>3} {'params':>14} {'param':>10} {'grad':>10} {'optim':>10} {'total':>10} "
-             f"{'predicted':>10} {'ratio':>7}"]
+             f"{'rank':>6} {'pp':>3} {'params':>14} {'param':>10} {'grad':>10} {'optim':>10} {'buckets':>10} "
+             f"{'total':>10} {'predicted':>10} {'ratio':>7}"]
     for s in states:
         pred = predicted[s.pp_rank]
         lines.append(
             f"{s.rank:>6} {s.pp_rank:>3} {s.params:>14,} {s.param_bytes / _MiB:>10.2f} {s.grad_bytes / _MiB:>10.2f} "
-            f"{s.optimizer_state_bytes / _MiB:>10.2f} {s.model_state_bytes / _MiB:>10.2f} "
+            f"{s.optimizer_state_bytes / _MiB:>10.2f} {s.bucket_bytes / _MiB:>10.2f} "
+            f"{s.model_state_bytes / _MiB:>10.2f} "
             + (f"{pred / _MiB:>10.2f} {s.model_state_bytes / pred:>7.4f}" if pred else f"{'n/a':>10} {'':>7}"))
     worst = worst_rank(states)
     lines.append(f"worst rank over the pipeline stages: rank {worst.rank} (pp {worst.pp_rank}), "
                  f"{worst.model_state_bytes / _MiB:.2f} MiB of model state")
+    lines.append("total = param + grad + optim (model state); buckets: the dp all-reduce's flat gradient buffers, "
+                 "besides (a tensor-parallel gradient is held in both)")
     return "\n".join(lines)
 
 
