@@ -47,6 +47,8 @@ __all__ = [
     "default_store",
     "disable_lightning_signal_handlers",
     "dtensor_spec",
+    "fake_store",
+    "clear_dtensor_sharding_cache",
     "flash_attention_cpu",
     "flash_attention_cpu_backward",
     "flatten_mesh",
@@ -102,6 +104,8 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "FORWARD": ("torch.distributed.pipelining.schedules",),
     "_add_send_recv": ("torch.distributed.pipelining.schedules",),
     "_GeneralMultiDeviceReplicator": ("torch.distributed.fsdp.sharded_grad_scaler",),
+    "FakeStore": ("torch.testing._internal.distributed.fake_pg",),
+    "_clear_sharding_prop_cache": ("torch.distributed.tensor.debug",),
 }
 
 
@@ -223,6 +227,33 @@ def default_store() -> Store:
         RuntimeError: the default process group is not initialised (from torch), or the function is missing.
     """
     return _private("_get_default_store")()
+
+
+def fake_store() -> Store:
+    """A store for ``init_process_group("fake", store=..., rank=r, world_size=n)``: one process acting as rank ``r``
+    of an ``n``-rank world whose collectives move no data (``torch.testing._internal.distributed.fake_pg.FakeStore``;
+    importing that module registers the ``"fake"`` backend; present in 2.10). For dry runs of :func:`~lightning_par.
+    parallelize.parallelize` at any world size (:mod:`lightning_par.planner.dry_run`).
+
+    Raises:
+        RuntimeError: the installed torch has no ``FakeStore``.
+    """
+    return _private("FakeStore")()
+
+
+def clear_dtensor_sharding_cache() -> None:
+    """Forget DTensor's cached sharding propagations (Python and C++ fast path;
+    ``torch.distributed.tensor.debug._clear_sharding_prop_cache``, present in 2.13).
+
+    The cache is keyed by specs whose meshes compare equal across process groups of the same shape, and its results
+    carry the mesh they were computed on, with that mesh's process-group names: after a process group is destroyed
+    (a dry run's fake world), a later group of the same shape in this process or a forked child would redistribute
+    over the old, unregistered names ("Could not resolve the process group registered under the name ...").
+
+    Raises:
+        RuntimeError: the installed torch has no ``_clear_sharding_prop_cache``.
+    """
+    _private("_clear_sharding_prop_cache")()
 
 
 # ------------------------------------------------------------------------------------------------ dispatcher

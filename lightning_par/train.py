@@ -261,6 +261,19 @@ def _check_machine(cfg: Any, dims: ParallelDims, external: int | None) -> None:
         )
 
 
+def _check_fit(cfg: DictConfig) -> None:
+    """With ``planner.device``: refuse a layout the planner predicts not to fit that device (see
+    :func:`lightning_par.planner.fit.check_fit`); without one, nothing."""
+    planner = cfg.get("planner")
+    device = planner.get("device") if planner is not None else None
+    if device is None:
+        return
+    from lightning_par.planner.fit import check_fit
+
+    name = device.value if hasattr(device, "value") else str(device)
+    check_fit(OmegaConf.to_container(cfg, resolve=True), name, int(planner.get("devices_per_node", 8)))
+
+
 @dataclass(frozen=True)
 class Plan:
     """What :func:`preflight` settled: the layout, the checkpoint to resume from, whether ranks are started here."""
@@ -275,8 +288,9 @@ def preflight(cfg: DictConfig, run_dir: str | Path) -> Plan:
 
     Raises:
         ValueError: a field out of range (``trainer.*``, ``seed``, ``ckpt_path``), an impossible layout, an option the
-            strategy rejects, a model that does not fit the layout or the data, a corpus too small, a checkpoint that
-            does not exist, a world size that does not match an outside launcher. The message names the field, the
+            strategy rejects, a model that does not fit the layout or the data, a corpus too small, a layout predicted
+            not to fit ``planner.device`` (when set), a checkpoint that does not exist, a world size that does not
+            match an outside launcher. The message names the field, the
             value and what would be valid.
     """
     check_run_config(cfg)
@@ -289,6 +303,7 @@ def preflight(cfg: DictConfig, run_dir: str | Path) -> Plan:
         )
     _check_machine(cfg, dims, external)
     validate_run(cfg, dims)
+    _check_fit(cfg)
     ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), Path(run_dir) / CHECKPOINT_DIR)
     return Plan(dims, ckpt, external)
 

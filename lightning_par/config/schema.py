@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Optional
 
 from omegaconf import II, MISSING, OmegaConf
@@ -32,6 +33,7 @@ from lightning_par.context_parallel.options import ContextParallelOptions
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS, ReducerOptions, ZeroOptions
 from lightning_par.fault.preemption import PREEMPTION_SIGNALS
 from lightning_par.pipeline_parallel.options import PipelineOptions
+from lightning_par.planner.devices import DEVICE_PRESETS
 from lightning_par.strategies import MeshStrategy, Parallel3DStrategy
 from lightning_par.tensor_parallel.options import TensorParallelOptions
 
@@ -42,6 +44,8 @@ __all__ = [
     "CustomDataConfig",
     "CustomModelConfig",
     "DataConfig",
+    "DevicePreset",
+    "FitCheckConfig",
     "LRScalingConfig",
     "ContextParallelGroup",
     "PipelineGroup",
@@ -534,6 +538,23 @@ class LRScalingConfig:
     warmup_samples: int = 0
 
 
+#: The planner's device presets as a config type: ``planner.device=h100-80gb`` is checked against them when the config
+#: is composed (a ``str`` enum, so the value stays a plain string in JSON).
+DevicePreset = Enum("DevicePreset", {name: name for name in DEVICE_PRESETS}, type=str, module=__name__)
+
+
+@dataclass
+class FitCheckConfig:
+    """``planner``: "will it fit" before start (:func:`lightning_par.planner.fit.check_fit`). With a device, the
+    recipe refuses a layout the planner predicts not to fit it, before any process starts, naming the largest memory
+    terms and the nearest layout that fits."""
+
+    #: a device preset (a100-40gb | a100-80gb | h100-80gb | h200); null: no check.
+    device: Optional[DevicePreset] = None
+    #: devices per node (ranks the nearest fitting layouts by predicted step time).
+    devices_per_node: int = 8
+
+
 @dataclass
 class RunConfig:
     """The root config: one option per group, plus run-wide settings."""
@@ -546,6 +567,7 @@ class RunConfig:
     data: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     lr_scaling: LRScalingConfig = field(default_factory=LRScalingConfig)
+    planner: FitCheckConfig = field(default_factory=FitCheckConfig)
     #: the ``logger`` group: logger name -> a Lightning logger config with ``_target_`` (empty: no logger).
     logger: dict[str, Any] = field(default_factory=dict)
     seed: int = 1234
