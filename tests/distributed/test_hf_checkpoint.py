@@ -166,13 +166,6 @@ def test_load_from_checkpoint_returns_trained_weights(runs, name):
             torch.testing.assert_close(params[key].detach(), value, rtol=0, atol=0, msg=key)
 
 
-def _hf_layouts_missing() -> bool:
-    from lightning_par.hf.adapter import HFAdapter
-
-    return not (hasattr(HFAdapter, "tp_plan") and hasattr(HFAdapter, "pipeline_layers"))
-
-
-@pytest.mark.skipif(_hf_layouts_missing(), reason="tensor/pipeline parallelism of HF models is not on this branch")
 def test_pretrained_into_dp2_tp2_pp2_and_export(tmp_path):
     """The HF directory loaded into dp2·tp2·pp2 (world 8) gives one process's first-step loss, each rank reading less
     than the whole; the 3D checkpoint exports to the trained logits."""

@@ -130,8 +130,6 @@ def test_world4_matches_one_process(world4: dict, name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not hasattr(HFAdapter, "tp_plan"), reason="the HF tensor-parallel plan (HFAdapter.tp_plan, "
-                    "branch hf-tp) is not merged yet")
 def test_world8_dp2_tp2_pp2_matches_one_process() -> None:
     results = _run(8, WORLD8)
     _check(results[WORLD8[0]["name"]], WORLD8[0]["model"])

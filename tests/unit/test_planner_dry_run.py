@@ -1,16 +1,12 @@
 """The dry run (:mod:`lightning_par.planner.dry_run`): the real ``parallelize()`` for one rank of an N-rank world on
 the meta device and a fake process group, its model-state bytes against the planner's analytic prediction.
 
-Every dp mode, tp, pp, HSDP, cp and ep at N = 8, 512 and 1024, within 1%. The planner's analytic model does not yet
-know HSDP (``dp_replicate_size``) or ep (``ep_size``): those layouts are compared with ZeRO's formula
-(:func:`lightning_par.planner.memory.model_state_bytes` over the ranks that shard each parameter) until
-:class:`~lightning_par.planner.layouts.Layout` has those fields; then :func:`_predicted` takes the planner's
-``predict_memory`` for them too. The gloo check at N = 8 is ``tests/e2e/test_plan_dry_run.py``.
+Every dp mode, tp, pp, HSDP, cp and ep at N = 8, 512 and 1024, within 1%: each pipeline stage against the planner's
+model state of that stage, and for HSDP and ep layouts the worst rank against the planner's fullest rank
+(``predict_memory``). The gloo check at N = 8 is ``tests/e2e/test_plan_dry_run.py``.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
@@ -31,7 +27,6 @@ MOE_SMALL = GPTConfig(**{**SMALL.__dict__, "num_experts": 8, "moe_every": 2})
 #: 1024 experts: each rank's experts (``E / ep``) split evenly over the ranks sharding them (``edp_shard``); with fewer
 #: (64 at ep 64, edp_shard 16) dim-0 sharding gives one rank a whole expert and the others none: 13x the formula.
 MOE_LARGE = GPTConfig(**{**LARGE.__dict__, "num_experts": 1024, "moe_every": 2, "moe_hidden": 64})
-_LAYOUT_FIELDS = {f.name for f in dataclasses.fields(Layout)}
 
 
 def _module(config: GPTConfig):
@@ -40,37 +35,17 @@ def _module(config: GPTConfig):
 
 def _layout(dims: ParallelDims, mode: str, micro: int) -> Layout:
     pp = dims.pp_size
-    extra = {k: getattr(dims, k) for k in ("dp_replicate_size", "ep_size") if k in _LAYOUT_FIELDS}
     return Layout(dp_size=dims.dp_size, tp_size=dims.tp_size, pp_size=pp, dp_mode=mode if dims.dp_size * dims.cp_size
                   > 1 else "ddp", schedule="1f1b" if pp > 1 else "none", num_microbatches=micro,
-                  cp_size=dims.cp_size, **extra)
-
-
-def _expert_params(config: GPTConfig) -> int:
-    with torch.device("meta"):
-        net = GPTLightningModule(config).model
-    return sum(p.numel() for path in net.expert_modules() for p in net.get_submodule(path).parameters())
+                  cp_size=dims.cp_size, dp_replicate_size=dims.dp_replicate_size, ep_size=dims.ep_size)
 
 
 def _predicted(config: GPTConfig, dims: ParallelDims, mode: str, pp_rank: int, micro: int) -> float:
-    """The analytic model state of pipeline rank ``pp_rank``: the planner's where it knows the layout's axes, else
-    ZeRO's formula over the ranks that shard each parameter (``dp_shard x cp``; an expert's ``/ ep``)."""
+    """The planner's model state of pipeline rank ``pp_rank``; for HSDP and ep layouts, of its fullest rank."""
     spec, layout = model_spec(config), _layout(dims, mode, micro)
-    hsdp, ep = dims.dp_replicate_size > 1, dims.ep_size > 1
-    knows = (not hsdp or "dp_replicate_size" in _LAYOUT_FIELDS) and (not ep or "ep_size" in _LAYOUT_FIELDS)
-    if knows and not (hsdp or ep):
-        return model_state_bytes(rank_params(spec, layout, pp_rank), layout.dp_mode, dims.dp_size * dims.cp_size, FP32)
-    if knows:  # after the planner learns the axis: its own prediction (the fullest stage's)
+    if dims.dp_replicate_size > 1 or dims.ep_size > 1:
         return predict_memory(spec, layout, FP32).max_model_state_bytes
-    shard = dims.dp_shard_size * dims.cp_size
-    if not ep:
-        return model_state_bytes(rank_params(spec, layout, pp_rank), layout.dp_mode, shard, FP32)
-    assert dims.tp_size == dims.pp_size == 1, "the ep formula here covers tp = pp = 1"
-    experts = _expert_params(config)
-    with torch.device("meta"):
-        dense = sum(p.numel() for p in GPTLightningModule(config).parameters()) - experts
-    return (model_state_bytes(dense, layout.dp_mode, shard, FP32)
-            + model_state_bytes(experts / dims.ep_size, layout.dp_mode, shard // dims.ep_size, FP32))
+    return model_state_bytes(rank_params(spec, layout, pp_rank), layout.dp_mode, dims.dp_size * dims.cp_size, FP32)
 
 
 def _check(config: GPTConfig, world: int, mode: str, **sizes: int) -> list[float]:
@@ -86,8 +61,7 @@ def _check(config: GPTConfig, world: int, mode: str, **sizes: int) -> list[float
     ratios = []
     for s in states:
         ratios.append(s.model_state_bytes / _predicted(config, dims, mode, s.pp_rank, micro))
-    if (dims.dp_replicate_size > 1 and "dp_replicate_size" in _LAYOUT_FIELDS) or (
-            dims.ep_size > 1 and "ep_size" in _LAYOUT_FIELDS):  # the planner's fullest stage against the worst rank
+    if dims.dp_replicate_size > 1 or dims.ep_size > 1:  # the planner's fullest rank against the worst rank
         ratios = [worst_rank(states).model_state_bytes / _predicted(config, dims, mode, 0, micro)]
     return ratios
 
