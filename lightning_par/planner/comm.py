@@ -32,7 +32,6 @@ from lightning_par.comm_cost import all_reduce_bytes as allreduce_bytes
 from lightning_par.comm_cost import collective_time, reduce_scatter_bytes, ring_fraction, ring_steps
 from lightning_par.comm_cost import megatron_layer_bytes as tp_layer_comm_bytes
 from lightning_par.comm_cost import ring_attention_layer_bytes, ulysses_layer_bytes
-from lightning_par.context_parallel.options import CP_METHODS
 from lightning_par.planner.calibration import calibration_for
 from lightning_par.planner.devices import DeviceSpec
 from lightning_par.planner.layouts import Layout

@@ -58,7 +58,6 @@ All times in seconds. Pure Python: no torch import.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from lightning_par.pipeline_parallel.planner import pp_message_time

@@ -4,7 +4,7 @@ Models (tiny configs built here, random weights, fp32): Llama and Qwen3 (hidden 
 heads, vocab 256 as :class:`tests.helpers.TokenDataset`) and Qwen3-MoE (every layer 4 experts, top-2), each wrapped in
 :class:`lightning_par.hf.HFCausalLM` with SGD + momentum or AdamW. Layouts: pp2 (1F1B, 2 micro-batches),
 dp2·pp2 (zero3), cp2 (ring and all-to-all), cp2·pp2, qwen3_moe ep2 (zero1, zero3) and ep2·pp2, and dp2·tp2·pp2
-at world 8 once the HF tensor-parallel plan exists (``HFAdapter.tp_plan``). Each case: every step's global loss and the
+at world 8 (with the HF tensor-parallel plan). Each case: every step's global loss and the
 gathered parameters within ``rtol=1e-5`` of one process on the same global batches; a pipelined run's parameter names
 are the plain module's. Cases of one world size share one launch.
 """
@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from lightning_par.hf import HFCausalLM
-from lightning_par.hf.adapter import HFAdapter
 from lightning_par.launcher import run_distributed
 from lightning_par.parallel_dims import ParallelDims
 from tests.helpers import LossRecorder, TokenDataset, assert_params_close, quiet_trainer, reference_fit
