@@ -5,7 +5,9 @@ Each layout maps to the simplest registry name that runs it (``ddp_overlap``, ``
 parallelism, HSDP or expert parallelism, whose sizes ``parallel.cp_size``, ``parallel.dp_replicate_size`` and
 ``parallel.ep_size`` and ``strategy.context_parallel.method`` are written out), with the
 per-replica batch ``data.batch_size = micro_batch_size * num_microbatches`` (the pipeline strategies cut it into
-``num_microbatches`` micro-batches; the others take one micro-batch per step) and, with pipelining, the even layer
+``num_microbatches`` micro-batches); without pipelining (``pp_size == 1``) several micro-batches are Lightning's
+gradient accumulation (``trainer.accumulate_grad_batches = num_microbatches``, ``data.batch_size =
+micro_batch_size``): no strategy cuts a batch at pp 1. With pipelining, the even layer
 split the planner assumed (``strategy.split``), and its activation checkpointing
 (``strategy.activation_checkpointing``). What the overrides cannot say is in :func:`layout_notes`.
 
@@ -58,7 +60,7 @@ def strategy_name(layout: Layout) -> str:
     parallelism: the strategy that has every axis)."""
     if _borrowed_axes(layout):
         return "parallel_3d"
-    single_step = layout.num_microbatches == 1
+    single_step = layout.num_microbatches == 1 or layout.pp_size == 1  # pp 1: micro-batches are accumulation
     if layout.pp_size == 1 and layout.tp_size == 1 and single_step:
         return "ddp_overlap" if layout.dp_mode == "ddp" else layout.dp_mode
     if layout.pp_size == 1 and layout.tp_size > 1 and single_step and layout.dp_mode == "ddp":
@@ -103,7 +105,8 @@ def layout_overrides(
         out.append(f"strategy.{f['cp_method']}={layout.cp_method}")
     if strategy in ("parallel_3d", "pipeline") and layout.pp_size > 1:
         out.append(f"strategy.{f['schedule']}={layout.schedule}")
-    if strategy in _PIPELINED:
+    pipelined = layout.pp_size > 1 and strategy in _PIPELINED
+    if pipelined:
         out.append(f"strategy.{f['num_microbatches']}={layout.num_microbatches}")
         if layout.virtual_stages > 1:
             out.append(f"strategy.{f['virtual_stages']}={layout.virtual_stages}")
@@ -114,7 +117,8 @@ def layout_overrides(
         out.append(f"strategy.{f['sequence_parallel']}=true")
     if layout.activation_checkpointing != "none":
         out.append(f"strategy.{f['activation_checkpointing']}={layout.activation_checkpointing}")
-    pipelined = strategy in _PIPELINED
+    if not pipelined and layout.num_microbatches > 1:
+        out.append(f"trainer.accumulate_grad_batches={layout.num_microbatches}")
     out.append(f"data.batch_size={layout.micro_batch_size * (layout.num_microbatches if pipelined else 1)}")
     return out
 

@@ -82,7 +82,7 @@ def layout_from_run(cfg: Mapping[str, Any]) -> Layout:
                          f"{sorted(_DP_MODE_OF) + ['parallel_3d']}.")
     batch = int(_get(cfg, "data.batch_size", default=1))
     accumulate = int(_get(cfg, "trainer.accumulate_grad_batches", default=1))
-    if name in _PIPELINED:
+    if name in _PIPELINED and pp > 1:  # at pp 1 no strategy cuts the batch: one micro-batch per forward
         chunks = int(_get(cfg, "strategy.pipeline.num_microbatches", "strategy.num_microbatches", default=1))
         schedule = _get(cfg, "strategy.pipeline.schedule", "strategy.schedule",
                         default=name if name in ("gpipe", "1f1b") else "1f1b")

@@ -334,7 +334,7 @@ def test_emitted_overrides_compose_into_the_planned_run():
     layouts = [  # one per strategy the overrides pick, and each dp mode / schedule / sequence-parallel choice
         Layout(8, 1, 1, "ddp", 4, 1),  # ddp_overlap
         Layout(8, 1, 1, "zero2", 4, 1),  # zero2
-        Layout(8, 1, 1, "zero3", 2, 2),  # parallel_3d at pp 1: micro-batched accumulation
+        Layout(8, 1, 1, "zero3", 2, 2),  # zero3 at pp 1: two micro-batches are gradient accumulation
         Layout(4, 2, 1, "ddp", 8, 1, sequence_parallel=True),  # tensor_parallel
         Layout(2, 1, 4, "ddp", 4, 4, "gpipe"),  # gpipe
         Layout(4, 1, 2, "ddp", 2, 4, "interleaved_1f1b", 2),  # pipeline (any schedule)
@@ -350,6 +350,18 @@ def test_emitted_overrides_compose_into_the_planned_run():
         pred = predict_run(run, device="cpu", calibration=cal)
         assert pred["step_time_s"] == pytest.approx(predict(spec, lay, device="cpu", devices_per_node=8,
                                                             precision="fp32", calibration=cal).step_time_s)
+
+
+def test_micro_batches_without_pipelining_become_gradient_accumulation():
+    """At pp 1 no strategy cuts a batch into micro-batches (only the pipeline schedules do): a layout with m > 1 and
+    pp 1 runs as Lightning's gradient accumulation of micro-batch b, which is what its memory and time assume."""
+    lay = Layout(8, 1, 1, "zero3", 2, 4)
+    overrides = layout_overrides(lay, None, 4)
+    assert "trainer.accumulate_grad_batches=4" in overrides and "data.batch_size=2" in overrides, overrides
+    assert "strategy=zero3" in overrides and not any("num_microbatches" in o for o in overrides), overrides
+    piped = layout_overrides(Layout(4, 1, 2, "zero1", 2, 4, "1f1b"), None, 4)
+    assert "strategy.pipeline.num_microbatches=4" in piped and "data.batch_size=8" in piped, piped
+    assert not any("accumulate" in o for o in piped), piped
 
 
 def test_layout_recipes_run_as_one_multirun(tmp_path):
