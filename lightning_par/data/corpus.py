@@ -17,7 +17,9 @@ import json
 import os
 import sysconfig
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -114,26 +116,46 @@ def build_token_file(source: str | Path | None = None, cache_dir: str | Path | N
     kind, files = corpus_files(src, cache)
     if not files:
         raise ValueError(f"corpus path={str(src)!r} is not valid: it holds no files. Expected at least one text file.")
+    target = cache / f"corpus-{cache_key(kind, files)}.bin"
+
+    def write(data: bytes, out: BinaryIO) -> int:
+        out.write(data)
+        return len(data)
+
+    what = "corpus" if src is None else f"corpus path={str(src)!r}"
+    return write_token_file(target, kind, files, write,
+                            f"{what} is not valid: it holds 0 bytes of text. Expected a non-empty text corpus.")
+
+
+def cache_key(kind: str, files: list[Path], *extra: Any) -> str:
+    """A 20-hex-digit digest of the corpus files (paths, sizes, modification times), their kind and ``extra`` (a
+    tokenizer's digest): a cached token file is reused only while all of them are unchanged."""
     stats = [(str(p), st.st_size, st.st_mtime_ns) for p in files for st in (p.stat(),)]
-    digest = hashlib.sha256(json.dumps([_CACHE_FORMAT, kind, stats]).encode()).hexdigest()[:20]
-    target = cache / f"corpus-{digest}.bin"
+    return hashlib.sha256(json.dumps([_CACHE_FORMAT, kind, stats, *extra]).encode()).hexdigest()[:20]
+
+
+def write_token_file(target: Path, kind: str, files: list[Path], write: Callable[[bytes, BinaryIO], int],
+                     empty_message: str) -> Path:
+    """Build ``target`` unless it exists: ``write(file bytes, out)`` for each file (only the text files of a
+    directory corpus, ``kind == "dir"``), returning the tokens it wrote; into a temporary file of the same directory
+    that replaces ``target`` only when complete, so an interrupted build never leaves a partial cache.
+
+    Raises:
+        ValueError: ``empty_message``, when the files give no token.
+    """
     if target.exists():
         return target
-
-    cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=cache, prefix=".tmp-corpus-", suffix=".bin")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".tmp-{target.name.split('-')[0]}-", suffix=".bin")
     try:
         total = 0
         with os.fdopen(fd, "wb") as out:
             for path in files:
                 if kind == "dir" and not is_text(path):
                     continue
-                data = path.read_bytes()
-                out.write(data)
-                total += len(data)
+                total += write(path.read_bytes(), out)
         if total == 0:
-            what = "corpus" if src is None else f"corpus path={str(src)!r}"
-            raise ValueError(f"{what} is not valid: it holds 0 bytes of text. Expected a non-empty text corpus.")
+            raise ValueError(empty_message)
         os.replace(tmp_name, target)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)

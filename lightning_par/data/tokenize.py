@@ -12,21 +12,19 @@ local_files_only=True)``: nothing is downloaded.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import tempfile
 from collections.abc import Callable
+from typing import BinaryIO
 from pathlib import Path
 
 import numpy as np
 
-from lightning_par.data.corpus import corpus_files, default_cache_dir, is_text
+from lightning_par.data.corpus import cache_key, corpus_files, default_cache_dir, write_token_file
 
 __all__ = ["TOKENIZER_FILE", "TOKENIZER_FILES", "build_tokenized_file", "load_tokenizer", "token_dtype"]
 
 #: The one-file tokenizer ``tokenizers`` and ``save_pretrained`` write.
 TOKENIZER_FILE = "tokenizer.json"
-_CACHE_FORMAT = 1
+_TOKENS_FORMAT = 1
 #: The files a tokenizer directory may hold (what ``save_pretrained`` of the common tokenizers writes).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "vocab.txt",
                     "tokenizer.model", "special_tokens_map.json", "added_tokens.json")
@@ -107,29 +105,15 @@ def build_tokenized_file(
     encode, vocab_size = load_tokenizer(tokenizer)
     dtype = token_dtype(vocab_size)
     kind, files = corpus_files(src, cache)
-    stats = [(str(p), st.st_size, st.st_mtime_ns) for p in files for st in (p.stat(),)]
-    key = [_CACHE_FORMAT, kind, stats, _tokenizer_digest(Path(tokenizer).expanduser()), vocab_size]
-    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:20]
+    digest = cache_key(kind, files, _TOKENS_FORMAT, _tokenizer_digest(Path(tokenizer).expanduser()), vocab_size)
     target = cache / f"tokens-{digest}-{dtype.name}.bin"
-    if target.exists():
-        return target, vocab_size
-    cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=cache, prefix=".tmp-tokens-", suffix=".bin")
-    try:
-        total = 0
-        with os.fdopen(fd, "wb") as out:
-            for path in files:
-                if kind == "dir" and not is_text(path):
-                    continue
-                ids = encode(path.read_bytes().decode("utf-8", errors="replace"))
-                np.asarray(ids, dtype=dtype).tofile(out)
-                total += len(ids)
-        if total == 0:
-            what = "corpus" if src is None else f"corpus path={str(src)!r}"
-            raise ValueError(f"{what} is not valid with data.tokenizer={str(tokenizer)!r}: it gives 0 tokens. "
-                             f"Expected a non-empty text corpus.")
-        os.replace(tmp_name, target)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+
+    def write(data: bytes, out: BinaryIO) -> int:
+        ids = encode(data.decode("utf-8", errors="replace"))
+        np.asarray(ids, dtype=dtype).tofile(out)
+        return len(ids)
+
+    what = "corpus" if src is None else f"corpus path={str(src)!r}"
+    write_token_file(target, kind, files, write, f"{what} is not valid with data.tokenizer={str(tokenizer)!r}: it "
+                     f"gives 0 tokens. Expected a non-empty text corpus.")
     return target, vocab_size

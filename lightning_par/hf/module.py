@@ -14,10 +14,10 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 
 from lightning_par.checkpoint.loading import ShardedCheckpointLoading
 from lightning_par.hf.load import fill_from_safetensors, load_hf_weights, tied_aliases
+from lightning_par.models.next_token import NextTokenSteps
 
 __all__ = ["HFCausalLM", "recipe_model"]
 
@@ -59,7 +59,7 @@ def _check(name: str, value: object, ok: bool, valid: str) -> None:
 _FROM_CHECKPOINT: ContextVar[bool] = ContextVar("hf_from_checkpoint", default=False)
 
 
-class HFCausalLM(ShardedCheckpointLoading, L.LightningModule):
+class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
     """Next-token language modelling with a Hugging Face causal LM.
 
     Exactly one of ``model_type`` and ``pretrained`` names the model:
@@ -219,41 +219,11 @@ class HFCausalLM(ShardedCheckpointLoading, L.LightningModule):
         """The model's ``transformers.PretrainedConfig``."""
         return self.model.config
 
-    @staticmethod
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over every token, in nats; ``logits`` ``(batch, seq, vocab)``, ``targets``
-        ``(batch, seq)`` int64 (already shifted: the data's ``y`` is ``x`` one token on)."""
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-
     def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(batch, seq, vocab_size)`` of token ids ``idx`` ``(batch, seq)``."""
         if position_ids is not None and position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0).expand(idx.shape[0], -1)
         return self.model(input_ids=idx, position_ids=position_ids, use_cache=False).logits
-
-    def _loss(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        x, y, *positions = batch
-        return self.loss_fn(self(x, *positions), y)
-
-    def pipeline_batch(self, batch: tuple[torch.Tensor, ...]) -> tuple[Any, torch.Tensor]:
-        """``(inputs, targets)`` for a pipeline schedule: ``x``, or under context parallelism ``(x, position_ids)``
-        with the positions ``(batch, seq)`` so that the schedule splits them into micro-batches with ``x``."""
-        x, y, *positions = batch
-        if not positions:
-            return x, y
-        return (x, positions[0].expand(x.shape[0], -1).contiguous()), y
-
-    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
-        """Loss of a batch ``(x, y)`` (``(x, y, position_ids)`` under cp); logs ``train_loss``."""
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
-        """Loss of a batch; logs ``val_loss`` averaged over batches and ranks."""
-        loss = self._loss(batch)
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """AdamW (weight decay on tensors of 2 or more dims) or SGD with momentum."""

@@ -1,7 +1,7 @@
 """The Lightning wrapper every recipe trains: a :class:`GPT`, its loss, AdamW and a warmup + cosine schedule.
 
-The loss lives here, not in the model, and is a static method so that strategies which own the forward pass (a
-pipeline schedule calling it on the last stage, a vocab-parallel loss) can call it on their own.
+The loss and the steps are :class:`~lightning_par.models.next_token.NextTokenSteps`' (shared with the Hugging Face
+wrapper); the loss lives there, not in the model.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 
 from lightning_par.checkpoint.loading import ShardedCheckpointLoading
 from lightning_par.models.gpt import GPT, GPTConfig
+from lightning_par.models.next_token import NextTokenSteps
 
 __all__ = ["GPTLightningModule", "lr_lambda"]
 
@@ -44,7 +44,7 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class GPTLightningModule(ShardedCheckpointLoading, L.LightningModule):
+class GPTLightningModule(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
     """Next-token language modelling with a :class:`GPT`.
 
     Args:
@@ -109,48 +109,10 @@ class GPTLightningModule(ShardedCheckpointLoading, L.LightningModule):
         self.config: GPTConfig = config
         self.model = GPT(config)
 
-    @staticmethod
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over every token, in nats.
-
-        Args:
-            logits: ``(batch, seq, vocab_size)``.
-            targets: token ids ``(batch, seq)`` int64.
-
-        Returns:
-            Scalar loss (computed in float32).
-        """
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-
     def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(batch, seq, vocab_size)`` of token ids ``idx`` ``(batch, seq)`` at ``position_ids`` (default
         ``0 .. seq-1``)."""
         return self.model(idx, position_ids=position_ids)
-
-    def _loss(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Loss of a batch ``(x, y)`` or, under context parallelism, ``(x, y, position_ids)``."""
-        x, y, *positions = batch
-        return self.loss_fn(self(x, *positions), y)
-
-    def pipeline_batch(self, batch: tuple[torch.Tensor, ...]) -> tuple[Any, torch.Tensor]:
-        """``(inputs, targets)`` for a pipeline schedule: ``x``, or under context parallelism ``(x, position_ids)``
-        with the positions ``(batch, seq)`` so that the schedule splits them into micro-batches with ``x``."""
-        x, y, *positions = batch
-        if not positions:
-            return x, y
-        return (x, positions[0].expand(x.shape[0], -1).contiguous()), y
-
-    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
-        """Loss of a batch ``(x, y)``, each ``(batch, seq)``; logs ``train_loss``."""
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
-        """Loss of a batch ``(x, y)``; logs ``val_loss`` averaged over batches and ranks."""
-        loss = self._loss(batch)
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
 
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW with weight decay on matrices and embeddings only, and a per-step :func:`lr_lambda` schedule."""
