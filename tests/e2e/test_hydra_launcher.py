@@ -20,15 +20,21 @@ fail_rank: -1
 """
 
 
+def _user_app(tmp_path: Path) -> Path:
+    """The user's app (``user_hydra_app.py``) and its config in ``tmp_path/app``."""
+    app = tmp_path / "app"
+    (app / "conf").mkdir(parents=True)
+    shutil.copy(APP, app / "app.py")
+    (app / "conf" / "config.yaml").write_text(CONFIG)
+    return app
+
+
 @pytest.mark.slow
 def test_user_app_sweep_runs_each_job_once_as_its_own_world(tmp_path):
     """Four jobs (world 1 and 2, with and without rank 1 raising): a child never re-runs the sweep, each rank runs the
     task once, and the failing job is reported while the others complete. The app's own ``strategy`` key stays a
     plain value (lightning_par's config groups are not put on its search path)."""
-    app = tmp_path / "app"
-    (app / "conf").mkdir(parents=True)
-    shutil.copy(APP, app / "app.py")
-    (app / "conf" / "config.yaml").write_text(CONFIG)
+    app = _user_app(tmp_path)
     sweep = tmp_path / "sweep"
     proc = run([sys.executable, "app.py", "-m", "hydra/launcher=lightning_par", "hydra.launcher.nprocs=${devices}",
                 "devices=1,2", "fail_rank=-1,1", "strategy=ddp_overlap", f"hydra.sweep.dir={sweep}"], app)
@@ -79,10 +85,7 @@ def test_nprocs_that_differs_from_the_trainers_devices_fails_at_once_naming_it(t
     """``Trainer(devices=2)`` in a job of one process (``hydra.launcher.nprocs`` left at 1) used to wait for the
     missing rank until the job's timeout (an hour by default); every job now fails within seconds, naming the
     option and the value to set, and the sweep goes on to the next job."""
-    app = tmp_path / "app"
-    (app / "conf").mkdir(parents=True)
-    shutil.copy(APP, app / "app.py")
-    (app / "conf" / "config.yaml").write_text(CONFIG)
+    app = _user_app(tmp_path)
     sweep = tmp_path / "sweep"
     proc = run([sys.executable, "app.py", "-m", "hydra/launcher=lightning_par", "hydra.launcher.timeout_s=120",
                 "devices=2,1", "strategy=ddp", f"hydra.sweep.dir={sweep}"], app, timeout=100)
