@@ -63,7 +63,7 @@ def formula_bytes(method: str, cp: int, *, batch: int, n_head: int, seq: int, he
         ValueError: an unknown method, or sizes that do not split (``seq`` by ``cp``; ``n_head`` by ``cp`` for
             ``all_to_all``).
     """
-    from lightning_par import comm_cost
+    from lightning_par.context_parallel import comm_cost
 
     if cp < 1 or seq % cp:
         raise ValueError(f"seq={seq} does not split over cp={cp}")

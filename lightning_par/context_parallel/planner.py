@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_par.axis_registry import PlannerTerms
-from lightning_par.comm_cost import collective_time, ring_attention_layer_bytes, ring_steps, ulysses_layer_bytes
+from lightning_par.comm_cost import collective_time, ring_steps
+from lightning_par.context_parallel.comm_cost import ring_attention_layer_bytes, ulysses_layer_bytes
 from lightning_par.context_parallel.attention import _check_seq_len, check_ulysses_heads
 from lightning_par.context_parallel.options import CP_METHODS
 
@@ -41,9 +42,9 @@ def layer_comm(method: str, micro_batch_size: int, seq_len: int, hidden_size: in
                element_bytes: int, recompute_forward: bool = False) -> tuple[float, int, int]:
     """What one rank sends per attention layer per micro-batch on the cp axis, as lightning_par's cp methods run.
 
-    * ``"ring"``: :func:`~lightning_par.comm_cost.ring_attention_layer_bytes`; ``cp - 1`` point-to-point sends of
+    * ``"ring"``: :func:`~lightning_par.context_parallel.comm_cost.ring_attention_layer_bytes`; ``cp - 1`` point-to-point sends of
       the K/V block forward and as many of its gradient backward (one more forward pass with recomputation);
-    * ``"all_to_all"``: :func:`~lightning_par.comm_cost.ulysses_layer_bytes`; q, k and v go as one all-to-all, so two
+    * ``"all_to_all"``: :func:`~lightning_par.context_parallel.comm_cost.ulysses_layer_bytes`; q, k and v go as one all-to-all, so two
       all-to-alls forward (q/k/v, output) and two backward (three forward passes' worth, six, with recomputation),
       each of ``cp - 1`` pairwise steps.
 

@@ -31,7 +31,6 @@ from lightning_par.comm_cost import all_gather_bytes as allgather_bytes
 from lightning_par.comm_cost import all_reduce_bytes as allreduce_bytes
 from lightning_par.comm_cost import collective_time, reduce_scatter_bytes, ring_fraction, ring_steps
 from lightning_par.comm_cost import megatron_layer_bytes as tp_layer_comm_bytes
-from lightning_par.comm_cost import ring_attention_layer_bytes, ulysses_layer_bytes
 from lightning_par.planner.calibration import calibration_for
 from lightning_par.planner.devices import DeviceSpec
 from lightning_par.planner.layouts import Layout
@@ -40,14 +39,11 @@ __all__ = [
     "allgather_bytes",
     "allreduce_bytes",
     "collective_time",
-    "cp_layer_comm_bytes",
     "group_link",
     "group_ranks_per_node",
     "reduce_scatter_bytes",
-    "ring_attention_layer_bytes",
     "ring_steps",
     "tp_layer_comm_bytes",
-    "ulysses_layer_bytes",
     "zero_step_comm_bytes",
 ]
 
@@ -76,20 +72,6 @@ def zero_step_comm_bytes(dp_mode: str, params: float, dp_size: int, param_bytes:
     if dp_mode not in volumes:
         raise ValueError(f"dp_mode={dp_mode!r} is not valid: expected one of {sorted(volumes)}.")
     return volumes[dp_mode] * params * f
-
-
-def cp_layer_comm_bytes(method: str, micro_batch_size: int, seq_len: int, hidden_size: int, cp_size: int,
-                        tp_size: int, element_bytes: int, recompute_forward: bool = False) -> tuple[float, int, int]:
-    """What one rank sends per attention layer per micro-batch on the cp axis: the cp axis's own term,
-    :func:`lightning_par.context_parallel.planner.layer_comm` (same arguments and returns).
-
-    Raises:
-        ValueError: an unknown ``method``.
-    """
-    from lightning_par.context_parallel.planner import layer_comm
-
-    return layer_comm(method, micro_batch_size, seq_len, hidden_size, cp_size, tp_size, element_bytes,
-                      recompute_forward)
 
 
 def group_ranks_per_node(layout: Layout, axis: str, devices_per_node: int) -> int:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_par import comm_cost as cc
+from lightning_par.comm_cost import ring_steps
+from lightning_par.context_parallel import comm_cost as cc
 from lightning_par.models.gpt import GPTConfig
 from lightning_par.planner import (
     DEVICE_PRESETS,
@@ -28,7 +29,8 @@ from lightning_par.planner import (
     predict_run,
     to_rows,
 )
-from lightning_par.planner.comm import cp_layer_comm_bytes, group_link, group_ranks_per_node, zero_step_comm_bytes
+from lightning_par.context_parallel.planner import layer_comm as cp_layer_comm_bytes
+from lightning_par.planner.comm import group_link, group_ranks_per_node, zero_step_comm_bytes
 from lightning_par.planner.layouts import CP_METHODS, SCHEDULES
 from lightning_par.planner.memory import activation_bytes_per_layer, model_state_bytes, predict_memory, rank_params
 from lightning_par.planner.run_config import layout_from_run
@@ -232,7 +234,7 @@ def test_cp_bytes_follow_the_formulas_on_small_numbers():
     assert cp_layer_comm_bytes("ring", 2, 8, 4, 4, 1, 2) == (576, 6, 1)
     assert cp_layer_comm_bytes("all_to_all", 2, 8, 4, 4, 1, 2) == (192, 4, 3)
     assert cp_layer_comm_bytes("all_to_all", 2, 8, 4, 4, 1, 2, recompute_forward=True)[1:] == (6, 3)
-    assert cc.ring_steps("all_to_all", 4) == 3
+    assert ring_steps("all_to_all", 4) == 3
     with pytest.raises(ValueError, match=r"method='zigzag' is not valid: expected one of \['ring', 'all_to_all'\]"):
         cp_layer_comm_bytes("zigzag", 2, 8, 4, 4, 1, 2)
 
