@@ -61,11 +61,10 @@ from typing import Any
 from torch import Tensor, nn
 
 __all__ = [
+    "network_method",
     "register_adapter",
     "attention_heads",
     "checkpoint_modules",
-    "context_parallel_attention",
-    "context_parallel_positions",
     "expert_modules",
     "find_network",
     "pipeline_batch",
@@ -105,9 +104,9 @@ def _adapter(network: nn.Module) -> Any:
     return None
 
 
-def _method(network: nn.Module, name: str) -> Callable[..., Any] | None:
+def network_method(network: nn.Module, name: str) -> Callable[..., Any] | None:
     """``network.<name>`` if the network defines it as a method, else its adapter's ``<name>`` bound to it, else
-    None."""
+    None: how an axis's folder reads what the contract asks of a network for that axis."""
     method = getattr(network, name, None)
     if callable(method):
         return method
@@ -156,7 +155,7 @@ def tp_plan(module: nn.Module, network: nn.Module, explicit: Mapping[str, Any] |
     if explicit is not None:
         return dict(explicit)
     for owner in (network, module):
-        method = _method(owner, "tp_plan")
+        method = network_method(owner, "tp_plan")
         if method is not None:
             return dict(method())
     where = f"the network ({type(network).__name__}) or on " if network is not module else ""
@@ -171,7 +170,7 @@ def tp_plan(module: nn.Module, network: nn.Module, explicit: Mapping[str, Any] |
 def check_tensor_parallel(network: nn.Module, tp_size: int, sequence_parallel: bool) -> None:
     """Call the network's own ``check_tensor_parallel(tp_size, sequence_parallel)`` if it has one (it raises
     ``ValueError`` for shapes its plan cannot split)."""
-    method = _method(network, "check_tensor_parallel")
+    method = network_method(network, "check_tensor_parallel")
     if callable(method):
         method(tp_size, sequence_parallel)
 
@@ -182,7 +181,7 @@ def pipeline_layers(network: nn.Module) -> list[str]:
     Raises:
         ValueError: the network neither defines ``pipeline_layers()`` nor is an ``nn.Sequential``/``nn.ModuleList``.
     """
-    method = _method(network, "pipeline_layers")
+    method = network_method(network, "pipeline_layers")
     if callable(method):
         return list(method())
     if isinstance(network, (nn.Sequential, nn.ModuleList)):
@@ -196,7 +195,7 @@ def pipeline_layers(network: nn.Module) -> list[str]:
 
 def pipeline_stage(network: nn.Module, layers: Sequence[str], *, first: bool, last: bool) -> nn.Module:
     """A module running ``layers`` of ``network`` (see the module docstring); shares the network's parameters."""
-    method = _method(network, "pipeline_stage")
+    method = network_method(network, "pipeline_stage")
     if callable(method):
         return method(list(layers), first=first, last=last)
     pipeline_layers(network)  # raises for unsupported networks
@@ -270,7 +269,7 @@ def checkpoint_modules(network: nn.Module, mode: str) -> list[str]:
         ValueError: ``"selective"`` for a network without ``checkpoint_modules``, or ``"full"`` for one that has neither
             the method nor layers (an ``nn.Sequential``/``nn.ModuleList`` or ``pipeline_layers()``).
     """
-    method = _method(network, "checkpoint_modules")
+    method = network_method(network, "checkpoint_modules")
     if callable(method):
         return list(method(mode))
     name = type(network).__name__
@@ -290,37 +289,9 @@ def checkpoint_modules(network: nn.Module, mode: str) -> list[str]:
         ) from err
 
 
-def context_parallel_positions(network: nn.Module) -> None:
-    """Check that ``network`` can run on a split sequence: its ``forward`` takes ``position_ids`` (the global positions
-    of the tokens a cp rank holds), since a model that computes positions from a local ``arange`` would give every
-    cp rank positions ``0..S/cp-1``.
-
-    Raises:
-        ValueError: ``forward`` has no ``position_ids`` parameter; the message says what to change.
-    """
-    import inspect
-
-    if "position_ids" in inspect.signature(network.forward).parameters:
-        return
-    raise ValueError(
-        f"context parallelism (cp_size > 1) is not valid for {type(network).__name__}: its forward takes no "
-        f"position_ids, so positions would be computed from each rank's local piece of the sequence. Add a "
-        f"position_ids argument (global positions, (seq,) or (batch, seq)) to forward and use it for position "
-        f"embeddings or rotary frequencies; the LightningModule receives it as the last element of each batch."
-    )
-
-
-def context_parallel_attention(network: nn.Module) -> Callable[[], Any] | None:
-    """``network.context_parallel_attention`` (or its adapter's): a factory of the context every context-parallel
-    step runs in, for networks whose attention only reaches ``scaled_dot_product_attention`` unmasked after a change
-    (Hugging Face models build a mask from ``position_ids``); ``None`` when the network has none."""
-    method = _method(network, "context_parallel_attention")
-    return method if callable(method) else None
-
-
 def attention_heads(network: nn.Module) -> int | None:
     """The number of attention heads, from ``network.attention_heads()`` (``None`` when the network does not say)."""
-    method = _method(network, "attention_heads")
+    method = network_method(network, "attention_heads")
     return int(method()) if callable(method) else None
 
 
@@ -333,7 +304,7 @@ def expert_modules(network: nn.Module) -> list[str]:
         ValueError: the network does not define ``expert_modules()``, names none, or a path that is not a module, or an
             experts module whose parameters do not all have the same number of rows (experts) on dim 0.
     """
-    method = _method(network, "expert_modules")
+    method = network_method(network, "expert_modules")
     name = type(network).__name__
     paths = list(method()) if callable(method) else []
     if not paths:

@@ -33,7 +33,7 @@ torch (the planner uses it without one).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from lightning_par.validation import check_int
@@ -157,6 +157,11 @@ class ParallelDims:
             )
 
     # ------------------------------------------------------------------ sizes
+    @classmethod
+    def size_names(cls) -> tuple[str, ...]:
+        """Every size field a layout is given by (``dp_size``, ``tp_size``, ..., ``ep_size``), in declaration order."""
+        return tuple(f.name for f in fields(cls) if f.init and f.name != "world_size")
+
     def size(self, axis: str) -> int:
         """The size of a mesh axis or derived mesh (``"dp"`` is ``dp_size``).
 

@@ -11,6 +11,7 @@ from lightning_par import contract
 from lightning_par.axis_registry import Axis, Build
 from lightning_par.context_parallel.attention import CPAttentionMode, check_ulysses_heads
 from lightning_par.context_parallel.batch import SequenceSplit
+from lightning_par.context_parallel.contract import context_parallel_attention, context_parallel_positions
 from lightning_par.context_parallel.planner import CONTEXT_PARALLEL_TERMS
 from lightning_par.parallel_dims import ParallelDims
 
@@ -20,7 +21,7 @@ __all__ = ["CONTEXT_PARALLEL"]
 def _check(module: nn.Module, network: nn.Module, dims: ParallelDims, options: Any) -> None:
     if not dims.cp_enabled:
         return
-    contract.context_parallel_positions(network)
+    context_parallel_positions(network)
     if options.context_parallel.method == "all_to_all":
         heads = contract.attention_heads(network)
         if heads is None:
@@ -41,7 +42,7 @@ def _apply(build: Build) -> None:
     method, group = build.options.context_parallel.method, dims.group("cp")
     split = SequenceSplit(rank, dims.cp_size)
     build.batch_transforms.append(split)
-    attention = contract.context_parallel_attention(build.network)
+    attention = context_parallel_attention(build.network)
     if attention is not None:  # e.g. a Hugging Face model's attention without its position-built mask
         build.step_contexts.append(attention)
     # A fresh mode per step: the positions of the batch the split last cut.

@@ -24,7 +24,7 @@ def _check(module: nn.Module, network: nn.Module, dims: ParallelDims, options: A
     if not dims.ep_enabled:
         return
     for path in contract.expert_modules(network):
-        check_num_experts(path, contract.num_experts(network, path), dims.ep_size, dims.dp_shard_size * dims.cp_size)
+        check_num_experts(path, contract.num_experts(network, path), dims.ep_size, dims.size("dp_shard_cp"))
 
 
 def _read(build: Build) -> None:

@@ -72,9 +72,6 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         dp_replicate_size: HSDP replicas (``> 1``: each dp mode shards within ``dp_shard`` and reduces across the
             replicas; ``ddp`` all-reduces over all of them).
         dp_shard_size: ranks the model state is sharded over (ZeRO's ``N``); ``-1``: ``dp_size // dp_replicate_size``.
-        cp_size: context-parallel ranks.
-        ep_size: expert-parallel ranks, borrowed from ``dp_shard_size * cp_size`` (see
-            :class:`~lightning_par.parallel_dims.ParallelDims`).
         module_attr: attribute of the LightningModule holding the network (see :mod:`lightning_par.contract`).
         activation_checkpointing: ``"none"``, ``"full"`` (recompute every block in backward) or ``"selective"`` (the
             attention of every block); applied after tensor parallelism and before the dp mode.
@@ -84,7 +81,10 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         process_group_backend: ``"gloo"`` or ``"nccl"``; default: nccl on CUDA, gloo on CPU.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for Lightning's
             ``DDPStrategy`` (the Trainer fills them in).
-        **options: the option groups, flat or nested (:data:`lightning_par.parallelize.OPTION_GROUPS`):
+        **options: the size of every further registered axis (a size field of
+            :class:`~lightning_par.parallel_dims.ParallelDims`: ``cp_size`` context-parallel ranks, ``ep_size``
+            expert-parallel ranks borrowed from ``dp_shard_size * cp_size``; 1 by default), and the option groups,
+            flat or nested (:data:`lightning_par.parallelize.OPTION_GROUPS`):
             ``reducer`` (``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``, ``comm_hook``,
             ``powersgd_rank``, ``powersgd_start_iter``), ``zero`` (``cpu_offload``, ``mixed_precision``,
             ``reshard_after_forward``), ``tensor_parallel`` (``sequence_parallel``, ``plan``), ``pipeline``
@@ -98,8 +98,9 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
     """
 
     strategy_name: ClassVar[str] = "mesh"
-    #: The registered axes (``Axis.name``) this strategy may use; ``None``: all. A preset narrows them.
-    axes: ClassVar[frozenset[str] | None] = None
+    #: The registered axes (``Axis.name``) this strategy refuses: a preset named for one classic technique excludes the
+    #: other classic axes (``tp``, ``pp``); every other registered axis (``cp``, ``ep``, the next one) is in every preset.
+    excluded_axes: ClassVar[frozenset[str]] = frozenset()
     #: Lightning registry names of the class and the options each name implies.
     registry_names: ClassVar[tuple[str, ...]] = ()
     registry_presets: ClassVar[dict[str, dict[str, Any]]] = {}
@@ -115,8 +116,6 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         *,
         dp_replicate_size: int = 1,
         dp_shard_size: int = -1,
-        cp_size: int = 1,
-        ep_size: int = 1,
         module_attr: str | None = ParallelOptions.module_attr,
         activation_checkpointing: str = ParallelOptions.activation_checkpointing,
         timeout_s: float = 1800.0,
@@ -137,9 +136,10 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         sizes = {"dp_size": dp_size, "tp_size": tp_size, "pp_size": pp_size}
-        sizes.update({k: v for k, v in (("dp_replicate_size", dp_replicate_size), ("dp_shard_size", dp_shard_size),
-                                        ("cp_size", cp_size), ("ep_size", ep_size))
+        sizes.update({k: v for k, v in (("dp_replicate_size", dp_replicate_size), ("dp_shard_size", dp_shard_size))
                       if v != (-1 if k == "dp_shard_size" else 1)})
+        further = {k: options.pop(k) for k in [k for k in options if k in ParallelDims.size_names()]}
+        sizes.update({k: v for k, v in further.items() if v != 1})
         self.check_axes(sizes)
         for key in options:
             group = key if key in OPTION_GROUPS else next((g for g, n in OPTION_GROUPS.items() if key in n), None)
@@ -163,7 +163,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
     @classmethod
     def has_axis(cls, name: str) -> bool:
         """Whether this strategy may use the registered axis ``name``."""
-        return cls.axes is None or name in cls.axes
+        return name not in cls.excluded_axes
 
     @classmethod
     def check_axes(cls, sizes: dict[str, Any], prefix: str = "", label: str | None = None) -> None:

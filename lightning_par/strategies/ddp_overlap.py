@@ -33,7 +33,7 @@ class DDPOverlapStrategy(MeshStrategy):
     """
 
     strategy_name: ClassVar[str] = "ddp_overlap"
-    axes: ClassVar[frozenset[str] | None] = frozenset({"dp", "cp", "ep"})
+    excluded_axes: ClassVar[frozenset[str]] = frozenset({"tp", "pp"})
     description: ClassVar[str] = "Data parallel, bucketed all-reduce overlapped with backward"
 
     def __init__(self, dp_size: int = -1, **options: Any) -> None:

@@ -34,7 +34,7 @@ class Parallel3DStrategy(MeshStrategy):
     """
 
     strategy_name: ClassVar[str] = "parallel_3d"
-    axes: ClassVar[frozenset[str] | None] = None
+    excluded_axes: ClassVar[frozenset[str]] = frozenset()
     description: ClassVar[str] = "3D parallel: TP in each pipeline stage, PP across stages, ddp/zero1/zero2/zero3 on dp"
 
     def __init__(self, dp_size: int = -1, tp_size: int = 1, pp_size: int = 1, dp_mode: str = ParallelOptions.dp_mode,

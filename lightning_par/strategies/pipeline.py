@@ -44,7 +44,7 @@ class PipelineStrategy(MeshStrategy):
     """
 
     strategy_name: ClassVar[str] = "gpipe"
-    axes: ClassVar[frozenset[str] | None] = frozenset({"dp", "ep", "pp"})
+    excluded_axes: ClassVar[frozenset[str]] = frozenset({"tp"})
     description: ClassVar[str] = "Pipeline parallel on the pp axis (torch's schedules), bucketed all-reduce on dp"
     registry_names: ClassVar[tuple[str, ...]] = ("gpipe", "1f1b", "pipeline")
     registry_presets: ClassVar[dict[str, dict[str, Any]]] = {

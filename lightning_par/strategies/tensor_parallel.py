@@ -40,7 +40,7 @@ class TensorParallelStrategy(MeshStrategy):
     """
 
     strategy_name: ClassVar[str] = "tensor_parallel"
-    axes: ClassVar[frozenset[str] | None] = frozenset({"dp", "cp", "ep", "tp"})
+    excluded_axes: ClassVar[frozenset[str]] = frozenset({"pp"})
     description: ClassVar[str] = "Megatron tensor parallelism on tp (DTensor), data parallel on dp"
 
     def __init__(self, tp_size: int = 2, dp_size: int = -1, **options: Any) -> None:

@@ -41,7 +41,7 @@ class ZeroStrategy(MeshStrategy):
     """
 
     strategy_name: ClassVar[str] = "zero1"
-    axes: ClassVar[frozenset[str] | None] = frozenset({"dp", "cp", "ep"})
+    excluded_axes: ClassVar[frozenset[str]] = frozenset({"tp", "pp"})
     description: ClassVar[str] = "ZeRO stage 1/2/3 (optimizer state / + gradients / + parameters sharded over dp)"
     registry_names: ClassVar[tuple[str, ...]] = ("zero1", "zero2", "zero3")
     registry_presets: ClassVar[dict[str, dict[str, Any]]] = {f"zero{k}": {"stage": k} for k in ZERO_STAGES}

@@ -208,3 +208,18 @@ def test_mesh_strategy_with_cp_size_under_a_plain_trainer():
     for r in runs:
         assert_params_close(r["state"], ref_params)
         assert r["extras"]["cp_size"] == 2 and r["extras"]["cp_tokens_per_sequence"] == 8
+
+
+def test_the_pipeline_preset_takes_cp_with_no_edit_of_its_own():
+    """``PipelineStrategy(cp_size=2, pp_size=2)``: a preset accepts every axis added on the registry (it excludes only
+    ``tp``), and runs it through the same ``parallelize()`` path: the user's LM at one process's losses and
+    parameters (SGD with momentum, 1F1B over 2 micro-batches)."""
+    from lightning_par.strategies import PipelineStrategy
+    from tests.helpers import run_fit
+
+    case = {"model": "attn-sgd", "options": {"cp_size": 2, "pp_size": 2, "num_microbatches": 2}}
+    runs = run_fit(4, lambda: PipelineStrategy(cp_size=2, pp_size=2, schedule="1f1b", num_microbatches=2,
+                                               timeout_s=60),
+                   _factory("attn-sgd"), token_data(_samples()), MICRO, STEPS, None,
+                   lambda module, strategy: strategy.full_state_dict())
+    _check(runs, case)

@@ -35,8 +35,18 @@ def test_a_size_on_an_axis_nothing_runs_on_is_refused_before_start():
             "xp_size=2 is not valid: no registered parallelism runs on the xp_size axis in this version. Use "
             "xp_size=1.")):
         check_sizes({"xp_size": 2}, MeshStrategy.has_axis, "", "MeshStrategy")
-    with pytest.raises(ValueError, match=re.escape("cp_size=2 is not valid for PipelineStrategy, which has no cp axis")):
-        PipelineStrategy(cp_size=2)
+    with pytest.raises(ValueError, match=re.escape("tp_size=2 is not valid for PipelineStrategy, which has no tp axis")):
+        PipelineStrategy(tp_size=2)
+
+
+@pytest.mark.parametrize("cls", [DDPOverlapStrategy, ZeroStrategy, PipelineStrategy, MeshStrategy])
+def test_every_preset_takes_the_axes_added_on_the_registry(cls):
+    """A preset excludes only the classic axes it is not named for; cp and ep (and the next axis) need no preset edit."""
+    pp = 2 if cls is PipelineStrategy else 1
+    dims = cls(cp_size=2, ep_size=2, pp_size=pp).resolve_parallel_dims(4 * pp)
+    assert (dims.cp_size, dims.ep_size, dims.dp_size, dims.pp_size) == (2, 2, 2, pp)
+    with pytest.raises(ValueError, match="xp_size=1 is not a valid option"):
+        cls(xp_size=1)
 
 
 @pytest.mark.parametrize("cls", [DDPOverlapStrategy, ZeroStrategy, MeshStrategy])

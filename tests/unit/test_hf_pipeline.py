@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from lightning_par import contract
+from lightning_par.context_parallel.contract import context_parallel_attention
 from lightning_par.pipeline_parallel.split import cut_network
 
 transformers = pytest.importorskip("transformers")
@@ -118,7 +119,7 @@ def test_cp_positions_reach_sdpa_unmasked_under_the_adapter_context() -> None:
     with _SDPARecorder() as plain:  # transformers reads the jump as a second packed sequence: a mask
         model(input_ids=ids, position_ids=positions, use_cache=False)  # as in training (HFCausalLM)
     assert plain.calls and all(c["mask"] is not None for c in plain.calls)
-    attention = contract.context_parallel_attention(model)
+    attention = context_parallel_attention(model)
     assert attention is not None
     with attention(), _SDPARecorder() as cp:
         model(input_ids=ids, position_ids=positions, use_cache=False)
@@ -161,7 +162,7 @@ def test_cp_refuses_a_sliding_window_shorter_than_the_sequence() -> None:
     positions = torch.tensor([0, 1, 2, 3, 12, 13, 14, 15])
     sequence.push(sequence.SequenceShard(None, positions, 2))
     try:
-        with contract.context_parallel_attention(model)(), pytest.raises(
+        with context_parallel_attention(model)(), pytest.raises(
             ValueError, match=r"sliding_window=8 on sequences of 16 tokens"
         ):
             model(input_ids=IDS[:1, :8], position_ids=positions[None], use_cache=False)
