@@ -20,18 +20,27 @@ import time
 
 _RATIO_HEADER = re.compile(r"(^|\s)/\s")
 
-#: section name -> module under lightning_par.benchmarks exposing run(quick: bool) -> str (markdown tables).
-SECTIONS = {
-    "ddp": "lightning_par.benchmarks.ddp",
-    "tp": "lightning_par.benchmarks.tensor_parallel",
-    "zero": "lightning_par.benchmarks.zero",
-    "pp": "lightning_par.benchmarks.pipeline",
-    "ac": "lightning_par.benchmarks.activation_checkpointing",
-    "cp": "lightning_par.benchmarks.context_parallel",
-    "ep": "lightning_par.benchmarks.expert_parallel",
-    "gpu": "lightning_par.benchmarks.single_gpu",
-    "checkpoint": "lightning_par.benchmarks.checkpoint",
-}
+
+def _sections() -> dict[str, str]:
+    """Section name -> module: every module of ``lightning_par.benchmarks`` that declares ``SECTION`` (read from its
+    source, so that ``--only`` imports one), in the order of their ``ORDER``; each exposes ``run(quick: bool) -> str``
+    (markdown tables)."""
+    import ast
+    from pathlib import Path
+
+    import lightning_par.benchmarks as package
+
+    found = []
+    for path in sorted(Path(package.__file__).parent.glob("*.py")):
+        constants = {target.id: node.value.value for node in ast.parse(path.read_text()).body
+                     if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                     for target in node.targets if isinstance(target, ast.Name)}
+        if "SECTION" in constants:
+            found.append((constants.get("ORDER", 0), constants["SECTION"], f"{package.__name__}.{path.stem}"))
+    return {name: module for _, name, module in sorted(found)}
+
+
+SECTIONS = _sections()
 
 
 def _ratio_cells(markdown: str) -> list[tuple[str, float]]:

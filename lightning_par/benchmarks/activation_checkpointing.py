@@ -30,6 +30,10 @@ from typing import Any
 
 __all__ = ["run"]
 
+#: This benchmark's section in ``recipes/benchmark.py`` (``--only ac``) and its place in the full run.
+SECTION = "ac"
+ORDER = 50
+
 _FULL = dict(model=dict(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=256), batch=8, steps=15)
 _QUICK = dict(model=_FULL["model"], batch=8, steps=5)
 #: label -> (world size, strategy options)

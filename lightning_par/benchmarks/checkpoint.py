@@ -33,6 +33,10 @@ from lightning_par.benchmarks.common import GPT_SHAPES, token_batches
 
 __all__ = ["run"]
 
+#: This benchmark's section in ``recipes/benchmark.py`` (``--only checkpoint``) and its place in the full run.
+SECTION = "checkpoint"
+ORDER = 90
+
 _SHAPE = GPT_SHAPES["small"]
 _MICRO_BATCH = 8
 _QUICK = dict(every=4, steps=16, warmup=4, rounds=3)

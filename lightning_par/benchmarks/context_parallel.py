@@ -46,6 +46,10 @@ from typing import Any
 
 __all__ = ["LAYOUTS", "formula_bytes", "render", "run"]
 
+#: This benchmark's section in ``recipes/benchmark.py`` (``--only cp``) and its place in the full run.
+SECTION = "cp"
+ORDER = 60
+
 _FULL = dict(model=dict(n_layer=2, n_head=4, n_embd=64, block_size=2048, vocab_size=256), batch=1, steps=20)
 _QUICK = dict(model=dict(_FULL["model"], block_size=1024), batch=1, steps=20)
 #: cp size -> the methods measured in that launch (each launch also times the one-process baseline on its rank 0)

@@ -38,6 +38,10 @@ from lightning_par.benchmarks.common import GPT_SHAPES, Contender, run_in_turns,
 
 __all__ = ["StepTimer", "run"]
 
+#: This benchmark's section in ``recipes/benchmark.py`` (``--only ddp``) and its place in the full run.
+SECTION = "ddp"
+ORDER = 10
+
 _SHAPE = GPT_SHAPES["small"]
 _MICRO_BATCH = 8
 _BUCKET_CAP_MB = 1.0

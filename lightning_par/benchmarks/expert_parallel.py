@@ -24,6 +24,10 @@ from typing import Any
 
 __all__ = ["formula_bytes", "render", "run"]
 
+#: This benchmark's section in ``recipes/benchmark.py`` (``--only ep``) and its place in the full run.
+SECTION = "ep"
+ORDER = 70
+
 _FULL = dict(model=dict(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=256, num_experts=8, moe_every=2),
              batch=8, steps=20)
 _QUICK = dict(model=dict(_FULL["model"]), batch=4, steps=20)

@@ -38,6 +38,10 @@ from lightning_par.pipeline_parallel.simulate import Entry, simulate_actions
 
 __all__ = ["FixedTimeStage", "expected_bubble", "run", "torch_orders"]
 
+#: This benchmark's section in ``recipes/benchmark.py`` (``--only pp``) and its place in the full run.
+SECTION = "pp"
+ORDER = 40
+
 #: Seconds of one rank's share of the model per micro-batch: forward, input-gradient and weight-gradient halves of
 #: the backward (equal: the case the zero-bubble schedules are built for, Qi et al. 2024, §3).
 T_F, T_I, T_W = 0.030, 0.030, 0.030

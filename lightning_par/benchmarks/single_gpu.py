@@ -24,6 +24,10 @@ from typing import Any
 
 __all__ = ["PRESETS", "measure", "run"]
 
+#: This benchmark's section in ``recipes/benchmark.py`` (``--only gpu``) and its place in the full run.
+SECTION = "gpu"
+ORDER = 80
+
 #: presets -> micro-batch per step at block_size 1024 (fits an 80 GB GPU with fp32 AdamW state).
 PRESETS: dict[str, int] = {"gpt2": 16, "gpt2-medium": 8}
 

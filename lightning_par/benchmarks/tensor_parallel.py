@@ -42,6 +42,10 @@ from typing import Any
 
 __all__ = ["run"]
 
+#: This benchmark's section in ``recipes/benchmark.py`` (``--only tp``) and its place in the full run.
+SECTION = "tp"
+ORDER = 20
+
 _FULL = dict(model=dict(n_layer=4, n_head=8, n_embd=128, block_size=128, vocab_size=256), batch=8, steps=30, warmup=4)
 _QUICK = dict(model=dict(n_layer=4, n_head=8, n_embd=128, block_size=128, vocab_size=256), batch=8, steps=12,
               warmup=3)

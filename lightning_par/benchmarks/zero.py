@@ -37,6 +37,10 @@ from lightning_par.benchmarks.common import GPT_SHAPES, Contender, run_in_turns,
 
 __all__ = ["run", "scaling_steps"]
 
+#: This benchmark's section in ``recipes/benchmark.py`` (``--only zero``) and its place in the full run.
+SECTION = "zero"
+ORDER = 30
+
 _BUCKET_CAP_MB = 1.0
 # Steps per contender. A scaling row runs at least ``scaling_steps`` and, for short steps, as many more (up to
 # ``scaling_max_steps``) as fill ``scaling_budget_s`` seconds per round of contenders: with 8 steps, the tiny shape's
