@@ -18,7 +18,7 @@ class DDPOverlapStrategy(MeshStrategy):
     works on the data-parallel ranks of the mesh (the same reducer serves the dp axis of 2D/3D layouts,
     where torch's DDP does not compose), and it measures the communication left exposed after backward
     (``parallel/comm_exposed_ms`` in the logs, ``comm_exposed_s`` in ``summary.json``). A preset of :class:`MeshStrategy` with
-    ``dp_mode="ddp"`` and only the dp axis.
+    ``dp_mode="ddp"`` and every axis but tp and pp.
 
     Registered as ``"ddp_overlap"``.
 

@@ -25,7 +25,7 @@ class PipelineStrategy(MeshStrategy):
     called: see :mod:`lightning_par.contract`. It logs ``train_loss``, ``val_loss``, ``parallel/pp_bubble`` (the
     measured idle share of the step, mean over pp ranks) and ``parallel/pp_bubble_formula``; ``summary_extras()``
     reports busy and idle time per pp rank and the peak micro-batches whose activations a rank held. A preset of
-    :class:`MeshStrategy` with ``dp_mode="ddp"`` and the dp and pp axes.
+    :class:`MeshStrategy` with ``dp_mode="ddp"`` and every axis but tp.
 
     Registered as ``"gpipe"`` and ``"1f1b"`` (the schedule preset) and ``"pipeline"`` (any schedule).
 

@@ -22,8 +22,8 @@ class TensorParallelStrategy(MeshStrategy):
     ``model``): the ``plan`` option, else ``tp_plan()`` of the network or of the LightningModule (the reference GPT
     has one); see :mod:`lightning_par.contract`. Styles: ``"colwise"``, ``"rowwise"``, ``"colwise_input"``,
     ``"sequence_parallel"``, ``"position_embedding"``, ``"replicate"``, ``"vocab_embedding"``, ``"vocab_head"``
-    (:mod:`lightning_par.tensor_parallel.plan`). A preset of :class:`MeshStrategy` with ``dp_mode="ddp"`` and the dp
-    and tp axes.
+    (:mod:`lightning_par.tensor_parallel.plan`). A preset of :class:`MeshStrategy` with ``dp_mode="ddp"`` and every
+    axis but pp.
 
     Registered as ``"tensor_parallel"``.
 

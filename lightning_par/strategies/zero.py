@@ -22,7 +22,7 @@ class ZeroStrategy(MeshStrategy):
 
     Clipping by norm is global; gradient accumulation works at every stage; checkpoints are sharded directories that
     load into another stage, dp size, strategy or one process. A preset of :class:`MeshStrategy` with
-    ``dp_mode=f"zero{stage}"`` and only the dp axis.
+    ``dp_mode=f"zero{stage}"`` and every axis but tp and pp.
 
     Registered as ``"zero1"``, ``"zero2"`` and ``"zero3"`` (the stage preset).
 
