@@ -136,6 +136,14 @@ class PlannerTerms:
             parameters; the ep axis: the experts); the planner's model state is their sum.
         canonical: ``canonical(layout)``: ``False`` for a valid layout the enumeration leaves out because another
             spelling of it runs the same way (HSDP under ``ddp`` is ``ddp`` over ``dp_replicate x dp_shard``).
+        token_split: ``token_split(layout)``: the ranks this axis splits each sequence's tokens over (an int >= 1; the
+            cp axis: ``cp_size``); a rank holds ``seq_len`` divided by the product over the registered axes
+            (:func:`~lightning_par.planner.layouts.sequence_split`) of the tokens of each of its sequences (``None``: 1,
+            no split).
+        point_to_point: ``point_to_point(layout)``: ``True`` when this axis's messages under ``layout`` go from one
+            device to one device (ring attention's K/V sends), so a group across nodes uses one network adapter per
+            step rather than one per member (:func:`~lightning_par.planner.comm.group_ranks_per_node`; ``None``:
+            collectives).
     """
 
     check: Callable[[Any, Any], None] | None = None
@@ -143,6 +151,8 @@ class PlannerTerms:
     step_comm_s: Callable[[Any, float], float] | None = None
     state_bytes: Callable[[Any, int], float] | None = None
     canonical: Callable[[Any], bool] | None = None
+    token_split: Callable[[Any], int] | None = None
+    point_to_point: Callable[[Any], bool] | None = None
 
 
 @dataclass(frozen=True)

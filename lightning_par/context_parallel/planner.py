@@ -13,13 +13,14 @@ from lightning_par.context_parallel.comm_cost import ring_attention_layer_bytes,
 from lightning_par.context_parallel.attention import _check_seq_len, check_ulysses_heads
 from lightning_par.context_parallel.options import CP_METHODS
 
-__all__ = ["CONTEXT_PARALLEL_TERMS", "check", "layer_comm", "slot_comm_s"]
+__all__ = ["CONTEXT_PARALLEL_TERMS", "check", "layer_comm", "point_to_point", "slot_comm_s", "token_split"]
 
 
 def check(layout: Any, model: Any) -> None:
     """The cp axis's rules: ``cp_method`` one of :data:`~lightning_par.context_parallel.options.CP_METHODS` (``"ring"``
     when ``cp_size == 1``: one spelling per layout); causal load balancing cuts the sequence into ``2 cp_size`` equal
-    chunks; ``all_to_all`` (Ulysses) needs whole heads per rank, ``num_heads % (cp_size * tp_size) == 0``.
+    chunks; ``all_to_all`` (Ulysses) needs whole heads per rank, ``num_heads % (cp_size * tp_size) == 0``; sequence
+    parallelism shards each cp rank's ``seq_len / cp_size`` tokens over the tp ranks, so ``tp_size`` divides them.
 
     Raises:
         ValueError: naming the field, its value and what would be valid.
@@ -36,6 +37,23 @@ def check(layout: Any, model: Any) -> None:
     _check_seq_len(model.seq_len, cp)  # the runtime's own rule (split_sequence calls it on tensors)
     if layout.cp_method == "all_to_all":
         check_ulysses_heads(model.num_heads, cp, layout.tp_size)
+    t = layout.tp_size
+    if layout.sequence_parallel and t > 1 and (model.seq_len // cp) % t:
+        raise ValueError(
+            f"sequence_parallel=True is not valid with tp_size={t}, cp_size={cp} and seq_len={model.seq_len}: "
+            f"expected the tokens per cp rank, seq_len / cp_size = {model.seq_len // cp}, divisible by tp_size."
+        )
+
+
+def token_split(layout: Any) -> int:
+    """Ranks each sequence is split over: ``cp_size`` (each cp rank holds ``seq_len / cp_size`` of its tokens)."""
+    return layout.cp_size
+
+
+def point_to_point(layout: Any) -> bool:
+    """Ring attention's steps are point-to-point sends (each rank to the next); Ulysses' all-to-alls are
+    collectives."""
+    return layout.cp_method == "ring"
 
 
 def layer_comm(method: str, micro_batch_size: int, seq_len: int, hidden_size: int, cp_size: int, tp_size: int,
@@ -69,11 +87,12 @@ def slot_comm_s(ctx: Any) -> float:
     lay, model = ctx.layout, ctx.model
     if lay.cp_size == 1:
         return 0.0
-    bw, lat = ctx.link("cp", op="p2p" if lay.cp_method == "ring" else "all_to_all")
+    bw, lat = ctx.link("cp", op="p2p" if point_to_point(lay) else "all_to_all")
     sent, n_ops, steps = layer_comm(lay.cp_method, lay.micro_batch_size, model.seq_len, model.hidden_size,
                                     lay.cp_size, lay.tp_size, ctx.element_bytes, ctx.recompute != "none")
     return ctx.layers * collective_time(sent, bw, lat, n_ops, steps)
 
 
 #: The cp axis's terms (declared on its registry entry).
-CONTEXT_PARALLEL_TERMS = PlannerTerms(check=check, slot_comm_s=slot_comm_s)
+CONTEXT_PARALLEL_TERMS = PlannerTerms(check=check, slot_comm_s=slot_comm_s, token_split=token_split,
+                                      point_to_point=point_to_point)

@@ -18,6 +18,7 @@ from typing import Any
 from lightning_par.axis_registry import PlannerTerms
 from lightning_par.comm_cost import all_reduce_bytes, collective_time, ring_steps
 from lightning_par.data_parallel.options import DP_MODES
+from lightning_par.parallel_dims import DERIVED_MESHES, SIZE_FIELDS
 
 __all__ = ["DATA_PARALLEL_TERMS", "canonical", "check", "state_bytes", "step_comm_s"]
 
@@ -26,17 +27,17 @@ _BUCKET_BYTES = 25 * (1 << 20)  # the reducers' bucket_cap_mb default
 
 def check(layout: Any, model: Any) -> None:
     """``dp_mode`` one of :data:`~lightning_par.data_parallel.options.DP_MODES`; a ZeRO mode only with something to
-    shard (``dp_shard_size * cp_size > 1``).
+    shard (the runtime's ``dp_shard_cp`` mesh, ``dp_shard_size * cp_size``, above 1).
 
     Raises:
         ValueError: naming the field, its value and what would be valid.
     """
     if layout.dp_mode not in DP_MODES:
         raise ValueError(f"dp_mode={layout.dp_mode!r} is not valid: expected one of {list(DP_MODES)}.")
-    shard = layout.dp_size // layout.dp_replicate_size * layout.cp_size
-    if shard == 1 and layout.dp_mode != "ddp":
+    if layout.dims().size("dp_shard_cp") == 1 and layout.dp_mode != "ddp":
+        shard_sizes = " * ".join(SIZE_FIELDS[axis] for axis in DERIVED_MESHES["dp_shard_cp"])
         what = "dp_size=1" if layout.dp_replicate_size == 1 else (
-            f"dp_shard_size * cp_size = 1 (dp_replicate_size={layout.dp_replicate_size} = dp_size)")
+            f"{shard_sizes} = 1 (dp_replicate_size={layout.dp_replicate_size} = dp_size)")
         raise ValueError(f"dp_mode={layout.dp_mode!r} is not valid with {what}: expected 'ddp' (nothing to shard).")
 
 

@@ -74,7 +74,7 @@ def check(layout: Any, model: Any) -> None:
         return
     if not model.num_experts:
         raise ValueError(f"ep_size={ep} is not valid for a dense model (num_experts=0): expected 1.")
-    check_num_experts("the model", model.num_experts, ep, layout.dp_size // layout.dp_replicate_size * layout.cp_size)
+    check_num_experts("the model", model.num_experts, ep, layout.dims().size("dp_shard_cp"))
 
 
 def layer_all_to_all_bytes(micro_batch_size: int, seq_len: int, hidden_size: int, top_k: int, ep_size: int,
@@ -93,7 +93,7 @@ def slot_comm_s(ctx: Any) -> float:
     if lay.ep_size == 1:
         return 0.0
     bw, lat = ctx.link("ep", op="all_to_all")
-    sent = layer_all_to_all_bytes(lay.micro_batch_size, model.seq_len // lay.cp_size, model.hidden_size,
+    sent = layer_all_to_all_bytes(lay.micro_batch_size, ctx.sequence_tokens, model.hidden_size,
                                   model.moe_top_k, lay.ep_size, ctx.element_bytes)
     n_ops = 6 if ctx.recompute == "full" else 4
     moe_layers = model.moe_layer_count() / lay.pp_size

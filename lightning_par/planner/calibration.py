@@ -286,9 +286,11 @@ def layer_gemm_shapes(model: Any, layout: Any) -> list[tuple[int, int, int, int]
     head (``b a / t`` of them) the scores ``(s/cp, d) @ (d, s)`` and the weighted sum ``(s/cp, s) @ (s, d)``, ``d``
     the head size.
     """
-    t, cp, b = layout.tp_size, getattr(layout, "cp_size", 1), layout.micro_batch_size
+    from lightning_par.planner.layouts import sequence_split
+
+    t, split, b = layout.tp_size, sequence_split(layout), layout.micro_batch_size
     s, h, a, f = model.seq_len, model.hidden_size, model.num_heads, model.ffn
-    T, sq, d, heads = b * s // cp, s // cp, h // a, b * a // t
+    T, sq, d, heads = b * s // split, s // split, h // a, b * a // t
     return [
         (T, 3 * h // t, h, 1), (T, h, h // t, 1), (T, f // t, h, 1), (T, h, f // t, 1),
         (sq, s, d, heads), (sq, d, s, heads),
@@ -332,7 +334,9 @@ def layer_matmul_rates(model: Any, layout: Any, device: Any, element_bytes: int 
     if cal is None:
         return device.achieved_flops, device.achieved_flops
     flops, seconds = _training_seconds(cal, device, layer_gemm_shapes(model, layout), element_bytes)
-    tokens = layout.micro_batch_size * model.seq_len // getattr(layout, "cp_size", 1)
+    from lightning_par.planner.layouts import sequence_split
+
+    tokens = layout.micro_batch_size * model.seq_len // sequence_split(layout)
     head = [(tokens, max(1, math.ceil(model.vocab_size / layout.tp_size)), model.hidden_size, 1)]
     head_flops, head_seconds = _training_seconds(cal, device, head, element_bytes)
     return flops / seconds, head_flops / head_seconds

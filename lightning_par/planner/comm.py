@@ -33,7 +33,7 @@ from lightning_par.comm_cost import collective_time, reduce_scatter_bytes, ring_
 from lightning_par.comm_cost import megatron_layer_bytes as tp_layer_comm_bytes
 from lightning_par.planner.calibration import calibration_for
 from lightning_par.planner.devices import DeviceSpec
-from lightning_par.planner.layouts import Layout
+from lightning_par.planner.layouts import Layout, planner_terms
 
 __all__ = [
     "allgather_bytes",
@@ -74,6 +74,13 @@ def zero_step_comm_bytes(dp_mode: str, params: float, dp_size: int, param_bytes:
     return volumes[dp_mode] * params * f
 
 
+def _point_to_point(layout: Layout, axis: str) -> bool:
+    """Whether the registered axis named ``axis`` sends point to point under ``layout`` (its
+    :class:`~lightning_par.axis_registry.PlannerTerms` ``point_to_point``: a ring-attention step on ``"cp"``)."""
+    return any(name == axis and terms.point_to_point is not None and terms.point_to_point(layout)
+               for name, terms in planner_terms())
+
+
 def group_ranks_per_node(layout: Layout, axis: str, devices_per_node: int) -> int:
     """Members of one ``axis`` group in each node it spans, at least (nodes of ``devices_per_node`` consecutive ranks).
 
@@ -97,7 +104,7 @@ def group_ranks_per_node(layout: Layout, axis: str, devices_per_node: int) -> in
     """
     dims = layout.dims()
     size, stride = dims.size(axis), dims.stride(axis)  # raises for an unknown axis
-    if axis == "pp" or (axis == "cp" and layout.cp_method == "ring"):
+    if axis == "pp" or _point_to_point(layout, axis):
         return 1
     g = devices_per_node
     if (size * stride) % g == 0 and g % stride == 0:  # the group fills whole nodes evenly

@@ -10,25 +10,22 @@ report sets predicted next to measured.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
 
+from lightning_par.planner.layouts import axis_choices
 from lightning_par.planner.plan import Prediction
 
 __all__ = ["PlannerConfig", "overrides_to_recipe", "register_planner_config", "write_layout_recipes"]
 
 
 @dataclass
-class PlannerConfig:
-    """What to plan for (``recipes/plan.py``; the model comes from the ``model`` group).
-
-    Fields left ``None`` follow the run config: ``num_devices`` is ``parallel.world_size``, ``global_batch_size`` is
-    ``data.batch_size`` times the data-parallel size of ``parallel``, ``seq_len`` the model's ``block_size``,
-    ``precision`` the device's default.
-    """
+class _PlannerChoices:
+    """:class:`PlannerConfig`'s fields before the axis choices."""
 
     #: a100-40gb | a100-80gb | h100-80gb | h200 | cpu (this machine, calibrated)
     device: str = "a100-80gb"
@@ -43,15 +40,38 @@ class PlannerConfig:
     checkpointing: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
     micro_batch_sizes: Optional[list[int]] = None
     sequence_parallel: list[bool] = field(default_factory=lambda: [False, True])
-    #: context-parallel sizes to enumerate, e.g. [1,2,4] ([1]: no context parallelism; cp > 1 needs pp_size = 1 and
-    #: a sequence length divisible by 2 * cp)
-    cp_sizes: list[int] = field(default_factory=lambda: [1])
-    #: context-parallel attentions to enumerate when cp > 1: ring | all_to_all
-    cp_methods: list[str] = field(default_factory=lambda: ["ring", "all_to_all"])
-    #: HSDP replica counts to enumerate, e.g. [1,2] ([1]: none; > 1 only under the ZeRO modes)
-    dp_replicate_sizes: list[int] = field(default_factory=lambda: [1])
-    #: expert-parallel sizes to enumerate for a MoE model, e.g. [1,2,4] ([1]: none)
-    ep_sizes: list[int] = field(default_factory=lambda: [1])
+
+
+#: The axis choices (:func:`~lightning_par.planner.layouts.axis_choices`, ``plan()``'s keywords of the same names), one
+#: field each, generated so that an axis added on the registry brings its own: ``<size>s`` (``list[int]``, default
+#: ``[1]``) and ``<option>s`` (``list[str]``, default every value).
+_AxisChoices = make_dataclass(
+    "_AxisChoices",
+    [(name, list[type(default[0])], field(default_factory=partial(list, default)))
+     for name, default in axis_choices().items()],
+    bases=(_PlannerChoices,),
+)
+_AxisChoices.__module__ = __name__
+
+
+@dataclass
+class PlannerConfig(_AxisChoices):  # type: ignore[valid-type, misc]
+    """What to plan for (``recipes/plan.py``; the model comes from the ``model`` group).
+
+    Fields left ``None`` follow the run config: ``num_devices`` is ``parallel.world_size``, ``global_batch_size`` is
+    ``data.batch_size`` times the data-parallel size of ``parallel``, ``seq_len`` the model's ``block_size``,
+    ``precision`` the device's default.
+
+    The axis choices, after ``sequence_parallel`` (generated from :func:`~lightning_par.planner.layouts.axis_choices`):
+
+    * ``cp_sizes``: context-parallel sizes to enumerate, e.g. ``[1,2,4]`` (``[1]``: no context parallelism; cp > 1
+      needs pp_size = 1 and a sequence length divisible by 2 * cp);
+    * ``cp_methods``: context-parallel attentions to enumerate when cp > 1: ring | all_to_all;
+    * ``dp_replicate_sizes``: HSDP replica counts to enumerate, e.g. ``[1,2]`` (``[1]``: none; > 1 only under the
+      ZeRO modes);
+    * ``ep_sizes``: expert-parallel sizes to enumerate for a MoE model, e.g. ``[1,2,4]`` (``[1]``: none).
+    """
+
     max_virtual_stages: int = 4
     #: rows of the printed table (the markdown and CSV files hold every layout)
     top: int = 15

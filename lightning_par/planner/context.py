@@ -11,7 +11,7 @@ from functools import cached_property
 
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.planner.devices import DeviceSpec
-from lightning_par.planner.layouts import Layout
+from lightning_par.planner.layouts import Layout, sequence_split
 from lightning_par.planner.model import ModelSpec
 from lightning_par.planner.precision import Precision
 
@@ -48,10 +48,21 @@ class PlanContext:
         """Layers per pipeline rank, ``L / pp_size``."""
         return self.model.num_layers / self.layout.pp_size
 
+    @cached_property
+    def seq_split(self) -> int:
+        """Ranks each sequence's tokens are split over (:func:`~lightning_par.planner.layouts.sequence_split`: the
+        product of the registered axes' ``token_split``, context parallelism's ``cp``)."""
+        return sequence_split(self.layout)
+
+    @property
+    def sequence_tokens(self) -> int:
+        """Tokens of one sequence on one rank: ``s / cp`` (:attr:`seq_split`)."""
+        return self.model.seq_len // self.seq_split
+
     @property
     def tokens(self) -> int:
         """Tokens of one micro-batch on one rank: ``b s / cp``."""
-        return self.layout.micro_batch_size * (self.model.seq_len // self.layout.cp_size)
+        return self.layout.micro_batch_size * self.sequence_tokens
 
     @property
     def element_bytes(self) -> int:

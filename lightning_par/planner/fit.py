@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_par.planner.layouts import Layout
+from lightning_par.planner.layouts import WORLD_SIZE_FIELDS, Layout, size_fields
 from lightning_par.planner.plan import Prediction, plan, predict
 from lightning_par.planner.precision import get_precision
 
@@ -23,12 +23,13 @@ _GiB = float(1 << 30)
 
 
 def layout_distance(a: Layout, b: Layout) -> float:
-    """How far layout ``b`` is from ``a``: one per doubling or halving of the tp, pp and cp sizes, one per change of
-    dp mode or activation checkpointing, a half per change of schedule, micro-batch size or sequence parallelism."""
-    def log_steps(x: int, y: int) -> float:
-        return abs(math.log2(x) - math.log2(y))
+    """How far layout ``b`` is from ``a``: one per doubling or halving of the tp and pp sizes and of every size of
+    :func:`~lightning_par.planner.layouts.size_fields` (cp, HSDP replicas, ep), one per change of dp mode or
+    activation checkpointing, a half per change of schedule, micro-batch size or sequence parallelism."""
+    def log_steps(size: str) -> float:
+        return abs(math.log2(getattr(a, size)) - math.log2(getattr(b, size)))
 
-    return (log_steps(a.tp_size, b.tp_size) + log_steps(a.pp_size, b.pp_size) + log_steps(a.cp_size, b.cp_size)
+    return (sum(log_steps(size) for size in ("tp_size", "pp_size", *size_fields()))
             + (a.dp_mode != b.dp_mode) + (a.activation_checkpointing != b.activation_checkpointing)
             + 0.5 * ((a.schedule != b.schedule) + (a.micro_batch_size != b.micro_batch_size)
                      + (a.sequence_parallel != b.sequence_parallel)))
@@ -36,11 +37,11 @@ def layout_distance(a: Layout, b: Layout) -> float:
 
 def memory_terms(pred: Prediction, precision: Any) -> list[tuple[str, float]]:
     """The fullest rank's predicted memory as named terms in bytes, largest first: parameters, gradients, optimizer
-    state (ZeRO's split of the model state over the ``dp_size * cp_size`` ranks of the layout's dp mode),
-    activations, buffers."""
+    state (ZeRO's split of the model state over the ``dp_size * cp_size`` ranks of the layout's dp mode, the runtime's
+    ``dp_cp`` mesh), activations, buffers."""
     prec = get_precision(precision)
     layout, mem = pred.layout, pred.memory
-    d = layout.dp_size * layout.cp_size
+    d = layout.dims().size("dp_cp")
     shards = {"ddp": (1, 1, 1), "zero1": (1, 1, d), "zero2": (1, d, d), "zero3": (d, d, d)}[layout.dp_mode]
     terms = [
         ("parameters", mem.params * prec.param_bytes / shards[0]),
@@ -55,11 +56,13 @@ def memory_terms(pred: Prediction, precision: Any) -> list[tuple[str, float]]:
 def nearest_fitting(model: Any, layout: Layout, device: str, devices_per_node: int, precision: Any,
                     seq_len: int | None = None) -> Prediction | None:
     """The planner's layout that fits ``device`` nearest to ``layout`` (:func:`layout_distance`; the faster of
-    equals), for the same model, device count and global batch; ``None`` if none fits."""
+    equals), for the same model, device count and global batch, among the layouts with each size of
+    :func:`~lightning_par.planner.layouts.size_fields` that splits the world (cp's) at 1 or at ``layout``'s, and the
+    sizes on borrowed ranks (HSDP, ep) at 1; ``None`` if none fits."""
     batch = layout.dp_size * layout.micro_batch_size * layout.num_microbatches
+    sizes = {size: sorted({1, getattr(layout, size)}) for size in size_fields() if size in WORLD_SIZE_FIELDS}
     fitting = plan(model, num_devices=layout.world_size, devices_per_node=devices_per_node, device=device,
-                   global_batch_size=batch, seq_len=seq_len, precision=precision,
-                   cp_sizes=sorted({1, layout.cp_size}), include_unfit=False)
+                   global_batch_size=batch, seq_len=seq_len, precision=precision, sizes=sizes, include_unfit=False)
     if not fitting:
         return None
     return min(enumerate(fitting), key=lambda t: (layout_distance(layout, t[1].layout), t[0]))[1]

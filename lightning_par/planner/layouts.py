@@ -30,13 +30,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 import dataclasses
 import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lightning_par.context_parallel.options import CP_METHODS
 from lightning_par.data_parallel.options import DP_MODES
-from lightning_par.parallel_dims import ParallelDims
+from lightning_par.parallel_dims import DERIVED_MESHES, ParallelDims
 from lightning_par.pipeline_parallel.planner import PLANNED_SCHEDULES
 from lightning_par.planner.model import ModelSpec
 
@@ -44,15 +45,22 @@ if TYPE_CHECKING:
     from lightning_par.axis_registry import PlannerTerms
 
 __all__ = [
+    "AXIS_OPTIONS",
     "CHECKPOINTING",
     "CP_METHODS",
     "DP_MODES",
     "SCHEDULES",
+    "WORLD_SIZE_FIELDS",
+    "AxisOption",
     "Layout",
+    "axis_choices",
     "check_layout",
+    "comm_axes",
+    "comm_axis",
     "divisors",
     "enumerate_layouts",
     "planner_terms",
+    "sequence_split",
     "size_fields",
 ]
 
@@ -61,6 +69,38 @@ __all__ = [
 SCHEDULES: tuple[str, ...] = PLANNED_SCHEDULES
 #: Activation checkpointing (Korthikanti et al. 2022): keep all, recompute attention cores, recompute whole layers.
 CHECKPOINTING: tuple[str, ...] = ("none", "selective", "full")
+#: The :class:`Layout` sizes whose product is the world size; the other sizes of :func:`size_fields` borrow their
+#: ranks from these (HSDP's replicas from ``dp_size``, expert parallelism from ``dp_shard x cp``).
+WORLD_SIZE_FIELDS: tuple[str, ...] = ("dp_size", "cp_size", "tp_size", "pp_size")
+
+
+@dataclass(frozen=True)
+class AxisOption:
+    """An option of an axis added on the registry that the planner enumerates next to the axis's size, and that the
+    planner's generic code reads from here: ``plan()``'s keyword and ``PlannerConfig``'s field (the plural, e.g.
+    ``cp_methods``), the emitted override, the run-config reader and the report's column.
+
+    Attributes:
+        name: the :class:`Layout` field (``"cp_method"``).
+        size: the :class:`Layout` size field of its axis (``"cp_size"``): while that size is 1 the option takes its
+            first value only (one spelling per layout), and the override and the report's cell are left out.
+        values: the valid values, the first the default.
+        strategy_key: its key under ``strategy.`` in the run config (``conf/strategy/*.yaml``).
+        header: its column in the report's tables.
+    """
+
+    name: str
+    size: str
+    values: tuple[str, ...]
+    strategy_key: str
+    header: str
+
+
+#: The per-layout options of the axes added on the registry: the cp attention (ring attention or Ulysses' all-to-all,
+#: :data:`~lightning_par.context_parallel.options.CP_METHODS`).
+AXIS_OPTIONS: tuple[AxisOption, ...] = (
+    AxisOption("cp_method", "cp_size", CP_METHODS, "context_parallel.method", "cp method"),
+)
 
 
 def divisors(n: int) -> list[int]:
@@ -109,8 +149,8 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        """``dp_size * cp_size * tp_size * pp_size``."""
-        return self.dp_size * self.cp_size * self.tp_size * self.pp_size
+        """``dp_size * cp_size * tp_size * pp_size`` (:data:`WORLD_SIZE_FIELDS`)."""
+        return math.prod(getattr(self, f) for f in WORLD_SIZE_FIELDS)
 
     def dims(self, world_size: int | None = None) -> ParallelDims:
         """The runtime's layout of these sizes on ``world_size`` devices (default: :attr:`world_size`).
@@ -159,6 +199,39 @@ def size_fields() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(Layout)
                  if f.name.endswith("_size") and f.default == 1 and f.name not in ("tp_size", "pp_size",
                                                                                     "micro_batch_size"))
+
+
+def axis_choices() -> dict[str, tuple[object, ...]]:
+    """The per-axis choices ``plan()`` takes as keywords and ``PlannerConfig`` as fields, each with its default, in
+    :class:`Layout` order: ``<size>s`` for each of :func:`size_fields` (default ``(1,)``: the axis unused), each
+    followed by ``<option>s`` for its :data:`AXIS_OPTIONS` (default: every value), e.g. ``{"cp_sizes": (1,),
+    "cp_methods": ("ring", "all_to_all"), "dp_replicate_sizes": (1,), "ep_sizes": (1,)}``."""
+    out: dict[str, tuple[object, ...]] = {}
+    for size in size_fields():
+        out[f"{size}s"] = (1,)
+        out.update({f"{o.name}s": o.values for o in AXIS_OPTIONS if o.size == size})
+    return out
+
+
+def comm_axis(size: str) -> str:
+    """The axis whose communication a size field of :func:`size_fields` adds: its mesh axis (``"cp"``, ``"ep"``), or
+    ``"dp"`` for a part of the data-parallel pair (``dp_replicate_size``: HSDP's all-reduce is the dp axis's); the key
+    of :attr:`~lightning_par.planner.step_time.TimeBreakdown.comm_s`."""
+    axis = size.removesuffix("_size")
+    return "dp" if axis in DERIVED_MESHES["dp"] else axis
+
+
+def comm_axes() -> tuple[str, ...]:
+    """The axes added on the registry whose communication is their own (not the dp axis's), in :func:`size_fields`
+    order: ``("cp", "ep")``; each is reported as ``<axis>_comm_s``."""
+    return tuple(a for a in dict.fromkeys(comm_axis(size) for size in size_fields()) if a != "dp")
+
+
+def sequence_split(layout: Layout) -> int:
+    """Ranks each sequence's tokens are split over: the product of every registered axis's ``token_split``
+    (:class:`~lightning_par.axis_registry.PlannerTerms`; context parallelism's ``cp_size``); a rank holds
+    ``seq_len / sequence_split(layout)`` tokens of each of its sequences."""
+    return math.prod(t.token_split(layout) for _, t in planner_terms() if t.token_split is not None)
 
 
 def _check_choice(name: str, value: object, valid: Sequence[object]) -> None:
@@ -269,12 +342,14 @@ def enumerate_layouts(
         dp_replicate_sizes: HSDP replica counts to consider (each dividing ``dp_size``; default ``(1,)``: no HSDP).
         ep_sizes: expert-parallel sizes to consider for a MoE model (each dividing ``dp_shard_size * cp_size`` and
             the experts; default ``(1,)``).
-        sizes: further :func:`size_fields` of axes that borrow their ranks (do not change the world size), each with
-            the sizes to consider, e.g. ``{"ep_size": (1, 2)}`` (the same as ``ep_sizes``).
+        sizes: further :func:`size_fields`, each with the sizes to consider, e.g. ``{"ep_size": (1, 2)}`` (the same
+            as ``ep_sizes``; ``"cp_size"`` the same as ``cp_sizes``); they take precedence over those keywords.
 
     Yields:
         Valid layouts, in a deterministic order.
     """
+    sizes = dict(sizes or {})
+    cp_sizes = sizes.pop("cp_size", cp_sizes)  # the one added size that multiplies into the world size
     for tp in divisors(num_devices):
         if model.num_heads % tp or (max_tp_size is not None and tp > max_tp_size):
             continue
@@ -288,7 +363,7 @@ def enumerate_layouts(
                 dp_modes=dp_modes, schedules=schedules, checkpointing=checkpointing,
                 micro_batch_sizes=micro_batch_sizes, num_microbatches=num_microbatches,
                 max_virtual_stages=max_virtual_stages, sequence_parallel=sequence_parallel,
-                borrowed={"dp_replicate_size": dp_replicate_sizes, "ep_size": ep_sizes, **(sizes or {})},
+                borrowed={"dp_replicate_size": dp_replicate_sizes, "ep_size": ep_sizes, **sizes},
             )
 
 

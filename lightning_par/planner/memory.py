@@ -29,7 +29,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from lightning_par.planner.layouts import Layout
+from lightning_par.planner.layouts import Layout, sequence_split
 from lightning_par.planner.model import ModelSpec
 from lightning_par.planner.precision import Precision
 
@@ -166,8 +166,7 @@ def activation_bytes_per_layer(
     sequence_parallel: bool = False,
     checkpointing: str = "none",
     element_bytes: int = 2,
-    cp_size: int = 1,
-    cp_method: str = "ring",
+    seq_split: int = 1,
 ) -> float:
     """Activation bytes one transformer layer keeps for backward, per micro-batch, on one rank.
 
@@ -183,11 +182,12 @@ def activation_bytes_per_layer(
     elements (``12 s b h + 2 a s^2 b`` of them split by TP) and ``2 s b h + a s^2 b`` mask bytes (``a s^2 b`` split).
     Here elements take ``element_bytes``, so ``element_bytes=2`` gives the table exactly.
 
-    Context parallelism over ``cp`` ranks (``cp_size``): each rank holds ``s / cp`` tokens, so every ``s b h`` term
-    becomes ``(s / cp) b h``; the attention core holds ``s / cp x s`` scores per head with ring attention (its queries
-    against every K/V block; Liu et al. 2023, §3) and ``s x s`` for ``a / cp`` heads with Ulysses (Jacobs et al. 2023,
-    §3): ``a s^2 b / cp`` both. The ring keeps no visiting K/V block for backward (they go around the ring again, as
-    in the paper). So the whole layer falls as ``1 / cp``.
+    A sequence split over ``cp`` ranks (``seq_split``: context parallelism, :func:`~lightning_par.planner.layouts.
+    sequence_split`): each rank holds ``s / cp`` tokens, so every ``s b h`` term becomes ``(s / cp) b h``; the
+    attention core holds ``s / cp x s`` scores per head with ring attention (its queries against every K/V block; Liu
+    et al. 2023, §3) and ``s x s`` for ``a / cp`` heads with Ulysses (Jacobs et al. 2023, §3): ``a s^2 b / cp`` both,
+    so the cp method does not change the count. The ring keeps no visiting K/V block for backward (they go around the
+    ring again, as in the paper). So the whole layer falls as ``1 / cp``.
 
     Args:
         seq_len: tokens ``s`` per whole sequence (before the cp split).
@@ -198,8 +198,7 @@ def activation_bytes_per_layer(
         sequence_parallel: norms and dropouts sharded over the sequence inside tensor parallelism.
         checkpointing: ``"none"``, ``"selective"`` or ``"full"``.
         element_bytes: bytes per activation element.
-        cp_size: context-parallel ranks ``cp`` the sequence is split over.
-        cp_method: ``"ring"`` or ``"all_to_all"`` (only read when ``cp_size > 1``).
+        seq_split: ranks ``cp`` each sequence's tokens are split over (context parallelism's ``cp_size``).
 
     Returns:
         Bytes.
@@ -207,8 +206,8 @@ def activation_bytes_per_layer(
     Raises:
         ValueError: an unknown ``checkpointing``.
     """
-    s, b, h, a, t, e, cp = seq_len, micro_batch_size, hidden_size, num_heads, tp_size, element_bytes, cp_size
-    s_local = s // cp if s % cp == 0 else s / cp  # tokens per cp rank (whole when the runtime's split allows it)
+    s, b, h, a, t, e, n = seq_len, micro_batch_size, hidden_size, num_heads, tp_size, element_bytes, seq_split
+    s_local = s // n if s % n == 0 else s / n  # tokens per rank (whole when the runtime's split allows it)
     sbh = s_local * b * h
     if checkpointing == "full":
         return sbh * e / (t if sequence_parallel else 1)
@@ -255,7 +254,7 @@ def buffer_bytes(model: ModelSpec, layout: Layout, params: float, precision: Pre
     layout with ``cp_size > 1`` has them even at ``dp_size == 1``.
     """
     out = 0.0
-    if layout.dp_size * layout.cp_size > 1:
+    if layout.dims().size("dp_cp") > 1:
         if layout.dp_mode == "ddp":
             out += params * precision.grad_bytes
         elif layout.dp_mode in ("zero1", "zero2"):
@@ -266,7 +265,7 @@ def buffer_bytes(model: ModelSpec, layout: Layout, params: float, precision: Pre
             out += block * (2 * precision.param_bytes + precision.grad_bytes)
     if layout.pp_size > 1:
         sbh = model.seq_len * layout.micro_batch_size * model.hidden_size
-        shard = (layout.tp_size if layout.sequence_parallel else 1) * layout.cp_size
+        shard = (layout.tp_size if layout.sequence_parallel else 1) * sequence_split(layout)
         out += 2 * sbh * precision.activation_bytes / shard
     return out
 
@@ -302,15 +301,16 @@ def _activation_bytes(model: ModelSpec, layout: Layout, precision: Precision, pp
     e = precision.activation_bytes
     args = (model.seq_len, layout.micro_batch_size, model.hidden_size, model.num_heads, layout.tp_size,
             layout.sequence_parallel)
-    cp = {"cp_size": layout.cp_size, "cp_method": layout.cp_method}
-    per_layer = activation_bytes_per_layer(*args, checkpointing=layout.activation_checkpointing, element_bytes=e, **cp)
+    split = sequence_split(layout)
+    per_layer = activation_bytes_per_layer(*args, checkpointing=layout.activation_checkpointing, element_bytes=e,
+                                           seq_split=split)
     layers = model.num_layers / layout.pp_size
     held = per_layer * layers * microbatches_in_flight(layout, pp_rank)
     if layout.activation_checkpointing == "full":  # one layer recomputed in full during its backward
-        held += activation_bytes_per_layer(*args, checkpointing="none", element_bytes=e, **cp)
+        held += activation_bytes_per_layer(*args, checkpointing="none", element_bytes=e, seq_split=split)
     if pp_rank == layout.pp_size - 1:  # one micro-batch's logits (of this rank's tokens) and their fp32 softmax
         logits = model.seq_len * layout.micro_batch_size * math.ceil(model.vocab_size / layout.tp_size) * (e + 4)
-        held += logits if layout.cp_size == 1 else logits / layout.cp_size
+        held += logits if split == 1 else logits / split
     return held
 
 

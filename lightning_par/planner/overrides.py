@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from lightning_par.planner.layouts import Layout, size_fields
+from lightning_par.planner.layouts import AXIS_OPTIONS, WORLD_SIZE_FIELDS, Layout, size_fields
 
 __all__ = ["STRATEGY_FIELDS", "layout_notes", "layout_overrides", "parallel_option_name", "strategy_name"]
 
@@ -32,7 +32,7 @@ STRATEGY_FIELDS: dict[str, str] = {
     "split": "pipeline.split",
     "sequence_parallel": "tensor_parallel.sequence_parallel",
     "activation_checkpointing": "activation_checkpointing",
-    "cp_method": "context_parallel.method",
+    **{option.name: option.strategy_key for option in AXIS_OPTIONS},  # cp_method: context_parallel.method
 }
 
 
@@ -44,8 +44,9 @@ def parallel_option_name(layout: Layout) -> str:
     """The conf/parallel option name this layout would have by the existing convention (``tp2_pp2_dp2``,
     ``tp2_dp4``, ``pp2``, ``dp8``; ``cp2_dp2``, ``cp2_tp2``): the axes of size > 1 in the order cp, tp, pp, dp; ``dp1``
     for one device."""
-    sizes = (("cp", layout.cp_size), ("tp", layout.tp_size), ("pp", layout.pp_size), ("dp", layout.dp_size))
-    parts = [f"{axis}{size}" for axis, size in sizes if size > 1]
+    added = [size for size in size_fields() if size in WORLD_SIZE_FIELDS]  # cp_size
+    sizes = [*added, "tp_size", "pp_size", "dp_size"]
+    parts = [f"{size.removesuffix('_size')}{getattr(layout, size)}" for size in sizes if getattr(layout, size) > 1]
     return "_".join(parts) or "dp1"
 
 
@@ -101,8 +102,9 @@ def layout_overrides(
     f = STRATEGY_FIELDS
     if strategy == "parallel_3d":
         out.append(f"strategy.{f['dp_mode']}={layout.dp_mode}")
-    if layout.cp_size > 1:
-        out.append(f"strategy.{f['cp_method']}={layout.cp_method}")
+    for option in AXIS_OPTIONS:  # the cp method
+        if getattr(layout, option.size) > 1:
+            out.append(f"strategy.{f[option.name]}={getattr(layout, option.name)}")
     if strategy in ("parallel_3d", "pipeline") and layout.pp_size > 1:
         out.append(f"strategy.{f['schedule']}={layout.schedule}")
     pipelined = layout.pp_size > 1 and strategy in _PIPELINED

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_par.planner.devices import DeviceSpec, get_device
+from lightning_par.planner.layouts import axis_choices as axis_choice_defaults
 from lightning_par.planner.layouts import (
+    AXIS_OPTIONS,
     CHECKPOINTING,
-    CP_METHODS,
     DP_MODES,
     Layout,
     check_layout,
@@ -72,25 +73,18 @@ class Prediction:
         """Pipeline stages."""
         return self.layout.pp_size
 
-    @property
-    def cp_size(self) -> int:
-        """Context-parallel ranks each sequence is split over."""
-        return self.layout.cp_size
+    def __getattr__(self, name: str) -> Any:
+        """The layout's fields of the axes added on the registry, like the properties above
+        (:func:`~lightning_par.planner.layouts.size_fields` and their :data:`~lightning_par.planner.layouts.
+        AXIS_OPTIONS`): ``cp_size`` (ranks each sequence is split over), ``cp_method`` (``ring`` or ``all_to_all``),
+        ``dp_replicate_size`` (HSDP replicas, 1: none), ``ep_size`` (expert-parallel ranks).
 
-    @property
-    def cp_method(self) -> str:
-        """Context-parallel attention: ``ring`` or ``all_to_all``."""
-        return self.layout.cp_method
-
-    @property
-    def dp_replicate_size(self) -> int:
-        """HSDP replicas among the data-parallel ranks (1: none)."""
-        return self.layout.dp_replicate_size
-
-    @property
-    def ep_size(self) -> int:
-        """Expert-parallel ranks (borrowed from ``dp_shard x cp``)."""
-        return self.layout.ep_size
+        Raises:
+            AttributeError: any other name.
+        """
+        if name in size_fields() or any(name == o.name for o in AXIS_OPTIONS):
+            return getattr(self.layout, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def dp_mode(self) -> str:
@@ -220,6 +214,48 @@ def _predict(spec: ModelSpec, layout: Layout, dev: DeviceSpec, prec: Precision, 
     )
 
 
+def _axis_choices(given: Mapping[str, Sequence[Any]], sizes: Mapping[str, Sequence[int]] | None
+                  ) -> tuple[dict[str, Sequence[int]], dict[str, Sequence[str]]]:
+    """Check :func:`plan`'s axis choices (``<size>s`` and ``<option>s`` keywords of
+    :func:`~lightning_par.planner.layouts.axis_choices`, and ``sizes`` by Layout field) and return ``(sizes by Layout
+    field, options by plural keyword)`` for :func:`~lightning_par.planner.layouts.enumerate_layouts`.
+
+    Raises:
+        TypeError: a keyword that is no axis choice.
+        ValueError: an unknown key of ``sizes``, sizes that are not a non-empty list of positive integers, options
+            that are not a non-empty subset of their valid values (each naming the argument, its value and what is
+            valid).
+    """
+    defaults = axis_choice_defaults()
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise TypeError(f"plan() got unexpected keyword arguments {unknown}: expected the usual ones or axis choices "
+                        f"among {list(defaults)}.")
+    fields = size_fields()
+    unknown = sorted(set(sizes or {}) - set(fields))
+    if unknown:
+        raise ValueError(f"sizes={dict(sizes or {})!r} is not valid: {unknown} are not sizes of an axis added on the "
+                         f"registry; expected keys among {list(fields)}.")
+    layout_sizes = {}
+    for field in fields:
+        name, values = f"{field}s", given.get(f"{field}s", defaults[f"{field}s"])
+        if field in (sizes or {}):
+            name, values = f"sizes[{field!r}]", sizes[field]
+        if not values or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in values):
+            raise ValueError(f"{name}={list(values)!r} is not valid: expected a non-empty list of positive integers.")
+        layout_sizes[field] = values
+    options = {}
+    for option in AXIS_OPTIONS:
+        name = f"{option.name}s"
+        values = given.get(name, option.values)
+        if not values or any(x not in option.values for x in values):
+            raise ValueError(
+                f"{name}={list(values)!r} is not valid: expected a non-empty subset of {list(option.values)}."
+            )
+        options[name] = values
+    return layout_sizes, options
+
+
 def plan(
     model: Any,
     num_devices: int,
@@ -236,14 +272,11 @@ def plan(
     max_tp_size: int | None = None,
     max_virtual_stages: int = 4,
     sequence_parallel: Sequence[bool] = (False, True),
-    cp_sizes: Sequence[int] = (1,),
-    cp_methods: Sequence[str] = CP_METHODS,
-    dp_replicate_sizes: Sequence[int] = (1,),
-    ep_sizes: Sequence[int] = (1,),
     sizes: Mapping[str, Sequence[int]] | None = None,
     include_unfit: bool = True,
     calibration: Any = None,
     pp_scatter_gather: bool = False,
+    **axis_choices: Sequence[Any],
 ) -> list[Prediction]:
     """Enumerate the valid layouts of ``model`` on ``num_devices`` devices and predict each; best first.
 
@@ -268,14 +301,18 @@ def plan(
             ``"mixed-bf16"`` on GPUs, ``"fp32"`` on the CPU).
         dp_modes, schedules, checkpointing, micro_batch_sizes, max_virtual_stages, sequence_parallel: the choices
             to enumerate (see :func:`~lightning_par.planner.layouts.enumerate_layouts`).
-        cp_sizes: context-parallel sizes to enumerate (default ``(1,)``: none), e.g. ``(1, 2, 4)``.
-        cp_methods: context-parallel attentions to enumerate when ``cp_size > 1``: a non-empty subset of
-            :data:`~lightning_par.context_parallel.options.CP_METHODS`.
-        dp_replicate_sizes: HSDP replica counts to enumerate (default ``(1,)``: none), e.g. ``(1, 2)``: the ZeRO
-            modes then shard over ``dp_size / dp_replicate_size * cp_size`` ranks and all-reduce across the replicas.
-        ep_sizes: expert-parallel sizes to enumerate for a MoE model (default ``(1,)``), e.g. ``(1, 2, 4)``.
-        sizes: sizes of further borrowed-rank axes to enumerate, by Layout field (see
-            :func:`~lightning_par.planner.layouts.enumerate_layouts`).
+        sizes: sizes to enumerate by Layout field, for any of :func:`~lightning_par.planner.layouts.size_fields`
+            (e.g. ``{"ep_size": (1, 2)}``, the same as ``ep_sizes=(1, 2)``, which it overrides).
+        axis_choices: the choices of the axes added on the registry
+            (:func:`~lightning_par.planner.layouts.axis_choices`), each a non-empty sequence:
+
+            * ``cp_sizes``: context-parallel sizes to enumerate (default ``(1,)``: none), e.g. ``(1, 2, 4)``;
+            * ``cp_methods``: context-parallel attentions to enumerate when ``cp_size > 1``: a subset of
+              :data:`~lightning_par.context_parallel.options.CP_METHODS` (default: all);
+            * ``dp_replicate_sizes``: HSDP replica counts to enumerate (default ``(1,)``: none), e.g. ``(1, 2)``: the
+              ZeRO modes then shard over ``dp_size / dp_replicate_size * cp_size`` ranks and all-reduce across the
+              replicas;
+            * ``ep_sizes``: expert-parallel sizes to enumerate for a MoE model (default ``(1,)``), e.g. ``(1, 2, 4)``.
         max_tp_size: largest tensor-parallel size (None: any divisor of ``devices_per_node``: tensor parallelism
             stays inside a node).
         include_unfit: also return the layouts that do not fit (after all that fit, each with its ``reason``).
@@ -290,6 +327,7 @@ def plan(
 
     Raises:
         ValueError: an invalid argument (named, with its value and what is valid), or no valid layout at all.
+        TypeError: a keyword that is none of the above (nor an axis choice).
     """
     spec = model_spec(model, seq_len)
     for name, value in (("num_devices", num_devices), ("devices_per_node", devices_per_node),
@@ -311,31 +349,17 @@ def plan(
     if micro_batch_sizes is not None:
         for b in micro_batch_sizes:
             _check_positive_int("micro_batch_sizes", b)
-    if not cp_sizes or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in cp_sizes):
-        raise ValueError(f"cp_sizes={list(cp_sizes)!r} is not valid: expected a non-empty list of positive integers.")
-    borrowed = [f for f in size_fields() if f != "cp_size"]
-    unknown = sorted(set(sizes or {}) - set(borrowed))
-    if unknown:
-        raise ValueError(f"sizes={dict(sizes or {})!r} is not valid: {unknown} are not sizes of an axis on borrowed "
-                         f"ranks; expected keys among {borrowed} (cp_size: cp_sizes=).")
-    extra = {f"sizes[{k!r}]": v for k, v in (sizes or {}).items()}
-    for name, values in (("dp_replicate_sizes", dp_replicate_sizes), ("ep_sizes", ep_sizes), *extra.items()):
-        if not values or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in values):
-            raise ValueError(f"{name}={list(values)!r} is not valid: expected a non-empty list of positive integers.")
-    if any(e > 1 for e in ep_sizes) and not spec.num_experts:
-        raise ValueError(f"ep_sizes={list(ep_sizes)!r} is not valid for a dense model (num_experts=0): expected [1].")
-    if not cp_methods or any(x not in CP_METHODS for x in cp_methods):
-        raise ValueError(
-            f"cp_methods={list(cp_methods)!r} is not valid: expected a non-empty subset of {list(CP_METHODS)}."
-        )
+    layout_sizes, options = _axis_choices(axis_choices, sizes)
+    if any(e > 1 for e in axis_choices.get("ep_sizes", ())) and not spec.num_experts:
+        raise ValueError(f"ep_sizes={list(axis_choices['ep_sizes'])!r} is not valid for a dense model "
+                         f"(num_experts=0): expected [1].")
     dev = get_device(device, min(num_devices, devices_per_node), calibration)
     prec = get_precision(precision if precision is not None else dev.default_precision)
     layouts = list(enumerate_layouts(
         spec, num_devices, global_batch_size,
         max_tp_size=max_tp_size, devices_per_node=min(devices_per_node, num_devices),
         dp_modes=dp_modes, schedules=schedules, checkpointing=checkpointing, micro_batch_sizes=micro_batch_sizes,
-        max_virtual_stages=max_virtual_stages, sequence_parallel=sequence_parallel, cp_sizes=cp_sizes,
-        cp_methods=cp_methods, dp_replicate_sizes=dp_replicate_sizes, ep_sizes=ep_sizes, sizes=sizes,
+        max_virtual_stages=max_virtual_stages, sequence_parallel=sequence_parallel, sizes=layout_sizes, **options,
     ))
     if not layouts:
         raise ValueError(

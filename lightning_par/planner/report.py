@@ -13,12 +13,31 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_par.planner.layouts import size_fields
+from lightning_par.planner.layouts import AXIS_OPTIONS, comm_axes, comm_axis, size_fields
 from lightning_par.planner.plan import Prediction
 
-__all__ = ["COLUMNS", "CP_COLUMNS", "OPTIONAL_COLUMNS", "format_table", "to_csv", "to_markdown", "to_rows"]
+__all__ = ["COLUMNS", "OPTIONAL_COLUMNS", "format_table", "to_csv", "to_markdown", "to_rows"]
 
 _GiB = 1 << 30
+
+#: Headers of the size fields whose header is not their axis's name.
+_SIZE_HEADERS: dict[str, str] = {"dp_replicate_size": "rep"}
+
+
+def _axis_columns() -> dict[str, str]:
+    """The columns of the axes added on the registry (:func:`~lightning_par.planner.layouts.size_fields`), in
+    :class:`~lightning_par.planner.layouts.Layout` order: each size, then its options
+    (:data:`~lightning_par.planner.layouts.AXIS_OPTIONS`): ``cp``, ``cp method``, ``rep``, ``ep``."""
+    out = {}
+    for size in size_fields():
+        out[size] = _SIZE_HEADERS.get(size, size.removesuffix("_size"))
+        out.update({option.name: option.header for option in AXIS_OPTIONS if option.size == size})
+    return out
+
+
+#: ``<axis>_comm_s`` of the axes added on the registry that communicate on their own (``cp``, ``ep``; HSDP's is the
+#: dp axis's), after ``dp_comm_s`` and ``tp_comm_s``.
+_COMM_COLUMNS: dict[str, str] = {f"{axis}_comm_s": f"{axis} comm s" for axis in comm_axes()}
 
 #: Column key -> header, in table order.
 COLUMNS: dict[str, str] = {
@@ -26,10 +45,7 @@ COLUMNS: dict[str, str] = {
     "dp_size": "dp",
     "tp_size": "tp",
     "pp_size": "pp",
-    "cp_size": "cp",
-    "cp_method": "cp method",
-    "dp_replicate_size": "rep",
-    "ep_size": "ep",
+    **_axis_columns(),
     "dp_mode": "dp mode",
     "schedule": "schedule",
     "num_microbatches": "m",
@@ -46,15 +62,15 @@ COLUMNS: dict[str, str] = {
     "bubble": "bubble",
     "dp_comm_s": "dp comm s",
     "tp_comm_s": "tp comm s",
-    "cp_comm_s": "cp comm s",
-    "ep_comm_s": "ep comm s",
+    **_COMM_COLUMNS,
     "reason": "why not / notes",
 }
-#: The columns of context parallelism (left out of the text and markdown tables when no layout uses it).
-CP_COLUMNS: tuple[str, ...] = ("cp_size", "cp_method", "cp_comm_s")
-#: Columns shown only when some layout uses their axis: the layout field that says so -> its columns.
+#: Columns shown only when some layout uses their axis: the layout field that says so -> its columns (its size, its
+#: options, its communication), e.g. ``"cp_size": ("cp_size", "cp_method", "cp_comm_s")``.
 OPTIONAL_COLUMNS: dict[str, tuple[str, ...]] = {
-    "cp_size": CP_COLUMNS, "dp_replicate_size": ("dp_replicate_size",), "ep_size": ("ep_size", "ep_comm_s"),
+    size: (size, *(o.name for o in AXIS_OPTIONS if o.size == size),
+           *([f"{comm_axis(size)}_comm_s"] if comm_axis(size) in comm_axes() else []))
+    for size in size_fields()
 }
 
 
@@ -64,15 +80,13 @@ def to_rows(predictions: Sequence[Prediction]) -> list[dict[str, Any]]:
     for i, p in enumerate(predictions, 1):
         lay = p.layout
         schedule = lay.schedule if lay.virtual_stages == 1 else f"{lay.schedule}(v={lay.virtual_stages})"
+        options = {o.name: getattr(lay, o.name) if getattr(lay, o.size) > 1 else "" for o in AXIS_OPTIONS}
         rows.append({
             "rank": i,
             "dp_size": lay.dp_size,
             "tp_size": lay.tp_size,
             "pp_size": lay.pp_size,
-            "cp_size": lay.cp_size,
-            "cp_method": lay.cp_method if lay.cp_size > 1 else "",
-            "dp_replicate_size": lay.dp_replicate_size,
-            "ep_size": lay.ep_size,
+            **{key: options[key] if key in options else getattr(lay, key) for key in _axis_columns()},
             "dp_mode": lay.dp_mode,
             "schedule": schedule,
             "num_microbatches": lay.num_microbatches,
@@ -89,10 +103,8 @@ def to_rows(predictions: Sequence[Prediction]) -> list[dict[str, Any]]:
             "bubble": p.bubble,
             "dp_comm_s": p.time.dp_comm_s,
             "tp_comm_s": p.time.tp_comm_s,
-            "cp_comm_s": p.time.cp_comm_s,
-            "ep_comm_s": p.time.ep_comm_s,
+            **{key: getattr(p.time, key) for key in _COMM_COLUMNS},
             "reason": p.reason or "; ".join(p.notes),
-            **{size: getattr(lay, size) for size in size_fields() if size not in COLUMNS},  # a newer axis's size
         })
     return rows
 
@@ -117,8 +129,7 @@ def _cells(predictions: Sequence[Prediction], top: int | None) -> tuple[list[str
     hidden = {c for size, cols in OPTIONAL_COLUMNS.items()  # unless some layout planned, shown or not, uses the axis
               if not any(getattr(p.layout, size) > 1 for p in predictions) for c in cols}
     keys = [k for k in COLUMNS if k not in hidden]
-    keys += [k for k in rows[0] if k not in COLUMNS and any(r[k] != 1 for r in rows)] if rows else []
-    headers = [COLUMNS.get(k, k) for k in keys]
+    headers = [COLUMNS[k] for k in keys]
     return headers, [[_fmt(k, r[k]) for k in keys] for r in rows]
 
 
@@ -143,9 +154,7 @@ def to_csv(predictions: Sequence[Prediction], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
-        rows = to_rows(predictions)
-        extra = [k for k in (rows[0] if rows else {}) if k not in COLUMNS]  # a newer axis's size
-        writer = csv.DictWriter(f, fieldnames=list(COLUMNS) + extra)
+        writer = csv.DictWriter(f, fieldnames=list(COLUMNS))
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(to_rows(predictions))
     return path

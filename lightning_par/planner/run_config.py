@@ -11,11 +11,12 @@ from ``trainer.precision``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from lightning_par.planner.devices import DeviceSpec
-from lightning_par.planner.layouts import Layout, size_fields
+from lightning_par.planner.layouts import AXIS_OPTIONS, WORLD_SIZE_FIELDS, Layout, comm_axes, size_fields
 from lightning_par.planner.plan import predict
 
 __all__ = ["layout_from_run", "model_from_run", "predict_run", "predicted_columns"]
@@ -67,11 +68,11 @@ def layout_from_run(cfg: Mapping[str, Any]) -> Layout:
     """
     par = cfg.get("parallel") or {}
     tp, pp, world = int(par.get("tp_size", 1)), int(par.get("pp_size", 1)), int(par.get("world_size", 1))
-    cp = int(par.get("cp_size", 1))
-    borrowed = {size: int(par.get(size, 1)) for size in size_fields() if size != "cp_size"}
+    sizes = {size: int(par.get(size, 1)) for size in size_fields()}  # cp_size, dp_replicate_size, ep_size
+    added = math.prod(n for size, n in sizes.items() if size in WORLD_SIZE_FIELDS)  # cp: in the world size
     dp = int(par.get("dp_size", -1))
     if dp == -1:
-        dp = world // (tp * pp * cp)
+        dp = world // (tp * pp * added)
     name = _get(cfg, "strategy.name", default="ddp_overlap")
     if name == "parallel_3d":
         dp_mode = _get(cfg, "strategy.dp_mode", default="ddp")
@@ -96,12 +97,15 @@ def layout_from_run(cfg: Mapping[str, Any]) -> Layout:
     if virtual is None:
         virtual = 2 if schedule == "interleaved_1f1b" else 1
     sp = bool(_get(cfg, "strategy.tensor_parallel.sequence_parallel", "strategy.sequence_parallel", default=False))
-    method = _get(cfg, "strategy.context_parallel.method", default="ring") if cp > 1 else "ring"
+    options = {  # the cp method, read where the axis is used
+        o.name: _get(cfg, f"strategy.{o.strategy_key}", default=o.values[0]) if sizes[o.size] > 1 else o.values[0]
+        for o in AXIS_OPTIONS
+    }
     return Layout(
-        dp_size=dp, tp_size=tp, pp_size=pp, dp_mode=dp_mode if dp * cp > 1 else "ddp",
+        dp_size=dp, tp_size=tp, pp_size=pp, dp_mode=dp_mode if dp * added > 1 else "ddp",
         micro_batch_size=batch // chunks, num_microbatches=chunks * accumulate, schedule=schedule,
         virtual_stages=int(virtual), activation_checkpointing="none", sequence_parallel=sp and tp > 1,
-        cp_size=cp, cp_method=method, **borrowed,
+        **sizes, **options,
     )
 
 
@@ -123,7 +127,8 @@ def predict_run(
     Returns:
         ``{"layout", "device", "step_time_s", "tokens_per_s", "model_state_bytes", "bytes_per_device",
         "activation_bytes", "fits", "mfu", "compute_s", "memory_bound_s", "overhead_s", "tp_comm_s", "cp_comm_s",
-        "pp_comm_s", "bubble_s", "dp_comm_s", "optimizer_s"}``: ``model_state_bytes`` is the largest of any rank
+        "ep_comm_s", "pp_comm_s", "bubble_s", "dp_comm_s", "optimizer_s"}`` (``<axis>_comm_s`` for each of
+        :func:`~lightning_par.planner.layouts.comm_axes`): ``model_state_bytes`` is the largest of any rank
         (parameters + gradients + optimizer state), the other bytes those of the fullest device; times in seconds per
         optimizer step.
 
@@ -160,7 +165,7 @@ def predict_run(
         "memory_bound_s": t.memory_bound_s,
         "overhead_s": t.overhead_s,
         "tp_comm_s": t.tp_comm_s,
-        "cp_comm_s": t.cp_comm_s,
+        **{f"{axis}_comm_s": getattr(t, f"{axis}_comm_s") for axis in comm_axes()},  # cp_comm_s, ep_comm_s
         "pp_comm_s": t.pp_comm_s,
         "bubble_s": t.bubble_s,
         "dp_comm_s": t.dp_comm_s,

@@ -102,7 +102,8 @@ class TimeBreakdown:
             (:func:`~lightning_par.planner.elementwise.elementwise_bytes_per_layer`).
         overhead_s: framework overhead over the step (per-layer dispatch).
         tp_comm_s: tensor-parallel collectives over the step.
-        cp_comm_s: context-parallel attention exchanges over the step (ring sends or Ulysses all-to-alls).
+        cp_comm_s: context-parallel attention exchanges over the step (ring sends or Ulysses all-to-alls): like
+            ``ep_comm_s`` (expert-parallel token all-to-alls), read from :attr:`comm_s` (``<axis>_comm_s``).
         pp_comm_s: pipeline sends over the step.
         bubble_s: idle pipeline time (its slots), after what a shared-compute device recovers.
         dp_comm_s: exposed dp-axis communication.
@@ -125,13 +126,19 @@ class TimeBreakdown:
     optimizer_s: float
     model_flops: float
     hardware_flops: float
-    cp_comm_s: float = 0.0
     comm_s: dict[str, float] = field(default_factory=dict, hash=False)
 
-    @property
-    def ep_comm_s(self) -> float:
-        """Expert-parallel token all-to-alls over the step."""
-        return self.comm_s.get("ep", 0.0)
+    def __getattr__(self, name: str) -> float:
+        """``<axis>_comm_s`` of an axis without a field of its own (``cp_comm_s``: context-parallel attention
+        exchanges, ring sends or Ulysses all-to-alls; ``ep_comm_s``: expert-parallel token all-to-alls): its entry of
+        :attr:`comm_s`, 0.0 when the axis has no communication term.
+
+        Raises:
+            AttributeError: any other name.
+        """
+        if name.endswith("_comm_s") and name != "_comm_s" and not name.startswith("__"):
+            return self.__dict__.get("comm_s", {}).get(name.removesuffix("_comm_s"), 0.0)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 def predict_step_time(
@@ -177,8 +184,8 @@ def predict_step_time(
     elementwise = elementwise_bytes_per_layer(
         s, b, h, model.num_heads, t, layout.sequence_parallel, layout.activation_checkpointing, e, model.ffn,
     )
-    if layout.cp_size > 1:  # s / cp tokens per rank, their s / cp x s scores: every term / cp
-        elementwise /= layout.cp_size
+    if ctx.seq_split > 1:  # s / cp tokens per rank, their s / cp x s scores: every term / cp
+        elementwise /= ctx.seq_split
     memory_bound = layers * elementwise / device.memory_bandwidth
     overhead = layers * (model.layer_ops * device.op_overhead_s + (device.tp_layer_overhead_s if t > 1 else 0.0))
     terms = planner_terms()
@@ -224,7 +231,6 @@ def predict_step_time(
         memory_bound_s=m * memory_bound,
         overhead_s=m * overhead,
         tp_comm_s=m * slot_comm.get("tp", 0.0),
-        cp_comm_s=m * slot_comm.get("cp", 0.0),
         pp_comm_s=m * slot_comm.get("pp", 0.0),
         bubble_s=bubble,
         dp_comm_s=dp_comm,

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_par.planner.layouts import DP_MODES, Layout, enumerate_layouts
+from lightning_par.planner.layouts import AXIS_OPTIONS, DP_MODES, Layout, enumerate_layouts, size_fields
 from lightning_par.planner.model import ModelSpec
 from lightning_par.planner.overrides import layout_overrides
 
@@ -66,17 +66,27 @@ def spearman_rho(x: Sequence[float], y: Sequence[float]) -> float:
 
 def cpu_validation_layouts(
     model: ModelSpec, world_size: int, global_batch_size: int, num_microbatches: int = 4,
-    cp_sizes: Sequence[int] = (1,), dp_replicate_sizes: Sequence[int] = (1,), ep_sizes: Sequence[int] = (1,),
-    dp_modes: Sequence[str] = DP_MODES,
+    dp_modes: Sequence[str] = DP_MODES, **axis_sizes: Sequence[int],
 ) -> list[Layout]:
     """Every ``(dp, tp, pp, dp_mode)`` layout of ``world_size`` for ``model`` (and with ``cp_sizes``,
-    ``dp_replicate_sizes``, ``ep_sizes`` its cp (ring), HSDP and ep layouts): 1F1B over ``num_microbatches``
-    micro-batches when ``pp_size > 1``, one micro-batch per step otherwise; no checkpointing or sequence parallelism.
+    ``dp_replicate_sizes``, ``ep_sizes``, the ``<size>s`` keywords of :func:`~lightning_par.planner.layouts.
+    size_fields`, its cp, HSDP and ep layouts, each axis option at its first value: cp's ring): 1F1B over
+    ``num_microbatches`` micro-batches when ``pp_size > 1``, one micro-batch per step otherwise; no checkpointing or
+    sequence parallelism.
+
+    Raises:
+        TypeError: a keyword that is not the ``<size>s`` of a size field.
     """
+    plurals = {f"{size}s": size for size in size_fields()}
+    unknown = sorted(set(axis_sizes) - set(plurals))
+    if unknown:
+        raise TypeError(f"cpu_validation_layouts() got unexpected keyword arguments {unknown}: expected axis sizes "
+                        f"among {list(plurals)}.")
     layouts = enumerate_layouts(
         model, world_size, global_batch_size, schedules=("1f1b",), checkpointing=("none",),
-        num_microbatches=(1, num_microbatches), sequence_parallel=(False,), cp_sizes=cp_sizes, cp_methods=("ring",),
-        dp_replicate_sizes=dp_replicate_sizes, ep_sizes=ep_sizes, dp_modes=dp_modes,
+        num_microbatches=(1, num_microbatches), sequence_parallel=(False,), dp_modes=dp_modes,
+        sizes={plurals[k]: v for k, v in axis_sizes.items()},
+        **{f"{option.name}s": option.values[:1] for option in AXIS_OPTIONS},
     )
     return [lay for lay in layouts if lay.num_microbatches == (1 if lay.pp_size == 1 else num_microbatches)]
 

@@ -18,9 +18,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def check(layout: Any, model: Any) -> None:
-    """Whole heads per tp rank; sequence parallelism only with ``tp_size > 1``, a per-rank sequence (``seq_len /
-    cp_size`` tokens) divisible by ``tp_size``, and no MoE block (the GPT's MoE blocks run the whole sequence on every
-    tp rank: :func:`~lightning_par.models.gpt_tp_plan.validate_gpt_tp`).
+    """Whole heads per tp rank; sequence parallelism only with ``tp_size > 1``, a sequence length divisible by
+    ``tp_size`` (a sequence split over other ranks, context parallelism's, checks its per-rank share in its own
+    ``planner.py``), and no MoE block (the GPT's MoE blocks run the whole sequence on every tp rank:
+    :func:`~lightning_par.models.gpt_tp_plan.validate_gpt_tp`).
 
     Raises:
         ValueError: naming the field, its value and what would be valid.
@@ -40,12 +41,6 @@ def check(layout: Any, model: Any) -> None:
             f"sequence_parallel=True is not valid with tp_size={t} and seq_len={model.seq_len}: expected a sequence "
             f"length divisible by tp_size."
         )
-    if layout.cp_size > 1 and (model.seq_len // layout.cp_size) % t:
-        raise ValueError(
-            f"sequence_parallel=True is not valid with tp_size={t}, cp_size={layout.cp_size} and seq_len="
-            f"{model.seq_len}: expected the tokens per cp rank, seq_len / cp_size = {model.seq_len // layout.cp_size},"
-            f" divisible by tp_size."
-        )
     if model.num_experts:
         raise ValueError(
             f"sequence_parallel=True is not valid with tp_size={t} for a model with num_experts={model.num_experts}: "
@@ -61,12 +56,12 @@ def slot_comm_s(ctx: Any) -> float:
     t = lay.tp_size
     if t == 1:
         return 0.0
-    s_rank = model.seq_len // lay.cp_size
+    s_rank = ctx.sequence_tokens  # s / cp under context parallelism
     op = "all_gather" if lay.sequence_parallel else "all_reduce"  # sp: all-gather / reduce-scatter pairs
     bw, lat = ctx.link("tp", op=op, payload_bytes=lay.micro_batch_size * s_rank * model.hidden_size * ctx.element_bytes)
     full = ctx.recompute == "full"
-    sent = megatron_layer_bytes(lay.micro_batch_size, model.seq_len // lay.cp_size, model.hidden_size, t,
-                                ctx.element_bytes, recompute_forward=full)
+    sent = megatron_layer_bytes(lay.micro_batch_size, s_rank, model.hidden_size, t, ctx.element_bytes,
+                                recompute_forward=full)
     per_dense = collective_time(sent, bw, lat, 6 if full else 4, ring_steps("all_reduce", t))
     moe_share = model.moe_layer_count() / model.num_layers  # MoE blocks: half the all-reduces, half the bytes
     return ctx.layers * per_dense * (1.0 - moe_share / 2)

@@ -166,8 +166,9 @@ def test_plan_rejects_bad_cp_choices(kwargs, match):
 def test_activations_per_layer_fall_as_one_over_cp(ckpt, tp, sp, cp):
     s, b, h, a, e = 2048, 2, 1024, 16, 2
     whole = activation_bytes_per_layer(s, b, h, a, tp, sp, ckpt, e)
-    ulysses = activation_bytes_per_layer(s, b, h, a, tp, sp, ckpt, e, cp_size=cp, cp_method="all_to_all")
-    ring = activation_bytes_per_layer(s, b, h, a, tp, sp, ckpt, e, cp_size=cp, cp_method="ring")
+    # the count does not depend on the cp method (cp's planner.py passes only its split): the same call for both
+    ulysses = activation_bytes_per_layer(s, b, h, a, tp, sp, ckpt, e, seq_split=cp)
+    ring = activation_bytes_per_layer(s, b, h, a, tp, sp, ckpt, e, seq_split=cp)
     assert ulysses == pytest.approx(whole / cp)  # s / cp tokens; a / cp heads of s x s scores
     # the ring: s / cp x s scores per head; it keeps no visiting K/V block
     assert ring == pytest.approx(whole / cp)
@@ -179,8 +180,8 @@ def test_activations_per_layer_on_small_numbers():
     sbh = 4 * 1 * 4
     core = 2 * 4 * 8 * 1 * (2 * 2 + 1)
     expected = 12 * sbh * 2 + core + 4 * sbh * 2 + 2 * sbh
-    assert activation_bytes_per_layer(8, 1, 4, 2, cp_size=2, cp_method="all_to_all") == expected
-    assert activation_bytes_per_layer(8, 1, 4, 2, cp_size=2) == expected  # the ring keeps no visiting K/V block
+    assert activation_bytes_per_layer(8, 1, 4, 2, seq_split=2) == expected  # Ulysses and the ring alike:
+    assert activation_bytes_per_layer(8, 1, 4, 2, 1, False, "none", 2, 2) == expected  # no visiting K/V block kept
 
 
 def test_memory_per_rank_falls_as_one_over_cp():
