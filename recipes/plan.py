@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_par.config.schema import register_configs
 from lightning_par.planner import format_table, layout_overrides, model_spec, plan, to_csv, to_markdown
 from lightning_par.planner.config import register_planner_config, write_layout_recipes
+from lightning_par.planner.layouts import axis_choices
 from lightning_par.planner.run_config import model_from_run
 
 register_configs()
@@ -83,7 +84,7 @@ def _predicted_states(run: dict[str, Any], pp_size: int) -> list[float | None]:
     except ValueError:
         return [None] * pp_size
     prec = get_precision(run.get("trainer", {}).get("precision", "32-true"))
-    d = layout.dp_size * layout.cp_size
+    d = layout.dims().size("dp_cp")  # the ranks the dp modes shard the dense state over (dp x every split of it)
     return [model_state_bytes(rank_params(spec, layout, r), layout.dp_mode, d, prec) for r in range(pp_size)]
 
 
@@ -130,8 +131,12 @@ def _peak_line(run: dict[str, Any], device: str, devices_per_node: int) -> str:
 
 
 def _global_batch(cfg: DictConfig) -> int:
-    par = cfg.parallel
-    dp = par.dp_size if par.dp_size != -1 else par.world_size // (par.tp_size * par.pp_size * par.cp_size)
+    from lightning_par.config.build import build_parallel_dims
+
+    try:
+        dp = build_parallel_dims(cfg).dp_size
+    except ValueError:  # a layout that does not split its world: the planner's own report says why
+        dp = 1
     return int(cfg.data.batch_size) * max(1, int(dp))
 
 
@@ -150,9 +155,8 @@ def main(cfg: DictConfig) -> None:
         seq_len=p.seq_len, precision=p.precision, dp_modes=list(p.dp_modes), schedules=list(p.schedules),
         checkpointing=list(p.checkpointing), micro_batch_sizes=p.micro_batch_sizes,
         max_virtual_stages=p.max_virtual_stages, sequence_parallel=list(p.sequence_parallel),
-        cp_sizes=list(p.cp_sizes), cp_methods=list(p.cp_methods), include_unfit=p.include_unfit,
-        dp_replicate_sizes=list(p.dp_replicate_sizes), ep_sizes=list(p.ep_sizes),
-        calibration=p.calibration,
+        include_unfit=p.include_unfit, calibration=p.calibration,
+        **{name: list(p[name]) for name in axis_choices()},  # planner.cp_sizes, .cp_methods, .ep_sizes, ...
     )
     spec = model_spec(gpt, p.seq_len)
     fits = sum(x.fits for x in predictions)

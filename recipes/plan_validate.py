@@ -33,6 +33,7 @@ from pathlib import Path
 
 from lightning_par.models.gpt import GPTConfig
 from lightning_par.planner.calibrate import CpuCalibration, calibrate_cpu, default_calibration_path
+from lightning_par.planner.layouts import size_fields
 from lightning_par.planner.model import model_spec
 from lightning_par.planner.validate import compare, cpu_validation_layouts, run_layouts, save_json, spearman_rho
 
@@ -103,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibrate-only", action="store_true", help="calibrate worlds 1,2,4,8, save, stop")
     parser.add_argument("--calibration", default=None, help="calibration file to write (default: the planner's)")
     parser.add_argument("--quick", action="store_true", help="worlds 2 and 4, 6 steps")
-    parser.add_argument("--cp-sizes", default="1", help="cp sizes to measure too, e.g. 1,2 (ring attention)")
-    parser.add_argument("--dp-replicate-sizes", default="1", help="HSDP replica counts to measure too, e.g. 1,2")
-    parser.add_argument("--ep-sizes", default="1", help="ep sizes to measure too (a MoE --model), e.g. 1,2,4")
+    for size in size_fields():  # --cp-sizes 1,2 (ring attention), --dp-replicate-sizes 1,2 (HSDP), --ep-sizes (MoE)
+        flag = size.replace("_", "-")
+        parser.add_argument(f"--{flag}s", default="1", help=f"{size} values to measure too, e.g. 1,2")
     parser.add_argument("--dp-modes", default="ddp,zero1,zero2,zero3", help="dp modes to measure")
     parser.add_argument("--from", dest="from_dir", default=None,
                         help="re-compare the summaries.json and calibration.json of an earlier --out, without running")
@@ -139,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             load_start = summaries[0].get("loadavg_start", float("nan"))
         else:
             layouts = cpu_validation_layouts(
-                spec, world, args.global_batch, cp_sizes=_ints(args.cp_sizes),
-                dp_replicate_sizes=_ints(args.dp_replicate_sizes), ep_sizes=_ints(args.ep_sizes),
+                spec, world, args.global_batch,
+                **{f"{size}s": _ints(getattr(args, f"{size}s")) for size in size_fields()},
                 dp_modes=[m.strip() for m in args.dp_modes.split(",") if m.strip()],
             )
             fresh = calibrate_cpu((world,), repeats=args.calibration_repeats)  # right before the runs

@@ -13,7 +13,6 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
 
 import lightning_par
 from lightning_par.parallel_dims import DERIVED_MESHES
