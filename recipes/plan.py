@@ -23,6 +23,7 @@ group, the device count from ``parallel.world_size`` and the batch from ``data.b
 
 from __future__ import annotations
 
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -35,7 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_par.config.schema import register_configs
 from lightning_par.planner import format_table, layout_overrides, model_spec, plan, to_csv, to_markdown
 from lightning_par.planner.config import register_planner_config, write_layout_recipes
-from lightning_par.planner.layouts import axis_choices
+from lightning_par.planner.layouts import WORLD_SIZE_FIELDS, axis_choices
 from lightning_par.planner.run_config import model_from_run
 
 register_configs()
@@ -131,12 +132,9 @@ def _peak_line(run: dict[str, Any], device: str, devices_per_node: int) -> str:
 
 
 def _global_batch(cfg: DictConfig) -> int:
-    from lightning_par.config.build import build_parallel_dims
-
-    try:
-        dp = build_parallel_dims(cfg).dp_size
-    except ValueError:  # a layout that does not split its world: the planner's own report says why
-        dp = 1
+    par = cfg.parallel
+    split = math.prod(int(par.get(size, 1)) for size in WORLD_SIZE_FIELDS if size != "dp_size")  # tp, pp, cp
+    dp = par.dp_size if par.dp_size != -1 else par.world_size // split
     return int(cfg.data.batch_size) * max(1, int(dp))
 
 

@@ -33,6 +33,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from lightning_par.planner.layouts import sequence_split
+
 __all__ = [
     "COLLECTIVE_OPS",
     "DeviceCalibration",
@@ -286,8 +288,6 @@ def layer_gemm_shapes(model: Any, layout: Any) -> list[tuple[int, int, int, int]
     head (``b a / t`` of them) the scores ``(s/cp, d) @ (d, s)`` and the weighted sum ``(s/cp, s) @ (s, d)``, ``d``
     the head size.
     """
-    from lightning_par.planner.layouts import sequence_split
-
     t, split, b = layout.tp_size, sequence_split(layout), layout.micro_batch_size
     s, h, a, f = model.seq_len, model.hidden_size, model.num_heads, model.ffn
     T, sq, d, heads = b * s // split, s // split, h // a, b * a // t
@@ -334,8 +334,6 @@ def layer_matmul_rates(model: Any, layout: Any, device: Any, element_bytes: int 
     if cal is None:
         return device.achieved_flops, device.achieved_flops
     flops, seconds = _training_seconds(cal, device, layer_gemm_shapes(model, layout), element_bytes)
-    from lightning_par.planner.layouts import sequence_split
-
     tokens = layout.micro_batch_size * model.seq_len // sequence_split(layout)
     head = [(tokens, max(1, math.ceil(model.vocab_size / layout.tp_size)), model.hidden_size, 1)]
     head_flops, head_seconds = _training_seconds(cal, device, head, element_bytes)
