@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml .ci/constraints.txt
 	$(PY) -m pip install -q -c .ci/constraints.txt -e '.[dev]' --config-settings editable_mode=compat
 	touch $@
 
-.PHONY: install train test benchmark
+.PHONY: install train test test-slow benchmark
 install: $(VENV)/.installed
 
 train: $(VENV)/.installed
@@ -18,6 +18,10 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(ARGS)
+
+# The matrix cells CI leaves out (marked `slow`).
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -q -m slow $(ARGS)
 
 benchmark: $(VENV)/.installed
 	$(PY) recipes/benchmark.py $(ARGS)

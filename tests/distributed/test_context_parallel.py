@@ -178,7 +178,7 @@ def test_bf16_mixed_through_cp(world2, name):
         assert diff / update <= HALF_UPDATE_RTOL, (float(diff / update), r["rank"])
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", list(WORLD8))
 def test_world8_dp2_cp2_tp2_and_cp2_tp2_pp2_match_one_process(world8, name):
     _check(world8[name], WORLD8[name])

@@ -125,7 +125,7 @@ def test_ep4_and_ep_with_tp_pp_cp_match_one_process(world4, name):
     _check(world4[name], WORLD4[name], _samples(4))
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", list(WORLD8))
 def test_world8_dp2_ep2_tp2_pp2_matches_one_process(world8, name):
     _check(world8[name], WORLD8[name], _samples(8))

@@ -128,7 +128,7 @@ def test_world4_matches_one_process(world4: dict, name: str) -> None:
     _check(world4[name], next(c["model"] for c in WORLD4 if c["name"] == name))
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_world8_dp2_tp2_pp2_matches_one_process() -> None:
     results = _run(8, WORLD8)
     _check(results[WORLD8[0]["name"]], WORLD8[0]["model"])

@@ -16,7 +16,7 @@ from lightning_par.checkpoint.atomic import staging_dir
 from lightning_par.train import launch_job
 from tests.e2e.test_faults import _cfg, _losses
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def test_async_checkpoints_commit_and_a_damaged_newest_one_is_skipped(tmp_path, caplog):

@@ -30,7 +30,7 @@ from lightning_par.train import launch_job
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
 VICTIM = Path(__file__).with_name("launcher_victim_script.py")
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 register_configs()
 
 #: A few tiny steps, a checkpoint every 2, a loss logged every step, no validation.

@@ -13,7 +13,7 @@ from tests.e2e._run import ROOT, run, tail
 pytest.importorskip("transformers")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_recipe_trains_model_hf_under_tp2_with_sequence_parallelism(tmp_path):
     run_dir = tmp_path / "run"
     proc = run([sys.executable, str(ROOT / "recipes" / "train.py"), "model=hf", "data=synthetic", "trainer=smoke",

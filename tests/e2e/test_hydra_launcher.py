@@ -29,7 +29,7 @@ def _user_app(tmp_path: Path) -> Path:
     return app
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_user_app_sweep_runs_each_job_once_as_its_own_world(tmp_path):
     """Four jobs (world 1 and 2, with and without rank 1 raising): a child never re-runs the sweep, each rank runs the
     task once, and the failing job is reported while the others complete. The app's own ``strategy`` key stays a
@@ -56,7 +56,7 @@ def test_user_app_sweep_runs_each_job_once_as_its_own_world(tmp_path):
     assert "`Trainer.fit` stopped" in (sweep / "2" / "app.log").read_text()  # Lightning's log in the job's log file
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_recipe_strategy_sweep_under_the_launcher_reports_the_zero_memory_effect(tmp_path):
     """The recipe under the launcher (world size from parallel.world_size); the report shows ZeRO-3's smaller model
     state per rank, labelled by strategy."""

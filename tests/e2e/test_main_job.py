@@ -18,7 +18,7 @@ FIELDS = (
 )
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_make_train_runs_and_writes_summary(tmp_path):
     run_dir = tmp_path / "run"
     args = f"model=tiny data=synthetic trainer=smoke profile=true lr_scaling.rule=linear hydra.run.dir={run_dir}"
@@ -44,7 +44,7 @@ def test_make_train_runs_and_writes_summary(tmp_path):
     assert len(summary["timeline_comm_overlap"]) == 2 and summary["timeline_png"].endswith("timeline.png")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_bad_layout_fails_fast_with_the_field_named(tmp_path):
     args = f"parallel.world_size=3 parallel.dp_size=2 hydra.run.dir={tmp_path}"
     proc = subprocess.run(["make", "-s", "train", f"ARGS={args}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -62,7 +62,7 @@ def _smoke_run(tmp_path, overrides: str, model: str = "tiny") -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_recipe_runs_an_hsdp_preset(tmp_path):
     """``parallel=hsdp2x2``: 4 processes, the model state sharded over 2 ranks and replicated twice, under zero3."""
     summary = _smoke_run(tmp_path, "parallel=hsdp2x2 strategy=zero3")
@@ -75,7 +75,7 @@ def test_recipe_runs_an_hsdp_preset(tmp_path):
     assert all(abs(b / half - 1) <= 0.02 for b in summary["param_bytes"]), (summary["param_bytes"], half)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_recipe_runs_a_context_parallel_preset(tmp_path):
     """``parallel=cp2``: 2 processes, each holding half of every sequence, under the default strategy."""
     summary = _smoke_run(tmp_path, "parallel=cp2")
@@ -84,7 +84,7 @@ def test_recipe_runs_a_context_parallel_preset(tmp_path):
     assert summary["steps"] == 6 and summary["final_train_loss"] < summary["initial_train_loss"]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_recipe_runs_the_moe_model_on_an_expert_parallel_preset(tmp_path):
     """``model=moe_tiny parallel=ep2 strategy=zero2``: each of 2 ranks holds 2 of the 4 experts, ZeRO-2 on the rest."""
     summary = _smoke_run(tmp_path, "parallel=ep2 strategy=zero2", model="moe_tiny")

@@ -50,7 +50,7 @@ def _build_wheel(tmp_path: Path) -> Path:
     return next((tmp_path / "dist").glob("lightning_par-*.whl"))
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_wheel_ships_conf_and_plugins_and_trains_from_another_directory(tmp_path):
     wheel = _build_wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())

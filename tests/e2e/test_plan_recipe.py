@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_plan_recipe_writes_the_table_and_a_ready_multirun(tmp_path):
     out = tmp_path / "plan"
     cmd = [sys.executable, "recipes/plan.py", "model=small", "parallel.world_size=16", "planner.device=a100-40gb",

@@ -27,7 +27,7 @@ from lightning_par.launcher import DistributedRunError, init_process_group_from_
 from lightning_par.train import launch_job
 from tests.e2e.test_faults import ROOT, TINY, _cfg, _losses
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 STEPS = 12
 GRACE_S = 30.0

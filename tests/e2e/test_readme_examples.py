@@ -49,7 +49,7 @@ def test_the_readme_has_the_four_examples():
     ]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("index", range(4), ids=["zero3", "tensor_parallel", "1f1b", "parallel_3d"])
 def test_readme_example_trains(index, tmp_path):
     script = tmp_path / "example.py"

@@ -13,7 +13,7 @@ SCRIPT = Path(__file__).with_name("registry_user_script.py")
 CRASH = Path(__file__).with_name("crash_user_script.py")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["ddp_overlap", "zero1", "zero2", "zero3", "tensor_parallel", "gpipe", "1f1b", "parallel_3d"])
 def test_registry_name_trains_under_lightnings_launcher(name, tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), name], cwd=tmp_path, capture_output=True, text=True, timeout=240)
@@ -23,7 +23,7 @@ def test_registry_name_trains_under_lightnings_launcher(name, tmp_path):
     assert 0.0 < val_loss < 5.55  # below the uniform byte entropy after 5 steps on the learnable synthetic stream
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["ddp_overlap", "zero2", "tensor_parallel"])
 def test_a_rank_that_raises_ends_the_job_with_a_non_zero_exit(name, tmp_path):
     """No hang: the peers see the closed connection, and nothing waits for the failed rank at exit."""

@@ -14,7 +14,7 @@ from lightning_par.sweep import write_sweep_report
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_two_job_multirun_writes_summaries_and_report(tmp_path):
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "recipes/train.py", "-m", "parallel=dp1,dp2", "model=tiny", "data=synthetic",

@@ -26,7 +26,7 @@ def _summaries(sweep: Path) -> dict[str, dict]:
     return {json.loads(p.read_text())["strategy"]: json.loads(p.read_text()) for p in sweep.glob("*/summary.json")}
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_user_module_trains_under_ddp_overlap_and_zero3_with_the_same_losses(tmp_path):
     """One sweep, two strategies (each job its own world of 2 processes): same data, seed and SGD+momentum, so
     ZeRO-3 must follow ddp_overlap's loss trajectory. The recipe scales the user's learning rate (sqrt of 16 samples
@@ -58,7 +58,7 @@ def _has_model_contract() -> bool:
     return (ROOT / "lightning_par" / "contract.py").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.skipif(not _has_model_contract(),
                     reason="needs the model contract (tp_plan() on the network, lightning_par/contract.py)")
 def test_user_module_trains_under_tensor_parallel_with_its_own_plan(tmp_path):

@@ -129,7 +129,7 @@ def test_datamodule_on_user_directory(cache: Path, corpus_dir: Path) -> None:
         tiny.setup("fit")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_stdlib_corpus_builds(tmp_path: Path) -> None:
     path = build_token_file(None, tmp_path)
     assert path.stat().st_size > 5_000_000

@@ -357,7 +357,7 @@ def test_the_plan_config_has_cp_off_by_default():
         assert list(cfg.planner.cp_sizes) == [1, 2, 4] and list(cfg.planner.cp_methods) == ["ring"]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_plan_recipe_with_cp_sizes(tmp_path):
     out = tmp_path / "plan"
     cmd = [sys.executable, "recipes/plan.py", "model=small", "parallel.world_size=8", "planner.global_batch_size=16",
