@@ -67,6 +67,12 @@ class PendingSave:
     ) -> None:
         self.path, self._future, self._record = path, future, record
         self._is_rank0, self._barrier = is_rank0, barrier
+        self._after_commit: list[Callable[[], None]] = []
+
+    def after_commit(self, action: Callable[[], None]) -> None:
+        """Run ``action`` (on this rank) once the checkpoint is committed; never if the save fails. E.g. pointing
+        ``last.ckpt`` at it: a link must never name a checkpoint that is not in place."""
+        self._after_commit.append(action)
 
     def done(self) -> bool:
         """Whether this rank's background writes have finished (successfully or not); no communication."""
@@ -90,6 +96,9 @@ class PendingSave:
                 shutil.rmtree(staged, ignore_errors=True)
             raise
         commit_checkpoint_dir(self.path, self._barrier, self._is_rank0)
+        actions, self._after_commit = self._after_commit, []
+        for action in actions:
+            action()
 
 
 def start_async_save(

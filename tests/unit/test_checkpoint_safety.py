@@ -200,3 +200,45 @@ def test_a_shard_named_outside_the_checkpoint_is_refused(tmp_path, clean):
     _rerecord(ckpt)
     with pytest.raises(UnsafeCheckpointError, match=r"\.metadata names the file '\.\./\.\./etc/passwd'"):
         verify_checkpoint(ckpt)
+
+
+def test_last_ckpt_links_only_a_committed_background_save(tmp_path):
+    """``last.ckpt`` moves to a background save only when it commits: a failed (or killed) one leaves it on the
+    newest committed checkpoint, never dangling."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from lightning_par.checkpoint.async_save import PendingSave
+    from lightning_par.checkpoint.atomic import staging_dir
+    from lightning_par.checkpoint.sharded import _write
+    from lightning_par.fault.step_checkpoint import StepCheckpoint
+
+    callback = StepCheckpoint(tmp_path, every_n_steps=2, async_save=True)
+    _save(tmp_path / "step-2.ckpt")
+    link = tmp_path / "last.ckpt"
+    os.symlink("step-2.ckpt", link)
+
+    def pending_save(step: int, error: BaseException | None) -> PendingSave:
+        future: Future = Future()
+        future.set_exception(error) if error else future.set_result(None)
+        _write(staging_dir(tmp_path / f"step-{step}.ckpt"), {"state_dict": Tiny().state_dict(), "global_step": step},
+               {"global_step": step}, is_rank0=True)
+        return PendingSave(tmp_path / f"step-{step}.ckpt", future, {"global_step": step}, True, lambda: None)
+
+    for step, error in ((4, OSError(28, "No space left on device")), (6, None)):
+        pending = pending_save(step, error)
+        trainer = SimpleNamespace(strategy=SimpleNamespace(_pending_save=pending, barrier=lambda: None),
+                                  is_global_zero=True)
+        callback._link_checkpoint(trainer, str(tmp_path / f"step-{step}.ckpt"), str(link))  # what Lightning calls
+        assert os.readlink(link) == "step-2.ckpt"  # not yet: the save is pending
+        if error is None:
+            pending.commit()
+            assert os.readlink(link) == "step-6.ckpt" and verify_checkpoint(link)["global_step"] == 6
+        else:
+            with pytest.raises(OSError, match="No space left"):
+                pending.commit()
+            assert os.readlink(link) == "step-2.ckpt" and not (tmp_path / "step-4.ckpt").exists()
+    # A synchronous save links at once, as Lightning does.
+    trainer = SimpleNamespace(strategy=SimpleNamespace(_pending_save=None, barrier=lambda: None), is_global_zero=True)
+    callback._link_checkpoint(trainer, str(tmp_path / "step-2.ckpt"), str(link))
+    assert os.readlink(link) == "step-2.ckpt"
