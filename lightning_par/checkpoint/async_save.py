@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from lightning_par.checkpoint.atomic import commit_checkpoint_dir, staging_dir
-from lightning_par.checkpoint.sharded import METADATA_FILENAME, split_tensors, write_record
+from lightning_par.checkpoint.sharded import METADATA_FILENAME, save_file, split_tensors, write_record
 
 __all__ = ["PendingSave", "snapshot", "start_async_save"]
 
@@ -136,7 +136,7 @@ def start_async_save(
     tensors = snapshot(split_tensors(checkpoint))
     try:
         if is_rank0:
-            torch.save(checkpoint, staged / METADATA_FILENAME)
+            save_file(checkpoint, staged / METADATA_FILENAME)
         future = dcp.async_save(
             tensors,
             storage_writer=dcp.FileSystemWriter(staged, overwrite=True),

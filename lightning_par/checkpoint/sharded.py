@@ -184,10 +184,35 @@ def _write(path: Path, checkpoint: dict[str, Any], record: dict[str, Any], is_ra
 
     path.mkdir(parents=True, exist_ok=True)
     tensors = split_tensors(checkpoint)
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path, overwrite=True))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path, overwrite=True))
+    except CheckpointException as err:
+        raise OSError(
+            f"writing the shards of {str(path)!r} failed ({_first_line(err)}): a full disk, or a file-size limit such "
+            f"as ulimit -f. Nothing of this save is kept."
+        ) from err
     if is_rank0:
-        torch.save(checkpoint, path / METADATA_FILENAME)
+        save_file(checkpoint, path / METADATA_FILENAME)
         write_record(path, record)
+
+
+def save_file(obj: Any, file: Path) -> None:
+    """``torch.save(obj, file)``; a write that fails names the file (torch's own message, ``unexpected pos 704 vs
+    598``, names nothing).
+
+    Raises:
+        OSError: the file could not be written whole (a full disk, a file-size limit, ...), naming it.
+    """
+    try:
+        torch.save(obj, file)
+    except (RuntimeError, OSError) as err:
+        text = str(err).strip().splitlines()
+        raise OSError(
+            f"writing {str(file)!r} failed ({type(err).__name__}: {text[0][:200] if text else ''}): the file could not "
+            f"be written whole (a full disk, or a file-size limit such as ulimit -f). Nothing of this save is kept."
+        ) from err
 
 
 def save_sharded(
@@ -371,6 +396,10 @@ def consolidate_checkpoint(path: str | Path, output: str | Path) -> Path:
     checkpoint.pop("optimizer_states", None)
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(output.name + ".tmp-writing")
-    torch.save(checkpoint, tmp)
+    try:
+        save_file(checkpoint, tmp)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     tmp.replace(output)
     return output

@@ -242,3 +242,27 @@ def test_last_ckpt_links_only_a_committed_background_save(tmp_path):
     trainer = SimpleNamespace(strategy=SimpleNamespace(_pending_save=None, barrier=lambda: None), is_global_zero=True)
     callback._link_checkpoint(trainer, str(tmp_path / "step-2.ckpt"), str(link))
     assert os.readlink(link) == "step-2.ckpt"
+
+
+def test_a_checkpoint_file_that_cannot_be_written_whole_is_named(tmp_path):
+    """Under a file-size limit torch.save says only ``unexpected pos 704 vs 598``; the error names the file, and a
+    save that fails so keeps nothing (the previous checkpoint stays)."""
+    import resource
+
+    from lightning_par.checkpoint.atomic import staging_dir
+
+    _save(tmp_path / "step-2.ckpt")
+    largest_shard = max(p.stat().st_size for p in (tmp_path / "step-2.ckpt").iterdir() if p.name != "meta.pt")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    big = {"state_dict": Tiny().state_dict(), "global_step": 4, "notes": "x" * (largest_shard + 4096)}
+    for limit, file, says in ((largest_shard + 100, r"step-2\.ckpt\.tmp-staging/meta\.pt' failed", "unexpected pos"),
+                              (64, r"the shards of '.*step-2\.ckpt\.tmp-staging' failed", "File too large")):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))  # Python ignores SIGXFSZ: writes fail with EFBIG
+        try:
+            with pytest.raises(OSError, match=file) as info:
+                save_sharded(tmp_path / "step-2.ckpt", dict(big), {}, is_rank0=True, barrier=lambda: None)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        assert says in str(info.value), str(info.value)
+    assert verify_checkpoint(tmp_path / "step-2.ckpt")["global_step"] == 2
+    assert not staging_dir(tmp_path / "step-2.ckpt").exists()
