@@ -109,3 +109,35 @@ def test_a_strategy_load_refuses_other_hyper_parameters_before_loading(tmp_path)
         torch.testing.assert_close(value, before[name], rtol=0, atol=0)
     load_sharded(tmp_path / "c.ckpt", state, before_load=lambda m: check_resume("c", m, _Heads(n_head=2).hparams))
     torch.testing.assert_close(state["proj.weight"], saved.proj.weight, rtol=0, atol=0)
+
+
+class _UserHeads(_Heads):
+    def training_step(self, batch, batch_idx):
+        return self.proj(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_trainer_fit_with_ckpt_path_refuses_other_hyper_parameters(tmp_path):
+    """A user's own module and Trainer (one process, a lightning_par strategy): ``fit(ckpt_path=...)`` with a new
+    ``n_head`` is refused by the strategy's load; the same ``n_head`` resumes."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_par  # noqa: F401 - registers the strategies
+
+    def trainer(max_steps):
+        return L.Trainer(accelerator="cpu", devices=1, strategy="zero2", max_steps=max_steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+    def data():
+        return DataLoader(TensorDataset(torch.randn(16, 8, generator=torch.Generator().manual_seed(0))), batch_size=4)
+
+    first = trainer(2)
+    first.fit(_UserHeads(n_head=2), data())
+    first.save_checkpoint(tmp_path / "heads.ckpt")
+    with pytest.raises(ValueError, match=re.escape("cannot be resumed with these settings: model n_head: 2 -> 4")):
+        trainer(4).fit(_UserHeads(n_head=4), data(), ckpt_path=tmp_path / "heads.ckpt")
+    again = trainer(4)
+    again.fit(_UserHeads(n_head=2), data(), ckpt_path=tmp_path / "heads.ckpt")
+    assert again.global_step == 4
