@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lightning_par.checkpoint.safe import SafeFileSystemReader, load_metadata_file, safe_dcp_load
+from lightning_par.checkpoint.safe import load_metadata_file, safe_dcp_load, safe_reader
 from lightning_par.checkpoint.sharded import METADATA_FILENAME, verify_checkpoint
 
 __all__ = ["ShardedCheckpointLoading", "load_from_checkpoint", "load_in_one_process", "read_full_checkpoint"]
@@ -44,7 +44,7 @@ def read_full_checkpoint(path: str | Path) -> dict[str, Any]:
 
     path = Path(path)
     verify_checkpoint(path)
-    saved = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    saved = safe_reader(path).read_metadata().state_dict_metadata
     head = "state_dict."
     state = {
         key[len(head):]: torch.empty(entry.size, dtype=entry.properties.dtype)

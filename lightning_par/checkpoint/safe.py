@@ -7,13 +7,13 @@ Three files of a sharded checkpoint are pickles, and a pickle can call any impor
   restricted unpickler: tensors, containers, numbers, strings and the types registered with
   ``torch.serialization.add_safe_globals`` (a user's own hyper-parameter class is loaded once its user registers it);
 * DCP's ``.metadata`` (which tensor is where): torch's ``FileSystemReader.read_metadata`` uses plain ``pickle.load``;
-  :class:`SafeFileSystemReader` reads it through :class:`_MetadataUnpickler` instead, which builds only the
+  :func:`safe_reader` reads it through :class:`_MetadataUnpickler` instead, which builds only the
   ``torch.distributed.checkpoint`` metadata dataclasses, ``torch.Size``, dtypes, layouts, paths and plain containers,
   and sets attributes only on instances of those (the C unpickler's BUILD sets them on any object, a class included,
   so the pure-Python one is subclassed: the same choice torch's weights-only unpickler makes). Every shard file it
   names must be a plain file name of the checkpoint directory;
 * the non-tensor entries of the shards (optimizer ``param_groups`` values): DCP's ``DefaultLoadPlanner.load_bytes``
-  calls ``torch.load(weights_only=False)``; :class:`SafeLoadPlanner` calls it with ``weights_only=True``.
+  calls ``torch.load(weights_only=False)``; :func:`safe_load_planner` calls it with ``weights_only=True``.
 
 A file that asks for anything else is refused before anything is loaded, with an :class:`UnsafeCheckpointError` (a
 ``ValueError``) naming the checkpoint, the file and the global it asked for. The CRC-32 of the commit record cannot
@@ -31,14 +31,14 @@ from typing import Any
 import torch
 
 __all__ = [
-    "SafeFileSystemReader",
-    "SafeLoadPlanner",
     "UnsafeCheckpointError",
     "check_bytes_entries",
     "confined_file",
     "load_metadata_file",
     "read_dcp_metadata",
     "safe_dcp_load",
+    "safe_load_planner",
+    "safe_reader",
 ]
 
 _DCP_METADATA = ".metadata"
@@ -83,6 +83,18 @@ def confined_file(directory: str | Path, name: Any, what: str) -> Path:
 
 
 _FORBIDDEN = re.compile(r"GLOBAL ([\w.]+)")
+#: What torch's weights-only unpickler says when a pickle asks for more than data (not when it is merely damaged).
+_REFUSALS = ("GLOBAL", "Can only build", "reduce", "Unsupported operand", "persistent")
+
+
+def _refusal(err: BaseException) -> str | None:
+    """What a ``weights_only=True`` load refused (``"the global posix.system"``), or ``None`` for a damaged file."""
+    text = str(err)
+    forbidden = _FORBIDDEN.search(text)
+    if forbidden is not None:
+        return f"the global {forbidden.group(1)}"
+    detail = text.split("WeightsUnpickler error:", 1)[-1]
+    return _first(detail) if any(word in detail for word in _REFUSALS) else None
 
 
 def load_metadata_file(path: str | Path) -> dict[str, Any]:
@@ -97,13 +109,11 @@ def load_metadata_file(path: str | Path) -> dict[str, Any]:
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        text = str(err)
-        forbidden = _FORBIDDEN.search(text)
-        if forbidden is not None or "Weights only load failed" in text:
-            what = f"the global {forbidden.group(1)}" if forbidden else f"something not allowed ({_first(text)})"
-            raise UnsafeCheckpointError(path.parent, path.name, what) from None
-        raise ValueError(f"checkpoint {str(path.parent)!r} has an unreadable {path.name} ({_first(text)}): the file "
-                         f"is damaged. Resume from another checkpoint.") from None
+        refused = _refusal(err)
+        if refused is not None:
+            raise UnsafeCheckpointError(path.parent, path.name, refused) from None
+        raise ValueError(f"checkpoint {str(path.parent)!r} has an unreadable {path.name} ({_first(str(err))}): the "
+                         f"file is damaged. Resume from another checkpoint.") from None
     except Exception as err:  # noqa: BLE001 - a damaged zip raises many types
         raise ValueError(f"checkpoint {str(path.parent)!r} has an unreadable {path.name} "
                          f"({type(err).__name__}: {_first(str(err))}): the file is damaged. Resume from another "
@@ -220,7 +230,7 @@ def check_bytes_entries(directory: str | Path, metadata: Any) -> None:
     """Read every non-tensor entry of the shards (``BytesStorageMetadata``: optimizer ``param_groups`` values, ...)
     with ``torch.load(weights_only=True)``, so that a shard that would run code is refused before any rank loads.
     Entries written through a storage transform (an extension such as compression) are left to
-    :func:`SafeLoadPlanner`, which reads them the same way at load.
+    :func:`safe_load_planner`, which reads them the same way at load.
 
     Raises:
         UnsafeCheckpointError: an entry asks for a global outside torch's allow-list.
@@ -240,10 +250,9 @@ def check_bytes_entries(directory: str | Path, metadata: Any) -> None:
         try:
             torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as err:
-            forbidden = _FORBIDDEN.search(str(err))
-            if forbidden is not None or "Weights only load failed" in str(err):
-                what = f"the global {forbidden.group(1)}" if forbidden else _first(str(err))
-                raise UnsafeCheckpointError(directory, f"{info.relative_path} (entry {index.fqn!r})", what) from None
+            refused = _refusal(err)
+            if refused is not None:
+                raise UnsafeCheckpointError(directory, f"{info.relative_path} (entry {index.fqn!r})", refused) from None
             raise ValueError(f"checkpoint {str(directory)!r} has an unreadable entry {index.fqn!r} in "
                              f"{info.relative_path}: the file is damaged. Resume from another checkpoint.") from None
         except Exception as err:  # noqa: BLE001 - a damaged entry raises many types
@@ -272,7 +281,7 @@ def _reader_class() -> type:
     return _SafeFileSystemReader
 
 
-def SafeFileSystemReader(path: str | Path) -> Any:  # noqa: N802 - a class built on first use (DCP imports lazily)
+def safe_reader(path: str | Path) -> Any:
     """A ``torch.distributed.checkpoint.FileSystemReader`` for ``path`` that reads ``.metadata`` safely
     (:func:`read_dcp_metadata`)."""
     global _READER
@@ -296,10 +305,9 @@ def _planner_class() -> type:
             try:
                 loaded = torch.load(value, map_location="cpu", weights_only=True)
             except pickle.UnpicklingError as err:
-                forbidden = _FORBIDDEN.search(str(err))
                 raise UnsafeCheckpointError(
                     Path(str(getattr(self, "_lp_path", "?"))), f"shard entry {read_item.dest_index.fqn!r}",
-                    f"the global {forbidden.group(1)}" if forbidden else _first(str(err)),
+                    _refusal(err) or f"something it cannot read ({_first(str(err))})",
                 ) from None
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
@@ -309,7 +317,7 @@ def _planner_class() -> type:
     return _SafeLoadPlanner
 
 
-def SafeLoadPlanner(path: str | Path | None = None) -> Any:  # noqa: N802 - see SafeFileSystemReader
+def safe_load_planner(path: str | Path | None = None) -> Any:
     """A ``torch.distributed.checkpoint.DefaultLoadPlanner`` whose non-tensor entries are read with
     ``weights_only=True`` (``path`` only names the checkpoint in errors)."""
     global _PLANNER
@@ -322,8 +330,8 @@ def SafeLoadPlanner(path: str | Path | None = None) -> Any:  # noqa: N802 - see 
 
 def safe_dcp_load(request: dict[str, Any], path: str | Path, **kwargs: Any) -> None:
     """``torch.distributed.checkpoint.load(request, ...)`` from the directory ``path`` with
-    :func:`SafeFileSystemReader` and :func:`SafeLoadPlanner`: no file of the checkpoint is unpickled unrestricted.
+    :func:`safe_reader` and :func:`safe_load_planner`: no file of the checkpoint is unpickled unrestricted.
     ``kwargs`` go to ``dcp.load`` (``no_dist``, ``process_group``)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(request, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(path), **kwargs)
+    dcp.load(request, storage_reader=safe_reader(path), planner=safe_load_planner(path), **kwargs)

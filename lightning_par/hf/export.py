@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from lightning_par.checkpoint.loading import load_in_one_process
-from lightning_par.checkpoint.safe import SafeFileSystemReader, load_metadata_file
+from lightning_par.checkpoint.safe import load_metadata_file, safe_reader
 from lightning_par.checkpoint.sharded import METADATA_FILENAME, verify_checkpoint
 from lightning_par.data.tokenize import TOKENIZER_FILES
 from lightning_par.hf.load import INDEX_NAME, tied_aliases
@@ -117,7 +117,7 @@ def export_hf(
         network = AutoModelForCausalLM.from_config(config)
     tied = tied_aliases(network)
     names = [n for n in network.state_dict() if n not in tied]
-    saved = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    saved = safe_reader(path).read_metadata().state_dict_metadata
     sizes: dict[str, int] = {}
     specs: dict[str, tuple[torch.Size, torch.dtype]] = {}
     for name in names:
