@@ -44,6 +44,14 @@ def hf_config_of(meta: dict[str, Any]) -> Any:
     if saved is not None:
         return CONFIG_MAPPING[saved["model_type"]].from_dict(dict(saved))
     hp = dict(meta.get("hyper_parameters") or {})
+    from lightning_par.hf.module import LOADER_OPTIONS
+
+    options = sorted(set(dict(hp.get("config") or {})) & LOADER_OPTIONS)
+    if options:
+        raise ValueError(
+            f"checkpoint is not valid for export: its hyper-parameters pass {options} to transformers (options that "
+            f"load code or files; a checkpoint is data, never code)."
+        )
     if hp.get("pretrained"):
         return AutoConfig.from_pretrained(hp["pretrained"], local_files_only=True, **dict(hp.get("config") or {}))
     if hp.get("model_type"):

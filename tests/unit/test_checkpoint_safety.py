@@ -266,3 +266,17 @@ def test_a_checkpoint_file_that_cannot_be_written_whole_is_named(tmp_path):
         assert says in str(info.value), str(info.value)
     assert verify_checkpoint(tmp_path / "step-2.ckpt")["global_step"] == 2
     assert not staging_dir(tmp_path / "step-2.ckpt").exists()
+
+
+def test_hf_hyper_parameters_cannot_ask_for_remote_code(tmp_path):
+    """``load_from_checkpoint`` and ``hf export`` build the model from the checkpoint's hyper-parameters: a crafted
+    ``config.trust_remote_code`` would import Python files of a config.json's ``auto_map``; it is refused."""
+    from lightning_par.hf import HFCausalLM
+    from lightning_par.hf.export import hf_config_of
+
+    with pytest.raises(ValueError, match=r"HFCausalLM config=.*trust_remote_code.* is not valid: expected config fields "
+                                         r"only, without the loader options"):
+        HFCausalLM(model_type="llama", config={"trust_remote_code": True, "hidden_size": 32})
+    meta = {"hyper_parameters": {"pretrained": str(tmp_path), "config": {"trust_remote_code": True}}}
+    with pytest.raises(ValueError, match=r"pass \['trust_remote_code'\] to transformers"):
+        hf_config_of(meta)
