@@ -289,8 +289,9 @@ def preflight(cfg: DictConfig, run_dir: str | Path) -> Plan:
     Raises:
         ValueError: a field out of range (``trainer.*``, ``seed``, ``ckpt_path``), an impossible layout, an option the
             strategy rejects, a model that does not fit the layout or the data, a corpus too small, a layout predicted
-            not to fit ``planner.device`` (when set), a checkpoint that does not exist, a world size that does not
-            match an outside launcher. The message names the field, the
+            not to fit ``planner.device`` (when set), a checkpoint that does not exist, is damaged, would run code if
+            loaded or was written with other model, optimizer or data settings (``model.n_head`` 2 -> 4, a new
+            ``model.learning_rate``, ...), a world size that does not match an outside launcher. The message names the field, the
             value and what would be valid.
     """
     check_run_config(cfg)
@@ -305,7 +306,29 @@ def preflight(cfg: DictConfig, run_dir: str | Path) -> Plan:
     validate_run(cfg, dims)
     _check_fit(cfg)
     ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), Path(run_dir) / CHECKPOINT_DIR)
+    if ckpt is not None:
+        _check_resume(cfg, ckpt, dims)
     return Plan(dims, ckpt, external)
+
+
+def _check_resume(cfg: DictConfig, ckpt: Path, dims: ParallelDims) -> None:
+    """Refuse, before any process starts, a resume whose model, optimizer or data settings differ from the
+    checkpoint's (:func:`lightning_par.checkpoint.compat.check_resume`; ``meta.pt`` read without running code)."""
+    import torch
+
+    from lightning_par.checkpoint import METADATA_FILENAME, is_sharded_checkpoint
+    from lightning_par.checkpoint.compat import check_resume
+    from lightning_par.checkpoint.safe import load_metadata_file
+
+    if not is_sharded_checkpoint(ckpt):
+        return
+    with torch.device("meta"):
+        module = build_module(cfg)
+    datamodule = build_datamodule(cfg, module)
+    applied = check_resume(ckpt, load_metadata_file(ckpt / METADATA_FILENAME), getattr(module, "hparams", None),
+                           getattr(datamodule, "hparams", None), replicas=dims.dp_size)
+    for change in applied:
+        log.info("Resuming from %s with %s", ckpt, change)
 
 
 @contextlib.contextmanager

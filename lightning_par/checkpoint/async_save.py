@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from lightning_par.checkpoint.atomic import commit_checkpoint_dir, staging_dir
-from lightning_par.checkpoint.sharded import METADATA_FILENAME, split_tensors, write_record
+from lightning_par.checkpoint.sharded import METADATA_FILENAME, save_file, split_tensors, write_record
 
 __all__ = ["PendingSave", "snapshot", "start_async_save"]
 
@@ -67,6 +67,12 @@ class PendingSave:
     ) -> None:
         self.path, self._future, self._record = path, future, record
         self._is_rank0, self._barrier = is_rank0, barrier
+        self._after_commit: list[Callable[[], None]] = []
+
+    def after_commit(self, action: Callable[[], None]) -> None:
+        """Run ``action`` (on this rank) once the checkpoint is committed; never if the save fails. E.g. pointing
+        ``last.ckpt`` at it: a link must never name a checkpoint that is not in place."""
+        self._after_commit.append(action)
 
     def done(self) -> bool:
         """Whether this rank's background writes have finished (successfully or not); no communication."""
@@ -90,6 +96,9 @@ class PendingSave:
                 shutil.rmtree(staged, ignore_errors=True)
             raise
         commit_checkpoint_dir(self.path, self._barrier, self._is_rank0)
+        actions, self._after_commit = self._after_commit, []
+        for action in actions:
+            action()
 
 
 def start_async_save(
@@ -127,7 +136,7 @@ def start_async_save(
     tensors = snapshot(split_tensors(checkpoint))
     try:
         if is_rank0:
-            torch.save(checkpoint, staged / METADATA_FILENAME)
+            save_file(checkpoint, staged / METADATA_FILENAME)
         future = dcp.async_save(
             tensors,
             storage_writer=dcp.FileSystemWriter(staged, overwrite=True),

@@ -17,19 +17,19 @@ from typing import Any
 
 import torch
 
+from lightning_par.checkpoint.safe import load_metadata_file, safe_dcp_load, safe_reader
 from lightning_par.checkpoint.sharded import METADATA_FILENAME, verify_checkpoint
 
 __all__ = ["ShardedCheckpointLoading", "load_from_checkpoint", "load_in_one_process", "read_full_checkpoint"]
 
 
 def load_in_one_process(request: dict[str, Any], path: str | Path) -> None:
-    """``torch.distributed.checkpoint.load(request, checkpoint_id=path, no_dist=True)``, without DCP's warning that
-    no process group exists (here that is the intent)."""
-    import torch.distributed.checkpoint as dcp
-
+    """``torch.distributed.checkpoint.load(request, checkpoint_id=path, no_dist=True)`` through the restricted
+    readers of :mod:`lightning_par.checkpoint.safe`, without DCP's warning that no process group exists (here that is
+    the intent)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(request, checkpoint_id=path, no_dist=True)
+        safe_dcp_load(request, path, no_dist=True)
 
 
 def read_full_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -37,15 +37,14 @@ def read_full_checkpoint(path: str | Path) -> dict[str, Any]:
     ``"state_dict"``, the whole model in full (no optimizer state). One process; memory for the whole model.
 
     Raises:
-        FileNotFoundError, ValueError: a missing, torn or damaged checkpoint (see
-            :func:`lightning_par.checkpoint.verify_checkpoint`).
+        FileNotFoundError, ValueError: a missing, torn or damaged checkpoint, or one that would run code if loaded
+            (see :func:`lightning_par.checkpoint.verify_checkpoint`).
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = Path(path)
     verify_checkpoint(path)
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = safe_reader(path).read_metadata().state_dict_metadata
     head = "state_dict."
     state = {
         key[len(head):]: torch.empty(entry.size, dtype=entry.properties.dtype)
@@ -53,7 +52,7 @@ def read_full_checkpoint(path: str | Path) -> dict[str, Any]:
         if key.startswith(head) and isinstance(entry, TensorStorageMetadata)
     }
     load_in_one_process({"state_dict": state}, path)
-    checkpoint = torch.load(path / METADATA_FILENAME, weights_only=False)
+    checkpoint = load_metadata_file(path / METADATA_FILENAME)
     checkpoint["state_dict"] = state
     return checkpoint
 

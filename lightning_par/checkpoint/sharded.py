@@ -30,6 +30,13 @@ import torch
 from torch import nn
 
 from lightning_par.checkpoint.atomic import commit_checkpoint_dir, staging_dir
+from lightning_par.checkpoint.safe import (
+    UnsafeCheckpointError,
+    check_bytes_entries,
+    load_metadata_file,
+    read_dcp_metadata,
+    safe_dcp_load,
+)
 from lightning_par.checkpoint.verify import FILES_KEY, check_files, file_manifest
 
 __all__ = [
@@ -110,8 +117,10 @@ def read_record(path: str | Path) -> dict[str, Any]:
 
 def verify_checkpoint(path: str | Path, checksums: bool = True) -> dict[str, Any]:
     """:func:`read_record`, then every file the record lists checked against its recorded size and CRC-32
-    (:func:`lightning_par.checkpoint.verify.check_files`). A checkpoint written before records listed files is checked
-    for presence only.
+    (:func:`lightning_par.checkpoint.verify.check_files`; every name confined to the directory), then, with
+    ``checksums``, ``meta.pt`` and DCP's ``.metadata`` read through restricted unpicklers
+    (:mod:`lightning_par.checkpoint.safe`): a checkpoint that would run code is refused here, before any rank loads
+    it. A checkpoint written before records listed files is checked for presence only.
 
     Args:
         path: the checkpoint directory.
@@ -124,11 +133,34 @@ def verify_checkpoint(path: str | Path, checksums: bool = True) -> dict[str, Any
         FileNotFoundError, ValueError: see :func:`read_record`.
         lightning_par.checkpoint.verify.DamagedCheckpointError: (a ``ValueError``) a listed file is missing, has
             another size or checksum; the message names the file.
+        lightning_par.checkpoint.safe.UnsafeCheckpointError: (a ``ValueError``) a record name outside the directory,
+            or a pickle asking for a global outside the allow-list; the message names the file and the global.
     """
     record = read_record(path)
     if FILES_KEY in record:
         check_files(Path(path), record[FILES_KEY], checksums=checksums)
+    if checksums:
+        check_loadable(path)
     return record
+
+
+def check_loadable(path: str | Path) -> dict[str, Any]:
+    """Read ``meta.pt`` and DCP's ``.metadata`` of the checkpoint directory ``path`` without running code
+    (:mod:`lightning_par.checkpoint.safe`) and return ``meta.pt``'s contents.
+
+    Raises:
+        lightning_par.checkpoint.safe.UnsafeCheckpointError: either file asks for a global outside the allow-list, or
+            ``.metadata`` names a shard outside the directory.
+        ValueError: either file is unreadable.
+    """
+    return _read_safely(Path(path))[1]
+
+
+def _read_safely(path: Path) -> tuple[Any, dict[str, Any]]:
+    """DCP's metadata (its non-tensor entries checked too) and ``meta.pt``, each read without running code."""
+    metadata = read_dcp_metadata(path)
+    check_bytes_entries(path, metadata)
+    return metadata, load_metadata_file(path / METADATA_FILENAME)
 
 
 def split_tensors(checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -152,10 +184,35 @@ def _write(path: Path, checkpoint: dict[str, Any], record: dict[str, Any], is_ra
 
     path.mkdir(parents=True, exist_ok=True)
     tensors = split_tensors(checkpoint)
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path, overwrite=True))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path, overwrite=True))
+    except CheckpointException as err:
+        raise OSError(
+            f"writing the shards of {str(path)!r} failed ({_first_line(err)}): a full disk, or a file-size limit such "
+            f"as ulimit -f. Nothing of this save is kept."
+        ) from err
     if is_rank0:
-        torch.save(checkpoint, path / METADATA_FILENAME)
+        save_file(checkpoint, path / METADATA_FILENAME)
         write_record(path, record)
+
+
+def save_file(obj: Any, file: Path) -> None:
+    """``torch.save(obj, file)``; a write that fails names the file (torch's own message, ``unexpected pos 704 vs
+    598``, names nothing).
+
+    Raises:
+        OSError: the file could not be written whole (a full disk, a file-size limit, ...), naming it.
+    """
+    try:
+        torch.save(obj, file)
+    except (RuntimeError, OSError) as err:
+        text = str(err).strip().splitlines()
+        raise OSError(
+            f"writing {str(file)!r} failed ({type(err).__name__}: {text[0][:200] if text else ''}): the file could not "
+            f"be written whole (a full disk, or a file-size limit such as ulimit -f). Nothing of this save is kept."
+        ) from err
 
 
 def save_sharded(
@@ -192,7 +249,10 @@ def save_sharded(
 
 
 def load_sharded(
-    path: str | Path, model_state: dict[str, Any], optimizer_states: list[dict[str, Any]] | None = None
+    path: str | Path,
+    model_state: dict[str, Any],
+    optimizer_states: list[dict[str, Any]] | None = None,
+    before_load: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Fill ``model_state`` (and ``optimizer_states``) in place from a :func:`save_sharded` directory.
 
@@ -204,6 +264,8 @@ def load_sharded(
         model_state: ``{name: tensor}`` with the tensors to fill (plain or DTensor), e.g. an engine's
             ``model_state_dict()`` or a plain ``module.state_dict()``.
         optimizer_states: per optimizer, a ``get_optimizer_state_dict``-format dict with its state already created.
+        before_load: called with the metadata (``meta.pt``) before any tensor is read, e.g. to refuse a checkpoint
+            of other hyper-parameters (:func:`lightning_par.checkpoint.compat.check_resume`).
 
     Returns:
         The metadata (``meta.pt``): everything else the checkpoint holds.
@@ -212,8 +274,8 @@ def load_sharded(
         FileNotFoundError, ValueError: see :func:`verify_checkpoint` (sizes only); and ``ValueError`` when the
             checkpoint does not fit the model or optimizers, naming the first missing or mismatched tensor and what
             wrote the checkpoint, or when ``.metadata`` or ``meta.pt`` cannot be read.
+        lightning_par.checkpoint.safe.UnsafeCheckpointError: a file of the checkpoint would run code if loaded.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
@@ -224,32 +286,29 @@ def load_sharded(
     wrote = ", ".join(f"{k}={record[k]}" for k in ("strategy", "layout", "dp_mode", "global_step") if k in record)
     wrote = f"It was written by {wrote or 'an unknown strategy'}; the model and optimizer must have the same parameter "
     wrote += "names and shapes (a layout, dp mode or strategy may differ)."
-    try:
-        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    except Exception as err:  # noqa: BLE001 - any failure to read it means the same to the user
-        raise ValueError(
-            f"checkpoint {str(path)!r} has an unreadable {_DCP_METADATA} ({_plain(err)}): the file is damaged. Resume "
-            f"from another checkpoint."
-        ) from None
+    # Both pickles are read without running code before any tensor is loaded (lightning_par.checkpoint.safe).
+    metadata, meta = _read_safely(path)
+    saved = metadata.state_dict_metadata
+    if before_load is not None:
+        before_load(meta)
     mismatch = first_mismatch(request, saved)
     if mismatch is not None:
         raise ValueError(f"checkpoint {str(path)!r} does not fit this model or optimizer: {mismatch}. {wrote}")
     try:
-        dcp.load(request, checkpoint_id=path)
+        safe_dcp_load(request, path)
+    except UnsafeCheckpointError:
+        raise
     except (CheckpointException, RuntimeError, KeyError, ValueError) as err:
+        unsafe = _unsafe_cause(err)
+        if unsafe is not None:
+            raise unsafe from None
         raise ValueError(
             f"checkpoint {str(path)!r} does not fit this model or optimizer, or a shard is unreadable "
             f"({_first_line(err)}). {wrote}"
         ) from None
     for i in range(len(optimizer_states or [])):
         optimizer_states[i] = request[f"optimizer_{i}"]  # type: ignore[index]
-    try:
-        return torch.load(path / METADATA_FILENAME, weights_only=False)
-    except Exception as err:  # noqa: BLE001 - unpickling errors have many types
-        raise ValueError(
-            f"checkpoint {str(path)!r} has an unreadable {METADATA_FILENAME} ({_plain(err)}): the file is damaged. "
-            f"Resume from another checkpoint."
-        ) from None
+    return meta
 
 
 def first_mismatch(request: dict[str, Any], saved: dict[str, Any]) -> str | None:
@@ -273,6 +332,18 @@ def first_mismatch(request: dict[str, Any], saved: dict[str, Any]) -> str | None
         shape = getattr(meta, "size", None)
         if shape is not None and tuple(shape) != tuple(tensor.shape):
             return f"{words} has shape {tuple(shape)} in the checkpoint and {tuple(tensor.shape)} here"
+    return None
+
+
+def _unsafe_cause(err: BaseException) -> UnsafeCheckpointError | None:
+    """The :class:`UnsafeCheckpointError` a rank raised inside ``dcp.load`` (DCP wraps it), if any."""
+    failures = getattr(err, "failures", None) or {}
+    for failure in failures.values():
+        failure = getattr(failure, "exc", failure)
+        if isinstance(failure, tuple) and failure:
+            failure = failure[0]
+        if isinstance(failure, UnsafeCheckpointError):
+            return failure
     return None
 
 
@@ -316,21 +387,19 @@ def consolidate_checkpoint(path: str | Path, output: str | Path) -> Path:
     Also a command: ``python -m lightning_par.checkpoint.consolidate CHECKPOINT_DIR OUTPUT_FILE``.
 
     Raises:
-        FileNotFoundError, ValueError: see :func:`verify_checkpoint`.
+        FileNotFoundError, ValueError: see :func:`verify_checkpoint` (a checkpoint that would run code included).
     """
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from lightning_par.checkpoint.loading import read_full_checkpoint
 
     path, output = Path(path), Path(output)
-    verify_checkpoint(path)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(output.name + ".tensors")
-    dcp_to_torch_save(path, tmp)
-    try:
-        tensors = torch.load(tmp, weights_only=False)
-    finally:
-        tmp.unlink(missing_ok=True)
-    checkpoint = torch.load(path / METADATA_FILENAME, weights_only=False)
-    checkpoint["state_dict"] = tensors["state_dict"]
+    checkpoint = read_full_checkpoint(path)  # verified, and read without running code
     checkpoint.pop("optimizer_states", None)
-    torch.save(checkpoint, output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + ".tmp-writing")
+    try:
+        save_file(checkpoint, tmp)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    tmp.replace(output)
     return output

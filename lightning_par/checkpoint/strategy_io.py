@@ -153,7 +153,9 @@ class ShardedCheckpointIO:
 
         Raises:
             FileNotFoundError, ValueError: a missing, torn, garbage or incompatible checkpoint (see
-                :func:`lightning_par.checkpoint.read_record`), with what to do.
+                :func:`lightning_par.checkpoint.read_record`), one that would run code if loaded, or one written with
+                other hyper-parameters (:func:`lightning_par.checkpoint.compat.check_resume`), with what to do;
+                before any tensor is loaded.
         """
         assert self.parallel is not None
         path = Path(self.broadcast(str(checkpoint_path)))
@@ -165,7 +167,7 @@ class ShardedCheckpointIO:
         # DCP keeps one copy of a non-tensor entry such as ``param_groups`` (the coordinator's): under pipelining its
         # parameter names are those of one stage. Keep the saved hyper-parameters and this rank's own names.
         own_names = [[list(g["params"]) for g in state["param_groups"]] for state in optimizer_states]
-        meta = load_sharded(path, model_state, optimizer_states)
+        meta = load_sharded(path, model_state, optimizer_states, before_load=lambda m: self._check_resume(path, m))
         for state, names in zip(optimizer_states, own_names):
             if len(state["param_groups"]) != len(names):
                 raise ValueError(
@@ -177,6 +179,17 @@ class ShardedCheckpointIO:
         for optimizer, state in zip(optimizers, optimizer_states):
             engine.load_optimizer_state_dict(optimizer, state)
         return meta
+
+    def _check_resume(self, path: Path, meta: dict[str, Any]) -> None:
+        """Before any tensor is loaded, on every rank alike: refuse a checkpoint of other hyper-parameters (the
+        module's, and the data module's when fitting; see :mod:`lightning_par.checkpoint.compat`)."""
+        from lightning_par.checkpoint.compat import check_resume
+
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)
+        fitting = trainer is not None and getattr(trainer.state.fn, "value", None) == "fit"
+        datamodule = getattr(trainer, "datamodule", None) if fitting else None
+        check_resume(path, meta, getattr(module, "hparams", None), getattr(datamodule, "hparams", None))
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Nothing to do: :meth:`load_checkpoint` has loaded the model."""

@@ -64,13 +64,19 @@ def check_files(path: str | Path, manifest: dict[str, Any], checksums: bool = Tr
 
     Raises:
         DamagedCheckpointError: the first file (in name order) that is missing, has another size or checksum.
+        lightning_par.checkpoint.safe.UnsafeCheckpointError: a name that is not a file directly in ``path`` (an
+            absolute path, ``..``, a link), checked before anything is read.
     """
     path = Path(path)
     if not isinstance(manifest, dict) or not manifest:
         raise DamagedCheckpointError(path, "lightning_par.json", f"has an unreadable file list ({manifest!r:.80})")
+    from lightning_par.checkpoint.safe import confined_file
+
     for name in sorted(manifest):
         entry = manifest[name]
-        file = path / name
+        file = confined_file(path, name, "lightning_par.json")  # never a file outside the checkpoint
+        if not isinstance(entry, dict):
+            raise DamagedCheckpointError(path, "lightning_par.json", f"has an unreadable entry for {name!r}")
         if not file.is_file():
             raise DamagedCheckpointError(path, name, "is missing")
         size = file.stat().st_size

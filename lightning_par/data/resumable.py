@@ -11,7 +11,11 @@ uninterrupted one would. :class:`ResumableDataLoader` keeps
 * ``generator``: the state of the sampler's ``torch.Generator`` (a ``RandomSampler(generator=...)``, i.e.
   ``DataLoader(shuffle=True, generator=...)``) when the pass started, so the resumed pass draws the same order;
 * ``epoch``: the ``DistributedSampler`` epoch (Lightning's injected sampler), whose order depends only on its seed and
-  epoch (Lightning calls ``set_epoch`` with the restored epoch); the skip applies only to that epoch.
+  epoch (Lightning calls ``set_epoch`` with the restored epoch); the skip applies only to that epoch;
+* ``samples``, ``batch_size``, ``replicas``: the same position in samples of this rank, the batch size and the number
+  of data-parallel replicas it was counted with. A resume inside an epoch with another batch size or replica count
+  would replay or skip samples (Lightning's loops count the epoch in batches), so it is refused, naming both values;
+  from an epoch boundary (``batches`` 0) either may change.
 
 Lightning re-creates the loader with a ``DistributedSampler`` under a distributed strategy; the subclass survives
 that. A sampler that shuffles from the global RNG (``shuffle=True`` without a ``generator``) cannot be replayed: pass
@@ -97,16 +101,38 @@ class ResumableDataLoader(DataLoader):
             self._yielded += 1
             yield batch
 
+    def _replicas(self) -> int:
+        return int(self.sampler.num_replicas) if isinstance(self.sampler, DistributedSampler) else 1
+
     def state_dict(self) -> dict[str, Any]:
-        """``{"batches", "generator", "epoch"}`` of the current pass; a finished pass saves the start of the next."""
+        """``{"batches", "samples", "batch_size", "replicas", "generator", "epoch"}`` of the current pass; a finished
+        pass saves the start of the next."""
         gen = self._generator()
         finished = not self._pass_started or self._yielded >= len(self)
+        shape = {"batch_size": self.batch_size, "replicas": self._replicas()}
         if finished:
-            return {"batches": 0, "generator": gen.get_state().clone() if gen is not None else None, "epoch": None}
-        return {"batches": self._yielded, "generator": self._pass_generator_state, "epoch": self._epoch()}
+            return {"batches": 0, "samples": 0, **shape, "generator": gen.get_state().clone() if gen is not None else None,
+                    "epoch": None}
+        samples = self._yielded * self.batch_size if self.batch_size is not None else None
+        return {"batches": self._yielded, "samples": samples, **shape, "generator": self._pass_generator_state,
+                "epoch": self._epoch()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Make the next pass start where the saved one stopped."""
-        self._skip = int(state_dict.get("batches", 0))
+        """Make the next pass start where the saved one stopped.
+
+        Raises:
+            ValueError: the saved position is inside an epoch and was counted with another batch size or number of
+                data-parallel replicas (see the module docstring).
+        """
+        batches = int(state_dict.get("batches", 0))
+        for field, saved, now in (("batch_size", state_dict.get("batch_size"), self.batch_size),
+                                  ("data-parallel replicas", state_dict.get("replicas"), self._replicas())):
+            if batches and saved is not None and saved != now:
+                raise ValueError(
+                    f"{field}={now} is not valid for this resume: the checkpoint is {batches} batches into an epoch "
+                    f"counted with {field}={saved}, and resuming with another would replay or skip samples. Resume "
+                    f"with {field}={saved}, or from a checkpoint at an epoch boundary."
+                )
+        self._skip = batches
         self._skip_epoch = state_dict.get("epoch")
         self._restore_generator = state_dict.get("generator")

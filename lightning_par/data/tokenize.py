@@ -49,7 +49,8 @@ def load_tokenizer(directory: str | Path) -> tuple[Callable[[str], list[int]], i
         ``encode(text) -> ids`` (no special tokens added) and the vocabulary size, added tokens included.
 
     Raises:
-        ValueError: ``directory`` does not exist or holds no tokenizer (the message names ``data.tokenizer``).
+        ValueError: ``directory`` does not exist, holds no tokenizer, or its ``tokenizer.json`` is unreadable (the
+            message names ``data.tokenizer`` and the file).
     """
     path = Path(directory).expanduser()
     if not path.is_dir():
@@ -60,7 +61,14 @@ def load_tokenizer(directory: str | Path) -> tuple[Callable[[str], list[int]], i
     if (path / TOKENIZER_FILE).is_file():
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(str(path / TOKENIZER_FILE))
+        try:
+            tok = Tokenizer.from_file(str(path / TOKENIZER_FILE))
+        except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for every parse error
+            raise ValueError(
+                f"data.tokenizer={str(directory)!r} is not valid: {str(path / TOKENIZER_FILE)!r} could not be read "
+                f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}); the file is damaged or "
+                f"not a tokenizers file. Expected the {TOKENIZER_FILE} that tokenizer.save_pretrained(DIR) writes."
+            ) from None
         return (lambda text: tok.encode(text, add_special_tokens=False).ids), tok.get_vocab_size(with_added_tokens=True)
     try:
         from transformers import AutoTokenizer

@@ -42,11 +42,19 @@ def checkpoint_step(path: str | Path) -> tuple[int, int] | None:
 
 def checkpoint_problem(path: str | Path) -> str | None:
     """Why ``path`` is not a whole checkpoint this version can load (the file and what is wrong with it), or
-    ``None`` when it is (see the module docstring). Reads every file of the checkpoint once."""
+    ``None`` when it is (see the module docstring). Reads every file of the checkpoint once.
+
+    Raises:
+        lightning_par.checkpoint.safe.UnsafeCheckpointError: a checkpoint that would run code if loaded, or whose
+            record names a file outside it: never skipped for an older one, always an error (it was tampered with).
+    """
     from lightning_par.checkpoint import verify_checkpoint
+    from lightning_par.checkpoint.safe import UnsafeCheckpointError
 
     try:
         verify_checkpoint(path)
+    except UnsafeCheckpointError:
+        raise
     except (FileNotFoundError, ValueError) as err:
         return str(err)
     return None
@@ -103,6 +111,8 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: str | Path) -> Path
         ValueError: ``"last"`` with no complete checkpoint in ``checkpoint_dir``, a path that does not exist, or one
             that is not a whole checkpoint (torn, damaged: the message names the file and what is wrong with it); the
             message names ``ckpt_path``, the value and what would be valid.
+        lightning_par.checkpoint.safe.UnsafeCheckpointError: (a ``ValueError``) a checkpoint that would run code if
+            loaded (the newest of the directory included: it is refused, not skipped), naming the file and global.
     """
     if ckpt_path is None:
         return latest_checkpoint(checkpoint_dir)
@@ -121,7 +131,12 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: str | Path) -> Path
             f"ckpt_path={ckpt_path!r} is not valid: it does not exist. Expected null, 'last' or the path of a "
             f"checkpoint (a .ckpt file or a sharded checkpoint directory)."
         )
-    problem = checkpoint_problem(path)  # the format's own check: torn, damaged, a file, too new
+    from lightning_par.checkpoint.safe import UnsafeCheckpointError
+
+    try:
+        problem = checkpoint_problem(path)  # the format's own check: torn, damaged, a file, too new, unsafe
+    except UnsafeCheckpointError as err:
+        raise ValueError(f"ckpt_path={ckpt_path!r} is not valid: {err}") from None
     if problem is not None:
         raise ValueError(f"ckpt_path={ckpt_path!r} is not valid: {problem}")
     return path.resolve()

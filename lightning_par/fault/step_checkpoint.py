@@ -17,6 +17,17 @@ log = logging.getLogger(__name__)
 __all__ = ["StepCheckpoint"]
 
 
+def _replace_link(filepath: str, linkpath: str) -> None:
+    """``linkpath`` -> ``filepath`` (relative), replacing what was there in one rename: no moment without a link."""
+    import os
+
+    tmp = f"{linkpath}.tmp-link"
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), tmp)
+    os.replace(tmp, linkpath)
+
+
 class StepCheckpoint(ModelCheckpoint):
     """Save ``<dirpath>/step-<N>.ckpt`` every ``every_n_steps`` optimizer steps and at the end of ``fit``; keep the
     latest ``keep_last_k``; ``last.ckpt`` links to the newest.
@@ -34,8 +45,9 @@ class StepCheckpoint(ModelCheckpoint):
         async_save: write each checkpoint in the background (``torch.distributed.checkpoint.async_save``, see
             :mod:`lightning_par.checkpoint.async_save`): training goes on after the tensors are copied to memory; the
             checkpoint is committed (and counts as the newest) at the first step boundary after every rank's writes
-            finished, at the next save, or at the end of ``fit``. Older checkpoints are removed only after that.
-            Needs a lightning_par strategy. While a save is pending, ``last.ckpt`` already links to its final name.
+            finished, at the next save, or at the end of ``fit``. Older checkpoints are removed, and ``last.ckpt`` is
+            pointed at it, only after that: a failed or killed background save leaves ``last.ckpt`` on the newest
+            committed checkpoint. Needs a lightning_par strategy.
 
     Raises:
         ValueError: ``every_n_steps < 1``, ``keep_last_k`` neither ``-1`` nor ``>= 1``, ``async_save`` not a bool;
@@ -92,6 +104,21 @@ class StepCheckpoint(ModelCheckpoint):
         if self.async_save:
             trainer.strategy.save_next_checkpoint_async()
         super()._save_checkpoint(trainer, filepath)
+
+    def _link_checkpoint(self, trainer: L.Trainer, filepath: str, linkpath: str) -> None:  # type: ignore[override]
+        """Lightning's ``last.ckpt`` link, made only once ``filepath`` is committed: a background save still pending
+        gets the link when it commits (never, if it fails), so ``last.ckpt`` never names a checkpoint not in place."""
+        pending = getattr(trainer.strategy, "_pending_save", None)
+        if pending is not None and Path(pending.path) == Path(filepath):  # the same on every rank
+            rank0 = trainer.is_global_zero
+
+            def link() -> None:
+                if rank0:
+                    _replace_link(filepath, linkpath)
+
+            pending.after_commit(link)
+            return
+        super()._link_checkpoint(trainer, filepath, linkpath)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
         """Lightning's (a save every ``every_n_steps``); then commit a background save once every rank's writes are

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from lightning_par.checkpoint.loading import load_in_one_process
+from lightning_par.checkpoint.safe import load_metadata_file, safe_reader
 from lightning_par.checkpoint.sharded import METADATA_FILENAME, verify_checkpoint
 from lightning_par.data.tokenize import TOKENIZER_FILES
 from lightning_par.hf.load import INDEX_NAME, tied_aliases
@@ -43,6 +44,14 @@ def hf_config_of(meta: dict[str, Any]) -> Any:
     if saved is not None:
         return CONFIG_MAPPING[saved["model_type"]].from_dict(dict(saved))
     hp = dict(meta.get("hyper_parameters") or {})
+    from lightning_par.hf.module import LOADER_OPTIONS
+
+    options = sorted(set(dict(hp.get("config") or {})) & LOADER_OPTIONS)
+    if options:
+        raise ValueError(
+            f"checkpoint is not valid for export: its hyper-parameters pass {options} to transformers (options that "
+            f"load code or files; a checkpoint is data, never code)."
+        )
     if hp.get("pretrained"):
         return AutoConfig.from_pretrained(hp["pretrained"], local_files_only=True, **dict(hp.get("config") or {}))
     if hp.get("model_type"):
@@ -95,7 +104,6 @@ def export_hf(
             non-empty directory or a file; ``tokenizer`` holds no tokenizer file; the checkpoint is not an
             ``HFCausalLM``'s or lacks a weight of its model.
     """
-    import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -111,13 +119,13 @@ def export_hf(
     if tokenizer is not None and not tokenizer_files:
         raise ValueError(f"tokenizer={str(tokenizer)!r} is not valid: it holds none of {list(TOKENIZER_FILES)}.")
     verify_checkpoint(path)
-    meta = torch.load(path / METADATA_FILENAME, weights_only=False)
+    meta = load_metadata_file(path / METADATA_FILENAME)  # data only (lightning_par.checkpoint.safe)
     config = hf_config_of(meta)
     with torch.device("meta"):  # names and ties only: no memory
         network = AutoModelForCausalLM.from_config(config)
     tied = tied_aliases(network)
     names = [n for n in network.state_dict() if n not in tied]
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = safe_reader(path).read_metadata().state_dict_metadata
     sizes: dict[str, int] = {}
     specs: dict[str, tuple[torch.Size, torch.dtype]] = {}
     for name in names:

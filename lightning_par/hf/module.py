@@ -55,6 +55,9 @@ def _check(name: str, value: object, ok: bool, valid: str) -> None:
         raise ValueError(f"HFCausalLM {name}={value!r} is not valid: expected {valid}.")
 
 
+#: ``from_pretrained`` options refused in ``config``: they load code or files, they describe no model.
+LOADER_OPTIONS = frozenset({"trust_remote_code", "code_revision", "revision", "cache_dir", "token", "proxies"})
+
 #: Set while :meth:`HFCausalLM.load_from_checkpoint` builds a module.
 _FROM_CHECKPOINT: ContextVar[bool] = ContextVar("hf_from_checkpoint", default=False)
 
@@ -108,6 +111,10 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
             _check("model_type", model_type, _known_model_type(model_type),
                    "a transformers model type such as 'llama', 'qwen2', 'qwen3', 'mistral', 'qwen3_moe', 'mixtral'")
         config = dict(config or {})
+        # Loader options, not config fields: trust_remote_code would import Python files named by a config.json (a
+        # checkpoint's hyper-parameters reach here through load_from_checkpoint: a checkpoint never runs code).
+        _check("config", config, not set(config) & LOADER_OPTIONS,
+               f"config fields only, without the loader options {sorted(LOADER_OPTIONS)}")
         self.save_hyperparameters(
             {"model_type": model_type, "config": config, "pretrained": pretrained, "optimizer": optimizer,
              "learning_rate": learning_rate, "weight_decay": weight_decay, "momentum": momentum, "adam_eps": adam_eps}

@@ -24,7 +24,11 @@ def _dir_ckpt(path, complete: bool = True) -> None:
     if complete:
         from lightning_par.checkpoint import METADATA_FILENAME
 
-        (path / ".metadata").write_bytes(b"meta")
+        import pickle
+
+        from torch.distributed.checkpoint.metadata import Metadata
+
+        (path / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))  # DCP's, empty
         torch.save({}, path / METADATA_FILENAME)
         from lightning_par.checkpoint import FORMAT_VERSION, RECORD_FILENAME
 
@@ -158,3 +162,24 @@ def test_skipping_works_with_persistent_workers():
     assert _take(iter(loader), 2) == [0, 4]
     loader.load_state_dict({"batches": 7, "generator": None, "epoch": None})
     assert _take(iter(loader), 10) == [28, 32, 36]
+
+
+def test_a_resume_inside_an_epoch_with_another_batch_size_or_replica_count_is_refused():
+    """The position is counted in batches of one size and replicas: another would replay or skip samples."""
+    def make(batch_size, replicas=2):
+        sampler = DistributedSampler(_dataset(), num_replicas=replicas, rank=0, shuffle=True, seed=3)
+        return ResumableDataLoader(_dataset(), batch_size=batch_size, sampler=sampler)
+
+    first = make(4)
+    first.sampler.set_epoch(0)
+    _take(iter(first), 2)
+    state = first.state_dict()
+    assert (state["batches"], state["samples"], state["batch_size"], state["replicas"]) == (2, 8, 4, 2)
+    with pytest.raises(ValueError, match=r"batch_size=8 is not valid for this resume: the checkpoint is 2 batches into "
+                                         r"an epoch counted with batch_size=4"):
+        make(8).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"data-parallel replicas=4 is not valid for this resume: .*replicas=2"):
+        make(4, replicas=4).load_state_dict(state)
+    make(4).load_state_dict(state)  # the same: fine
+    _take(iter(first), len(first))  # at an epoch boundary either may change
+    make(8, replicas=4).load_state_dict(first.state_dict())

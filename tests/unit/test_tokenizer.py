@@ -146,3 +146,13 @@ def test_model_vocab_smaller_than_tokenizer_refused_before_start(corpus, tmp_pat
         train.launch_job(small, tmp_path / "run1")
     with pytest.raises(Launched):
         train.launch_job(large, tmp_path / "run2")
+
+
+@pytest.mark.parametrize("content", [b'{"version": "1.0", "model": \xff\xfe}', b'{"version": "1.0", "mod'])
+def test_a_broken_tokenizer_json_names_the_field_and_the_file(tmp_path, content):
+    """Not UTF-8, or truncated: ``tokenizers`` says ``stream did not contain valid UTF-8`` / ``EOF while parsing``
+    and nothing else; the error names ``data.tokenizer`` and the file."""
+    (tmp_path / "tokenizer.json").write_bytes(content)
+    with pytest.raises(ValueError, match=re.escape(f"data.tokenizer={str(tmp_path)!r} is not valid: "
+                                                   f"{str(tmp_path / 'tokenizer.json')!r} could not be read")):
+        load_tokenizer(tmp_path)
