@@ -27,6 +27,7 @@ steps leave behind (step hooks, gradient finishers, state transforms, the loss c
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, fields
@@ -253,6 +254,7 @@ class ParallelModel:
         self._full_state_transforms = list(build.full_state_transforms)
         self._summaries = list(build.summaries)
         self._step_logs = list(build.step_logs)
+        self._step_wrappers = list(build.step_wrappers)
         self._norm_groups = list(build.norm_groups)
         self.steps: StepHooks = (build.steps or StepHooks)(self)
 
@@ -275,6 +277,14 @@ class ParallelModel:
         for transform in self._batch_transforms:
             batch = transform(batch)
         return batch
+
+    def run_step(self, call: Callable[[Any], Any], batch: Any) -> Any:
+        """``call(batch)``: the LightningModule's own step on this rank's prepared ``batch``, through every axis's
+        step wrapper (cp: what the step logs and returns becomes the mean over the cp ranks' tokens)."""
+        run = call
+        for wrap in reversed(self._step_wrappers):
+            run = functools.partial(wrap, self.module, run=run)
+        return run(batch)
 
     @contextmanager
     def block_sync(self) -> Generator[None, None, None]:

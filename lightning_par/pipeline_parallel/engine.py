@@ -290,14 +290,25 @@ class PipelineEngine:
         Returns:
             The batch loss (detached scalar) on the rank holding the last stage; ``None`` elsewhere.
         """
-        size = inputs[0].shape[0]
-        m = max(d for d in range(1, min(self.options.num_microbatches, size) + 1) if size % d == 0)
-        schedule = self._eval_schedule(_shape_key(inputs), m)
         with self.step_context():
-            outputs = schedule.step(*(inputs if self.has_first_stage else ()))
+            outputs = self.eval_outputs(inputs)
             if not self.has_last_stage:
                 return None
             return _plain(self.loss_fn(outputs, targets)).detach()
+
+    @torch.no_grad()
+    def eval_outputs(self, inputs: tuple[Tensor, ...]) -> Any:
+        """Forward only: the last stage's outputs of the whole batch (its micro-batches' outputs concatenated along
+        dim 0) on the rank holding the last stage, ``None`` elsewhere. Run it inside :attr:`step_context`.
+
+        The batch is split into the largest number of equal micro-batches up to ``num_microbatches`` (the result does
+        not depend on it).
+        """
+        size = inputs[0].shape[0]
+        m = max(d for d in range(1, min(self.options.num_microbatches, size) + 1) if size % d == 0)
+        schedule = self._eval_schedule(_shape_key(inputs), m)
+        outputs = schedule.step(*(inputs if self.has_first_stage else ()))
+        return outputs if self.has_last_stage else None
 
 
 def _shape_key(inputs: tuple[Tensor, ...]) -> tuple:

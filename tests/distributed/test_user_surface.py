@@ -1,0 +1,144 @@
+"""The user's own hooks under every layout (issue 32): what a LightningModule logs, gathers, returns and looks at is
+one process's.
+
+* Under pipelining the user's ``validation_step`` / ``test_step`` run on the last stage's outputs on every rank: their
+  ``self.log`` (with and without ``sync_dist``), ``self.log_dict`` and ``self.all_gather`` equal one process's; manual
+  optimization is refused before start.
+* Under context parallelism the loss a ``training_step`` returns and the ``train_loss`` it logs are the mean over
+  the whole sequence's tokens (label masks ``-100`` counted), as one process logs it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from tests.helpers import TokenDataset, reference_fit
+from tests.surface_helpers import MaskedTokens, make_logging_lm, make_logging_mlp, run_cases
+
+pytestmark = pytest.mark.distributed
+
+EVAL_N, EVAL_BATCH = 16, 4  # 16 samples: 4 batches of 4 per replica at dp1, 2 per replica at dp2
+CP_STEPS, CP_N = 2, 8
+
+
+def _eval(name: str, strategy: str, **options) -> dict:
+    return {"name": name, "kind": "eval", "strategy": strategy, "options": options, "model": "mlp", "data": "mlp",
+            "n": EVAL_N, "batch": EVAL_BATCH}
+
+
+def _cp_fit(name: str, model: str, data: str, method: str) -> dict:
+    return {"name": name, "kind": "fit", "strategy": "parallel_3d", "options": {"cp_size": 2, "method": method},
+            "model": model, "data": data, "n": CP_N, "batch": 2, "steps": CP_STEPS}
+
+
+WORLD2 = [
+    _eval("pp2-1f1b", "1f1b", pp_size=2, num_microbatches=2),
+    _cp_fit("cp2-ring-gpt", "gpt", "tokens", "ring"),
+    _cp_fit("cp2-all_to_all-lm-masked", "lm", "masked", "all_to_all"),
+]
+WORLD4 = [_eval("dp2pp2-1f1b", "1f1b", pp_size=2, dp_size=2, num_microbatches=2)]
+SLOW2 = [
+    _cp_fit("cp2-all_to_all-gpt", "gpt", "tokens", "all_to_all"),
+    _cp_fit("cp2-ring-lm-masked", "lm", "masked", "ring"),
+    _eval("pp2-gpipe", "gpipe", pp_size=2, num_microbatches=4),
+]
+
+
+@pytest.fixture(scope="module")
+def world2() -> dict:
+    return run_cases(2, WORLD2)
+
+
+@pytest.fixture(scope="module")
+def world4() -> dict:
+    return run_cases(4, WORLD4)
+
+
+def _reference_eval(dp_size: int) -> dict[str, float]:
+    """One process on the same model and batches: Lightning's epoch means of the logged values (equal batch sizes:
+    the mean over batches), per dp replica for the rank-local ``val_mae``."""
+    from tests.pp_helpers import RegressionDataset
+
+    module = make_logging_mlp()
+    data = RegressionDataset(n=EVAL_N, d_in=8, d_out=4)
+    losses, maes = [], []
+    with torch.no_grad():
+        for x, y in DataLoader(data, batch_size=EVAL_BATCH * dp_size):
+            out = module(x)
+            losses.append(float(F.mse_loss(out, y)))
+    mae_by_replica = []
+    for r in range(dp_size):
+        sampler = torch.utils.data.DistributedSampler(data, num_replicas=dp_size, rank=r, shuffle=False)
+        maes = []
+        with torch.no_grad():
+            for x, y in DataLoader(data, batch_size=EVAL_BATCH, sampler=sampler):
+                maes.append(float((module(x) - y).abs().mean()))
+        mae_by_replica.append(sum(maes) / len(maes))
+    loss = sum(losses) / len(losses)
+    return {"val_loss": loss, "test_loss": loss, "val_gathered": loss, "val_mae": mae_by_replica}
+
+
+def _check_eval(runs: list[dict], dp_size: int) -> None:
+    ref = _reference_eval(dp_size)
+    for r in runs:
+        for key in ("val_loss", "test_loss", "val_gathered"):
+            assert r[key] == pytest.approx(ref[key], rel=1e-5), (key, r["rank"], r[key], ref[key])
+        assert r["val_mae"] == pytest.approx(ref["val_mae"][r["dp_rank"]], rel=1e-5), r["rank"]
+
+
+def test_pp2_user_eval_steps_log_gather_as_one_process(world2):
+    _check_eval(world2["pp2-1f1b"], 1)
+
+
+def test_dp2_pp2_user_eval_steps_log_gather_as_one_process(world4):
+    _check_eval(world4["dp2pp2-1f1b"], 2)
+
+
+def _check_cp(runs: list[dict], case: dict) -> None:
+    if case["model"] == "gpt":
+        from tests.p3d_helpers import make_gpt as make
+    else:
+        make = make_logging_lm
+    data = MaskedTokens(CP_N) if case["data"] == "masked" else TokenDataset(n=CP_N, seq=16)
+    ref_losses, _ = reference_fit(make, data, case["batch"], CP_STEPS)
+    for r in runs:
+        torch.testing.assert_close(torch.tensor(r["logged"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(r["returned"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("name", ["cp2-ring-gpt", "cp2-all_to_all-lm-masked"])
+def test_cp2_logged_and_returned_train_loss_is_one_process(world2, name):
+    _check_cp(world2[name], next(c for c in WORLD2 if c["name"] == name))
+
+
+def test_masked_targets_hold_unequal_tokens_on_the_cp_ranks():
+    """The masked data really weighs the two cp ranks differently (a plain mean of their losses would be wrong)."""
+    from lightning_par.context_parallel.attention import split_sequence
+
+    _, y = MaskedTokens(1)[0]
+    counts = [int((split_sequence(y[None], r, 2, dim=1) != -100).sum()) for r in range(2)]
+    assert counts[0] != counts[1], counts
+
+
+@pytest.mark.slow
+def test_slow_cp2_and_pp_cases():
+    runs = run_cases(2, SLOW2)
+    for case in SLOW2:
+        if case["kind"] == "eval":
+            _check_eval(runs[case["name"]], 1)
+        else:
+            _check_cp(runs[case["name"]], case)
+
+
+def test_manual_optimization_is_refused_under_pipelining_before_start():
+    from lightning_par.parallel_dims import ParallelDims
+    from lightning_par.parallelize import ParallelOptions, validate
+
+    module = make_logging_mlp()
+    module.automatic_optimization = False
+    with pytest.raises(ValueError, match="automatic_optimization=False is not valid under pipelining"):
+        validate(module, ParallelDims(world_size=2, pp_size=2), ParallelOptions.build())
+    validate(module, ParallelDims(world_size=2, dp_size=2), ParallelOptions.build())  # fine without pp
