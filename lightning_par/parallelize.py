@@ -339,6 +339,24 @@ class ParallelModel:
         dist.all_gather_object(parts, local, group=self.dims.group("pp"))
         return {k: v for part in parts for k, v in part.items()}
 
+    def grad_norm(self, params: list[Tensor], norm_type: float = 2.0) -> Tensor:
+        """The ``norm_type``-norm of the whole model's gradient (every shard, every stage), computed as clipping
+        computes it, without scaling anything. Collective over the world. A float32 scalar, the same on every rank."""
+        return self.engine.clip_grad_norm_(params, float("inf"), norm_type, self._norm_groups)
+
+    def full_grads(self) -> dict[str, Tensor]:
+        """Every parameter's gradient in full (averaged over dp), keyed by one-process name, on every rank (CPU).
+        Collective over the whole world (dp/tp gathers, then the pp group); gathers the whole gradient on every rank:
+        for callbacks on small models, and tests."""
+        local = {k: v.detach().cpu() for k, v in self.engine.full_grads().items()}
+        for transform in self._full_state_transforms:
+            transform(local)
+        if not self.dims.pp_enabled:
+            return local
+        parts: list[Any] = [None] * self.dims.pp_size
+        dist.all_gather_object(parts, local, group=self.dims.group("pp"))
+        return {k: v for part in parts for k, v in part.items()}
+
     def step_figures(self) -> dict[str, float]:
         """Every axis's figures of the training step that just ran (e.g. the MoE layers' load imbalance and the ep
         all-to-all bytes), to log under ``parallel/``."""

@@ -85,6 +85,21 @@ class LoggedLosses(L.Callback):
         self.logged.append(float(trainer.callback_metrics["train_loss"]))
 
 
+class GradProbe(L.Callback):
+    """In ``on_before_optimizer_step``: the strategy's global norm and Lightning-style per-parameter norms, and how
+    many of the module's parameters hold a ``.grad``."""
+
+    def __init__(self) -> None:
+        self.total: list[float] = []
+        self.norms: list[dict[str, float]] = []
+        self.with_grad: list[int] = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.total.append(float(trainer.strategy.grad_norm(2)))
+        self.norms.append(trainer.strategy.grad_norms(2))
+        self.with_grad.append(sum(p.grad is not None for p in pl_module.parameters()))
+
+
 def _loader(dataset: Dataset, batch: int, dp_size: int, dp_rank: int) -> DataLoader:
     sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=False)
     return DataLoader(dataset, batch_size=batch, sampler=sampler, drop_last=True)
@@ -100,6 +115,10 @@ def _strategy(name: str, options: dict[str, Any]) -> Any:
 def _model(name: str) -> L.LightningModule:
     if name == "mlp":
         return make_logging_mlp()
+    if name == "mlp-plain":
+        from tests.user_models import make_mlp
+
+        return make_mlp("sgd")
     if name == "lm":
         return make_logging_lm()
     from tests.p3d_helpers import make_gpt
@@ -138,6 +157,12 @@ def case_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
             test = quiet_trainer(_strategy(case["strategy"], case["options"]), dims.world_size).test(
                 _model(case["model"]), loader, verbose=False)[0]
             out.update({k: float(v) for k, v in {**val, **test}.items()})
+        elif case["kind"] == "grads":
+            probe = GradProbe()
+            trainer = quiet_trainer(strategy, dims.world_size, max_steps=case["steps"], limit_val_batches=0,
+                                    callbacks=[probe])
+            trainer.fit(module, loader)
+            out.update({"total": probe.total, "norms": probe.norms, "with_grad": probe.with_grad})
         else:
             recorder = LoggedLosses()
             trainer = quiet_trainer(strategy, dims.world_size, max_steps=case["steps"], limit_val_batches=0,

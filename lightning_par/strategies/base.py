@@ -482,6 +482,36 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    # ------------------------------------------------------------------ gradients for callbacks
+    def grad_norm(self, norm_type: float | str = 2.0) -> Tensor:
+        """The global gradient norm the optimizer step will see: over every dp shard, tp shard and pipeline stage
+        (what norm clipping computes; one process's ``torch.nn.utils.get_total_norm`` of all gradients). Call it from
+        ``on_before_optimizer_step`` (gradients reduced, before clipping) on every rank: it is collective.
+
+        Returns:
+            A float32 scalar tensor (CPU), the same on every rank.
+        """
+        assert self.parallel is not None
+        params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
+        return self.parallel.grad_norm(params, float(norm_type))
+
+    def full_grads(self) -> dict[str, Tensor]:
+        """Every parameter's gradient in full, keyed by its one-process name (``{"model.0.weight": (out, in)}``),
+        on every rank (CPU; gathered over dp shards, tp shards and pipeline stages: collective, and the whole gradient
+        on each rank). Call it from ``on_before_optimizer_step``."""
+        assert self.parallel is not None
+        return self.parallel.full_grads()
+
+    def grad_norms(self, norm_type: float | str = 2.0) -> dict[str, float]:
+        """Lightning's ``lightning.pytorch.utilities.grad_norm(module, norm_type)`` for the whole model, whatever the
+        layout: ``{"grad_{q}_norm/{name}": norm of each parameter's gradient, "grad_{q}_norm_total": the global
+        norm}`` (from :meth:`full_grads`: collective, for small models; :meth:`grad_norm` is the cheap total)."""
+        q = float(norm_type)
+        norms = {f"grad_{q}_norm/{n}": g.float().norm(q) for n, g in self.full_grads().items()}
+        if norms:
+            norms[f"grad_{q}_norm_total"] = torch.stack(list(norms.values())).norm(q)
+        return {k: float(v) for k, v in norms.items()}
+
     # ------------------------------------------------------------------ reporting
     def summary_extras(self) -> dict[str, Any]:
         """Strategy figures for ``summary.json``: layout, dp mode, and every axis's figures."""

@@ -142,3 +142,76 @@ def test_manual_optimization_is_refused_under_pipelining_before_start():
     with pytest.raises(ValueError, match="automatic_optimization=False is not valid under pipelining"):
         validate(module, ParallelDims(world_size=2, pp_size=2), ParallelOptions.build())
     validate(module, ParallelDims(world_size=2, dp_size=2), ParallelOptions.build())  # fine without pp
+
+
+# ---------------------------------------------------------------------------------------------- gradients for callbacks
+GRAD_STEPS, GRAD_N, GRAD_BATCH = 2, 16, 4
+
+
+def _grads(name: str, strategy: str, **options) -> dict:
+    return {"name": name, "kind": "grads", "strategy": strategy, "options": options, "model": "mlp-plain",
+            "data": "mlp", "n": GRAD_N, "batch": GRAD_BATCH, "steps": GRAD_STEPS}
+
+
+GRADS2 = [
+    _grads("zero2", "zero2", dp_size=2),
+    _grads("zero3", "zero3", dp_size=2),
+    _grads("tp2", "tensor_parallel", tp_size=2),
+    _grads("pp2", "1f1b", pp_size=2, num_microbatches=2),
+]
+GRADS_SLOW2 = [_grads("ddp", "ddp_overlap", dp_size=2), _grads("zero1", "zero1", dp_size=2)]
+GRADS_SLOW4 = [_grads("dp2tp2", "parallel_3d", dp_size=2, tp_size=2, dp_mode="zero2")]
+
+
+def _reference_grad_norms(dp_size: int) -> list[dict[str, float]]:
+    """One process on the global batch: Lightning's own ``grad_norm(module, 2)`` before each optimizer step."""
+    from lightning.pytorch.utilities import grad_norm
+
+    from tests.pp_helpers import RegressionDataset
+    from tests.user_models import make_mlp
+
+    module = make_mlp("sgd")
+    opt = module.configure_optimizers()
+    data = RegressionDataset(n=GRAD_N, d_in=8, d_out=4)
+    out = []
+    for step, (x, y) in enumerate(DataLoader(data, batch_size=GRAD_BATCH * dp_size)):
+        if step == GRAD_STEPS:
+            break
+        module.training_step((x, y), step).backward()
+        out.append({k: float(v) for k, v in grad_norm(module, 2).items()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out
+
+
+def _check_grads(runs: list[dict], dp_size: int) -> None:
+    ref = _reference_grad_norms(dp_size)
+    for r in runs:
+        assert len(r["total"]) == GRAD_STEPS
+        for step in range(GRAD_STEPS):
+            expected = ref[step]
+            assert r["total"][step] == pytest.approx(expected["grad_2.0_norm_total"], rel=1e-5), (r["rank"], step)
+            assert r["norms"][step].keys() == expected.keys()
+            for key, value in expected.items():
+                assert r["norms"][step][key] == pytest.approx(value, rel=1e-5, abs=1e-8), (r["rank"], step, key)
+
+
+@pytest.fixture(scope="module")
+def grads2() -> dict:
+    return run_cases(2, GRADS2)
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in GRADS2])
+def test_global_grad_norm_and_full_grads_match_lightning_grad_norm_in_one_process(grads2, name):
+    _check_grads(grads2[name], 2 if name.startswith("zero") else 1)
+    if name == "zero2":  # the engine keeps no full gradient on the module's parameters: the accessor is the view
+        assert all(n == 0 for r in grads2[name] for n in r["with_grad"])
+
+
+@pytest.mark.slow
+def test_slow_global_grad_norm_ddp_zero1_and_dp2_tp2():
+    runs = run_cases(2, GRADS_SLOW2)
+    for case in GRADS_SLOW2:
+        _check_grads(runs[case["name"]], 2)
+    runs = run_cases(4, GRADS_SLOW4)
+    _check_grads(runs["dp2tp2"], 2)
