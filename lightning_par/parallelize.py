@@ -357,6 +357,24 @@ class ParallelModel:
         dist.all_gather_object(parts, local, group=self.dims.group("pp"))
         return {k: v for part in parts for k, v in part.items()}
 
+    def parameter_counts(self) -> dict[str, tuple[int, bool]]:
+        """``{one-process name: (elements, requires_grad)}`` of every parameter of the whole model, on every rank:
+        sharded parameters (DTensors: tp, zero3) counted at their global shape less vocabulary padding, the other
+        stages' parameters gathered over the pp group (collective over it). What a model summary counts."""
+        shapes: dict[str, Any] = {}
+        trainable: dict[str, bool] = {}
+        for name, p in self.module.named_parameters():
+            shapes[name] = torch.empty(p.shape, device="meta")  # a DTensor's shape is its global one
+            trainable[name] = p.requires_grad
+        for transform in self._full_state_transforms:
+            transform(shapes)
+        local = {name: (t.numel(), trainable[name]) for name, t in shapes.items()}
+        if not self.dims.pp_enabled:
+            return local
+        parts: list[Any] = [None] * self.dims.pp_size
+        dist.all_gather_object(parts, local, group=self.dims.group("pp"))
+        return {k: v for part in parts for k, v in part.items()}
+
     def step_figures(self) -> dict[str, float]:
         """Every axis's figures of the training step that just ran (e.g. the MoE layers' load imbalance and the ep
         all-to-all bytes), to log under ``parallel/``."""

@@ -100,6 +100,20 @@ class GradProbe(L.Callback):
         self.with_grad.append(sum(p.grad is not None for p in pl_module.parameters()))
 
 
+class RecordedSummary(L.pytorch.callbacks.ModelSummary):
+    """Lightning's ModelSummary callback keeping what it prints (on global rank 0)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_depth=1)
+        self.printed: dict[str, Any] = {}
+
+    def summarize(self, summary_data: Any, total_parameters: int, trainable_parameters: int, *args: Any,
+                  **kwargs: Any) -> None:
+        rows = dict(summary_data)
+        self.printed = {"total": total_parameters, "trainable": trainable_parameters,
+                        "rows": dict(zip(rows["Name"], rows["Params"]))}
+
+
 def _loader(dataset: Dataset, batch: int, dp_size: int, dp_rank: int) -> DataLoader:
     sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=False)
     return DataLoader(dataset, batch_size=batch, sampler=sampler, drop_last=True)
@@ -157,6 +171,16 @@ def case_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
             test = quiet_trainer(_strategy(case["strategy"], case["options"]), dims.world_size).test(
                 _model(case["model"]), loader, verbose=False)[0]
             out.update({k: float(v) for k, v in {**val, **test}.items()})
+        elif case["kind"] == "summary":
+            from lightning_par.callbacks.model_summary import whole_model_summary
+
+            recorded = RecordedSummary()
+            trainer = quiet_trainer(strategy, dims.world_size, max_steps=1, limit_val_batches=0,
+                                    enable_model_summary=True, callbacks=[recorded])
+            trainer.fit(module, loader)
+            whole = whole_model_summary(trainer)
+            out.update({"printed": recorded.printed, "total": whole.total_parameters,
+                        "trainable": whole.trainable_parameters})
         elif case["kind"] == "grads":
             probe = GradProbe()
             trainer = quiet_trainer(strategy, dims.world_size, max_steps=case["steps"], limit_val_batches=0,

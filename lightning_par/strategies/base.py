@@ -43,6 +43,7 @@ from typing_extensions import override
 from lightning_par.axes import axis_of_group, check_sizes
 from lightning_par.checkpoint.strategy_io import ShardedCheckpointIO
 from lightning_par.callbacks.metrics import log_comm_stats
+from lightning_par.callbacks.model_summary import install as install_model_summary
 from lightning_par.fault.elastic import init_process_group_per_attempt
 from lightning_par.fault.process_group_exit import FAILED, destroy_process_group_at_exit
 from lightning_par.parallel_dims import ParallelDims
@@ -311,6 +312,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         # Norm clipping must see the whole model's norm: every shard, every stage.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        install_model_summary(trainer)  # Lightning's ModelSummary counts the whole model, not this rank's part
 
     @property
     def precision(self) -> str:

@@ -215,3 +215,34 @@ def test_slow_global_grad_norm_ddp_zero1_and_dp2_tp2():
         _check_grads(runs[case["name"]], 2)
     runs = run_cases(4, GRADS_SLOW4)
     _check_grads(runs["dp2tp2"], 2)
+
+
+# ---------------------------------------------------------------------------------------------------- model summary
+def _summary(name: str, strategy: str, **options) -> dict:
+    return {"name": name, "kind": "summary", "strategy": strategy, "options": options, "model": "mlp-plain",
+            "data": "mlp", "n": GRAD_N, "batch": GRAD_BATCH}
+
+
+SUMMARY2 = [_summary("pp2", "1f1b", pp_size=2, num_microbatches=2), _summary("zero3", "zero3", dp_size=2),
+            _summary("tp2", "tensor_parallel", tp_size=2)]
+
+
+@pytest.fixture(scope="module")
+def summary2() -> dict:
+    return run_cases(2, SUMMARY2)
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in SUMMARY2])
+def test_lightning_model_summary_counts_the_whole_model(summary2, name):
+    from lightning.pytorch.utilities.model_summary import summarize
+    from lightning.pytorch.utilities.model_summary.model_summary import get_human_readable_count
+
+    from tests.user_models import make_mlp
+
+    one = summarize(make_mlp("sgd"), max_depth=1)
+    runs = summary2[name]
+    printed = runs[0]["printed"]  # Lightning's callback prints on global rank 0
+    assert printed["total"] == one.total_parameters and printed["trainable"] == one.trainable_parameters
+    assert printed["rows"] == {"model": get_human_readable_count(one.total_parameters)}
+    for r in runs:  # and the summary any rank asks for
+        assert (r["total"], r["trainable"]) == (one.total_parameters, one.trainable_parameters)
