@@ -246,3 +246,22 @@ def test_lightning_model_summary_counts_the_whole_model(summary2, name):
     assert printed["rows"] == {"model": get_human_readable_count(one.total_parameters)}
     for r in runs:  # and the summary any rank asks for
         assert (r["total"], r["trainable"]) == (one.total_parameters, one.trainable_parameters)
+
+
+@pytest.mark.slow
+def test_slow_tp2_pp2_gpt_validation_step_on_vocab_parallel_outputs():
+    """tp2 x pp2 on the GPT (its head is vocab-parallel: the last stage's outputs are DTensor shards, broadcast shard by
+    shard to the first stage's tp ranks): ``val_loss`` logged by the GPT's own ``validation_step`` is one process's."""
+
+    case = {"name": "tp2pp2-gpt", "kind": "eval", "strategy": "parallel_3d", "model": "gpt", "data": "tokens",
+            "options": dict(tp_size=2, pp_size=2, num_microbatches=2, schedule="1f1b"), "n": 8, "batch": 4}
+    runs = run_cases(4, [case])["tp2pp2-gpt"]
+    from tests.p3d_helpers import make_gpt
+
+    module = make_gpt()
+    data = TokenDataset(n=8, seq=16)
+    with torch.no_grad():
+        losses = [float(module.loss_fn(module.model(x), y)) for x, y in DataLoader(data, batch_size=4)]
+    expected = sum(losses) / len(losses)
+    for r in runs:
+        assert r["val_loss"] == pytest.approx(expected, rel=1e-5), r["rank"]
