@@ -20,6 +20,10 @@ pipeline loss               ``lightning_module.pipeline_loss(outputs, targets)``
                             targets)`` -> the mean loss of one micro-batch (a scalar). Under pipelining the
                             LightningModule's ``training_step`` is *not* called: the schedule runs forward and
                             backward itself, micro-batch by micro-batch.
+pipeline output             optional ``network.pipeline_output(outputs)``: the last stage's outputs as ``network(...)``
+                            returns them (default: as they are; a Hugging Face model: an output object with
+                            ``.logits``). Under pipelining the LightningModule's ``validation_step`` / ``test_step``
+                            run on every rank, their one call of the network returning the last stage's outputs.
 pipeline batch              ``lightning_module.pipeline_batch(batch) -> (inputs, targets)``; by default a batch is
                             ``(inputs, targets)``. ``inputs`` is a tensor or a tuple of tensors (the first stage's
                             positional arguments), split along dim 0; ``targets`` any structure of tensors split along
@@ -70,6 +74,7 @@ __all__ = [
     "pipeline_batch",
     "pipeline_layers",
     "pipeline_loss",
+    "pipeline_output",
     "pipeline_sample",
     "pipeline_stage",
     "check_tensor_parallel",
@@ -217,6 +222,13 @@ def pipeline_loss(module: nn.Module) -> Callable[[Any, Any], Tensor]:
         f"one micro-batch: the schedule runs forward and backward itself, micro-batch by micro-batch, so the "
         f"LightningModule's training_step is not called under pipelining (pp_size > 1)."
     )
+
+
+def pipeline_output(network: nn.Module, outputs: Any) -> Any:
+    """``outputs`` of the last pipeline stage as ``network(...)`` returns them: through the network's (or its
+    adapter's) ``pipeline_output`` if defined, else as they are."""
+    method = network_method(network, "pipeline_output")
+    return method(outputs) if callable(method) else outputs
 
 
 def pipeline_batch(module: nn.Module, batch: Any) -> tuple[tuple[Tensor, ...], Any]:

@@ -133,6 +133,10 @@ def _model(name: str) -> L.LightningModule:
         from tests.user_models import make_mlp
 
         return make_mlp("sgd")
+    if name == "hf-llama":
+        from tests.distributed.test_hf_pipeline import make_hf
+
+        return make_hf("llama-sgd")
     if name == "lm":
         return make_logging_lm()
     from tests.p3d_helpers import make_gpt
@@ -168,7 +172,7 @@ def case_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
             trainer = quiet_trainer(strategy, dims.world_size)
             val = trainer.validate(module, loader, verbose=False)[0]
             # a fresh module: re-parallelizing one a previous Trainer cut is another issue's (a second Trainer)
-            test = {} if case["model"] == "gpt" else quiet_trainer(
+            test = {} if case["model"] in ("gpt", "hf-llama") else quiet_trainer(
                 _strategy(case["strategy"], case["options"]), dims.world_size).test(
                 _model(case["model"]), loader, verbose=False)[0]
             out.update({k: float(v) for k, v in {**val, **test}.items()})

@@ -166,7 +166,9 @@ class PipelinedSteps(StepHooks):
                                     mesh=lambda: dims.get_mesh("tp"))
         attr = parallel.options.module_attr
         hook = "validation_step" if stage == "val" else f"{stage}_step"
-        with network_returns(getattr(module, attr), inputs[0], outputs, type(module).__name__, attr, hook):
+        network = getattr(module, attr)
+        outputs = contract.pipeline_output(network, outputs)
+        with network_returns(network, inputs[0], outputs, type(module).__name__, attr, hook):
             with parallel.loss_context():
                 return parallel.run_step(call, prepared)
 

@@ -265,3 +265,21 @@ def test_slow_tp2_pp2_gpt_validation_step_on_vocab_parallel_outputs():
     expected = sum(losses) / len(losses)
     for r in runs:
         assert r["val_loss"] == pytest.approx(expected, rel=1e-5), r["rank"]
+
+
+@pytest.mark.slow
+def test_slow_pp2_hugging_face_validation_step_reads_logits_from_the_output_object():
+    """A Hugging Face model's ``validation_step`` reads ``network(...).logits``: under pp2 the last stage's logits come
+    back in the model's own output object (``contract.pipeline_output``), and ``val_loss`` is one process's."""
+    from tests.distributed.test_hf_pipeline import make_hf
+
+    case = {"name": "pp2-hf", "kind": "eval", "strategy": "1f1b", "model": "hf-llama", "data": "tokens",
+            "options": dict(pp_size=2, num_microbatches=2), "n": 8, "batch": 4}
+    runs = run_cases(2, [case])["pp2-hf"]
+    module = make_hf("llama-sgd")
+    data = TokenDataset(n=8, seq=16)
+    with torch.no_grad():
+        losses = [float(module.loss_fn(module(x), y)) for x, y in DataLoader(data, batch_size=4)]
+    expected = sum(losses) / len(losses)
+    for r in runs:
+        assert r["val_loss"] == pytest.approx(expected, rel=1e-5), r["rank"]
