@@ -278,6 +278,13 @@ class ParallelModel:
             batch = transform(batch)
         return batch
 
+    def transform_batch(self, batch: Any) -> Any:
+        """``batch`` as the LightningModule's step sees it on this rank (every axis's batch transform: cp's split of
+        the sequence), without :meth:`prepare_batch`'s buffer broadcast (no collective)."""
+        for transform in self._batch_transforms:
+            batch = transform(batch)
+        return batch
+
     def run_step(self, call: Callable[[Any], Any], batch: Any) -> Any:
         """``call(batch)``: the LightningModule's own step on this rank's prepared ``batch``, through every axis's
         step wrapper (cp: what the step logs and returns becomes the mean over the cp ranks' tokens)."""

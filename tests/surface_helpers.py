@@ -27,6 +27,19 @@ class LoggingMLP(ResidualMLP):
         self.log("val_gathered", gathered.mean())
         return loss
 
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        loss = self.loss_fn(out, y)
+        self.log("train_loss", loss)
+        self.log_dict({"train_mae": (out - y).abs().mean(), "train_max": out.abs().max().item()})
+        self.log("train_mae_sync", (out - y).abs().mean(), sync_dist=True)
+        if self.gather_in_training:
+            self.all_gather(loss)
+        return loss
+
+    gather_in_training = False
+
     def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = self.loss_fn(self.model(x), y)
@@ -72,17 +85,22 @@ class MaskedTokens(TokenDataset):
 
 
 class LoggedLosses(L.Callback):
-    """Per training step: the loss the step returned and the ``train_loss`` it logged (Lightning's step value)."""
+    """Per training step: the loss the step returned and the ``train_loss`` it logged (Lightning's step value), and
+    every value logged in the step (``metrics``: ``{name: [per step]}``)."""
 
     def __init__(self) -> None:
         self.returned: list[float] = []
         self.logged: list[float] = []
+        self.metrics: dict[str, list[float]] = {}
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.returned.append(float(loss.detach()))
         self.logged.append(float(trainer.callback_metrics["train_loss"]))
+        for name, value in trainer.callback_metrics.items():
+            if name.startswith("train_"):
+                self.metrics.setdefault(name, []).append(float(value))
 
 
 class GradProbe(L.Callback):
@@ -129,6 +147,10 @@ def _strategy(name: str, options: dict[str, Any]) -> Any:
 def _model(name: str) -> L.LightningModule:
     if name == "mlp":
         return make_logging_mlp()
+    if name == "mlp-gather":
+        module = make_logging_mlp()
+        module.gather_in_training = True
+        return module
     if name == "mlp-plain":
         from tests.user_models import make_mlp
 
@@ -197,7 +219,7 @@ def case_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
             trainer = quiet_trainer(strategy, dims.world_size, max_steps=case["steps"], limit_val_batches=0,
                                     callbacks=[recorder])
             trainer.fit(module, loader)
-            out.update({"returned": recorder.returned, "logged": recorder.logged})
+            out.update({"returned": recorder.returned, "logged": recorder.logged, "metrics": recorder.metrics})
         results.append(out)
     return results
 

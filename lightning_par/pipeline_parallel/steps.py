@@ -13,8 +13,9 @@ an accumulation window, then ``backward``, then clipping and ``optimizer.step``)
 * Gradient accumulation stays Lightning's: each batch's loss is scaled by ``1 / accumulate_grad_batches``.
 * Evaluation runs forward only through the stages, then the LightningModule's own ``validation_step`` / ``test_step``
   on every pp rank with the last stage's outputs (:mod:`~lightning_par.pipeline_parallel.user_steps`).
-* The LightningModule's ``training_step`` is not called (the schedule computes each micro-batch's loss with
-  ``loss_fn``); the strategy logs ``train_loss``, the batch's mean loss. Manual optimization is refused before start.
+* The LightningModule's ``training_step`` does not make the loss (the schedule computes each micro-batch's loss with
+  ``loss_fn`` as it goes); it runs on the last stage on each micro-batch's outputs, without gradient, for what it
+  logs, replayed on every rank. Manual optimization is refused before start.
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ from torch import Tensor
 from lightning_par import contract
 from lightning_par.pipeline_parallel.bubble import summarize_bubble
 from lightning_par.pipeline_parallel.schedules import bubble_formula
-from lightning_par.pipeline_parallel.user_steps import broadcast_outputs, network_returns
+from lightning_par.pipeline_parallel.user_steps import (
+    TrainingStepCapture,
+    broadcast_outputs,
+    network_returns,
+    split_microbatches,
+)
 from lightning_par.steps import StepHooks
 
 __all__ = ["PipelinedSteps"]
@@ -59,9 +65,17 @@ class PipelinedSteps(StepHooks):
 
     # ------------------------------------------------------------------ training
     def training_step(self, host: Any, call: Any, batch: Any, batch_idx: int) -> Tensor:
-        """Run the schedule on the batch (forward and backward) and return the batch's mean loss on every rank, logged
-        as ``train_loss`` (the LightningModule's own ``training_step``, ``call``, is not run: see the README's
-        pipelining contract)."""
+        """Run the schedule on the batch (forward and backward) and return the batch's mean loss on every rank.
+
+        The LightningModule's own ``training_step`` (``call``) runs on the last stage for each micro-batch, on its
+        outputs and without gradient, for what it logs; every rank then logs the micro-batch means of those values
+        (:class:`~lightning_par.pipeline_parallel.user_steps.TrainingStepCapture`), and ``train_loss`` (the batch's
+        mean loss) when the step logs no value of that name.
+
+        Raises:
+            ValueError: (on every rank) the step's network call is not once on the micro-batch's inputs, it logs a
+                value that is not a scalar, or calls ``self.all_gather``; the step's own exception.
+        """
         parallel = self.parallel
         module = host.lightning_module
         prepared = parallel.prepare_batch(batch)
@@ -74,8 +88,19 @@ class PipelinedSteps(StepHooks):
                 p.grad = None
         for m in parallel.stage_modules:
             m.train(module.training)
-        with parallel.engine.defer_sync():
-            loss = parallel.pipeline.train_step(inputs, targets, loss_scale=1.0 / accumulate)
+        pipeline, attr = parallel.pipeline, parallel.options.module_attr
+        m = parallel.options.pipeline.num_microbatches
+        capture = None
+        if pipeline.has_last_stage:  # the user's training_step, per micro-batch, for what it logs
+            micro = [parallel.transform_batch(b) for b in split_microbatches(batch, m)]
+            firsts = [contract.pipeline_batch(module, b)[0][0] for b in micro]
+            capture = TrainingStepCapture(module, getattr(module, attr), attr, call, micro, firsts)
+        pipeline.observer = capture
+        try:
+            with parallel.engine.defer_sync():
+                loss = pipeline.train_step(inputs, targets, loss_scale=1.0 / accumulate)
+        finally:
+            pipeline.observer = None
         for after in parallel.after_schedule:  # e.g. tp's partial gradients, deferred out of the schedule
             after()
         if opens_window:  # hold the new gradients aside while Lightning zeroes; backward() hands them back
@@ -83,9 +108,16 @@ class PipelinedSteps(StepHooks):
             for p in params:
                 p.grad = None
         loss = self._share_step(loss, host.root_device)
+        dims = parallel.dims
+        pp_group = dims.group("pp")
+        last = dist.get_global_rank(pp_group, parallel.options.pipeline.last_stage_rank(dims.pp_size))
+        records = (capture or TrainingStepCapture(module, None, attr, call, [], [])).share(
+            last, pp_group, pipeline.has_last_stage)
 
         def report(_: Any) -> Tensor:  # through the axes' step wrappers: under cp, the mean over the cp ranks' tokens
-            module.log("train_loss", loss, prog_bar=True)
+            logged = TrainingStepCapture.replay(module, records, host.root_device)
+            if "train_loss" not in logged:
+                module.log("train_loss", loss, prog_bar=True)
             return loss
 
         loss = parallel.run_step(report, prepared)

@@ -283,3 +283,66 @@ def test_slow_pp2_hugging_face_validation_step_reads_logits_from_the_output_obje
     expected = sum(losses) / len(losses)
     for r in runs:
         assert r["val_loss"] == pytest.approx(expected, rel=1e-5), r["rank"]
+
+
+# ------------------------------------------------------------------------------- the user's training_step under pp
+TRAIN_STEPS = 2
+
+
+def _pp_fit(name: str, model: str = "mlp", **options) -> dict:
+    return {"name": name, "kind": "fit", "strategy": "1f1b", "options": {"num_microbatches": 2, **options},
+            "model": model, "data": "mlp", "n": EVAL_N, "batch": EVAL_BATCH, "steps": TRAIN_STEPS}
+
+
+PP_TRAIN2 = [_pp_fit("pp2-train", pp_size=2)]
+
+
+def _reference_train_metrics(dp_size: int) -> dict[str, list[float]]:
+    """One process on the global batches, SGD stepping: what its ``training_step`` logs at each step."""
+    from tests.pp_helpers import RegressionDataset
+
+    module = make_logging_mlp()
+    opt = module.configure_optimizers()
+    data = RegressionDataset(n=EVAL_N, d_in=8, d_out=4)
+    out: dict[str, list[float]] = {}
+    for step, (x, y) in enumerate(DataLoader(data, batch_size=EVAL_BATCH * dp_size)):
+        if step == TRAIN_STEPS:
+            break
+        pred = module(x)
+        loss = F.mse_loss(pred, y)
+        for name, value in (("train_loss", loss), ("train_mae", (pred - y).abs().mean()),
+                            ("train_mae_sync", (pred - y).abs().mean())):
+            out.setdefault(name, []).append(float(value))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pp_train2() -> dict:
+    return run_cases(2, PP_TRAIN2)
+
+
+def test_pp2_user_training_step_logs_as_one_process(pp_train2):
+    """The user's ``training_step`` runs on the last stage per micro-batch (on its outputs) for what it logs; every
+    rank logs the micro-batch means: ``self.log`` and ``self.log_dict``, with and without ``sync_dist``, are one
+    process's (a max is the micro-batches' mean of maxima, documented)."""
+    ref = _reference_train_metrics(1)
+    for r in pp_train2["pp2-train"]:
+        for name in ("train_loss", "train_mae", "train_mae_sync"):
+            torch.testing.assert_close(torch.tensor(r["metrics"][name]), torch.tensor(ref[name]), rtol=1e-5, atol=0)
+        assert len(r["metrics"]["train_max"]) == TRAIN_STEPS
+
+
+def test_pp2_all_gather_in_training_step_is_refused_on_every_rank():
+    with pytest.raises(Exception, match="calls self.all_gather under pipelining"):
+        run_cases(2, [_pp_fit("pp2-gather", model="mlp-gather", pp_size=2)], timeout_s=240)
+
+
+@pytest.mark.slow
+def test_slow_dp2_pp2_user_training_step_sync_dist_as_one_process():
+    ref = _reference_train_metrics(2)
+    for r in run_cases(4, [_pp_fit("dp2pp2-train", pp_size=2, dp_size=2)])["dp2pp2-train"]:
+        torch.testing.assert_close(torch.tensor(r["metrics"]["train_mae_sync"]), torch.tensor(ref["train_mae_sync"]),
+                                   rtol=1e-5, atol=0)
