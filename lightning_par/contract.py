@@ -18,8 +18,9 @@ pipeline stages             ``network.pipeline_layers() -> list[str]``: names of
                             Fallback: the children of an ``nn.Sequential`` / ``nn.ModuleList``.
 pipeline loss               ``lightning_module.pipeline_loss(outputs, targets)`` or ``lightning_module.loss_fn(outputs,
                             targets)`` -> the mean loss of one micro-batch (a scalar). Under pipelining the
-                            LightningModule's ``training_step`` is *not* called: the schedule runs forward and
-                            backward itself, micro-batch by micro-batch.
+                            LightningModule's ``training_step`` does not make the loss: the schedule runs forward and
+                            backward itself, micro-batch by micro-batch; ``training_step`` runs on the last stage on
+                            each micro-batch's outputs (no gradient) for what it logs.
 pipeline output             optional ``network.pipeline_output(outputs)``: the last stage's outputs as ``network(...)``
                             returns them (default: as they are; a Hugging Face model: an output object with
                             ``.logits``). Under pipelining the LightningModule's ``validation_step`` / ``test_step``
@@ -211,7 +212,7 @@ def pipeline_loss(module: nn.Module) -> Callable[[Any, Any], Tensor]:
     """``module.pipeline_loss`` or ``module.loss_fn``: ``(outputs of the last stage, targets) -> scalar loss``.
 
     Raises:
-        ValueError: neither exists; the message says that ``training_step`` is not called under pipelining.
+        ValueError: neither exists; the message says that ``training_step`` does not compute the loss under pipelining.
     """
     for name in ("pipeline_loss", "loss_fn"):
         method = getattr(module, name, None)
@@ -220,7 +221,8 @@ def pipeline_loss(module: nn.Module) -> Callable[[Any, Any], Tensor]:
     raise ValueError(
         f"pipelining needs {type(module).__name__}.loss_fn(outputs, targets) (or pipeline_loss) -> the mean loss of "
         f"one micro-batch: the schedule runs forward and backward itself, micro-batch by micro-batch, so the "
-        f"LightningModule's training_step is not called under pipelining (pp_size > 1)."
+        f"LightningModule's training_step does not compute the loss under pipelining (pp_size > 1); it runs on the "
+        f"last stage's outputs only for what it logs."
     )
 
 
