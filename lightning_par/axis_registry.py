@@ -81,6 +81,10 @@ class Build:
             (:class:`~lightning_par.data_parallel.meshes.DataParallelMeshes`); the dp step runs its mode there.
         step_logs: functions returning per-step figures ``{name: float}`` logged under ``parallel/`` after each
             training step.
+        step_wrappers: each ``wrap(module, batch, run) -> output`` runs ``run(batch)`` (the LightningModule's own
+            training, validation or test step on this rank's ``batch``) and may change what it logs and returns: cp
+            averages them over the ranks holding the other pieces of the sequence
+            (:mod:`~lightning_par.context_parallel.report`). Applied in order, the first outermost.
     """
 
     module: nn.Module
@@ -111,6 +115,7 @@ class Build:
     expert_paths: list[str] | None = None
     dp_groups: list[tuple[list[nn.Module], Any]] = field(default_factory=list)
     step_logs: list[Callable[[], dict[str, float]]] = field(default_factory=list)
+    step_wrappers: list[Callable[[Any, Any, Callable[[Any], Any]], Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,13 @@ pipeline stages             ``network.pipeline_layers() -> list[str]``: names of
                             Fallback: the children of an ``nn.Sequential`` / ``nn.ModuleList``.
 pipeline loss               ``lightning_module.pipeline_loss(outputs, targets)`` or ``lightning_module.loss_fn(outputs,
                             targets)`` -> the mean loss of one micro-batch (a scalar). Under pipelining the
-                            LightningModule's ``training_step`` is *not* called: the schedule runs forward and
-                            backward itself, micro-batch by micro-batch.
+                            LightningModule's ``training_step`` does not make the loss: the schedule runs forward and
+                            backward itself, micro-batch by micro-batch; ``training_step`` runs on the last stage on
+                            each micro-batch's outputs (no gradient) for what it logs.
+pipeline output             optional ``network.pipeline_output(outputs)``: the last stage's outputs as ``network(...)``
+                            returns them (default: as they are; a Hugging Face model: an output object with
+                            ``.logits``). Under pipelining the LightningModule's ``validation_step`` / ``test_step``
+                            run on every rank, their one call of the network returning the last stage's outputs.
 pipeline batch              ``lightning_module.pipeline_batch(batch) -> (inputs, targets)``; by default a batch is
                             ``(inputs, targets)``. ``inputs`` is a tensor or a tuple of tensors (the first stage's
                             positional arguments), split along dim 0; ``targets`` any structure of tensors split along
@@ -70,6 +75,7 @@ __all__ = [
     "pipeline_batch",
     "pipeline_layers",
     "pipeline_loss",
+    "pipeline_output",
     "pipeline_sample",
     "pipeline_stage",
     "check_tensor_parallel",
@@ -206,7 +212,7 @@ def pipeline_loss(module: nn.Module) -> Callable[[Any, Any], Tensor]:
     """``module.pipeline_loss`` or ``module.loss_fn``: ``(outputs of the last stage, targets) -> scalar loss``.
 
     Raises:
-        ValueError: neither exists; the message says that ``training_step`` is not called under pipelining.
+        ValueError: neither exists; the message says that ``training_step`` does not compute the loss under pipelining.
     """
     for name in ("pipeline_loss", "loss_fn"):
         method = getattr(module, name, None)
@@ -215,8 +221,16 @@ def pipeline_loss(module: nn.Module) -> Callable[[Any, Any], Tensor]:
     raise ValueError(
         f"pipelining needs {type(module).__name__}.loss_fn(outputs, targets) (or pipeline_loss) -> the mean loss of "
         f"one micro-batch: the schedule runs forward and backward itself, micro-batch by micro-batch, so the "
-        f"LightningModule's training_step is not called under pipelining (pp_size > 1)."
+        f"LightningModule's training_step does not compute the loss under pipelining (pp_size > 1); it runs on the "
+        f"last stage's outputs only for what it logs."
     )
+
+
+def pipeline_output(network: nn.Module, outputs: Any) -> Any:
+    """``outputs`` of the last pipeline stage as ``network(...)`` returns them: through the network's (or its
+    adapter's) ``pipeline_output`` if defined, else as they are."""
+    method = network_method(network, "pipeline_output")
+    return method(outputs) if callable(method) else outputs
 
 
 def pipeline_batch(module: nn.Module, batch: Any) -> tuple[tuple[Tensor, ...], Any]:

@@ -27,6 +27,7 @@ steps leave behind (step hooks, gradient finishers, state transforms, the loss c
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, fields
@@ -253,6 +254,7 @@ class ParallelModel:
         self._full_state_transforms = list(build.full_state_transforms)
         self._summaries = list(build.summaries)
         self._step_logs = list(build.step_logs)
+        self._step_wrappers = list(build.step_wrappers)
         self._norm_groups = list(build.norm_groups)
         self.steps: StepHooks = (build.steps or StepHooks)(self)
 
@@ -275,6 +277,21 @@ class ParallelModel:
         for transform in self._batch_transforms:
             batch = transform(batch)
         return batch
+
+    def transform_batch(self, batch: Any) -> Any:
+        """``batch`` as the LightningModule's step sees it on this rank (every axis's batch transform: cp's split of
+        the sequence), without :meth:`prepare_batch`'s buffer broadcast (no collective)."""
+        for transform in self._batch_transforms:
+            batch = transform(batch)
+        return batch
+
+    def run_step(self, call: Callable[[Any], Any], batch: Any) -> Any:
+        """``call(batch)``: the LightningModule's own step on this rank's prepared ``batch``, through every axis's
+        step wrapper (cp: what the step logs and returns becomes the mean over the cp ranks' tokens)."""
+        run = call
+        for wrap in reversed(self._step_wrappers):
+            run = functools.partial(wrap, self.module, run=run)
+        return run(batch)
 
     @contextmanager
     def block_sync(self) -> Generator[None, None, None]:
@@ -323,6 +340,42 @@ class ParallelModel:
         }
         for transform in self._full_state_transforms:
             transform(local)
+        if not self.dims.pp_enabled:
+            return local
+        parts: list[Any] = [None] * self.dims.pp_size
+        dist.all_gather_object(parts, local, group=self.dims.group("pp"))
+        return {k: v for part in parts for k, v in part.items()}
+
+    def grad_norm(self, params: list[Tensor], norm_type: float = 2.0) -> Tensor:
+        """The ``norm_type``-norm of the whole model's gradient (every shard, every stage), computed as clipping
+        computes it, without scaling anything. Collective over the world. A float32 scalar, the same on every rank."""
+        return self.engine.clip_grad_norm_(params, float("inf"), norm_type, self._norm_groups)
+
+    def full_grads(self) -> dict[str, Tensor]:
+        """Every parameter's gradient in full (averaged over dp), keyed by one-process name, on every rank (CPU).
+        Collective over the whole world (dp/tp gathers, then the pp group); gathers the whole gradient on every rank:
+        for callbacks on small models, and tests."""
+        local = {k: v.detach().cpu() for k, v in self.engine.full_grads().items()}
+        for transform in self._full_state_transforms:
+            transform(local)
+        if not self.dims.pp_enabled:
+            return local
+        parts: list[Any] = [None] * self.dims.pp_size
+        dist.all_gather_object(parts, local, group=self.dims.group("pp"))
+        return {k: v for part in parts for k, v in part.items()}
+
+    def parameter_counts(self) -> dict[str, tuple[int, bool]]:
+        """``{one-process name: (elements, requires_grad)}`` of every parameter of the whole model, on every rank:
+        sharded parameters (DTensors: tp, zero3) counted at their global shape less vocabulary padding, the other
+        stages' parameters gathered over the pp group (collective over it). What a model summary counts."""
+        shapes: dict[str, Any] = {}
+        trainable: dict[str, bool] = {}
+        for name, p in self.module.named_parameters():
+            shapes[name] = torch.empty(p.shape, device="meta")  # a DTensor's shape is its global one
+            trainable[name] = p.requires_grad
+        for transform in self._full_state_transforms:
+            transform(shapes)
+        local = {name: (t.numel(), trainable[name]) for name, t in shapes.items()}
         if not self.dims.pp_enabled:
             return local
         parts: list[Any] = [None] * self.dims.pp_size

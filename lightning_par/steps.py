@@ -41,7 +41,7 @@ class StepHooks:
         batch = self.parallel.prepare_batch(batch)
         set_aux_loss_scale(1.0 / host.lightning_module.trainer.accumulate_grad_batches)  # Lightning's loss factor
         with self.parallel.loss_context():
-            return call(batch)
+            return self.parallel.run_step(call, batch)
 
     def backward(self, host: Any, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Backward, then the end of the dp reduction, then ``on_after_backward``.
@@ -69,7 +69,7 @@ class StepHooks:
         this rank's batch."""
         batch = self.parallel.prepare_batch(batch)
         with self.parallel.loss_context():
-            return call(batch)
+            return self.parallel.run_step(call, batch)
 
     def summary(self) -> dict[str, Any]:
         """Figures for ``summary.json``."""

@@ -13,6 +13,7 @@ from lightning_par.context_parallel.attention import CPAttentionMode, check_ulys
 from lightning_par.context_parallel.batch import SequenceSplit
 from lightning_par.context_parallel.contract import context_parallel_attention, context_parallel_positions
 from lightning_par.context_parallel.planner import CONTEXT_PARALLEL_TERMS
+from lightning_par.context_parallel.report import cp_mean_step
 from lightning_par.parallel_dims import ParallelDims
 
 __all__ = ["CONTEXT_PARALLEL"]
@@ -34,7 +35,8 @@ def _check(module: nn.Module, network: nn.Module, dims: ParallelDims, options: A
 
 def _apply(build: Build) -> None:
     """Split each batch's sequence over the cp ranks and run every ``scaled_dot_product_attention`` of a step as
-    context-parallel attention over the cp group (gradients and losses are averaged over ``dp_cp`` by the dp axis)."""
+    context-parallel attention over the cp group (gradients are averaged over ``dp_cp`` by the dp axis; the losses and
+    values a step logs become the mean over the cp ranks' tokens, :mod:`~lightning_par.context_parallel.report`)."""
     dims = build.dims
     if not dims.cp_enabled:
         return
@@ -42,6 +44,8 @@ def _apply(build: Build) -> None:
     method, group = build.options.context_parallel.method, dims.group("cp")
     split = SequenceSplit(rank, dims.cp_size)
     build.batch_transforms.append(split)
+    # What a step logs and returns is its rank's share of the sequence: report the mean over the cp ranks' tokens.
+    build.step_wrappers.append(cp_mean_step(group))
     attention = context_parallel_attention(build.network)
     if attention is not None:  # e.g. a Hugging Face model's attention without its position-built mask
         build.step_contexts.append(attention)

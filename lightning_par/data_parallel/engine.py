@@ -158,6 +158,16 @@ class DataParallelEngine:
             for name, p in self.module.named_parameters()
         }
 
+    @torch.no_grad()
+    def full_grads(self) -> dict[str, Tensor]:
+        """Every parameter's gradient (averaged over dp, after the step's reduction) in full, keyed by name, on every
+        rank of the dp and tp meshes; parameters without a gradient are left out. Collective (DTensor gradients are
+        gathered over their meshes)."""
+        return {
+            name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach()
+            for name, p in self.module.named_parameters() if p.grad is not None
+        }
+
     # ------------------------------------------------------------------ reporting
     def summary(self) -> dict[str, Any]:
         """Figures for ``summary.json``."""

@@ -133,6 +133,13 @@ class GroupedEngine(DataParallelEngine):
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         self.engines[0].load_optimizer_state_dict(optimizer, state)
 
+    def full_grads(self) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for i, engine in enumerate(self.engines):
+            full = engine.full_grads()
+            out.update({k: v for k, v in full.items() if self._owner(k) == i})
+        return out
+
     def full_state_dict(self) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         for i, engine in enumerate(self.engines):

@@ -538,6 +538,19 @@ class ZeroShardedDataParallel(ZeroEngine):
             params.update(other._opt_params)
         _apply_optimizer_state(optimizer, state, self._all_names(), lambda name: params[name])
 
+    @torch.no_grad()
+    def full_grads(self) -> dict[str, Tensor]:
+        """Every parameter's averaged gradient in full, from this rank's chunk gradients (stage 2 keeps no full
+        gradient on the module's parameters); collective over the dp (and tp) meshes."""
+        out = {}
+        for name, p in self.module.named_parameters():
+            lp = self.local_params.get(name)
+            if lp is not None and lp.grad is not None:
+                out[name] = self._global(name, lp.grad.detach()).full_tensor()
+            elif lp is None and p.grad is not None:
+                out[name] = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.detach()
+        return out
+
     def full_state_dict(self) -> dict[str, Tensor]:
         self.wait_for_params()
         if self.mixed:
@@ -597,6 +610,8 @@ def clip_by_total_norm(
         if group is not None:
             dist.all_reduce(total, op=op, group=group)
     norm = total if inf else total.pow(1.0 / q)
+    if max_norm == float("inf"):  # the norm only (MeshStrategy.grad_norm): nothing to scale
+        return norm
     coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     plain = [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
     if plain:

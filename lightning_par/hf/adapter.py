@@ -66,6 +66,14 @@ class HFAdapter:
         return pipeline_stage(network, layers, first=first, last=last)
 
     @staticmethod
+    def pipeline_output(network: nn.Module, outputs: Any) -> Any:
+        """The last stage's logits as the network's own call returns them (a ``CausalLMOutputWithPast`` with only
+        ``logits``), for the LightningModule's evaluation steps under pipelining."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return CausalLMOutputWithPast(logits=outputs)
+
+    @staticmethod
     def context_parallel_attention(network: nn.Module) -> Any:
         """The context a context-parallel step runs in: attention without a mask built from ``position_ids``
         (:func:`lightning_par.hf.context.mask_free_attention`)."""

@@ -23,6 +23,14 @@ __all__ = ["PIPELINE_PARALLEL"]
 def _check(module: nn.Module, network: nn.Module, dims: ParallelDims, options: Any) -> None:
     if not dims.pp_enabled:
         return
+    if getattr(module, "automatic_optimization", True) is False:
+        raise ValueError(
+            f"{type(module).__name__}.automatic_optimization=False is not valid under pipelining (pp_size > 1): the "
+            f"schedule runs forward and backward micro-batch by micro-batch with loss_fn, so the LightningModule's "
+            f"training_step (and its manual_backward / opt.step()) is never called. Use automatic optimization (the "
+            f"strategy steps the optimizers Lightning configures, with clipping, accumulation and schedulers), or "
+            f"pp_size=1."
+        )
     contract.pipeline_loss(module)
     names = contract.pipeline_layers(network)
     split = options.pipeline.split

@@ -89,6 +89,8 @@ def clip_grad_norm_across_ranks(
     """
     params = [p for p in params if p.grad is not None]
     total = total_grad_norm(params, groups, norm_type)
+    if max_norm == float("inf"):  # the norm only (MeshStrategy.grad_norm): nothing to scale
+        return total
     # The coefficient of clip_grad_norm_ (always applied, 1.0 when under the limit), as a float so that it scales
     # plain and DTensor gradients of any mesh alike.
     coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
 from lightning_par.aux_loss import set_aux_loss_scale
 from lightning_par.compat import (
@@ -144,6 +145,9 @@ class PipelineEngine:
         self._losses: list[Tensor] = []
         self._forwarded: set[int] = set()
         self._built: list[Any] = []
+        #: ``observer(i, outputs)``: called on the last stage with each real micro-batch's outputs (detached), after
+        #: its loss (the LightningModule's own ``training_step`` runs there for what it logs).
+        self.observer: Callable[[int, Any], None] | None = None
 
     @property
     def has_first_stage(self) -> bool:
@@ -241,7 +245,9 @@ class PipelineEngine:
         with self._timer.op("L", self.num_stages - 1, i) if self._timer is not None else contextlib.nullcontext():
             loss = _plain(self.loss_fn(outputs, self._targets[i]))
             self._losses.append(loss.detach())
-            return loss * self._scale
+        if self.observer is not None:
+            self.observer(i, tree_map_only(Tensor, lambda t: t.detach(), outputs))
+        return loss * self._scale
 
     # ------------------------------------------------------------------ steps
     def train_step(self, inputs: tuple[Tensor, ...], targets: Any, loss_scale: float = 1.0) -> Tensor | None:
@@ -290,14 +296,25 @@ class PipelineEngine:
         Returns:
             The batch loss (detached scalar) on the rank holding the last stage; ``None`` elsewhere.
         """
-        size = inputs[0].shape[0]
-        m = max(d for d in range(1, min(self.options.num_microbatches, size) + 1) if size % d == 0)
-        schedule = self._eval_schedule(_shape_key(inputs), m)
         with self.step_context():
-            outputs = schedule.step(*(inputs if self.has_first_stage else ()))
+            outputs = self.eval_outputs(inputs)
             if not self.has_last_stage:
                 return None
             return _plain(self.loss_fn(outputs, targets)).detach()
+
+    @torch.no_grad()
+    def eval_outputs(self, inputs: tuple[Tensor, ...]) -> Any:
+        """Forward only: the last stage's outputs of the whole batch (its micro-batches' outputs concatenated along
+        dim 0) on the rank holding the last stage, ``None`` elsewhere. Run it inside :attr:`step_context`.
+
+        The batch is split into the largest number of equal micro-batches up to ``num_microbatches`` (the result does
+        not depend on it).
+        """
+        size = inputs[0].shape[0]
+        m = max(d for d in range(1, min(self.options.num_microbatches, size) + 1) if size % d == 0)
+        schedule = self._eval_schedule(_shape_key(inputs), m)
+        outputs = schedule.step(*(inputs if self.has_first_stage else ()))
+        return outputs if self.has_last_stage else None
 
 
 def _shape_key(inputs: tuple[Tensor, ...]) -> tuple:

@@ -11,7 +11,11 @@ an accumulation window, then ``backward``, then clipping and ``optimizer.step``)
   way) hands them back, then reduces them over dp once — on the batch that ends a window (Lightning wraps the others in
   ``block_backward_sync``). The result is exactly the gradients one process would hold.
 * Gradient accumulation stays Lightning's: each batch's loss is scaled by ``1 / accumulate_grad_batches``.
-* Evaluation runs forward only through the stages; the loss is broadcast from the last stage.
+* Evaluation runs forward only through the stages, then the LightningModule's own ``validation_step`` / ``test_step``
+  on every pp rank with the last stage's outputs (:mod:`~lightning_par.pipeline_parallel.user_steps`).
+* The LightningModule's ``training_step`` does not make the loss (the schedule computes each micro-batch's loss with
+  ``loss_fn`` as it goes); it runs on the last stage on each micro-batch's outputs, without gradient, for what it
+  logs, replayed on every rank. Manual optimization is refused before start.
 """
 
 from __future__ import annotations
@@ -27,6 +31,12 @@ from torch import Tensor
 from lightning_par import contract
 from lightning_par.pipeline_parallel.bubble import summarize_bubble
 from lightning_par.pipeline_parallel.schedules import bubble_formula
+from lightning_par.pipeline_parallel.user_steps import (
+    TrainingStepCapture,
+    broadcast_outputs,
+    network_returns,
+    split_microbatches,
+)
 from lightning_par.steps import StepHooks
 
 __all__ = ["PipelinedSteps"]
@@ -55,11 +65,21 @@ class PipelinedSteps(StepHooks):
 
     # ------------------------------------------------------------------ training
     def training_step(self, host: Any, call: Any, batch: Any, batch_idx: int) -> Tensor:
-        """Run the schedule on the batch (forward and backward) and return the batch's mean loss on every rank (the
-        LightningModule's own ``training_step``, ``call``, is not run)."""
+        """Run the schedule on the batch (forward and backward) and return the batch's mean loss on every rank.
+
+        The LightningModule's own ``training_step`` (``call``) runs on the last stage for each micro-batch, on its
+        outputs and without gradient, for what it logs; every rank then logs the micro-batch means of those values
+        (:class:`~lightning_par.pipeline_parallel.user_steps.TrainingStepCapture`), and ``train_loss`` (the batch's
+        mean loss) when the step logs no value of that name.
+
+        Raises:
+            ValueError: (on every rank) the step's network call is not once on the micro-batch's inputs, it logs a
+                value that is not a scalar, or calls ``self.all_gather``; the step's own exception.
+        """
         parallel = self.parallel
         module = host.lightning_module
-        inputs, targets = contract.pipeline_batch(module, parallel.prepare_batch(batch))
+        prepared = parallel.prepare_batch(batch)
+        inputs, targets = contract.pipeline_batch(module, prepared)
         accumulate = module.trainer.accumulate_grad_batches
         params = self._params()
         opens_window = batch_idx % accumulate == 0
@@ -68,8 +88,19 @@ class PipelinedSteps(StepHooks):
                 p.grad = None
         for m in parallel.stage_modules:
             m.train(module.training)
-        with parallel.engine.defer_sync():
-            loss = parallel.pipeline.train_step(inputs, targets, loss_scale=1.0 / accumulate)
+        pipeline, attr = parallel.pipeline, parallel.options.module_attr
+        m = parallel.options.pipeline.num_microbatches
+        capture = None
+        if pipeline.has_last_stage:  # the user's training_step, per micro-batch, for what it logs
+            micro = [parallel.transform_batch(b) for b in split_microbatches(batch, m)]
+            firsts = [contract.pipeline_batch(module, b)[0][0] for b in micro]
+            capture = TrainingStepCapture(module, getattr(module, attr), attr, call, micro, firsts)
+        pipeline.observer = capture
+        try:
+            with parallel.engine.defer_sync():
+                loss = pipeline.train_step(inputs, targets, loss_scale=1.0 / accumulate)
+        finally:
+            pipeline.observer = None
         for after in parallel.after_schedule:  # e.g. tp's partial gradients, deferred out of the schedule
             after()
         if opens_window:  # hold the new gradients aside while Lightning zeroes; backward() hands them back
@@ -77,7 +108,19 @@ class PipelinedSteps(StepHooks):
             for p in params:
                 p.grad = None
         loss = self._share_step(loss, host.root_device)
-        module.log("train_loss", loss, prog_bar=True)
+        dims = parallel.dims
+        pp_group = dims.group("pp")
+        last = dist.get_global_rank(pp_group, parallel.options.pipeline.last_stage_rank(dims.pp_size))
+        records = (capture or TrainingStepCapture(module, None, attr, call, [], [])).share(
+            last, pp_group, pipeline.has_last_stage)
+
+        def report(_: Any) -> Tensor:  # through the axes' step wrappers: under cp, the mean over the cp ranks' tokens
+            logged = TrainingStepCapture.replay(module, records, host.root_device)
+            if "train_loss" not in logged:
+                module.log("train_loss", loss, prog_bar=True)
+            return loss
+
+        loss = parallel.run_step(report, prepared)
         stages = self.step_stats[-1]
         window = max(s[0] for s in stages)
         if parallel.options.pipeline.measure_bubble and window > 0:
@@ -124,12 +167,15 @@ class PipelinedSteps(StepHooks):
             self.sync_blocked = previous
 
     # ------------------------------------------------------------------ evaluation
-    def eval_step(self, host: Any, stage: str, call: Any, batch: Any) -> Tensor:
-        """Forward only through the stages; the batch loss on every rank (broadcast from the last stage), logged as
-        ``{stage}_loss``.
+    def eval_step(self, host: Any, stage: str, call: Any, batch: Any) -> Any:
+        """Forward only through the stages, then the LightningModule's own ``validation_step`` / ``test_step``
+        (``call``) on every pp rank, its network call answered by the last stage's outputs
+        (:mod:`~lightning_par.pipeline_parallel.user_steps`): what it logs, gathers and returns is the same on every
+        rank, and equal to one process's on the same batch.
 
         Raises:
             NotImplementedError: ``stage="predict"``: the outputs live on the last stage only.
+            ValueError: the step does not call the network exactly once on the batch's inputs.
         """
         if stage == "predict":
             raise NotImplementedError(
@@ -139,18 +185,24 @@ class PipelinedSteps(StepHooks):
             )
         parallel = self.parallel
         module = host.lightning_module
-        inputs, targets = contract.pipeline_batch(module, parallel.prepare_batch(batch))
+        prepared = parallel.prepare_batch(batch)
+        inputs, _ = contract.pipeline_batch(module, prepared)
         for m in parallel.stage_modules:
             m.train(module.training)
-        with host.precision_plugin.forward_context():
-            loss = parallel.pipeline.eval_step(inputs, targets)
-        value = torch.tensor([float(loss) if loss is not None else 0.0], dtype=torch.float32)
-        pp_group = parallel.dims.group("pp")
-        last = parallel.options.pipeline.last_stage_rank(parallel.dims.pp_size)
-        dist.broadcast(value, src=dist.get_global_rank(pp_group, last), group=pp_group)
-        loss = value[0].to(host.root_device)
-        module.log(f"{stage}_loss", loss, prog_bar=stage == "val", sync_dist=True)
-        return loss
+        with host.precision_plugin.forward_context(), parallel.loss_context():
+            outputs = parallel.pipeline.eval_outputs(inputs)
+        dims = parallel.dims
+        pp_group = dims.group("pp")
+        last = dist.get_global_rank(pp_group, parallel.options.pipeline.last_stage_rank(dims.pp_size))
+        outputs = broadcast_outputs(outputs, last, pp_group, host.root_device,
+                                    mesh=lambda: dims.get_mesh("tp"))
+        attr = parallel.options.module_attr
+        hook = "validation_step" if stage == "val" else f"{stage}_step"
+        network = getattr(module, attr)
+        outputs = contract.pipeline_output(network, outputs)
+        with network_returns(network, inputs[0], outputs, type(module).__name__, attr, hook):
+            with parallel.loss_context():
+                return parallel.run_step(call, prepared)
 
     # ------------------------------------------------------------------ reporting
     def summary(self) -> dict[str, Any]:

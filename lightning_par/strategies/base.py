@@ -43,6 +43,7 @@ from typing_extensions import override
 from lightning_par.axes import axis_of_group, check_sizes
 from lightning_par.checkpoint.strategy_io import ShardedCheckpointIO
 from lightning_par.callbacks.metrics import log_comm_stats
+from lightning_par.callbacks.model_summary import install as install_model_summary
 from lightning_par.fault.elastic import init_process_group_per_attempt
 from lightning_par.fault.process_group_exit import FAILED, destroy_process_group_at_exit
 from lightning_par.parallel_dims import ParallelDims
@@ -311,6 +312,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         # Norm clipping must see the whole model's norm: every shard, every stage.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        install_model_summary(trainer)  # Lightning's ModelSummary counts the whole model, not this rank's part
 
     @property
     def precision(self) -> str:
@@ -481,6 +483,36 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    # ------------------------------------------------------------------ gradients for callbacks
+    def grad_norm(self, norm_type: float | str = 2.0) -> Tensor:
+        """The global gradient norm the optimizer step will see: over every dp shard, tp shard and pipeline stage
+        (what norm clipping computes; one process's ``torch.nn.utils.get_total_norm`` of all gradients). Call it from
+        ``on_before_optimizer_step`` (gradients reduced, before clipping) on every rank: it is collective.
+
+        Returns:
+            A float32 scalar tensor (CPU), the same on every rank.
+        """
+        assert self.parallel is not None
+        params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
+        return self.parallel.grad_norm(params, float(norm_type))
+
+    def full_grads(self) -> dict[str, Tensor]:
+        """Every parameter's gradient in full, keyed by its one-process name (``{"model.0.weight": (out, in)}``),
+        on every rank (CPU; gathered over dp shards, tp shards and pipeline stages: collective, and the whole gradient
+        on each rank). Call it from ``on_before_optimizer_step``."""
+        assert self.parallel is not None
+        return self.parallel.full_grads()
+
+    def grad_norms(self, norm_type: float | str = 2.0) -> dict[str, float]:
+        """Lightning's ``lightning.pytorch.utilities.grad_norm(module, norm_type)`` for the whole model, whatever the
+        layout: ``{"grad_{q}_norm/{name}": norm of each parameter's gradient, "grad_{q}_norm_total": the global
+        norm}`` (from :meth:`full_grads`: collective, for small models; :meth:`grad_norm` is the cheap total)."""
+        q = float(norm_type)
+        norms = {f"grad_{q}_norm/{n}": g.float().norm(q) for n, g in self.full_grads().items()}
+        if norms:
+            norms[f"grad_{q}_norm_total"] = torch.stack(list(norms.values())).norm(q)
+        return {k: float(v) for k, v in norms.items()}
 
     # ------------------------------------------------------------------ reporting
     def summary_extras(self) -> dict[str, Any]:

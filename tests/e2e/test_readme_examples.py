@@ -94,4 +94,4 @@ def test_the_errors_the_readme_quotes():
     assert len(quoted) == 7
     for message, quote in zip((cp, no_experts, uneven, tp, pp, full, selective), quoted):
         assert message.startswith(quote), (quote, message)
-    assert "training_step is not called" in pp
+    assert "training_step does not compute the loss" in pp
