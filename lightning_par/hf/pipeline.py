@@ -392,14 +392,12 @@ class HFPipelineStage(nn.Module):
         if x.dim() != want:
             what = "token ids (batch, seq)" if self.first else "hidden states (batch, seq, hidden)"
             raise ValueError(f"pipeline stage input of shape {tuple(x.shape)} is not valid: expected {what}.")
-        batch, seq = x.shape[:2]
-        if position_ids is None:
-            positions = torch.arange(seq, device=x.device).unsqueeze(0).expand(batch, -1)
-        else:
-            positions = position_ids if position_ids.dim() == 2 else position_ids.unsqueeze(0).expand(batch, -1)
+        kwargs: dict[str, Any] = {"use_cache": False}
+        if position_ids is not None:  # else the model's own default, 0 .. seq-1
+            batch = x.shape[0]
+            kwargs["position_ids"] = position_ids if position_ids.dim() == 2 else position_ids.expand(batch, -1)
         for module in self._spine:
             module.training = self.training
-        kwargs: dict[str, Any] = {"position_ids": positions, "use_cache": False}
         if self.first:
             kwargs["input_ids"] = x
         else:
