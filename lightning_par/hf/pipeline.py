@@ -336,7 +336,9 @@ class HFPipelineStage(nn.Module):
             )
         index = [valid.index(n) for n in layers]
         if index and index != list(range(index[0], index[0] + len(index))):
-            raise ValueError(f"pipeline stage layers {list(layers)} are not valid: expected contiguous layers in order.")
+            raise ValueError(
+                f"pipeline stage layers {list(layers)} are not valid: expected contiguous layers in order."
+            )
         self.first, self.last = first, last
         self.config = network.config
         own = [*(plan.before if first else ()), *layers, *(plan.after if last else ())]
