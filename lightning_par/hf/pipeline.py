@@ -250,12 +250,13 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 class _Skip(nn.Module):
     """A decoder layer held by another stage: returns its ``hidden_states`` (or, as the slot just before this stage's
-    first layer, the hidden states this stage received). Keeps the layer's plain attributes (``attention_type``...)."""
+    first layer, the hidden states this stage received). Keeps the layer's scalar attributes (``attention_type``,
+    ``layer_idx``...) that a model's loop may read."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
-        for key, value in vars(layer).items():
-            if not key.startswith("_") and key != "training" and not isinstance(value, (nn.Module, Tensor)):
+        for key, value in vars(layer).items():  # scalars only: nothing that would keep the layer's tensors alive
+            if not key.startswith("_") and key != "training" and isinstance(value, (str, int, float, bool)):
                 self.__dict__.setdefault(key, value)
         self.received: Tensor | None = None
         self.stop = False

@@ -1,10 +1,12 @@
 """The HF adapter's pipeline stages, context-parallel attention and experts, in one process (no process group).
 
 Stages chained give the plain model's logits and share its parameters under their names (a pipelined checkpoint
-loads into the plain module); bad inputs are refused with a ValueError naming the model and what would be valid;
-under cp positions, ``transformers`` builds a mask the cp attention refuses, and the adapter's context removes it;
-the qwen3_moe blocks switched to the contract's experts call give the same logits and gradients.
-"""
+loads into the plain module), also where the model's own forward does arithmetic around its modules (cohere, granite),
+has per-layer-type rotary embeddings and sliding windows (gemma3_text) or no pipeline plan (gpt2); a forward that
+computes across its layers is refused by the probe; bad inputs are refused with a ValueError naming the model and what
+would be valid; under cp positions, ``transformers`` builds a mask the cp attention refuses, and the adapter's context
+removes it; the MoE families' experts switched to the contract's call give the same logits and gradients, and experts
+the call cannot reproduce are refused."""
 
 from __future__ import annotations
 
