@@ -47,11 +47,13 @@ class HFAdapter:
 
     @staticmethod
     def pipeline_layers(network: nn.Module) -> list[str]:
-        """The decoder layers from ``config.base_model_pp_plan`` (``["model.layers.0", ...]``).
+        """The decoder layers from ``config.base_model_pp_plan`` or, without one, the module tree
+        (``["model.layers.0", ...]``), once stages of the model have been checked to compose to its own forward.
 
         Raises:
-            ValueError: no ``base_model_pp_plan``, or tied input/output embeddings
-                (:func:`lightning_par.hf.pipeline.read_plan`).
+            ValueError: no single list of decoder layers, a module holding parameters that no stage would hold, tied
+                input/output embeddings (:func:`lightning_par.hf.pipeline.read_plan`), or stages that do not compose
+                to the model's forward (:func:`lightning_par.hf.pipeline.check_stages`).
         """
         from lightning_par.hf.pipeline import pipeline_layers
 
@@ -59,8 +61,8 @@ class HFAdapter:
 
     @staticmethod
     def pipeline_stage(network: nn.Module, layers: list[str], *, first: bool, last: bool) -> nn.Module:
-        """A stage running ``layers`` (plus the embedding if ``first``, the norm and head if ``last``) over the
-        network's own modules, parameter names unchanged (:class:`lightning_par.hf.pipeline.HFPipelineStage`)."""
+        """A stage running the model's own forward over ``layers`` (plus the embedding if ``first``, the norm and head
+        if ``last``), parameter names unchanged (:class:`lightning_par.hf.pipeline.HFPipelineStage`)."""
         from lightning_par.hf.pipeline import pipeline_stage
 
         return pipeline_stage(network, layers, first=first, last=last)
@@ -88,11 +90,12 @@ class HFAdapter:
 
     @staticmethod
     def expert_modules(network: nn.Module) -> list[str]:
-        """Paths of the experts modules of the supported MoE architectures (qwen3_moe, mixtral); their sparse blocks are
-        switched to the contract's ``experts(x sorted by expert, counts)`` call (:mod:`lightning_par.hf.experts`).
+        """Paths of the experts modules of the model's MoE layers (qwen3_moe, qwen2_moe, olmoe, mixtral, deepseek_v3,
+        ...), switched to take the contract's ``experts(x sorted by expert, counts)`` call under the layers' own
+        forward (:mod:`lightning_par.hf.experts`).
 
         Raises:
-            ValueError: a mixture-of-experts layer of an architecture not supported.
+            ValueError: a mixture-of-experts layer whose experts the contract's call cannot reproduce.
         """
         from lightning_par.hf.experts import expert_modules
 

@@ -1,29 +1,52 @@
-"""Expert parallelism for Hugging Face mixture-of-experts architectures: ``qwen3_moe`` (and ``mixtral``).
+"""Expert parallelism for Hugging Face mixture-of-experts architectures (qwen3_moe, qwen2_moe, olmoe, mixtral,
+deepseek_v3, and any other whose experts are laid out and called alike).
 
 ``transformers`` 5.24 keeps each MoE layer's experts as one module with the expert index on dim 0 of every parameter
 (``Qwen3MoeExperts``: ``gate_up_proj`` ``(E, 2 * moe_intermediate_size, hidden)``, ``down_proj``
-``(E, hidden, moe_intermediate_size)``), called by the sparse block as ``experts(hidden_states, top_k_index,
-top_k_weights)``: routing and combination happen inside the experts call. The model contract
-(:mod:`lightning_par.contract`) wants them outside: ``experts(x sorted by expert, counts)``, so that the ep axis can
-exchange the sorted tokens around the call.
+``(E, hidden, moe_intermediate_size)``), called by the layer's own ``forward`` as ``experts(hidden_states,
+top_k_index, top_k_weights)`` after its router: routing and combination happen inside the experts call. The model
+contract (:mod:`lightning_par.contract`) wants them outside: ``experts(x sorted by expert, counts)``, so that the ep
+axis can exchange the sorted tokens around the call.
 
-:func:`expert_modules` switches every supported sparse block and its experts to that convention by changing their
-classes to subclasses (:class:`ContractSparseBlock`, :class:`ContractExperts`; ``FSDP2`` swaps classes the same way):
-same parameters, same names, same state dict, the same arithmetic per token; only the order in which each token's
-expert outputs are summed is the sorted order (expert-major, as ``transformers``' loop over experts).
+:func:`expert_modules` switches every experts module to a subclass (:class:`ContractExperts`; ``FSDP2`` swaps classes
+the same way: same parameters, names and state dict) that takes both calls. The model's call
+``experts(hidden_states (T, d), top_k_index (T, k), top_k_weights (T, k))`` sorts the token copies by expert, makes
+the contract's call ``experts(x, counts)`` (through ``nn.Module.__call__``, so the ep axis's hooks exchange the tokens),
+weights each output by its routing weight and sums each token's outputs. Everything else of the MoE layer stays the
+model's own code: its router (Qwen's softmax top-k, DeepSeek-V3's sigmoid scores with ``e_score_correction_bias``,
+grouped top-k and ``routed_scaling_factor``), shared experts and their gates (Qwen2-MoE's ``shared_expert`` with its
+sigmoid ``shared_expert_gate``, DeepSeek-V3's ``shared_experts``), Mixtral's router jitter. The arithmetic per token
+is the model's: each expert's ``down(_apply_gate(gate_up(x)))`` (``transformers``' gating function of the class),
+times its weight, summed over the token's experts in expert order (``transformers``' loop over experts).
+
+Which modules are experts, and whether this call computes what theirs does, is read from the model, not from a list of
+architectures: an experts module is a child ``experts`` of an MoE layer whose class's ``forward`` takes
+``(hidden_states, top_k_index, top_k_weights)``, with ``gate_up_proj``/``down_proj`` of 3 dims and no bias, not
+transposed nor interleaved, no post-expert norm (the flags ``transformers``' ``use_experts_implementation`` sets);
+and, on real (not ``meta``) weights, the class's own ``forward`` and the contract's path are compared on a probe of 8
+tokens routed to every expert. Anything else is refused before start, naming the layer and what differs.
+
+Router auxiliary losses: :class:`lightning_par.hf.HFCausalLM` calls the model without ``labels``, so ``transformers``
+never adds ``router_aux_loss_coef * aux_loss`` to a loss (with ``output_router_logits`` it computes ``aux_loss``,
+which is then not used): training is the same in one process and under ep.
 """
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["SUPPORTED_BLOCKS", "ContractExperts", "ContractSparseBlock", "expert_modules"]
+__all__ = ["ContractExperts", "expert_modules"]
 
-#: Sparse-block classes whose experts can be split over the ep ranks (by class name: ``transformers`` is optional).
-SUPPORTED_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock")
+#: The arguments of ``transformers``' experts call, in order.
+_MODEL_CALL = ("hidden_states", "top_k_index", "top_k_weights")
+#: ``use_experts_implementation`` flags and the value the contract's call needs.
+_LAYOUT_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+                 "has_post_expert_norm": False}
 
 
 def _local(w: Tensor) -> Tensor:
@@ -31,96 +54,142 @@ def _local(w: Tensor) -> Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
 
 
-class ContractExperts(nn.Module):
-    """Mixin over an HF experts class: ``forward(x, counts)`` per the contract.
+def _gate(experts: nn.Module, gate_up_out: Tensor) -> Tensor:
+    """``act(gate) * up`` as the experts class computes it (``_apply_gate`` where ``transformers`` defines it)."""
+    apply = getattr(experts, "_apply_gate", None)
+    if callable(apply):
+        return apply(gate_up_out)
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    return experts.act_fn(gate) * up
 
-    ``x`` ``(tokens, hidden)`` sorted by expert, ``counts`` ``(experts held,)`` int64; returns ``(tokens, hidden)`` in
-    the order of ``x``: each expert's ``down(act(gate(x)) * up(x))`` from its rows of ``gate_up_proj`` (gate first,
-    then up, concatenated) and ``down_proj``, read through ``to_local()`` under ep.
+
+class ContractExperts(nn.Module):
+    """Mixin over an HF experts class: the model's call and the contract's (see the module docstring).
+
+    ``experts(hidden_states, top_k_index, top_k_weights)`` (``(T, d)``, ``(T, k)`` int64, ``(T, k)``) returns
+    ``(T, d)`` as the class's own ``forward``; ``experts(x, counts)`` (``x`` ``(tokens, d)`` sorted by expert,
+    ``counts`` ``(experts held,)`` int64) returns ``(tokens, d)`` in the order of ``x``: each expert's
+    ``down(_apply_gate(gate_up(x)))`` from its rows of ``gate_up_proj`` and ``down_proj``, read through ``to_local()``
+    under ep.
     """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+        if len(args) + len(kwargs) == 3:  # the model's call, made by its MoE layer's own forward
+            bound = dict(zip(_MODEL_CALL, args), **kwargs)
+            return self._route(bound["hidden_states"], bound["top_k_index"], bound["top_k_weights"])
+        return super().__call__(*args, **kwargs)
+
+    def _route(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        top_k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)  # (T * k,)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+        token = order // top_k
+        y = nn.Module.__call__(self, hidden_states[token], counts)  # (T * k, d), sorted by expert; ep hooks here
+        y = y * top_k_weights.reshape(-1)[order, None]  # as transformers: the weight's dtype may promote
+        return torch.zeros_like(hidden_states).index_add_(0, token, y.to(hidden_states.dtype))
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:  # type: ignore[override]
         gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
         out = []
         for e, chunk in enumerate(x.split(counts.tolist())):
-            gate, up = F.linear(chunk, gate_up[e]).chunk(2, dim=-1)
-            out.append(F.linear(self.act_fn(gate) * up, down[e]))
+            out.append(torch.nn.functional.linear(_gate(self, torch.nn.functional.linear(chunk, gate_up[e])),
+                                                  down[e]))
         return torch.cat(out) if out else x[:0]
 
 
-class ContractSparseBlock(nn.Module):
-    """Mixin over an HF sparse MoE block: route, sort the token copies by expert, call the experts per the contract,
-    weight and sum each token's expert outputs. ``(batch, seq, hidden) -> (batch, seq, hidden)``."""
-
-    def forward(self, hidden_states: Tensor) -> Tensor:  # type: ignore[override]
-        batch, seq, dim = hidden_states.shape
-        x = hidden_states.reshape(-1, dim)  # (tokens, hidden)
-        _, weights, chosen = self.gate(x)  # (tokens, top_k) each
-        top_k = chosen.shape[-1]
-        flat = chosen.reshape(-1)  # (tokens * top_k,)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.experts.gate_up_proj.shape[0])
-        token = order // top_k
-        y = self.experts(x[token], counts)  # (tokens * top_k, hidden), sorted by expert
-        y = y * weights.reshape(-1)[order, None].to(y.dtype)
-        out = torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
-        return out.reshape(batch, seq, dim)
+_CLASSES: dict[type, type] = {}
 
 
-_CLASSES: dict[tuple[type, type], type] = {}
-
-
-def _switch(module: nn.Module, mixin: type) -> None:
+def _switch(module: nn.Module) -> None:
     cls = type(module)
-    if issubclass(cls, mixin):
+    if issubclass(cls, ContractExperts):
         return
-    new = _CLASSES.get((cls, mixin))
+    new = _CLASSES.get(cls)
     if new is None:
-        new = _CLASSES[(cls, mixin)] = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__})
+        new = _CLASSES[cls] = type(cls.__name__, (ContractExperts, cls), {"__module__": cls.__module__})
     module.__class__ = new
 
 
-def _experts_shapes_ok(experts: nn.Module) -> bool:
+def _model_forward(cls: type) -> Any:
+    """The experts class's own ``forward`` (below ``use_experts_implementation``'s dispatch wrapper)."""
+    forward = cls.forward
+    return getattr(forward, "__wrapped__", forward)
+
+
+def _why_not(experts: nn.Module) -> str | None:
+    """What keeps ``experts`` from the contract's call, or ``None``."""
+    cls = next(c for c in type(experts).__mro__ if not issubclass(c, ContractExperts))
+    params = [p for p in inspect.signature(_model_forward(cls)).parameters if p != "self"]
+    if tuple(params) != _MODEL_CALL:
+        return f"its forward takes {params}, expected {list(_MODEL_CALL)}"
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    return (
-        isinstance(gate_up, Tensor) and isinstance(down, Tensor) and gate_up.dim() == 3 and down.dim() == 3
-        and gate_up.shape[0] == down.shape[0] and callable(getattr(experts, "act_fn", None))
-    )
+    if not (isinstance(gate_up, Tensor) and isinstance(down, Tensor) and gate_up.dim() == 3 and down.dim() == 3
+            and gate_up.shape[0] == down.shape[0] and gate_up.shape[1] == 2 * down.shape[2]
+            and gate_up.shape[2] == down.shape[1]):
+        return ("expected gate_up_proj (E, 2 * intermediate, hidden) and down_proj (E, hidden, intermediate) "
+                "parameters")
+    others = sorted(n for n, _ in experts.named_parameters() if n not in ("gate_up_proj", "down_proj"))
+    if others:
+        return f"it has parameters {others} besides gate_up_proj and down_proj"
+    for flag, want in _LAYOUT_FLAGS.items():
+        if getattr(experts, flag, want) != want:
+            return f"{flag}={getattr(experts, flag)!r}, expected {want!r}"
+    if not callable(getattr(experts, "act_fn", None)) and not callable(getattr(experts, "_apply_gate", None)):
+        return "it has no act_fn"
+    return None
+
+
+@torch.no_grad()
+def _probe(experts: nn.Module) -> float:
+    """Largest difference between the experts class's own ``forward`` and the contract's path on 8 tokens routed to
+    every expert (2 per token, random weights), relative to the largest output; ``0.0`` on ``meta`` or already
+    sharded weights (nothing to compare)."""
+    if experts.gate_up_proj.is_meta or isinstance(experts.gate_up_proj, DTensor):
+        return 0.0
+    num, hidden = experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[2]
+    generator = torch.Generator().manual_seed(0)
+    dtype, device = experts.gate_up_proj.dtype, experts.gate_up_proj.device
+    x = torch.randn(8, hidden, generator=generator).to(device, dtype)
+    index = torch.stack([torch.arange(8) % num, (torch.arange(8) + 1) % num], dim=1).to(device)
+    if num == 1:
+        index = index[:, :1]
+    weights = torch.rand(index.shape, generator=generator).to(device, dtype)
+    cls = next(c for c in type(experts).__mro__ if not issubclass(c, ContractExperts))
+    mine = ContractExperts._route(experts, x, index, weights)
+    theirs = _model_forward(cls)(experts, x, index, weights)
+    return float((mine - theirs).abs().max() / theirs.abs().max().clamp_min(1e-30))
 
 
 def expert_modules(network: nn.Module) -> list[str]:
-    """Paths of the experts modules of ``network``'s supported sparse blocks (``model.layers.1.mlp.experts``), each
-    block and its experts switched to the contract's call (see the module docstring). Idempotent.
+    """Paths of the experts modules of ``network``'s mixture-of-experts layers (``model.layers.1.mlp.experts``), each
+    switched to the contract's call (see the module docstring). Idempotent.
 
     Raises:
-        ValueError: a sparse block of an architecture not in :data:`SUPPORTED_BLOCKS` (any module with ``experts``
-            and ``gate`` children), or one whose experts are not laid out as ``gate_up_proj``/``down_proj``
-            ``(E, ...)``; a router with jitter noise (``router_jitter_noise > 0``).
+        ValueError: an MoE layer (a module with an ``experts`` child) whose experts are not called or laid out as the
+            contract's call needs (see the module docstring), or whose own ``forward`` and the contract's path differ
+            on the probe by more than ``1e-5`` relative to the output.
     """
     paths = []
     for name, module in network.named_modules():
-        experts, gate = getattr(module, "experts", None), getattr(module, "gate", None)
-        if not (isinstance(experts, nn.Module) and isinstance(gate, nn.Module)):
+        experts = getattr(module, "experts", None)
+        if not isinstance(experts, nn.Module) or isinstance(module, nn.ModuleList):
             continue
-        base = [c.__name__ for c in type(module).__mro__]
-        if not any(b in SUPPORTED_BLOCKS for b in base):
+        path = f"{name}.experts" if name else "experts"
+        why = _why_not(experts)
+        if why is None:
+            was = type(experts)
+            _switch(experts)
+            gap = _probe(experts)
+            if gap > 1e-5:
+                experts.__class__ = was
+                why = f"its own forward and the sorted expert call differ by {gap:.3g} on a probe"
+        if why is not None:
             raise ValueError(
-                f"expert parallelism (ep_size > 1) is not valid for {type(network).__name__}: its mixture-of-experts "
-                f"layer {name!r} ({type(module).__name__}) is not supported; supported: {list(SUPPORTED_BLOCKS)} "
-                f"(model_type 'qwen3_moe', 'mixtral'). Use ep_size=1 (zero3 shards the experts with the rest)."
+                f"expert parallelism (ep_size > 1) is not valid for {type(network).__name__}: the experts "
+                f"{path!r} ({type(experts).__name__}) of its mixture-of-experts layer {name!r} "
+                f"({type(module).__name__}) cannot be split over ep ranks: {why}. Use ep_size=1 (zero3 shards the "
+                f"experts with the rest)."
             )
-        if getattr(module, "jitter_noise", 0):
-            raise ValueError(
-                f"expert parallelism is not valid for {type(network).__name__} with router_jitter_noise="
-                f"{module.jitter_noise}: the contract's experts call routes the tokens as given; expected "
-                f"router_jitter_noise=0."
-            )
-        if not _experts_shapes_ok(experts):
-            raise ValueError(
-                f"experts {name}.experts of {type(network).__name__} are not valid for expert parallelism: expected "
-                f"gate_up_proj (E, 2 * intermediate, hidden) and down_proj (E, hidden, intermediate) parameters."
-            )
-        _switch(experts, ContractExperts)
-        _switch(module, ContractSparseBlock)
-        paths.append(f"{name}.experts" if name else "experts")
+        paths.append(path)
     return paths
