@@ -50,6 +50,23 @@ def recipe_model(
     return HFCausalLM(model_type=model_type, config=merged, pretrained=pretrained, **kwargs)
 
 
+def _attention_backend(hf_config: Any) -> str:
+    """The attention implementation to build with: the user's (``config.attn_implementation``, or the pretrained
+    directory's) when set, else ``"sdpa"`` where the architecture supports it and ``"eager"`` where it does not
+    (transformers refuses sdpa for attention it cannot express: Gemma2's logit soft-capping, gpt-oss's sinks).
+
+    Under context parallelism every step runs attention through the context-parallel path whatever is chosen here
+    (:mod:`lightning_par.hf.context`), which refuses before start attention it cannot compute.
+    """
+    from transformers import AutoModelForCausalLM
+
+    chosen = getattr(hf_config, "_attn_implementation_internal", None)
+    if isinstance(chosen, str) and chosen:
+        return chosen
+    model_class = AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
+    return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
+
+
 def _check(name: str, value: object, ok: bool, valid: str) -> None:
     if not ok:
         raise ValueError(f"HFCausalLM {name}={value!r} is not valid: expected {valid}.")
@@ -123,9 +140,7 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
             hf_config = AutoConfig.from_pretrained(pretrained, local_files_only=True, **config)
         else:
             hf_config = AutoConfig.for_model(model_type, **config)
-        # SDPA: the attention the cp axis intercepts; eager would bypass it.
-        hf_config._attn_implementation = "sdpa"
-        self.model = AutoModelForCausalLM.from_config(hf_config)
+        self.model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=_attention_backend(hf_config))
         # Built by load_from_checkpoint: the checkpoint's weights replace the pretrained ones, which are not read.
         self._pretrained_pending = pretrained is not None and not _FROM_CHECKPOINT.get()
         self._tied = tied_aliases(self.model)

@@ -50,17 +50,18 @@ HF_STYLES: dict[str, tuple[str | None, str]] = {
     "rowwise": ("rowwise", "nn.Linear split by input features"),
     "local_colwise": ("colwise", "our column-parallel layers already return local tensors"),
     "local_rowwise": ("rowwise", "our row-parallel layers already return local tensors"),
-    "colwise_gather_output": ("vocab_head", "the LM head, split over the vocabulary with a vocab-parallel loss"),
-    "colwise_rep": ("vocab_head", "the LM head, split over the vocabulary with a vocab-parallel loss"),
-    "embedding_rowwise": ("vocab_embedding", "the token embedding, split over the vocabulary"),
+    "colwise_gather_output": ("colwise_gather", "split by output features, output gathered (on the LM head: "
+                              "'vocab_head', split over the vocabulary with a vocab-parallel loss)"),
+    "colwise_rep": ("colwise_gather", "as colwise_gather_output"),
+    "rowwise_split_input": ("rowwise_split", "split by input features, replicated input sliced on each rank"),
+    "rowwise_rep": ("rowwise_split", "as rowwise_split_input"),
+    "embedding_rowwise": ("vocab_embedding_full", "the token embedding, split over the vocabulary"),
     "replicated_with_grad_allreduce": ("replicate_grad_sum", "per-head norm on the local heads"),
     "replicate": ("replicate", "whole on every tp rank"),
     "sequence_parallel": ("sequence_parallel", "per-token module"),
     "moe_tp_experts": ("sequence_parallel", "experts whole on every tp rank; their block is a per-token module"),
     "moe_identity_expert": ("replicate", "whole on every tp rank"),
     "embedding_colwise": (None, "an embedding split over the hidden size is not supported; plan it 'vocab_embedding'"),
-    "rowwise_split_input": (None, "a row-parallel layer that splits a replicated input is not supported"),
-    "rowwise_rep": (None, "a row-parallel layer that splits a replicated input is not supported"),
     "packed_colwise": (None, "packed (fused) weights need an interleaved split, supported only inside experts"),
     "packed_rowwise": (None, "packed (fused) weights need an interleaved split, supported only inside experts"),
     "local_packed_rowwise": (None, "packed (fused) weights need an interleaved split, supported only inside experts"),
@@ -186,10 +187,9 @@ def hf_tp_plan(network: nn.Module) -> dict[str, Any]:
                 continue
             if ours is None:
                 raise _refuse(network, path, hf_style, reason)
-            if ours == "vocab_head" and target is not outputs:
-                raise _refuse(network, path, hf_style, "a gathered column-parallel output is supported only on the "
-                              "LM head (the model's output embeddings)")
-            if ours == "vocab_embedding" and target is not inputs:
+            if ours == "colwise_gather" and target is outputs:
+                ours = "vocab_head"
+            if ours == "vocab_embedding_full" and target is not inputs:
                 raise _refuse(network, path, hf_style, "supported only on the model's input embeddings")
             if hf_style == "moe_tp_experts":
                 experts.append(path)
@@ -198,11 +198,25 @@ def hf_tp_plan(network: nn.Module) -> dict[str, Any]:
     for path, hf_style in params:  # entries on the experts' own weights: covered by their module's entry
         if hf_style not in _EXPERT_PARAM_STYLES or not any(path.startswith(e + ".") for e in experts):
             raise _refuse(network, path, hf_style, "a parameter, not a module, outside an experts module")
-    for path in [p for p, s in plan.items() if s == "colwise"]:
+    for path in [p for p, s in plan.items() if s in ("colwise", "colwise_gather")]:
         parent = path.rpartition(".")[0]
         plan.setdefault(parent, "colwise_input")
     regions = [p for p, s in plan.items() if s != "colwise_input"]
     gathered = [p for p, s in plan.items() if s == "colwise_input"]
+    for group in gathered:  # a group whose column layers all gather their output runs on replicated activations
+        inner = [p for p in plan if p.startswith(group + ".")]
+        if not all(plan[p] in ("colwise_gather", "rowwise_split") for p in inner):
+            continue
+        for name, module in network.get_submodule(group).named_modules(prefix=group):
+            owns = any(True for _ in module.parameters(recurse=False))
+            if owns and name != group and not any(name == p or name.startswith(p + ".") for p in inner):
+                plan[name] = "replicate"  # a norm over the whole hidden size (OLMo2's q_norm/k_norm)
+    if "vocab_embedding_full" in plan.values():
+        layers = _layers(network)
+        if layers:  # the model's own code between the embedding and its first layer sees the whole sequence
+            plan[layers[0]] = "sequence_scatter"
+        else:
+            plan = {p: "vocab_embedding" if s == "vocab_embedding_full" else s for p, s in plan.items()}
     for name, module in network.named_modules():
         inside = any(name == r or name.startswith(r + ".") for r in regions + gathered if r)
         if _is_norm(module) and name not in plan and not inside:

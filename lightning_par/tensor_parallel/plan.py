@@ -15,6 +15,11 @@ name                  meaning (Megatron-LM, Shoeybi et al. 2019, §3; sequence p
                       ``(..., out / tp)``.
 ``rowwise``           ``nn.Linear`` split by input features (``RowwiseParallel``); partial outputs all-reduced, or
                       reduce-scattered over the sequence with sequence parallelism.
+``colwise_gather``    ``nn.Linear`` split by output features whose output is gathered whole on every rank (Hugging
+                      Face's ``colwise_gather_output`` inside a layer): what follows runs on replicated activations,
+                      so a fused projection (q, k and v in one weight) or a norm over the whole hidden size stays right.
+``rowwise_split``     ``nn.Linear`` split by input features whose input is replicated: each rank takes its slice of the
+                      input (no communication), then as ``rowwise`` (Hugging Face's ``rowwise_split_input``).
 ``colwise_input``     on a module whose sub-layers are ``colwise`` (attention, MLP): one collective for the whole group
                       — Megatron's ``f`` (identity forward, all-reduce backward), or with sequence parallelism ``g``
                       (all-gather forward, reduce-scatter backward), on the module's first input, positional or by
@@ -29,6 +34,14 @@ name                  meaning (Megatron-LM, Shoeybi et al. 2019, §3; sequence p
 ``replicate_grad_sum`` a module inside a split region that runs on this rank's part (a per-head norm on the local
                       heads, Qwen3's ``q_norm``): parameters replicated (plain), gradients summed over the tp ranks.
 ``vocab_embedding``   the token ``nn.Embedding`` split over the vocabulary (padded to a multiple of ``tp_size``).
+                      An ``nn.Embedding`` subclass keeps its own ``forward`` (Gemma's scaled embedding) around the
+                      vocab-parallel lookup.
+``vocab_embedding_full`` as ``vocab_embedding``, but its output is the whole sequence in both modes (all-reduced): for a
+                      model whose own code between the embedding and the first layer uses the sequence length (a
+                      Hugging Face model builds its attention masks there); a ``sequence_scatter`` then cuts it.
+``sequence_scatter``  on the first module that runs on the residual stream (a model's first decoder layer): with
+                      sequence parallelism its first input is cut to this rank's sequence shard (backward all-gathers
+                      the gradient); without, nothing. Holds no parameters.
 ``vocab_head``        the LM-head ``nn.Linear`` split over the vocabulary; logits stay a vocab-sharded DTensor so the
                       cross-entropy never gathers them.
 ===================== ================================================================================================
@@ -59,6 +72,7 @@ from lightning_par.tensor_parallel.styles import (
     ColwiseInput,
     PlainSequenceParallel,
     ReplicateParallel,
+    SequenceScatter,
     VocabParallelEmbedding,
     VocabParallelHead,
 )
@@ -82,11 +96,15 @@ STYLE_NAMES: tuple[str, ...] = (
     "colwise_input",
     "colwise",
     "rowwise",
+    "colwise_gather",
+    "rowwise_split",
     "sequence_parallel",
     "position_embedding",
     "replicate",
     "replicate_grad_sum",
     "vocab_embedding",
+    "vocab_embedding_full",
+    "sequence_scatter",
     "vocab_head",
 )
 
@@ -97,6 +115,10 @@ _ACCEPTS: dict[str, tuple[type[nn.Module], ...] | None] = {
     "colwise_input": None,
     "colwise": (nn.Linear,),
     "rowwise": (nn.Linear,),
+    "colwise_gather": (nn.Linear,),
+    "rowwise_split": (nn.Linear,),
+    "vocab_embedding_full": (nn.Embedding,),
+    "sequence_scatter": None,
     "sequence_parallel": None,  # the plan asserts the module is per-token (a library's own norm class qualifies)
     "position_embedding": (nn.Embedding,),
     "replicate": None,
@@ -127,6 +149,14 @@ def resolve_style(style: str | ParallelStyle, sequence_parallel: bool) -> Parall
         return ColwiseParallel()
     if style == "rowwise":
         return RowwiseParallel(output_layouts=seq)
+    if style == "colwise_gather":
+        return ColwiseParallel(output_layouts=Replicate())
+    if style == "rowwise_split":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if style == "vocab_embedding_full":
+        return VocabParallelEmbedding(sequence_parallel=False)
+    if style == "sequence_scatter":
+        return SequenceScatter(enabled=sequence_parallel)
     if style == "colwise_input":
         return ColwiseInput(sequence_parallel=sequence_parallel)
     if style == "sequence_parallel":
@@ -243,7 +273,7 @@ def _covered_params(root: nn.Module, expanded: Mapping[str, str | ParallelStyle]
     for path, style in expanded.items():
         module = root.get_submodule(path)
         prefix = f"{path}." if path else ""
-        if style == "colwise_input" or not getattr(style, "covers_parameters", True):
+        if style in ("colwise_input", "sequence_scatter") or not getattr(style, "covers_parameters", True):
             continue
         recurse = isinstance(style, ParallelStyle) or style in _SUBTREE_STYLES
         covered.update(prefix + n for n, _ in module.named_parameters(recurse=recurse))
@@ -292,14 +322,14 @@ def validate_plan(
                 f"plan[{path!r}]={style!r} is not valid for a {type(module).__name__}: style {style!r} applies to "
                 f"{valid}."
             )
-        if style == "colwise" and module.out_features % tp_size:
+        if style in ("colwise", "colwise_gather") and module.out_features % tp_size:
             raise ValueError(
-                f"plan[{path!r}]='colwise' is not valid: out_features={module.out_features} is not divisible by "
+                f"plan[{path!r}]={style!r} is not valid: out_features={module.out_features} is not divisible by "
                 f"tp_size={tp_size}."
             )
-        if style == "rowwise" and module.in_features % tp_size:
+        if style in ("rowwise", "rowwise_split") and module.in_features % tp_size:
             raise ValueError(
-                f"plan[{path!r}]='rowwise' is not valid: in_features={module.in_features} is not divisible by "
+                f"plan[{path!r}]={style!r} is not valid: in_features={module.in_features} is not divisible by "
                 f"tp_size={tp_size}."
             )
     if sequence_parallel:
@@ -319,11 +349,11 @@ def validate_plan(
 
 def _check_sequence_parallel(root: nn.Module, expanded: Mapping[str, str | ParallelStyle], plan: Plan) -> None:
     # The plan, not its expansion: a later pipeline stage has no embedding but gets sequence shards from the first.
-    if "vocab_embedding" not in plan.values():
+    if "vocab_embedding" not in plan.values() and "sequence_scatter" not in plan.values():
         raise ValueError(
-            "sequence_parallel=True is not supported for this model: its plan has no 'vocab_embedding', the layer "
-            "that scatters activations over the sequence. Use sequence_parallel=False, or plan the token embedding "
-            "as 'vocab_embedding'."
+            "sequence_parallel=True is not supported for this model: its plan has no 'vocab_embedding' (or "
+            "'sequence_scatter'), the layer that scatters activations over the sequence. Use sequence_parallel=False, "
+            "or plan the token embedding as 'vocab_embedding'."
         )
     for name, module in root.named_modules():
         if isinstance(module, (nn.LayerNorm, _RMSNorm)) and expanded.get(name) != "sequence_parallel":
@@ -334,9 +364,9 @@ def _check_sequence_parallel(root: nn.Module, expanded: Mapping[str, str | Paral
             )
     gathers = [p for p, s in expanded.items() if s == "colwise_input"]
     for path, style in expanded.items():
-        if style == "colwise" and not any(path == g or path.startswith(g + ".") or g == "" for g in gathers):
+        if style in ("colwise", "colwise_gather") and not any(path == g or path.startswith(g + ".") or g == "" for g in gathers):
             raise ValueError(
-                f"sequence_parallel=True is not supported by this plan: plan[{path!r}]='colwise' has no "
+                f"sequence_parallel=True is not supported by this plan: plan[{path!r}]={style!r} has no "
                 f"'colwise_input' on itself or an enclosing module, so it would take a sequence shard for the whole "
                 f"sequence. Add 'colwise_input' on the module that feeds it (e.g. the attention or MLP block)."
             )

@@ -43,7 +43,6 @@ agree only if they are seeded alike (``seed_everything`` seeds every rank with t
 from __future__ import annotations
 
 from collections.abc import Iterable
-from functools import partial
 from typing import Any
 
 import torch
@@ -63,6 +62,7 @@ __all__ = [
     "ColwiseInput",
     "PlainSequenceParallel",
     "ReplicateParallel",
+    "SequenceScatter",
     "VocabParallelEmbedding",
     "VocabParallelHead",
     "check_sequence_divisible",
@@ -203,6 +203,71 @@ class ColwiseInput(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(sequence_parallel={self.sequence_parallel})"
+
+
+class SequenceScatter(ParallelStyle):
+    """Cut the first input of a module, the whole residual stream ``(batch, seq, d)`` (replicated over the tp ranks), to
+    this rank's sequence shard ``(batch, seq / tp_size, d)`` under sequence parallelism (Korthikanti et al. 2022,
+    §4.2.2); backward all-gathers the gradient over the sequence. Without sequence parallelism it does nothing.
+
+    It moves the scatter of sequence parallelism from the token embedding to the first decoder layer, so that what a
+    model computes between the two (a Hugging Face model's attention masks from the embeddings' length, its positions,
+    any scaling) sees the whole sequence, as in one process. The input is the first positional argument or the keyword
+    argument named like the first parameter of ``forward``. Holds no parameters.
+
+    Args:
+        enabled: sequence parallelism is on.
+
+    Raises:
+        ValueError: (in forward) ``seq`` is not a multiple of ``tp_size``, or the module was called without its first
+            input.
+    """
+
+    covers_parameters = False
+
+    def __init__(self, *, enabled: bool = True) -> None:
+        super().__init__()
+        self.enabled = enabled
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not self.enabled:
+            return module
+        import inspect
+
+        params = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        name = params[0].name if params else ""
+        module.register_forward_pre_hook(_ScatterFirstInput(name, device_mesh), with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(enabled={self.enabled})"
+
+
+class _ScatterFirstInput:
+    """Forward pre-hook of :class:`SequenceScatter`."""
+
+    def __init__(self, name: str, mesh: DeviceMesh) -> None:
+        self.name, self.mesh = name, mesh
+
+    def _cut(self, x: Any) -> Any:
+        if not isinstance(x, Tensor):
+            return x
+        if isinstance(x, DTensor):
+            x = x.redistribute(placements=[Replicate()]).to_local()
+        check_sequence_divisible(x.shape[1], self.mesh.size())
+        dt = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+        return dt.redistribute(placements=[Shard(1)]).to_local()
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if args:
+            return (self._cut(args[0]), *args[1:]), kwargs
+        if self.name in kwargs:
+            return args, {**kwargs, self.name: self._cut(kwargs[self.name])}
+        raise ValueError(
+            f"style 'sequence_scatter' on a {type(module).__name__}: it was called without its first input "
+            f"{self.name!r}, so the sequence could not be split over the tp ranks."
+        )
 
 
 class _FirstInput:
@@ -368,11 +433,58 @@ class VocabParallelEmbedding(ParallelStyle):
         weight = distribute_tensor(module.weight.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
         module.weight = nn.Parameter(weight, requires_grad=module.weight.requires_grad)
         out_layout = Shard(1) if self.sequence_parallel else Replicate()
-        module.forward = partial(_vocab_parallel_lookup, module, device_mesh, out_layout)  # type: ignore[method-assign]
+        _wrap_embedding(module, device_mesh, out_layout)
         return module
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(sequence_parallel={self.sequence_parallel})"
+
+
+class _VocabParallelLookup(nn.Embedding):
+    """The ``nn.Embedding.forward`` of a :class:`VocabParallelEmbedding`: placed under the module's own class in its
+    method resolution order, so that a subclass's ``forward`` (Gemma's ``...ScaledWordEmbedding`` multiplies
+    ``super().forward(ids)`` by ``embed_scale``) runs as written, with the vocab-parallel lookup inside."""
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002 - nn.Embedding's parameter name
+        spec = self.__dict__["_lp_vocab_parallel"]
+        if spec is None:  # the probe of _wrap_embedding: record the call, no collective
+            self.__dict__["_lp_vocab_probe_calls"] += 1
+            return torch.zeros(*input.shape, self.embedding_dim, dtype=self.weight.dtype)
+        return _vocab_parallel_lookup(self, *spec, input)
+
+
+def _wrap_embedding(module: nn.Embedding, mesh: DeviceMesh, out_layout: Placement) -> None:
+    """Give ``module`` a class whose ``nn.Embedding.forward`` is the vocab-parallel lookup; the module's own
+    ``forward`` (an ``nn.Embedding`` subclass's) keeps its arithmetic around it.
+
+    A subclass whose ``forward`` does not reach ``nn.Embedding.forward`` (it reads ``self.weight`` itself) cannot run
+    on a vocabulary shard: a probe call on one token, before any step, checks that the lookup runs exactly once.
+
+    Raises:
+        ValueError: the module's ``forward`` does not call ``nn.Embedding.forward`` exactly once (naming the class).
+    """
+    cls = type(module)
+    if not issubclass(cls, _VocabParallelLookup):
+        bases = (_VocabParallelLookup,) if cls is nn.Embedding else (cls, _VocabParallelLookup)
+        module.__class__ = type(cls.__name__, bases, {"__qualname__": cls.__qualname__, "__module__": cls.__module__})
+    if cls.forward is not nn.Embedding.forward:
+        module.__dict__["_lp_vocab_parallel"] = None
+        module.__dict__["_lp_vocab_probe_calls"] = 0
+        error = None
+        try:
+            with torch.no_grad():
+                module(torch.zeros(1, 1, dtype=torch.long, device=module.weight.device))
+        except Exception as err:  # noqa: BLE001 - reported below, with the class named
+            error = err
+        calls = module.__dict__.pop("_lp_vocab_probe_calls")
+        if error is not None or calls != 1:
+            raise ValueError(
+                f"style 'vocab_embedding' cannot split {cls.__qualname__} over the vocabulary: its forward "
+                f"{'raised ' + repr(error) if error is not None else f'reached nn.Embedding.forward {calls} times'}"
+                f", expected exactly one call to nn.Embedding.forward (super().forward(ids)) with the arithmetic "
+                f"around it. Plan this embedding 'replicate' or use tp_size=1."
+            ) from error
+    module.__dict__["_lp_vocab_parallel"] = (mesh, out_layout)
 
 
 def _vocab_parallel_lookup(module: nn.Embedding, mesh: DeviceMesh, out_layout: Placement, ids: Tensor) -> Tensor:

@@ -52,7 +52,8 @@ def test_every_style_name_of_the_architectures_translates(arch_model):
     plan = contract.tp_plan(model, model, None)  # through the adapter: the model's tp_plan is a dict, not a method
     assert all(s in STYLE_NAMES for p, s in plan.items() if p), plan
     assert isinstance(plan[""], GlobalPositions)
-    assert plan["lm_head"] == "vocab_head" and plan["model.embed_tokens"] == "vocab_embedding"
+    assert plan["lm_head"] == "vocab_head" and plan["model.embed_tokens"] == "vocab_embedding_full"
+    assert plan["model.layers.0"] == "sequence_scatter"  # the model builds its masks from the whole sequence
     assert plan["model.norm"] == plan["model.layers.1.input_layernorm"] == "sequence_parallel"
     assert plan["model.layers.0.self_attn"] == "colwise_input"
     assert plan["model.layers.0.self_attn.q_proj"] == "colwise" and plan["model.layers.0.self_attn.o_proj"] == "rowwise"
@@ -78,7 +79,6 @@ def test_untranslated_style_names_are_refused_naming_module_and_style(monkeypatc
 
 @pytest.mark.parametrize("entry, message", [
     ({"model.layers.*.mlp.up_proj": "fancy"}, "an unknown style"),
-    ({"model.layers.*.mlp.up_proj": "colwise_gather_output"}, "supported only on the LM head"),
     ({"lm_head": "embedding_rowwise"}, "supported only on the model's input embeddings"),
     ({"model.layers.*.mlp.up_proj.weight": "rowwise"}, "a parameter, not a module, outside an experts module"),
 ])
