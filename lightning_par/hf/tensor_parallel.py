@@ -10,11 +10,18 @@ model's prefix ``model.``). :func:`hf_tp_plan` translates its style names into o
 * ``sequence_parallel`` on the norms of the residual stream (any module class named ``...Norm``, outside the split
   attention/MLP regions): transformers' own norm classes (``LlamaRMSNorm``...) are per-token modules;
 * a hook on the network that passes ``position_ids`` (``0..seq-1``) when the caller gives none, so that under sequence
-  parallelism the rotary embedding is computed for the whole sequence, not from the length of a sequence shard.
+  parallelism the rotary embedding is computed for the whole sequence, not from the length of a sequence shard;
+* the token embedding as ``vocab_embedding_full`` (its output the whole sequence) and a ``sequence_scatter`` on the
+  first decoder layer: the model's own code between the two (its attention masks, built from the embeddings' length:
+  causal, sliding-window, per layer type; its scalings) sees the whole sequence under sequence parallelism, as in one
+  process, and only the decoder layers run on sequence shards;
+* Hugging Face's gathered styles (``colwise_gather_output`` inside a layer, ``rowwise_split_input``) as
+  ``colwise_gather``/``rowwise_split``: fused projections (Phi-3's ``qkv_proj``, GLM-4's ``gate_up_proj``) and norms
+  over the whole hidden size (OLMo2's ``q_norm``/``k_norm``, planned ``replicate``) then run on replicated
+  activations, which is right whatever the packing of the fused weight.
 
-Under sequence parallelism a padding ``attention_mask`` is not supported: transformers builds the mask from the
-length of the embeddings, a shard's. Without one (causal language modelling) SDPA's ``is_causal`` sees the gathered
-sequence inside attention.
+An ``nn.Embedding`` subclass (Gemma's scaled embedding) keeps its own ``forward`` around the vocab-parallel lookup
+(:class:`~lightning_par.tensor_parallel.styles.VocabParallelEmbedding`).
 
 :data:`HF_STYLES` is the translation table; a style name not in it, or one used where it does not apply, is refused
 with a message naming the module and the Hugging Face style.
