@@ -18,6 +18,8 @@ import torch
 from lightning_par.checkpoint.loading import ShardedCheckpointLoading
 from lightning_par.hf.load import fill_from_safetensors, load_hf_weights, tied_aliases
 from lightning_par.models.next_token import NextTokenSteps
+from lightning_par.tensor_parallel.styles import mask_padded_vocab
+from lightning_par.tensor_parallel.vocab import VOCAB_SIZE_ATTR
 
 __all__ = ["HFCausalLM", "recipe_model"]
 
@@ -238,7 +240,12 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         """Logits ``(batch, seq, vocab_size)`` of token ids ``idx`` ``(batch, seq)``."""
         if position_ids is not None and position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0).expand(idx.shape[0], -1)
-        return self.model(input_ids=idx, position_ids=position_ids, use_cache=False).logits
+        logits = self.model(input_ids=idx, position_ids=position_ids, use_cache=False).logits
+        head = self.model.get_output_embeddings()
+        vocab = getattr(head, VOCAB_SIZE_ATTR, None) if head is not None else None
+        if vocab is not None:  # a padded vocab-parallel head: the model's own arithmetic after it (final soft-capping)
+            logits = mask_padded_vocab(logits, vocab)  # may have moved the masked logits back into reach
+        return logits
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """AdamW (weight decay on tensors of 2 or more dims) or SGD with momentum."""

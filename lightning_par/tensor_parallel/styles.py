@@ -66,6 +66,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "VocabParallelHead",
     "check_sequence_divisible",
+    "mask_padded_vocab",
     "partial_grad_names",
     "sync_partial_grads",
     "sync_tp_partial_grads",
@@ -571,3 +572,18 @@ class _PaddingMask:
         return DTensor.from_local(
             masked, self.mesh, output.placements, run_check=False, shape=output.shape, stride=output.stride()
         )
+
+
+def mask_padded_vocab(logits: Any, vocab_size: int | None) -> Any:
+    """Mask the padded vocabulary entries of vocab-sharded logits again (a no-op for anything else, or without padding).
+
+    For arithmetic a model does on the logits after its :class:`VocabParallelHead` (Gemma2's final soft-capping
+    ``tanh(logits / cap) * cap`` maps the masked value to ``-cap``, which a softmax does not ignore): call on the
+    model's final logits, a ``(batch, seq, padded_vocab)`` DTensor sharded on the last dim.
+    """
+    if vocab_size is None or not isinstance(logits, DTensor) or logits.shape[-1] == vocab_size:
+        return logits
+    (placement,) = logits.placements
+    if not (isinstance(placement, Shard) and placement.dim % logits.dim() == logits.dim() - 1):
+        return logits
+    return _PaddingMask(vocab_size, logits.device_mesh)(None, None, logits)
