@@ -130,9 +130,15 @@ def hf_raw_tp_plan(network: nn.Module) -> dict[str, str]:
     base = getattr(getattr(network, "config", None), "base_model_tp_plan", None) or {}
     out.update({f"{prefix}{k}": v for k, v in base.items()})
     if not out:
+        transposed = sorted({type(m).__name__ for m in network.modules()
+                             if type(m).__name__ == "Conv1D" and not isinstance(m, nn.Linear)})
+        why = (f" Its layers are {transposed[0]} modules (GPT-2's transposed-weight linear layers, weight (in, out), "
+               f"c_attn a fused q/k/v), which the column/row-parallel styles (nn.Linear) do not split." if transposed
+               else "")
         raise ValueError(
-            f"tensor parallelism needs a plan for {type(network).__name__}: its config.base_model_tp_plan is empty. "
-            f"Pass strategy.tensor_parallel.plan={{module path: style}} with styles {list(STYLE_NAMES)}."
+            f"tensor parallelism needs a plan for {type(network).__name__}: its config.base_model_tp_plan is empty."
+            f"{why} Use tp_size=1 (zero3, pipeline or context parallelism), or pass strategy.tensor_parallel.plan="
+            f"{{module path: style}} with styles {list(STYLE_NAMES)}."
         )
     return out
 
