@@ -88,6 +88,25 @@ _EXPERT_PARAM_STYLES = {
 }
 
 
+#: Plans, in Hugging Face style names, for families whose transformers config has none (``base_model_tp_plan``
+#: empty), keyed by ``config.model_type``. GPT-2: its ``Conv1D`` layers are transposed linear layers (weight
+#: ``(in, out)``, split on the matching dim by our linear styles); ``c_attn`` is a fused q/k/v projection split by
+#: ``attn.split(split_size)`` into whole-hidden thirds, so it is gathered (each rank then runs every head) and
+#: ``c_proj`` splits its replicated input; the MLP is plain column/row parallel. The learned position table runs on
+#: the whole sequence, before the first block.
+_FAMILY_PLANS: dict[str, dict[str, str]] = {
+    "gpt2": {
+        "lm_head": "colwise_gather_output",
+        "transformer.wte": "embedding_rowwise",
+        "transformer.wpe": "replicate",
+        "transformer.h.*.attn.c_attn": "colwise_gather_output",
+        "transformer.h.*.attn.c_proj": "rowwise_split_input",
+        "transformer.h.*.mlp.c_fc": "colwise",
+        "transformer.h.*.mlp.c_proj": "rowwise",
+    },
+}
+
+
 class GlobalPositions(ParallelStyle):
     """A forward pre-hook on the network: ``position_ids = arange(seq)`` when the caller passes none and no cache.
 
@@ -129,6 +148,8 @@ def hf_raw_tp_plan(network: nn.Module) -> dict[str, str]:
     prefix = f"{prefix}." if prefix and isinstance(getattr(network, prefix, None), nn.Module) else ""
     base = getattr(getattr(network, "config", None), "base_model_tp_plan", None) or {}
     out.update({f"{prefix}{k}": v for k, v in base.items()})
+    if not out and getattr(getattr(network, "config", None), "model_type", None) in _FAMILY_PLANS:
+        out = dict(_FAMILY_PLANS[network.config.model_type])
     if not out:
         transposed = sorted({type(m).__name__ for m in network.modules()
                              if type(m).__name__ == "Conv1D" and not isinstance(m, nn.Linear)})
@@ -224,16 +245,24 @@ def hf_tp_plan(network: nn.Module) -> dict[str, Any]:
             owns = any(True for _ in module.parameters(recurse=False))
             if owns and name != group and not any(name == p or name.startswith(p + ".") for p in inner):
                 plan[name] = "replicate"  # a norm over the whole hidden size (OLMo2's q_norm/k_norm)
-    if "vocab_embedding_full" in plan.values():
-        layers = _layers(network)
-        if layers:  # the model's own code between the embedding and its first layer sees the whole sequence
-            plan[layers[0]] = "sequence_scatter"
-        else:
-            plan = {p: "vocab_embedding" if s == "vocab_embedding_full" else s for p, s in plan.items()}
     for name, module in network.named_modules():
         inside = any(name == r or name.startswith(r + ".") for r in regions + gathered if r)
         if _is_norm(module) and name not in plan and not inside:
             plan[name] = "sequence_parallel"
+    layers = _layers(network)
+    if "vocab_embedding_full" in plan.values() and len(layers) > 1:
+        # Only the decoder layers run on sequence shards: the model's own code before the first (its attention masks
+        # from the embeddings' length, scalings) and after the last (a final norm, reshapes by the input's length)
+        # sees the whole sequence, as in one process.
+        plan[layers[0]], plan[layers[-1]] = "sequence_scatter", "sequence_gather"
+        for path, style in list(plan.items()):
+            outside = not any(path == f or path.startswith(f + ".") for f in layers)
+            if style == "sequence_parallel" and outside:
+                plan[path] = "replicate"
+            elif style == "vocab_head":
+                plan[path] = "vocab_head_full"
+    else:
+        plan = {p: "vocab_embedding" if s == "vocab_embedding_full" else s for p, s in plan.items()}
     plan[""] = GlobalPositions()
     return plan
 

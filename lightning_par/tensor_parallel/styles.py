@@ -43,6 +43,7 @@ agree only if they are seeded alike (``seed_everything`` seeds every rank with t
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 import torch
@@ -51,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
 from lightning_par.compat import local_tensor
@@ -59,9 +60,12 @@ from lightning_par.tensor_parallel.vocab import VOCAB_SIZE_ATTR, mask_padded_log
 
 __all__ = [
     "PARTIAL_GRAD_ATTR",
+    "Colwise",
     "ColwiseInput",
     "PlainSequenceParallel",
     "ReplicateParallel",
+    "Rowwise",
+    "SequenceGather",
     "SequenceScatter",
     "VocabParallelEmbedding",
     "VocabParallelHead",
@@ -70,6 +74,7 @@ __all__ = [
     "partial_grad_names",
     "sync_partial_grads",
     "sync_tp_partial_grads",
+    "transposed_linear_features",
 ]
 
 #: Attribute a style sets on a module: the names of the module's own (plain) parameters whose gradients are partial
@@ -243,6 +248,48 @@ class SequenceScatter(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(enabled={self.enabled})"
+
+
+class SequenceGather(ParallelStyle):
+    """The converse of :class:`SequenceScatter`, on the last module that runs on sequence shards (a model's last decoder
+    layer): under sequence parallelism its output ``(batch, seq / tp_size, d)`` is all-gathered to the whole sequence
+    ``(batch, seq, d)``, replicated over the tp ranks (backward keeps this rank's part of the gradient, which every rank
+    computes alike). What the model does after its layers (a final norm, reshapes by the input's length such as GPT-2's
+    ``view(-1, seq, d)``, the LM head) then sees the whole sequence. A tuple output has its first element gathered.
+    Without sequence parallelism it does nothing. Holds no parameters.
+    """
+
+    covers_parameters = False
+
+    def __init__(self, *, enabled: bool = True) -> None:
+        super().__init__()
+        self.enabled = enabled
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.enabled:
+            module.register_forward_hook(_GatherOutput(device_mesh))
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(enabled={self.enabled})"
+
+
+class _GatherOutput:
+    """Forward hook of :class:`SequenceGather`."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+
+    def _gather(self, y: Any) -> Any:
+        if not isinstance(y, Tensor):
+            return y
+        dt = y if isinstance(y, DTensor) else DTensor.from_local(y, self.mesh, [Shard(1)], run_check=False)
+        return dt.redistribute(placements=[Replicate()]).to_local()
+
+    def __call__(self, module: nn.Module, inputs: Any, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (self._gather(output[0]), *output[1:])
+        return self._gather(output)
 
 
 class _ScatterFirstInput:
@@ -505,6 +552,61 @@ def _vocab_parallel_lookup(module: nn.Embedding, mesh: DeviceMesh, out_layout: P
     out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # (batch, seq, n_embd), a partial sum over the tp ranks
     out = DTensor.from_local(out, mesh, [Partial()], run_check=False)
     return out.redistribute(placements=[out_layout]).to_local()
+
+
+def transposed_linear_features(module: nn.Module) -> tuple[int, int] | None:
+    """``(in_features, out_features)`` of a *transposed* linear layer, else ``None``: a module that is not an
+    ``nn.Linear`` and computes ``x @ weight + bias`` with ``weight`` of shape ``(in, out)``, recognised by its ``nx``
+    and ``nf`` attributes matching that shape (transformers' ``Conv1D`` of GPT-2)."""
+    weight = getattr(module, "weight", None)
+    if isinstance(module, nn.Linear) or not isinstance(weight, Tensor) or weight.dim() != 2:
+        return None
+    if getattr(module, "nx", None) == weight.shape[0] and getattr(module, "nf", None) == weight.shape[1]:
+        return int(weight.shape[0]), int(weight.shape[1])
+    return None
+
+
+def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements: dict[int, Placement], src: Any) -> None:
+    """Each parameter of ``module`` (its own) as a DTensor with the placement of its number of dims."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        dist_param = distribute_tensor(param.detach(), mesh, [placements[param.dim()]], src_data_rank=src)
+        module.register_parameter(name, nn.Parameter(dist_param, requires_grad=param.requires_grad))
+
+
+class Colwise(ColwiseParallel):
+    """torch's ``ColwiseParallel``, also for a transposed linear layer (:func:`transposed_linear_features`: weight
+    ``(in, out)`` split on dim 1, bias on dim 0). The layer's own ``forward`` runs on the DTensor parameters
+    (``addmm`` of a replicated input and a column shard gives a column shard)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if transposed_linear_features(module) is None:
+            return super()._apply(module, device_mesh)
+        from torch.distributed.tensor import distribute_module
+
+        return distribute_module(
+            module, device_mesh,
+            lambda name, mod, mesh: _distribute_params(mod, mesh, {2: Shard(1), 1: Shard(0)}, self.src_data_rank),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class Rowwise(RowwiseParallel):
+    """torch's ``RowwiseParallel``, also for a transposed linear layer (weight ``(in, out)`` split on dim 0, bias
+    replicated); see :class:`Colwise`."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if transposed_linear_features(module) is None:
+            return super()._apply(module, device_mesh)
+        from torch.distributed.tensor import distribute_module
+
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module, device_mesh,
+            lambda name, mod, mesh: _distribute_params(mod, mesh, {2: Shard(0), 1: Replicate()}, self.src_data_rank),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
 
 
 class VocabParallelHead(ColwiseParallel):

@@ -2,8 +2,9 @@
 
 Gemma's and Gemma3's scaled token embedding (``embed_scale``), Gemma2's eager attention with logit soft-capping and
 final logit soft-capping, gpt-oss's attention sinks and MoE, Gemma3's hybrid sliding-window layers with a window (8)
-shorter than the sequence (16), and the fused or gathered projections of Phi-3 (fused qkv and gate_up), OLMo2
-(q/k norms over the whole hidden size) and GLM-4 (fused gate_up), each under zero3, tp2, tp2 with sequence parallelism
+shorter than the sequence (16), the fused or gathered projections of Phi-3 (fused qkv and gate_up), OLMo2 (q/k norms
+over the whole hidden size) and GLM-4 (fused gate_up), and GPT-2's Conv1D layers (transposed weights, fused c_attn,
+a reshape by the input's length after the last block), each under zero3, tp2, tp2 with sequence parallelism
 and cp2 where the model's attention allows context parallelism (the others are refused before start:
 ``tests/unit/test_hf_architectures.py``). Tiny configs (hidden 64, 2 layers, 4 heads over 2 key/value heads, untied,
 vocab 256), random weights, fp32. Parity: every step's global loss within ``rtol=1e-5`` of one process on the same
@@ -45,6 +46,7 @@ ARCHS: dict[str, dict[str, Any]] = {
     "olmo2": {},
     "glm4": {},
     "mistral": {"sliding_window": 8},
+    "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},  # Conv1D layers, fused c_attn
     "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
     "deepseek_v3": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 16,
@@ -61,7 +63,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 CASES = [
     ("gemma", "tp2", "sgd"), ("gemma3_text", "tp2sp", "adamw"), ("gemma2", "tp2sp", "sgd"),
     ("gpt_oss", "zero3", "adamw"), ("phi3", "tp2sp", "sgd"), ("olmo2", "tp2sp", "sgd"), ("glm4", "tp2", "adamw"),
-    ("mistral", "tp2sp", "adamw"), ("gemma3_text-wide", "cp2", "sgd"),
+    ("mistral", "tp2sp", "adamw"), ("gemma3_text-wide", "cp2", "sgd"), ("gpt2", "tp2sp", "sgd"),
 ]
 #: The rest of the matrix (``slow``).
 SLOW_CASES = [
@@ -75,6 +77,7 @@ SLOW_CASES = [
     ("mistral", "tp2", "sgd"),
     ("olmoe", "tp2", "adamw"), ("olmoe", "tp2sp", "sgd"), ("olmoe", "cp2", "sgd"),
     ("deepseek_v3", "tp2", "sgd"), ("deepseek_v3", "cp2", "adamw"),
+    ("gpt2", "zero3", "adamw"), ("gpt2", "tp2", "adamw"), ("gpt2", "cp2", "sgd"),
 ]
 #: AdamW's eps here: 1e-4, not the 1e-6 of ``assert_params_close``'s note. These models leave some weight gradients
 #: near 1e-7 at initialisation (OLMo2's post-norm layers; the embedding rows Gemma scales by sqrt(hidden)), where

@@ -75,8 +75,8 @@ def test_gathered_and_fused_projections_translate_and_validate_with_sequence_par
     assert olmo2["model.layers.1.self_attn.q_norm"] == olmo2["model.layers.1.self_attn.k_norm"] == "replicate"
     assert plans["glm4"]["model.layers.0.mlp.gate_up_proj"] == "colwise_gather"
     for plan in plans.values():
-        assert plan["lm_head"] == "vocab_head" and plan["model.embed_tokens"] == "vocab_embedding_full"
-        assert plan["model.layers.0"] == "sequence_scatter"
+        assert plan["lm_head"] == "vocab_head_full" and plan["model.embed_tokens"] == "vocab_embedding_full"
+        assert plan["model.layers.0"] == "sequence_scatter" and plan["model.layers.1"] == "sequence_gather"
     for arch in ("phi3", "olmo2", "glm4", "gemma2", "gemma3_text", "olmoe"):
         _validate(_hf(arch), tp_size=2, sequence_parallel=True)
 
@@ -86,9 +86,17 @@ def test_what_tp_cannot_split_is_refused_before_start_naming_it():
         _validate(_hf("gpt_oss"), tp_size=2, sequence_parallel=True)  # its plan leaves attention and experts whole
     with pytest.raises(ValueError, match=re.escape("'model.layers.0.self_attn.q_a_proj.weight'")):
         _validate(_hf("deepseek_v3"), tp_size=2, sequence_parallel=True)  # MLA: not in its plan
-    gpt2 = HFCausalLM(model_type="gpt2", config={"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 256})
-    with pytest.raises(ValueError, match="tensor parallelism needs a plan for GPT2LMHeadModel: .* Conv1D modules"):
-        _validate(gpt2, tp_size=2)
+    with pytest.raises(ValueError, match=r"config.sliding_window attends within a sliding window of 8 tokens"):
+        _validate(_hf("mistral"), cp_size=2, tp_size=1)
+
+
+def test_gpt2_conv1d_layers_get_a_plan_split_on_their_transposed_weights():
+    model = _hf("gpt2").model
+    plan = contract.tp_plan(model, model, None)
+    assert plan["transformer.h.0.attn.c_attn"] == "colwise_gather" and plan["transformer.h.0.mlp.c_fc"] == "colwise"
+    assert plan["transformer.h.1.attn.c_proj"] == "rowwise_split" and plan["transformer.h.1.mlp.c_proj"] == "rowwise"
+    assert plan["transformer.wpe"] == plan["transformer.ln_f"] == "replicate"
+    _validate(_hf("gpt2"), tp_size=2, sequence_parallel=True)
 
 
 # ------------------------------------------------------------------------ the vocab-parallel embedding's own forward
