@@ -39,7 +39,8 @@ ARCHS: dict[str, dict[str, Any]] = {
     "gemma": {},
     "gemma3_text": {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
     "gemma3_text-wide": {"sliding_window": 64},  # the window never binds: cp allowed
-    "gemma2": {"sliding_window": 8, "vocab_size": 257},  # padded to 258 at tp2: final soft-capping after the head
+    # vocab 257: padded to 258 at tp2; a final soft-cap of 2 brings a masked padded logit to -2, inside the real range
+    "gemma2": {"sliding_window": 8, "vocab_size": 257, "final_logit_softcapping": 2.0},
     "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 64,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
     "phi3": {},
