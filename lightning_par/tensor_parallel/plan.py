@@ -290,7 +290,8 @@ def _covered_params(root: nn.Module, expanded: Mapping[str, str | ParallelStyle]
     for path, style in expanded.items():
         module = root.get_submodule(path)
         prefix = f"{path}." if path else ""
-        if style in ("colwise_input", "sequence_scatter", "sequence_gather") or not getattr(style, "covers_parameters", True):
+        hooks_only = style in ("colwise_input", "sequence_scatter", "sequence_gather")
+        if hooks_only or not getattr(style, "covers_parameters", True):
             continue
         recurse = isinstance(style, ParallelStyle) or style in _SUBTREE_STYLES
         covered.update(prefix + n for n, _ in module.named_parameters(recurse=recurse))

@@ -133,6 +133,7 @@ def test_a_scaled_embedding_keeps_its_scale_and_a_forward_without_nn_embedding_i
         def forward(self, input):
             return self.weight[input] * 2.0
 
-    with pytest.raises(ValueError, match=r"cannot split .*OwnLookup over the vocabulary: its forward reached nn.Embedding.forward 0 times"):
+    message = r"cannot split .*OwnLookup over the vocabulary: its forward reached nn.Embedding.forward 0 times"
+    with pytest.raises(ValueError, match=message):
         parallelize_module(OwnLookup(8, 4), one_rank_mesh, resolve_style("vocab_embedding", False),
                            src_data_rank=None)
