@@ -11,7 +11,11 @@ from lightning_par import contract
 from lightning_par.axis_registry import Axis, Build
 from lightning_par.context_parallel.attention import CPAttentionMode, check_ulysses_heads
 from lightning_par.context_parallel.batch import SequenceSplit
-from lightning_par.context_parallel.contract import context_parallel_attention, context_parallel_positions
+from lightning_par.context_parallel.contract import (
+    check_context_parallel,
+    context_parallel_attention,
+    context_parallel_positions,
+)
 from lightning_par.context_parallel.planner import CONTEXT_PARALLEL_TERMS
 from lightning_par.context_parallel.report import cp_mean_step
 from lightning_par.parallel_dims import ParallelDims
@@ -23,6 +27,7 @@ def _check(module: nn.Module, network: nn.Module, dims: ParallelDims, options: A
     if not dims.cp_enabled:
         return
     context_parallel_positions(network)
+    check_context_parallel(network, dims.cp_size)
     if options.context_parallel.method == "all_to_all":
         heads = contract.attention_heads(network)
         if heads is None:

@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_par.contract import network_method
 
-__all__ = ["context_parallel_attention", "context_parallel_positions"]
+__all__ = ["check_context_parallel", "context_parallel_attention", "context_parallel_positions"]
 
 
 def context_parallel_positions(network: nn.Module) -> None:
@@ -39,3 +39,16 @@ def context_parallel_attention(network: nn.Module) -> Callable[[], Any] | None:
     (Hugging Face models build a mask from ``position_ids``); ``None`` when the network has none."""
     method = network_method(network, "context_parallel_attention")
     return method if callable(method) else None
+
+
+def check_context_parallel(network: nn.Module, cp_size: int) -> None:
+    """``network.check_context_parallel(cp_size)`` (or its adapter's), if defined: refuse, before any step, attention
+    the context-parallel path cannot compute (a Hugging Face model's logit soft-capping, attention sinks, a sliding
+    window).
+
+    Raises:
+        ValueError: what the network's check raises; nothing when it defines none.
+    """
+    method = network_method(network, "check_context_parallel")
+    if callable(method):
+        method(cp_size)

@@ -84,6 +84,14 @@ class HFAdapter:
         return mask_free_attention(network)
 
     @staticmethod
+    def check_context_parallel(network: nn.Module, cp_size: int) -> None:
+        """Refuse attention the context-parallel path cannot compute (soft-capping, sinks, a binding sliding window)
+        (:func:`lightning_par.hf.context.check_hf_context_parallel`)."""
+        from lightning_par.hf.context import check_hf_context_parallel
+
+        check_hf_context_parallel(network, cp_size)
+
+    @staticmethod
     def attention_heads(network: nn.Module) -> int:
         """Query heads per layer (``config.num_attention_heads``), for all-to-all context parallelism."""
         return int(network.config.num_attention_heads)

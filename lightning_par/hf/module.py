@@ -18,6 +18,8 @@ import torch
 from lightning_par.checkpoint.loading import ShardedCheckpointLoading
 from lightning_par.hf.load import fill_from_safetensors, load_hf_weights, tied_aliases
 from lightning_par.models.next_token import NextTokenSteps
+from lightning_par.tensor_parallel.styles import mask_padded_vocab
+from lightning_par.tensor_parallel.vocab import VOCAB_SIZE_ATTR
 
 __all__ = ["HFCausalLM", "recipe_model"]
 
@@ -48,6 +50,23 @@ def recipe_model(
     """
     merged = dict(config or {}) if pretrained is not None else {**dict(base_config or {}), **dict(config or {})}
     return HFCausalLM(model_type=model_type, config=merged, pretrained=pretrained, **kwargs)
+
+
+def _attention_backend(hf_config: Any) -> str:
+    """The attention implementation to build with: the user's (``config.attn_implementation``, or the pretrained
+    directory's) when set, else ``"sdpa"`` where the architecture supports it and ``"eager"`` where it does not
+    (transformers refuses sdpa for attention it cannot express: Gemma2's logit soft-capping, gpt-oss's sinks).
+
+    Under context parallelism every step runs attention through the context-parallel path whatever is chosen here
+    (:mod:`lightning_par.hf.context`), which refuses before start attention it cannot compute.
+    """
+    from transformers import AutoModelForCausalLM
+
+    chosen = getattr(hf_config, "_attn_implementation_internal", None)
+    if isinstance(chosen, str) and chosen:
+        return chosen
+    model_class = AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
+    return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
 
 
 def _check(name: str, value: object, ok: bool, valid: str) -> None:
@@ -130,9 +149,7 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
             hf_config = AutoConfig.from_pretrained(pretrained, local_files_only=True, **config)
         else:
             hf_config = AutoConfig.for_model(model_type, **config)
-        # SDPA: the attention the cp axis intercepts; eager would bypass it.
-        hf_config._attn_implementation = "sdpa"
-        self.model = AutoModelForCausalLM.from_config(hf_config)
+        self.model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=_attention_backend(hf_config))
         # Built by load_from_checkpoint: the checkpoint's weights replace the pretrained ones, which are not read.
         self._pretrained_pending = pretrained is not None and not _FROM_CHECKPOINT.get()
         self._tied = tied_aliases(self.model)
@@ -230,7 +247,12 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         """Logits ``(batch, seq, vocab_size)`` of token ids ``idx`` ``(batch, seq)``."""
         if position_ids is not None and position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0).expand(idx.shape[0], -1)
-        return self.model(input_ids=idx, position_ids=position_ids, use_cache=False).logits
+        logits = self.model(input_ids=idx, position_ids=position_ids, use_cache=False).logits
+        head = self.model.get_output_embeddings()
+        vocab = getattr(head, VOCAB_SIZE_ATTR, None) if head is not None else None
+        if vocab is not None:  # a padded vocab-parallel head: the model's own arithmetic after it (final soft-capping)
+            logits = mask_padded_vocab(logits, vocab)  # may have moved the masked logits back into reach
+        return logits
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """AdamW (weight decay on tensors of 2 or more dims) or SGD with momentum."""

@@ -10,11 +10,18 @@ model's prefix ``model.``). :func:`hf_tp_plan` translates its style names into o
 * ``sequence_parallel`` on the norms of the residual stream (any module class named ``...Norm``, outside the split
   attention/MLP regions): transformers' own norm classes (``LlamaRMSNorm``...) are per-token modules;
 * a hook on the network that passes ``position_ids`` (``0..seq-1``) when the caller gives none, so that under sequence
-  parallelism the rotary embedding is computed for the whole sequence, not from the length of a sequence shard.
+  parallelism the rotary embedding is computed for the whole sequence, not from the length of a sequence shard;
+* the token embedding as ``vocab_embedding_full`` (its output the whole sequence) and a ``sequence_scatter`` on the
+  first decoder layer: the model's own code between the two (its attention masks, built from the embeddings' length:
+  causal, sliding-window, per layer type; its scalings) sees the whole sequence under sequence parallelism, as in one
+  process, and only the decoder layers run on sequence shards;
+* Hugging Face's gathered styles (``colwise_gather_output`` inside a layer, ``rowwise_split_input``) as
+  ``colwise_gather``/``rowwise_split``: fused projections (Phi-3's ``qkv_proj``, GLM-4's ``gate_up_proj``) and norms
+  over the whole hidden size (OLMo2's ``q_norm``/``k_norm``, planned ``replicate``) then run on replicated
+  activations, which is right whatever the packing of the fused weight.
 
-Under sequence parallelism a padding ``attention_mask`` is not supported: transformers builds the mask from the
-length of the embeddings, a shard's. Without one (causal language modelling) SDPA's ``is_causal`` sees the gathered
-sequence inside attention.
+An ``nn.Embedding`` subclass (Gemma's scaled embedding) keeps its own ``forward`` around the vocab-parallel lookup
+(:class:`~lightning_par.tensor_parallel.styles.VocabParallelEmbedding`).
 
 :data:`HF_STYLES` is the translation table; a style name not in it, or one used where it does not apply, is refused
 with a message naming the module and the Hugging Face style.
@@ -50,17 +57,18 @@ HF_STYLES: dict[str, tuple[str | None, str]] = {
     "rowwise": ("rowwise", "nn.Linear split by input features"),
     "local_colwise": ("colwise", "our column-parallel layers already return local tensors"),
     "local_rowwise": ("rowwise", "our row-parallel layers already return local tensors"),
-    "colwise_gather_output": ("vocab_head", "the LM head, split over the vocabulary with a vocab-parallel loss"),
-    "colwise_rep": ("vocab_head", "the LM head, split over the vocabulary with a vocab-parallel loss"),
-    "embedding_rowwise": ("vocab_embedding", "the token embedding, split over the vocabulary"),
+    "colwise_gather_output": ("colwise_gather", "split by output features, output gathered (on the LM head: "
+                              "'vocab_head', split over the vocabulary with a vocab-parallel loss)"),
+    "colwise_rep": ("colwise_gather", "as colwise_gather_output"),
+    "rowwise_split_input": ("rowwise_split", "split by input features, replicated input sliced on each rank"),
+    "rowwise_rep": ("rowwise_split", "as rowwise_split_input"),
+    "embedding_rowwise": ("vocab_embedding_full", "the token embedding, split over the vocabulary"),
     "replicated_with_grad_allreduce": ("replicate_grad_sum", "per-head norm on the local heads"),
     "replicate": ("replicate", "whole on every tp rank"),
     "sequence_parallel": ("sequence_parallel", "per-token module"),
     "moe_tp_experts": ("sequence_parallel", "experts whole on every tp rank; their block is a per-token module"),
     "moe_identity_expert": ("replicate", "whole on every tp rank"),
     "embedding_colwise": (None, "an embedding split over the hidden size is not supported; plan it 'vocab_embedding'"),
-    "rowwise_split_input": (None, "a row-parallel layer that splits a replicated input is not supported"),
-    "rowwise_rep": (None, "a row-parallel layer that splits a replicated input is not supported"),
     "packed_colwise": (None, "packed (fused) weights need an interleaved split, supported only inside experts"),
     "packed_rowwise": (None, "packed (fused) weights need an interleaved split, supported only inside experts"),
     "local_packed_rowwise": (None, "packed (fused) weights need an interleaved split, supported only inside experts"),
@@ -77,6 +85,25 @@ HF_STYLES: dict[str, tuple[str | None, str]] = {
 #: Styles valid only on a parameter of an experts module (dropped: the experts module's entry covers them).
 _EXPERT_PARAM_STYLES = {
     "packed_colwise", "packed_rowwise", "local_packed_rowwise", "rowwise", "colwise", "grouped_gemm",
+}
+
+
+#: Plans, in Hugging Face style names, for families whose transformers config has none (``base_model_tp_plan``
+#: empty), keyed by ``config.model_type``. GPT-2: its ``Conv1D`` layers are transposed linear layers (weight
+#: ``(in, out)``, split on the matching dim by our linear styles); ``c_attn`` is a fused q/k/v projection split by
+#: ``attn.split(split_size)`` into whole-hidden thirds, so it is gathered (each rank then runs every head) and
+#: ``c_proj`` splits its replicated input; the MLP is plain column/row parallel. The learned position table runs on
+#: the whole sequence, before the first block.
+_FAMILY_PLANS: dict[str, dict[str, str]] = {
+    "gpt2": {
+        "lm_head": "colwise_gather_output",
+        "transformer.wte": "embedding_rowwise",
+        "transformer.wpe": "replicate",
+        "transformer.h.*.attn.c_attn": "colwise_gather_output",
+        "transformer.h.*.attn.c_proj": "rowwise_split_input",
+        "transformer.h.*.mlp.c_fc": "colwise",
+        "transformer.h.*.mlp.c_proj": "rowwise",
+    },
 }
 
 
@@ -121,10 +148,18 @@ def hf_raw_tp_plan(network: nn.Module) -> dict[str, str]:
     prefix = f"{prefix}." if prefix and isinstance(getattr(network, prefix, None), nn.Module) else ""
     base = getattr(getattr(network, "config", None), "base_model_tp_plan", None) or {}
     out.update({f"{prefix}{k}": v for k, v in base.items()})
+    if not out and getattr(getattr(network, "config", None), "model_type", None) in _FAMILY_PLANS:
+        out = dict(_FAMILY_PLANS[network.config.model_type])
     if not out:
+        transposed = sorted({type(m).__name__ for m in network.modules()
+                             if type(m).__name__ == "Conv1D" and not isinstance(m, nn.Linear)})
+        why = (f" Its layers are {transposed[0]} modules (GPT-2's transposed-weight linear layers, weight (in, out), "
+               f"c_attn a fused q/k/v), which the column/row-parallel styles (nn.Linear) do not split." if transposed
+               else "")
         raise ValueError(
-            f"tensor parallelism needs a plan for {type(network).__name__}: its config.base_model_tp_plan is empty. "
-            f"Pass strategy.tensor_parallel.plan={{module path: style}} with styles {list(STYLE_NAMES)}."
+            f"tensor parallelism needs a plan for {type(network).__name__}: its config.base_model_tp_plan is empty."
+            f"{why} Use tp_size=1 (zero3, pipeline or context parallelism), or pass strategy.tensor_parallel.plan="
+            f"{{module path: style}} with styles {list(STYLE_NAMES)}."
         )
     return out
 
@@ -186,10 +221,9 @@ def hf_tp_plan(network: nn.Module) -> dict[str, Any]:
                 continue
             if ours is None:
                 raise _refuse(network, path, hf_style, reason)
-            if ours == "vocab_head" and target is not outputs:
-                raise _refuse(network, path, hf_style, "a gathered column-parallel output is supported only on the "
-                              "LM head (the model's output embeddings)")
-            if ours == "vocab_embedding" and target is not inputs:
+            if ours == "colwise_gather" and target is outputs:
+                ours = "vocab_head"
+            if ours == "vocab_embedding_full" and target is not inputs:
                 raise _refuse(network, path, hf_style, "supported only on the model's input embeddings")
             if hf_style == "moe_tp_experts":
                 experts.append(path)
@@ -198,15 +232,37 @@ def hf_tp_plan(network: nn.Module) -> dict[str, Any]:
     for path, hf_style in params:  # entries on the experts' own weights: covered by their module's entry
         if hf_style not in _EXPERT_PARAM_STYLES or not any(path.startswith(e + ".") for e in experts):
             raise _refuse(network, path, hf_style, "a parameter, not a module, outside an experts module")
-    for path in [p for p, s in plan.items() if s == "colwise"]:
+    for path in [p for p, s in plan.items() if s in ("colwise", "colwise_gather")]:
         parent = path.rpartition(".")[0]
         plan.setdefault(parent, "colwise_input")
     regions = [p for p, s in plan.items() if s != "colwise_input"]
     gathered = [p for p, s in plan.items() if s == "colwise_input"]
+    for group in gathered:  # a group whose column layers all gather their output runs on replicated activations
+        inner = [p for p in plan if p.startswith(group + ".")]
+        if not all(plan[p] in ("colwise_gather", "rowwise_split") for p in inner):
+            continue
+        for name, module in network.get_submodule(group).named_modules(prefix=group):
+            owns = any(True for _ in module.parameters(recurse=False))
+            if owns and name != group and not any(name == p or name.startswith(p + ".") for p in inner):
+                plan[name] = "replicate"  # a norm over the whole hidden size (OLMo2's q_norm/k_norm)
     for name, module in network.named_modules():
         inside = any(name == r or name.startswith(r + ".") for r in regions + gathered if r)
         if _is_norm(module) and name not in plan and not inside:
             plan[name] = "sequence_parallel"
+    layers = _layers(network)
+    if "vocab_embedding_full" in plan.values() and len(layers) > 1:
+        # Only the decoder layers run on sequence shards: the model's own code before the first (its attention masks
+        # from the embeddings' length, scalings) and after the last (a final norm, reshapes by the input's length)
+        # sees the whole sequence, as in one process.
+        plan[layers[0]], plan[layers[-1]] = "sequence_scatter", "sequence_gather"
+        for path, style in list(plan.items()):
+            outside = not any(path == f or path.startswith(f + ".") for f in layers)
+            if style == "sequence_parallel" and outside:
+                plan[path] = "replicate"
+            elif style == "vocab_head":
+                plan[path] = "vocab_head_full"
+    else:
+        plan = {p: "vocab_embedding" if s == "vocab_embedding_full" else s for p, s in plan.items()}
     plan[""] = GlobalPositions()
     return plan
 

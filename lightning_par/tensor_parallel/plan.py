@@ -12,9 +12,15 @@ mode, so one plan serves both.
 name                  meaning (Megatron-LM, Shoeybi et al. 2019, §3; sequence parallelism, Korthikanti et al. 2022)
 ===================== ================================================================================================
 ``colwise``           ``nn.Linear`` split by output features (``ColwiseParallel``); input replicated, output local
-                      ``(..., out / tp)``.
+                      ``(..., out / tp)``. The four linear styles also take a transposed linear layer (weight
+                      ``(in, out)``: GPT-2's ``Conv1D``), split on the matching dim of its weight.
 ``rowwise``           ``nn.Linear`` split by input features (``RowwiseParallel``); partial outputs all-reduced, or
                       reduce-scattered over the sequence with sequence parallelism.
+``colwise_gather``    ``nn.Linear`` split by output features whose output is gathered whole on every rank (Hugging
+                      Face's ``colwise_gather_output`` inside a layer): what follows runs on replicated activations,
+                      so a fused projection (q, k and v in one weight) or a norm over the whole hidden size stays right.
+``rowwise_split``     ``nn.Linear`` split by input features whose input is replicated: each rank takes its slice of the
+                      input (no communication), then as ``rowwise`` (Hugging Face's ``rowwise_split_input``).
 ``colwise_input``     on a module whose sub-layers are ``colwise`` (attention, MLP): one collective for the whole group
                       — Megatron's ``f`` (identity forward, all-reduce backward), or with sequence parallelism ``g``
                       (all-gather forward, reduce-scatter backward), on the module's first input, positional or by
@@ -29,6 +35,18 @@ name                  meaning (Megatron-LM, Shoeybi et al. 2019, §3; sequence p
 ``replicate_grad_sum`` a module inside a split region that runs on this rank's part (a per-head norm on the local
                       heads, Qwen3's ``q_norm``): parameters replicated (plain), gradients summed over the tp ranks.
 ``vocab_embedding``   the token ``nn.Embedding`` split over the vocabulary (padded to a multiple of ``tp_size``).
+                      An ``nn.Embedding`` subclass keeps its own ``forward`` (Gemma's scaled embedding) around the
+                      vocab-parallel lookup.
+``vocab_embedding_full`` as ``vocab_embedding``, but its output is the whole sequence in both modes (all-reduced): for a
+                      model whose own code between the embedding and the first layer uses the sequence length (a
+                      Hugging Face model builds its attention masks there); a ``sequence_scatter`` then cuts it.
+``sequence_scatter``  on the first module that runs on the residual stream (a model's first decoder layer): with
+                      sequence parallelism its first input is cut to this rank's sequence shard (backward all-gathers
+                      the gradient); without, nothing. Holds no parameters.
+``sequence_gather``   on the last module that runs on sequence shards (a model's last decoder layer): with sequence
+                      parallelism its output is all-gathered to the whole sequence, so what follows (a final norm,
+                      planned ``replicate``; the model's own reshapes) runs on replicated activations; without, nothing.
+``vocab_head_full``   as ``vocab_head``, its input the whole sequence in both modes (after a ``sequence_gather``).
 ``vocab_head``        the LM-head ``nn.Linear`` split over the vocabulary; logits stay a vocab-sharded DTensor so the
                       cross-entropy never gathers them.
 ===================== ================================================================================================
@@ -53,14 +71,19 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_par.tensor_parallel.styles import (
+    Colwise,
     ColwiseInput,
     PlainSequenceParallel,
     ReplicateParallel,
+    Rowwise,
+    SequenceGather,
+    SequenceScatter,
     VocabParallelEmbedding,
     VocabParallelHead,
+    transposed_linear_features,
 )
 
 __all__ = [
@@ -82,12 +105,18 @@ STYLE_NAMES: tuple[str, ...] = (
     "colwise_input",
     "colwise",
     "rowwise",
+    "colwise_gather",
+    "rowwise_split",
     "sequence_parallel",
     "position_embedding",
     "replicate",
     "replicate_grad_sum",
     "vocab_embedding",
+    "vocab_embedding_full",
+    "sequence_scatter",
+    "sequence_gather",
     "vocab_head",
+    "vocab_head_full",
 )
 
 _RMSNorm = getattr(nn, "RMSNorm", nn.LayerNorm)
@@ -97,6 +126,12 @@ _ACCEPTS: dict[str, tuple[type[nn.Module], ...] | None] = {
     "colwise_input": None,
     "colwise": (nn.Linear,),
     "rowwise": (nn.Linear,),
+    "colwise_gather": (nn.Linear,),
+    "rowwise_split": (nn.Linear,),
+    "vocab_embedding_full": (nn.Embedding,),
+    "sequence_scatter": None,
+    "sequence_gather": None,
+    "vocab_head_full": (nn.Linear,),
     "sequence_parallel": None,  # the plan asserts the module is per-token (a library's own norm class qualifies)
     "position_embedding": (nn.Embedding,),
     "replicate": None,
@@ -124,9 +159,21 @@ def resolve_style(style: str | ParallelStyle, sequence_parallel: bool) -> Parall
         return style
     seq = Shard(1) if sequence_parallel else Replicate()
     if style == "colwise":
-        return ColwiseParallel()
+        return Colwise()
     if style == "rowwise":
-        return RowwiseParallel(output_layouts=seq)
+        return Rowwise(output_layouts=seq)
+    if style == "colwise_gather":
+        return Colwise(output_layouts=Replicate())
+    if style == "rowwise_split":
+        return Rowwise(input_layouts=Replicate(), output_layouts=seq)
+    if style == "vocab_embedding_full":
+        return VocabParallelEmbedding(sequence_parallel=False)
+    if style == "sequence_scatter":
+        return SequenceScatter(enabled=sequence_parallel)
+    if style == "sequence_gather":
+        return SequenceGather(enabled=sequence_parallel)
+    if style == "vocab_head_full":
+        return VocabParallelHead(sequence_parallel=False)
     if style == "colwise_input":
         return ColwiseInput(sequence_parallel=sequence_parallel)
     if style == "sequence_parallel":
@@ -243,7 +290,8 @@ def _covered_params(root: nn.Module, expanded: Mapping[str, str | ParallelStyle]
     for path, style in expanded.items():
         module = root.get_submodule(path)
         prefix = f"{path}." if path else ""
-        if style == "colwise_input" or not getattr(style, "covers_parameters", True):
+        hooks_only = style in ("colwise_input", "sequence_scatter", "sequence_gather")
+        if hooks_only or not getattr(style, "covers_parameters", True):
             continue
         recurse = isinstance(style, ParallelStyle) or style in _SUBTREE_STYLES
         covered.update(prefix + n for n, _ in module.named_parameters(recurse=recurse))
@@ -286,20 +334,25 @@ def validate_plan(
             continue
         module = root.get_submodule(path)
         accepts = _ACCEPTS[style]
-        if accepts is not None and not isinstance(module, accepts):
+        transposed = transposed_linear_features(module)
+        if transposed is not None and style in ("colwise", "rowwise", "colwise_gather", "rowwise_split"):
+            in_features, out_features = transposed  # a transposed linear layer (GPT-2's Conv1D)
+        elif accepts is not None and not isinstance(module, accepts):
             valid = [t.__name__ for t in dict.fromkeys(accepts)]
             raise ValueError(
                 f"plan[{path!r}]={style!r} is not valid for a {type(module).__name__}: style {style!r} applies to "
                 f"{valid}."
             )
-        if style == "colwise" and module.out_features % tp_size:
+        else:
+            in_features, out_features = getattr(module, "in_features", 0), getattr(module, "out_features", 0)
+        if style in ("colwise", "colwise_gather") and out_features % tp_size:
             raise ValueError(
-                f"plan[{path!r}]='colwise' is not valid: out_features={module.out_features} is not divisible by "
+                f"plan[{path!r}]={style!r} is not valid: out_features={out_features} is not divisible by "
                 f"tp_size={tp_size}."
             )
-        if style == "rowwise" and module.in_features % tp_size:
+        if style in ("rowwise", "rowwise_split") and in_features % tp_size:
             raise ValueError(
-                f"plan[{path!r}]='rowwise' is not valid: in_features={module.in_features} is not divisible by "
+                f"plan[{path!r}]={style!r} is not valid: in_features={in_features} is not divisible by "
                 f"tp_size={tp_size}."
             )
     if sequence_parallel:
@@ -319,14 +372,16 @@ def validate_plan(
 
 def _check_sequence_parallel(root: nn.Module, expanded: Mapping[str, str | ParallelStyle], plan: Plan) -> None:
     # The plan, not its expansion: a later pipeline stage has no embedding but gets sequence shards from the first.
-    if "vocab_embedding" not in plan.values():
+    if "vocab_embedding" not in plan.values() and "sequence_scatter" not in plan.values():
         raise ValueError(
-            "sequence_parallel=True is not supported for this model: its plan has no 'vocab_embedding', the layer "
-            "that scatters activations over the sequence. Use sequence_parallel=False, or plan the token embedding "
-            "as 'vocab_embedding'."
+            "sequence_parallel=True is not supported for this model: its plan has no 'vocab_embedding' (or "
+            "'sequence_scatter'), the layer that scatters activations over the sequence. Use sequence_parallel=False, "
+            "or plan the token embedding as 'vocab_embedding'."
         )
+    # 'replicate' is a norm's valid style only after a 'sequence_gather' (a final norm on the whole sequence).
+    valid_norm = ("sequence_parallel", "replicate") if "sequence_gather" in plan.values() else ("sequence_parallel",)
     for name, module in root.named_modules():
-        if isinstance(module, (nn.LayerNorm, _RMSNorm)) and expanded.get(name) != "sequence_parallel":
+        if isinstance(module, (nn.LayerNorm, _RMSNorm)) and expanded.get(name) not in valid_norm:
             raise ValueError(
                 f"sequence_parallel=True is not supported for this model: norm {name!r} "
                 f"({type(module).__name__}) is planned as {expanded.get(name)!r}, expected 'sequence_parallel' "
@@ -334,9 +389,10 @@ def _check_sequence_parallel(root: nn.Module, expanded: Mapping[str, str | Paral
             )
     gathers = [p for p, s in expanded.items() if s == "colwise_input"]
     for path, style in expanded.items():
-        if style == "colwise" and not any(path == g or path.startswith(g + ".") or g == "" for g in gathers):
+        fed = any(path == g or path.startswith(g + ".") or g == "" for g in gathers)
+        if style in ("colwise", "colwise_gather") and not fed:
             raise ValueError(
-                f"sequence_parallel=True is not supported by this plan: plan[{path!r}]='colwise' has no "
+                f"sequence_parallel=True is not supported by this plan: plan[{path!r}]={style!r} has no "
                 f"'colwise_input' on itself or an enclosing module, so it would take a sequence shard for the whole "
                 f"sequence. Add 'colwise_input' on the module that feeds it (e.g. the attention or MLP block)."
             )
@@ -344,4 +400,5 @@ def _check_sequence_parallel(root: nn.Module, expanded: Mapping[str, str | Paral
 
 def uses_vocab_parallel_loss(plan: Plan) -> bool:
     """True if the plan has a ``vocab_head``: its logits are vocab-sharded DTensors that need the parallel loss."""
-    return any(style == "vocab_head" or isinstance(style, VocabParallelHead) for style in plan.values())
+    return any(style in ("vocab_head", "vocab_head_full") or isinstance(style, VocabParallelHead)
+               for style in plan.values())

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
 from lightning_par.compat import local_tensor
@@ -60,15 +60,21 @@ from lightning_par.tensor_parallel.vocab import VOCAB_SIZE_ATTR, mask_padded_log
 
 __all__ = [
     "PARTIAL_GRAD_ATTR",
+    "Colwise",
     "ColwiseInput",
     "PlainSequenceParallel",
     "ReplicateParallel",
+    "Rowwise",
+    "SequenceGather",
+    "SequenceScatter",
     "VocabParallelEmbedding",
     "VocabParallelHead",
     "check_sequence_divisible",
+    "mask_padded_vocab",
     "partial_grad_names",
     "sync_partial_grads",
     "sync_tp_partial_grads",
+    "transposed_linear_features",
 ]
 
 #: Attribute a style sets on a module: the names of the module's own (plain) parameters whose gradients are partial
@@ -203,6 +209,113 @@ class ColwiseInput(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(sequence_parallel={self.sequence_parallel})"
+
+
+class SequenceScatter(ParallelStyle):
+    """Cut the first input of a module, the whole residual stream ``(batch, seq, d)`` (replicated over the tp ranks), to
+    this rank's sequence shard ``(batch, seq / tp_size, d)`` under sequence parallelism (Korthikanti et al. 2022,
+    §4.2.2); backward all-gathers the gradient over the sequence. Without sequence parallelism it does nothing.
+
+    It moves the scatter of sequence parallelism from the token embedding to the first decoder layer, so that what a
+    model computes between the two (a Hugging Face model's attention masks from the embeddings' length, its positions,
+    any scaling) sees the whole sequence, as in one process. The input is the first positional argument or the keyword
+    argument named like the first parameter of ``forward``. Holds no parameters.
+
+    Args:
+        enabled: sequence parallelism is on.
+
+    Raises:
+        ValueError: (in forward) ``seq`` is not a multiple of ``tp_size``, or the module was called without its first
+            input.
+    """
+
+    covers_parameters = False
+
+    def __init__(self, *, enabled: bool = True) -> None:
+        super().__init__()
+        self.enabled = enabled
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not self.enabled:
+            return module
+        import inspect
+
+        params = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        name = params[0].name if params else ""
+        module.register_forward_pre_hook(_ScatterFirstInput(name, device_mesh), with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(enabled={self.enabled})"
+
+
+class SequenceGather(ParallelStyle):
+    """The converse of :class:`SequenceScatter`, on the last module that runs on sequence shards (a model's last decoder
+    layer): under sequence parallelism its output ``(batch, seq / tp_size, d)`` is all-gathered to the whole sequence
+    ``(batch, seq, d)``, replicated over the tp ranks (backward keeps this rank's part of the gradient, which every rank
+    computes alike). What the model does after its layers (a final norm, reshapes by the input's length such as GPT-2's
+    ``view(-1, seq, d)``, the LM head) then sees the whole sequence. A tuple output has its first element gathered.
+    Without sequence parallelism it does nothing. Holds no parameters.
+    """
+
+    covers_parameters = False
+
+    def __init__(self, *, enabled: bool = True) -> None:
+        super().__init__()
+        self.enabled = enabled
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.enabled:
+            module.register_forward_hook(_GatherOutput(device_mesh))
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(enabled={self.enabled})"
+
+
+class _GatherOutput:
+    """Forward hook of :class:`SequenceGather`."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+
+    def _gather(self, y: Any) -> Any:
+        if not isinstance(y, Tensor):
+            return y
+        dt = y if isinstance(y, DTensor) else DTensor.from_local(y, self.mesh, [Shard(1)], run_check=False)
+        return dt.redistribute(placements=[Replicate()]).to_local()
+
+    def __call__(self, module: nn.Module, inputs: Any, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (self._gather(output[0]), *output[1:])
+        return self._gather(output)
+
+
+class _ScatterFirstInput:
+    """Forward pre-hook of :class:`SequenceScatter`."""
+
+    def __init__(self, name: str, mesh: DeviceMesh) -> None:
+        self.name, self.mesh = name, mesh
+
+    def _cut(self, x: Any) -> Any:
+        if not isinstance(x, Tensor):
+            return x
+        if isinstance(x, DTensor):
+            x = x.redistribute(placements=[Replicate()]).to_local()
+        check_sequence_divisible(x.shape[1], self.mesh.size())
+        dt = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+        return dt.redistribute(placements=[Shard(1)]).to_local()
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if args:
+            return (self._cut(args[0]), *args[1:]), kwargs
+        if self.name in kwargs:
+            return args, {**kwargs, self.name: self._cut(kwargs[self.name])}
+        raise ValueError(
+            f"style 'sequence_scatter' on a {type(module).__name__}: it was called without its first input "
+            f"{self.name!r}, so the sequence could not be split over the tp ranks."
+        )
 
 
 class _FirstInput:
@@ -368,11 +481,58 @@ class VocabParallelEmbedding(ParallelStyle):
         weight = distribute_tensor(module.weight.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
         module.weight = nn.Parameter(weight, requires_grad=module.weight.requires_grad)
         out_layout = Shard(1) if self.sequence_parallel else Replicate()
-        module.forward = partial(_vocab_parallel_lookup, module, device_mesh, out_layout)  # type: ignore[method-assign]
+        _wrap_embedding(module, device_mesh, out_layout)
         return module
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(sequence_parallel={self.sequence_parallel})"
+
+
+class _VocabParallelLookup(nn.Embedding):
+    """The ``nn.Embedding.forward`` of a :class:`VocabParallelEmbedding`: placed under the module's own class in its
+    method resolution order, so that a subclass's ``forward`` (Gemma's ``...ScaledWordEmbedding`` multiplies
+    ``super().forward(ids)`` by ``embed_scale``) runs as written, with the vocab-parallel lookup inside."""
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002 - nn.Embedding's parameter name
+        spec = self.__dict__["_lp_vocab_parallel"]
+        if spec is None:  # the probe of _wrap_embedding: record the call, no collective
+            self.__dict__["_lp_vocab_probe_calls"] += 1
+            return torch.zeros(*input.shape, self.embedding_dim, dtype=self.weight.dtype)
+        return _vocab_parallel_lookup(self, *spec, input)
+
+
+def _wrap_embedding(module: nn.Embedding, mesh: DeviceMesh, out_layout: Placement) -> None:
+    """Give ``module`` a class whose ``nn.Embedding.forward`` is the vocab-parallel lookup; the module's own
+    ``forward`` (an ``nn.Embedding`` subclass's) keeps its arithmetic around it.
+
+    A subclass whose ``forward`` does not reach ``nn.Embedding.forward`` (it reads ``self.weight`` itself) cannot run
+    on a vocabulary shard: a probe call on one token, before any step, checks that the lookup runs exactly once.
+
+    Raises:
+        ValueError: the module's ``forward`` does not call ``nn.Embedding.forward`` exactly once (naming the class).
+    """
+    cls = type(module)
+    if not issubclass(cls, _VocabParallelLookup):
+        bases = (_VocabParallelLookup,) if cls is nn.Embedding else (cls, _VocabParallelLookup)
+        module.__class__ = type(cls.__name__, bases, {"__qualname__": cls.__qualname__, "__module__": cls.__module__})
+    if cls.forward is not nn.Embedding.forward:
+        module.__dict__["_lp_vocab_parallel"] = None
+        module.__dict__["_lp_vocab_probe_calls"] = 0
+        error = None
+        try:
+            with torch.no_grad():
+                module(torch.zeros(1, 1, dtype=torch.long, device=module.weight.device))
+        except Exception as err:  # noqa: BLE001 - reported below, with the class named
+            error = err
+        calls = module.__dict__.pop("_lp_vocab_probe_calls")
+        if error is not None or calls != 1:
+            raise ValueError(
+                f"style 'vocab_embedding' cannot split {cls.__qualname__} over the vocabulary: its forward "
+                f"{'raised ' + repr(error) if error is not None else f'reached nn.Embedding.forward {calls} times'}"
+                f", expected exactly one call to nn.Embedding.forward (super().forward(ids)) with the arithmetic "
+                f"around it. Plan this embedding 'replicate' or use tp_size=1."
+            ) from error
+    module.__dict__["_lp_vocab_parallel"] = (mesh, out_layout)
 
 
 def _vocab_parallel_lookup(module: nn.Embedding, mesh: DeviceMesh, out_layout: Placement, ids: Tensor) -> Tensor:
@@ -392,6 +552,61 @@ def _vocab_parallel_lookup(module: nn.Embedding, mesh: DeviceMesh, out_layout: P
     out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # (batch, seq, n_embd), a partial sum over the tp ranks
     out = DTensor.from_local(out, mesh, [Partial()], run_check=False)
     return out.redistribute(placements=[out_layout]).to_local()
+
+
+def transposed_linear_features(module: nn.Module) -> tuple[int, int] | None:
+    """``(in_features, out_features)`` of a *transposed* linear layer, else ``None``: a module that is not an
+    ``nn.Linear`` and computes ``x @ weight + bias`` with ``weight`` of shape ``(in, out)``, recognised by its ``nx``
+    and ``nf`` attributes matching that shape (transformers' ``Conv1D`` of GPT-2)."""
+    weight = getattr(module, "weight", None)
+    if isinstance(module, nn.Linear) or not isinstance(weight, Tensor) or weight.dim() != 2:
+        return None
+    if getattr(module, "nx", None) == weight.shape[0] and getattr(module, "nf", None) == weight.shape[1]:
+        return int(weight.shape[0]), int(weight.shape[1])
+    return None
+
+
+def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements: dict[int, Placement], src: Any) -> None:
+    """Each parameter of ``module`` (its own) as a DTensor with the placement of its number of dims."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        dist_param = distribute_tensor(param.detach(), mesh, [placements[param.dim()]], src_data_rank=src)
+        module.register_parameter(name, nn.Parameter(dist_param, requires_grad=param.requires_grad))
+
+
+class Colwise(ColwiseParallel):
+    """torch's ``ColwiseParallel``, also for a transposed linear layer (:func:`transposed_linear_features`: weight
+    ``(in, out)`` split on dim 1, bias on dim 0). The layer's own ``forward`` runs on the DTensor parameters
+    (``addmm`` of a replicated input and a column shard gives a column shard)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if transposed_linear_features(module) is None:
+            return super()._apply(module, device_mesh)
+        from torch.distributed.tensor import distribute_module
+
+        return distribute_module(
+            module, device_mesh,
+            lambda name, mod, mesh: _distribute_params(mod, mesh, {2: Shard(1), 1: Shard(0)}, self.src_data_rank),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class Rowwise(RowwiseParallel):
+    """torch's ``RowwiseParallel``, also for a transposed linear layer (weight ``(in, out)`` split on dim 0, bias
+    replicated); see :class:`Colwise`."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if transposed_linear_features(module) is None:
+            return super()._apply(module, device_mesh)
+        from torch.distributed.tensor import distribute_module
+
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module, device_mesh,
+            lambda name, mod, mesh: _distribute_params(mod, mesh, {2: Shard(0), 1: Replicate()}, self.src_data_rank),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
 
 
 class VocabParallelHead(ColwiseParallel):
@@ -459,3 +674,18 @@ class _PaddingMask:
         return DTensor.from_local(
             masked, self.mesh, output.placements, run_check=False, shape=output.shape, stride=output.stride()
         )
+
+
+def mask_padded_vocab(logits: Any, vocab_size: int | None) -> Any:
+    """Mask the padded vocabulary entries of vocab-sharded logits again (a no-op for anything else, or without padding).
+
+    For arithmetic a model does on the logits after its :class:`VocabParallelHead` (Gemma2's final soft-capping
+    ``tanh(logits / cap) * cap`` maps the masked value to ``-cap``, which a softmax does not ignore): call on the
+    model's final logits, a ``(batch, seq, padded_vocab)`` DTensor sharded on the last dim.
+    """
+    if vocab_size is None or not isinstance(logits, DTensor) or logits.shape[-1] == vocab_size:
+        return logits
+    (placement,) = logits.placements
+    if not (isinstance(placement, Shard) and placement.dim % logits.dim() == logits.dim() - 1):
+        return logits
+    return _PaddingMask(vocab_size, logits.device_mesh)(None, None, logits)

@@ -165,8 +165,9 @@ def _tp2_param_bytes(arch: str) -> int:
     total = sum(p.numel() for p in network.parameters())
     split = 0
     for path, style in plan.items():
-        if style in ("colwise", "rowwise", "vocab_embedding", "vocab_head"):
+        if style in ("colwise", "rowwise", "colwise_gather", "rowwise_split", "vocab_embedding", "vocab_embedding_full",
+                     "vocab_head", "vocab_head_full"):
             module = network.get_submodule(path)
-            split += module.weight.numel() + (module.bias.numel() if style == "colwise" and module.bias is not None
-                                              else 0)
+            bias = style in ("colwise", "colwise_gather") and module.bias is not None
+            split += module.weight.numel() + (module.bias.numel() if bias else 0)
     return 4 * (total - split // 2)

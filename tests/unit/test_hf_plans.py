@@ -52,8 +52,10 @@ def test_every_style_name_of_the_architectures_translates(arch_model):
     plan = contract.tp_plan(model, model, None)  # through the adapter: the model's tp_plan is a dict, not a method
     assert all(s in STYLE_NAMES for p, s in plan.items() if p), plan
     assert isinstance(plan[""], GlobalPositions)
-    assert plan["lm_head"] == "vocab_head" and plan["model.embed_tokens"] == "vocab_embedding"
-    assert plan["model.norm"] == plan["model.layers.1.input_layernorm"] == "sequence_parallel"
+    assert plan["lm_head"] == "vocab_head_full" and plan["model.embed_tokens"] == "vocab_embedding_full"
+    # only the decoder layers run on sequence shards: the model's own code around them sees the whole sequence
+    assert plan["model.layers.0"] == "sequence_scatter" and plan["model.layers.1"] == "sequence_gather"
+    assert plan["model.norm"] == "replicate" and plan["model.layers.1.input_layernorm"] == "sequence_parallel"
     assert plan["model.layers.0.self_attn"] == "colwise_input"
     assert plan["model.layers.0.self_attn.q_proj"] == "colwise" and plan["model.layers.0.self_attn.o_proj"] == "rowwise"
     if arch.startswith("qwen3"):  # per-head norms on the local heads: replicated, gradients summed over tp
@@ -78,7 +80,6 @@ def test_untranslated_style_names_are_refused_naming_module_and_style(monkeypatc
 
 @pytest.mark.parametrize("entry, message", [
     ({"model.layers.*.mlp.up_proj": "fancy"}, "an unknown style"),
-    ({"model.layers.*.mlp.up_proj": "colwise_gather_output"}, "supported only on the LM head"),
     ({"lm_head": "embedding_rowwise"}, "supported only on the model's input embeddings"),
     ({"model.layers.*.mlp.up_proj.weight": "rowwise"}, "a parameter, not a module, outside an experts module"),
 ])
