@@ -85,6 +85,8 @@ class Build:
             training, validation or test step on this rank's ``batch``) and may change what it logs and returns: cp
             averages them over the ranks holding the other pieces of the sequence
             (:mod:`~lightning_par.context_parallel.report`). Applied in order, the first outermost.
+        token_groups: process groups whose ranks hold other tokens of the same samples (cp's pieces of a sequence):
+            a pipeline weighs each micro-batch's token-mean loss by its share of the tokens counted over them.
     """
 
     module: nn.Module
@@ -116,6 +118,7 @@ class Build:
     dp_groups: list[tuple[list[nn.Module], Any]] = field(default_factory=list)
     step_logs: list[Callable[[], dict[str, float]]] = field(default_factory=list)
     step_wrappers: list[Callable[[Any, Any, Callable[[Any], Any]], Any]] = field(default_factory=list)
+    token_groups: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

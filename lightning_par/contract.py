@@ -233,6 +233,20 @@ def pipeline_output(network: nn.Module, outputs: Any) -> Any:
     return method(outputs) if callable(method) else outputs
 
 
+#: Targets equal to this count for nothing in a token-mean loss (``F.cross_entropy``'s default ``ignore_index``, and
+#: Hugging Face labels).
+IGNORE_INDEX = -100
+
+
+def counted_tokens(targets: Any) -> float | None:
+    """The number of elements of integer ``targets`` that are not :data:`IGNORE_INDEX` (the tokens a token-mean loss
+    averages over); ``None`` when ``targets`` is not an integer tensor (a loss that is no token mean: every part of a
+    batch then weighs the same)."""
+    if isinstance(targets, Tensor) and not targets.is_floating_point() and not targets.is_complex():
+        return float((targets != IGNORE_INDEX).sum())
+    return None
+
+
 def pipeline_batch(module: nn.Module, batch: Any) -> tuple[tuple[Tensor, ...], Any]:
     """``(inputs as a tuple of tensors, targets)`` of a batch, through ``module.pipeline_batch`` if defined.
 

@@ -84,6 +84,28 @@ class MaskedTokens(TokenDataset):
         return x, y
 
 
+class UnevenMaskedTokens(TokenDataset):
+    """:class:`tests.helpers.TokenDataset` with the targets of the first ``2 + 3 * (i % 4)`` positions of sample ``i``
+    set to ``-100``: the samples, so the micro-batches of a pipeline, hold different numbers of counted tokens (an
+    answer-only label mask)."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = super().__getitem__(i)
+        y = y.clone()
+        y[: 2 + 3 * (i % 4)] = -100
+        return x, y
+
+
+class FinalParameters(L.Callback):
+    """The whole model's parameters (one-process names, gathered over every axis) at the end of training."""
+
+    def __init__(self) -> None:
+        self.params: dict[str, torch.Tensor] = {}
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.params = trainer.strategy.parallel.full_state_dict()
+
+
 class LoggedLosses(L.Callback):
     """Per training step: the loss the step returned and the ``train_loss`` it logged (Lightning's step value), and
     every value logged in the step (``metrics``: ``{name: [per step]}``)."""
@@ -173,6 +195,8 @@ def _dataset(name: str, n: int) -> Dataset:
         return RegressionDataset(n=n, d_in=8, d_out=4)
     if name == "masked":
         return MaskedTokens(n)
+    if name == "uneven":
+        return UnevenMaskedTokens(n=n, seq=16)
     return TokenDataset(n=n, seq=16)
 
 
@@ -215,11 +239,13 @@ def case_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
             trainer.fit(module, loader)
             out.update({"total": probe.total, "norms": probe.norms, "with_grad": probe.with_grad})
         else:
-            recorder = LoggedLosses()
+            recorder, final = LoggedLosses(), FinalParameters()
             trainer = quiet_trainer(strategy, dims.world_size, max_steps=case["steps"], limit_val_batches=0,
-                                    callbacks=[recorder])
+                                    callbacks=[recorder, final])
             trainer.fit(module, loader)
             out.update({"returned": recorder.returned, "logged": recorder.logged, "metrics": recorder.metrics})
+            if case.get("params"):
+                out["params"] = final.params
         results.append(out)
     return results
 

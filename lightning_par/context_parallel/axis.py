@@ -51,6 +51,7 @@ def _apply(build: Build) -> None:
     build.batch_transforms.append(split)
     # What a step logs and returns is its rank's share of the sequence: report the mean over the cp ranks' tokens.
     build.step_wrappers.append(cp_mean_step(group))
+    build.token_groups.append(group)  # a pipeline's micro-batch weights count the tokens of the whole sequence
     attention = context_parallel_attention(build.network)
     if attention is not None:  # e.g. a Hugging Face model's attention without its position-built mask
         build.step_contexts.append(attention)

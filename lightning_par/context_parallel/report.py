@@ -31,8 +31,7 @@ from lightning_par import contract
 
 __all__ = ["IGNORE_INDEX", "cp_mean_step", "target_tokens"]
 
-#: Targets equal to this are not counted (``F.cross_entropy``'s default ``ignore_index``).
-IGNORE_INDEX = -100
+IGNORE_INDEX = contract.IGNORE_INDEX
 
 
 def target_tokens(module: Any, batch: Any) -> float:
@@ -51,9 +50,8 @@ def target_tokens(module: Any, batch: Any) -> float:
             _, targets = contract.pipeline_batch(module, batch)
         except (ValueError, TypeError):
             targets = None
-    if isinstance(targets, Tensor) and not targets.is_floating_point() and not targets.is_complex():
-        return float((targets != IGNORE_INDEX).sum())
-    return 1.0
+    counted = contract.counted_tokens(targets)
+    return 1.0 if counted is None else counted
 
 
 def _local(value: Tensor) -> Tensor:

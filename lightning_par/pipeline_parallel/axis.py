@@ -76,7 +76,7 @@ def _schedule(build: Build) -> None:
         return
     build.pipeline = PipelineEngine(
         build.stage_modules, build.stage_ids, build.options.pipeline, dims.group("pp"), dims.pp_size,  # type: ignore[arg-type]
-        build.device, contract.pipeline_loss(build.module), build.step_context,
+        build.device, contract.pipeline_loss(build.module), build.step_context, token_groups=build.token_groups,
     )
     build.steps = PipelinedSteps
 

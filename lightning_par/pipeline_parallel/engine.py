@@ -8,6 +8,12 @@ What this module adds, where torch stops:
   here the schedule's target is the micro-batch index (``torch.arange(m)``) and the loss wrapper looks the user's
   targets up (any tensor, tuple, list or dict, split along dim 0), scales the loss by ``loss_scale / m`` (so the
   accumulated gradients are those of the batch mean; ``scale_grads=False``) and keeps the unscaled value for logging.
+* **Token-mean losses of unequal micro-batches.** With integer targets, each micro-batch's loss (a mean over its
+  counted tokens, :func:`~lightning_par.contract.counted_tokens`: targets of ``-100`` are not counted) is weighed by
+  its share of the batch's counted tokens (over ``token_groups`` too: the ranks holding other pieces of the same
+  sequences), so that the loss and its gradients are those of the whole batch's token mean, as in one process. Equal
+  counts (no label mask) give every micro-batch the weight 1. torch's schedules weigh every micro-batch alike: with an
+  answer-only label mask the mean of micro-batch means differs from the batch's token mean.
 * **Shapes that change.** A ``PipelineStage`` infers its tensor shapes on its first step; each distinct micro-batch
   input shape (and training vs evaluation) gets its own stage objects and schedule, built on first use.
 * **Evaluation.** Forward only, then the loss of the whole batch from the merged outputs on the last stage (exact,
@@ -32,6 +38,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
+from lightning_par import contract
 from lightning_par.aux_loss import set_aux_loss_scale
 from lightning_par.compat import (
     forward_only_schedule,
@@ -107,6 +114,8 @@ class PipelineEngine:
         device: where stage tensors live.
         loss_fn: ``loss_fn(last stage outputs, targets of one micro-batch) -> scalar mean loss``.
         step_context: entered around every schedule run (autocast, the vocab-parallel loss context, ...).
+        token_groups: process groups whose ranks (all holding the last stage when this rank does) hold other tokens
+            of the same samples; the counted tokens are summed over them for the micro-batch weights.
 
     Raises:
         ValueError: ``len(modules)`` differs from ``len(stage_ids)``.
@@ -122,6 +131,7 @@ class PipelineEngine:
         device: torch.device,
         loss_fn: Callable[[Any, Any], Tensor],
         step_context: Callable[[], ContextManager] | None = None,
+        token_groups: Sequence[dist.ProcessGroup] = (),
     ) -> None:
         if len(modules) != len(stage_ids):
             raise ValueError(f"{len(modules)} stage modules for {len(stage_ids)} stage ids {list(stage_ids)}.")
@@ -136,6 +146,10 @@ class PipelineEngine:
         self.device = device
         self.loss_fn = loss_fn
         self.step_context = step_context or contextlib.nullcontext
+        self.token_groups = list(token_groups)
+        #: per micro-batch: the factor on its loss for the gradient, and for the logged mean (see :meth:`_weights`)
+        self.grad_weights: list[float] = []
+        self.log_weights: list[float] = []
         self.num_stages = options.num_stages(pp_size)
         self.history: list[StepRecord] = []
         self._schedules: dict[tuple, Any] = {}
@@ -244,10 +258,35 @@ class PipelineEngine:
         self._forwarded.discard(i)
         with self._timer.op("L", self.num_stages - 1, i) if self._timer is not None else contextlib.nullcontext():
             loss = _plain(self.loss_fn(outputs, self._targets[i]))
-            self._losses.append(loss.detach())
+            self._losses.append(loss.detach() * self.log_weights[i])
         if self.observer is not None:
             self.observer(i, tree_map_only(Tensor, lambda t: t.detach(), outputs))
-        return loss * self._scale
+        return loss * (self._scale * self.grad_weights[i])
+
+    def _weights(self, m: int) -> tuple[list[float], list[float]]:
+        """``(gradient weights, logging weights)`` of the ``m`` micro-batches, on the last stage.
+
+        With ``n_i`` the counted tokens of micro-batch ``i``, ``n`` their sum on this rank, ``N`` the sum over this
+        rank and its ``token_groups`` (``R`` ranks): the gradient weight is ``n_i m R / N`` (the dp axis then averages
+        over the ``R`` ranks: the gradient of the token mean over all ``N`` tokens), the logging weight ``n_i m / n``
+        (the mean over this rank's tokens; the cp axis's report weighs the ranks). Both are 1 when the targets are not
+        integer tensors, or when nothing is counted. Collective over ``token_groups``.
+        """
+        counts = [contract.counted_tokens(t) for t in self._targets]
+        ones = [1.0] * m
+        if len(counts) != m or any(c is None for c in counts):
+            return ones, ones
+        local = float(sum(counts))  # type: ignore[arg-type]
+        total, ranks = local, 1
+        if self.token_groups:
+            summed = torch.tensor([local], dtype=torch.float64)
+            for group in self.token_groups:
+                dist.all_reduce(summed, group=group)
+                ranks *= dist.get_world_size(group)
+            total = float(summed[0])
+        grad = [c * m * ranks / total for c in counts] if total > 0 else ones  # type: ignore[operator]
+        log = [c * m / local for c in counts] if local > 0 else ones  # type: ignore[operator]
+        return grad, log
 
     # ------------------------------------------------------------------ steps
     def train_step(self, inputs: tuple[Tensor, ...], targets: Any, loss_scale: float = 1.0) -> Tensor | None:
@@ -268,6 +307,7 @@ class PipelineEngine:
         m = self.options.num_microbatches
         split_tree(inputs, m, "the batch")  # checks divisibility before any rank enters the schedule
         self._targets = split_tree(targets, m) if self.has_last_stage else []
+        self.grad_weights, self.log_weights = self._weights(m) if self.has_last_stage else ([], [])
         self._scale = loss_scale / m
         set_aux_loss_scale(self._scale)  # a MoE router's losses get the micro-batch loss's factor
         self._losses = []

@@ -111,6 +111,8 @@ class PipelinedSteps(StepHooks):
         dims = parallel.dims
         pp_group = dims.group("pp")
         last = dist.get_global_rank(pp_group, parallel.options.pipeline.last_stage_rank(dims.pp_size))
+        if capture is not None:
+            capture.weights = list(pipeline.log_weights)
         records = (capture or TrainingStepCapture(module, None, attr, call, [], [])).share(
             last, pp_group, pipeline.has_last_stage)
 

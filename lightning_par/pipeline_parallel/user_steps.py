@@ -141,7 +141,7 @@ class TrainingStepCapture:
     """The LightningModule's own ``training_step``, run on the last stage for each micro-batch the schedule has just
     computed (no gradient: the schedule's backward came from ``loss_fn``), its network call returning that
     micro-batch's outputs. What it logs is recorded, not logged: :meth:`share` averages each value over the
-    micro-batches (as the loss is the mean of the micro-batch losses) and sends the records over the pp group, and
+    micro-batches, weighed as the loss weighs them (:attr:`weights`: each micro-batch's share of the counted tokens) and sends the records over the pp group, and
     every rank replays them with :meth:`replay` (so ``sync_dist`` and the loggers see the same calls on every rank).
 
     ``self.all_gather`` inside ``training_step`` under pipelining is refused (the other stages are inside the schedule
@@ -161,7 +161,9 @@ class TrainingStepCapture:
                  micro_batches: list[Any], first_inputs: list[Tensor]) -> None:
         self.module, self.network, self.attr, self.call = module, network, attr, call
         self.micro_batches, self.first_inputs = micro_batches, first_inputs
-        self.values: dict[str, list[float]] = {}
+        self.values: dict[str, list[tuple[int, float]]] = {}
+        #: the micro-batches' weights in the logged means (the pipeline's logging weights; 1 each when unset)
+        self.weights: list[float] = []
         self.calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
         self.error: BaseException | None = None
 
@@ -184,7 +186,7 @@ class TrainingStepCapture:
                     f"on every rank, so they must be scalars (a tensor or a number); log a metric's computed value, "
                     f"or use pp_size=1."
                 )
-            self.values.setdefault(name, []).append(value)
+            self.values.setdefault(name, []).append((i, value))
             self.calls.setdefault(name, (args, kwargs))
 
         def all_gather(*args: Any, **kwargs: Any) -> Any:
@@ -207,6 +209,13 @@ class TrainingStepCapture:
             del module.log, module.all_gather
             module.__dict__.update(own)
 
+    def _mean(self, values: list[tuple[int, float]]) -> float:
+        weights = [self.weights[i] if i < len(self.weights) else 1.0 for i, _ in values]
+        total = sum(weights)
+        if total <= 0:
+            return sum(v for _, v in values) / len(values)
+        return sum(w * v for w, (_, v) in zip(weights, values)) / total
+
     def share(self, src: int, group: dist.ProcessGroup, holds_last: bool) -> list[tuple[str, float, tuple, dict]]:
         """The records ``(name, mean value, args, kwargs)`` of the last stage (global rank ``src``), on every rank of
         ``group``. Collective.
@@ -218,7 +227,7 @@ class TrainingStepCapture:
 
         box: list[Any] = [None]
         if holds_last:
-            records = [(name, sum(v) / len(v), *self.calls[name]) for name, v in self.values.items()]
+            records = [(name, self._mean(v), *self.calls[name]) for name, v in self.values.items()]
             message = None if self.error is None else f"{type(self.error).__name__}: {self.error}"
             if message is None:
                 try:
