@@ -155,7 +155,7 @@ def _child(
         try:
             value = fn(*args)
         except Preempted as preempted:
-            results.put((rank, _PREEMPTED, str(preempted)))
+            results.put((rank, _PREEMPTED, (str(preempted), preempted.resumable, preempted.signum)))
             return
         # Plain pickle copies tensors by value; the queue's own pickler would share them through file descriptors
         # that vanish when this process exits.
@@ -203,7 +203,8 @@ class _Outcome:
     ok: bool
     value: Any = None  # the result (ok), the traceback text (raised) or the preemption message
     exitcode: int | None = None  # set when the rank ended without reporting
-    preempted: bool = False  # it reported Preempted, or exited with PREEMPTED_EXIT_CODE
+    preempted: bool = False  # it reported Preempted, or exited with a preempted status (75, or 128 + the signal)
+    resumable: bool = True  # for a preempted rank: whether a checkpoint to resume from exists
 
 
 def _last_line(tb: str) -> str:
@@ -420,7 +421,8 @@ def run_distributed(
                 try:
                     rank, kind, value = results.get(timeout=0.2)
                     if kind == _PREEMPTED:
-                        outcomes[rank] = _Outcome(False, value, preempted=True)
+                        message, resumable, _ = value
+                        outcomes[rank] = _Outcome(False, message, preempted=True, resumable=resumable)
                     else:
                         outcomes[rank] = _Outcome(True, pickle.loads(value)) if kind else _Outcome(False, value)
                 except queue.Empty:
@@ -432,8 +434,12 @@ def run_distributed(
                     # Ended without a result: give its message a moment to come through the queue.
                     ended_at.setdefault(rank, now)
                     if now - ended_at[rank] > _REPORT_GRACE_S:
+                        # 75, or 128 + the preemption signal: a rank that ended itself at its grace period
+                        # (preempted_exit_code), with or without a checkpoint to resume from.
+                        unresumable = preempt_sig is not None and p.exitcode == 128 + preempt_sig
                         outcomes[rank] = _Outcome(False, exitcode=p.exitcode,
-                                                  preempted=p.exitcode == PREEMPTED_EXIT_CODE)
+                                                  preempted=p.exitcode == PREEMPTED_EXIT_CODE or unresumable,
+                                                  resumable=not unresumable)
                 if any(o.preempted for o in outcomes.values()):
                     preemption.note(now)
                 if preemption.since is not None:
@@ -445,7 +451,10 @@ def run_distributed(
                     if own:
                         failure = _describe_failure(outcomes, procs)
                     elif len(outcomes) == world_size or gave_up or preemption.expired(now):
-                        preempted = Preempted(_preempted_message(outcomes, procs))
+                        reported = [o for o in outcomes.values() if o.preempted]
+                        resumable = all(o.resumable for o in reported) if reported else True
+                        preempted = Preempted(_preempted_message(outcomes, procs), resumable=resumable,
+                                              signum=preempt_sig or signal.SIGTERM)
                     continue
                 failed = [o for o in outcomes.values() if not o.ok]
                 if failed:

@@ -21,12 +21,11 @@ ends the job, named.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
+import signal
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,10 @@ from lightning_par.config.build import (
 )
 from lightning_par.config.schema import check_run_config
 from lightning_par.fault.heartbeat import HEARTBEAT_DIR_ENV
-from lightning_par.fault.resume import resolve_ckpt_path
+from lightning_par.fault.orphan import guard_outside_launcher
+from lightning_par.fault.preemption import PREEMPTION_SIGNALS
+from lightning_par.fault.resume import latest_checkpoint, resolve_ckpt_path
+from lightning_par.fault.run_lock import claim_run_dir, job_identity
 from lightning_par.job_logging import JOB_LOG_ENV, attach_job_log, job_log_file
 from lightning_par.launcher import run_distributed
 from lightning_par.parallel_dims import ParallelDims
@@ -114,7 +116,7 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
     from lightning_par.fault.heartbeat import HeartbeatCallback
     from lightning_par.fault.no_progress import ProgressGuard
     from lightning_par.fault.nonfinite import NonFiniteGuard
-    from lightning_par.fault.preemption import Preempted, PreemptionCallback
+    from lightning_par.fault.preemption import PreemptionCallback
     from lightning_par.fault.step_checkpoint import StepCheckpoint
 
     attach_job_log(os.environ.get(JOB_LOG_ENV))
@@ -122,7 +124,8 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
     out = Path(run_dir)
     t = cfg.trainer
     # Preemption: watched from here on (before the model and the process group), agreed at step boundaries.
-    preemption = PreemptionCallback(t.preemption_signal, t.preemption_grace_s) if t.preemption_signal else None
+    preemption = (PreemptionCallback(t.preemption_signal, t.preemption_grace_s, checkpoint_dir=out / CHECKPOINT_DIR)
+                  if t.preemption_signal else None)
     if preemption is not None:
         preemption.setup_watch()
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -175,7 +178,7 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
     # lightning_par.fault.elastic).
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if preemption is not None and preemption.preempted_at_step is not None:
-        raise Preempted(preemption.message(trainer.global_rank))
+        raise preemption.error(trainer.global_rank)  # status 75 only with a checkpoint to resume from
     if trainer.global_rank != 0:
         return None
     return json.loads(summary_path.read_text())
@@ -308,29 +311,32 @@ def preflight(cfg: DictConfig, run_dir: str | Path) -> Plan:
     return Plan(dims, ckpt, external)
 
 
-@contextlib.contextmanager
-def _claim(run_dir: Path) -> Iterator[None]:
-    """Hold ``<run_dir>/.lock`` while the job runs: a second job given the same directory fails at once instead of
-    mixing its logs and checkpoints with ours. The lock dies with the process (``flock``), so a restart can take it."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / ".lock", "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "unknown"
-            raise RuntimeError(
-                f"the run directory {str(run_dir)!r} is in use by another job (pid {holder}): give each job its own "
-                f"hydra.run.dir (the default, outputs/${{lp_run_id:}}, is unique per job)."
-            ) from None
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def _claim(run_dir: Path) -> contextlib.AbstractContextManager[None]:
+    """Hold ``<run_dir>/.lock`` while the job runs (:func:`lightning_par.fault.run_lock.claim_run_dir`, rank 0): a
+    second job given the same directory fails at once, naming the first, instead of mixing its logs and checkpoints
+    with ours. The lock dies with the process (``flock``), so a restart can take it."""
+    return claim_run_dir(run_dir, rank=0, job=job_identity())
+
+
+def _preemption_signal(cfg: Any) -> int | None:
+    name = cfg.trainer.get("preemption_signal")
+    try:
+        return signal.Signals[name] if name in PREEMPTION_SIGNALS else None
+    except KeyError:
+        return None
+
+
+def _with_resumability(preempted: Any, run_dir: Path) -> Any:
+    """``preempted`` with the status the run directory supports: 75 only when it holds a complete checkpoint."""
+    from lightning_par.fault.preemption import Preempted, preempted_exit_code
+
+    resumable = latest_checkpoint(run_dir / CHECKPOINT_DIR, on_skip=None) is not None
+    if resumable == preempted.resumable:
+        return preempted
+    code = preempted_exit_code(resumable, preempted.signum)
+    why = ("a checkpoint to resume from exists" if resumable else
+           f"no checkpoint to resume from in {str(run_dir / CHECKPOINT_DIR)!r}, so not resumable")
+    return Preempted(f"{preempted}; {why}: exit code {code}", resumable=resumable, signum=preempted.signum)
 
 
 def launch_job(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any] | None:
@@ -338,25 +344,39 @@ def launch_job(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any] | None:
 
     Raises:
         ValueError: see :func:`preflight`; before any process starts.
-        RuntimeError: another job holds the run directory.
+        lightning_par.fault.run_lock.RunDirectoryInUse: another job holds the run directory (a ``RuntimeError``
+            naming its pid, host, start time and job), under every launcher.
         lightning_par.launcher.DistributedRunError: a rank failed (a non-finite step included), died, stopped making
             progress for ``trainer.watchdog_s``, or the job ran past ``trainer.job_timeout_s``; the message names the
             rank and the cause first.
         lightning_par.fault.preemption.Preempted: ``trainer.preemption_signal`` reached a rank or the launcher: a
             checkpoint was saved at the next step boundary (``SystemExit`` with status 75; resume with
-            ``ckpt_path=last``).
+            ``ckpt_path=last``); with no checkpoint to resume from in the run directory, status ``128 + signal``.
     """
+    from lightning_par.fault.preemption import Preempted
+
     run_dir = Path(run_dir)
+    if _external_world_size() is not None:
+        # A worker of torchrun/SLURM: it ends when its launcher dies (lightning_par.fault.orphan), from here on.
+        guard_outside_launcher(_preemption_signal(cfg))
     plan = preflight(cfg, run_dir)
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     ckpt = str(plan.ckpt_path) if plan.ckpt_path is not None else None
     if ckpt is not None:
         log.info("Resuming from %s", ckpt)
-    if plan.external_world_size is not None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if _external_rank() == 0:
-            _keep_previous_logs(run_dir)
-        return train_worker(cfg_dict, str(run_dir), ckpt)
+    try:
+        if plan.external_world_size is not None:
+            # Rank 0 locks the run directory for the job; the other ranks wait for it before writing anything.
+            with claim_run_dir(run_dir, rank=_external_rank(), job=job_identity()):
+                if _external_rank() == 0:
+                    _keep_previous_logs(run_dir)
+                return train_worker(cfg_dict, str(run_dir), ckpt)
+        return _launch_world(cfg, plan, cfg_dict, run_dir, ckpt)
+    except Preempted as preempted:
+        raise _with_resumability(preempted, run_dir) from None
+
+
+def _launch_world(cfg: DictConfig, plan: Plan, cfg_dict: Any, run_dir: Path, ckpt: str | None) -> dict[str, Any] | None:
     import torch
 
     t = cfg.trainer
