@@ -13,6 +13,7 @@ externally and does not launch again. The parent watches the children:
   their connection to it ("Connection reset by peer");
 * a world that outlives ``timeout_s`` is killed; with ``watchdog_s``, so is a world where a rank stops making
   progress (heartbeats, :mod:`lightning_par.fault.heartbeat`), naming that rank and its process state;
+* the rendezvous store listens on 127.0.0.1 only (``MASTER_ADDR``; torch's own would listen on every interface);
 * the children die with the parent: each asks the kernel for SIGKILL when its parent exits (``PR_SET_PDEATHSIG``),
   so even a launcher killed with SIGKILL leaves no rank running, and each child leads its own process group, which
   the parent signals as a whole (DataLoader workers included) when it stops the world. SIGTERM and SIGHUP to the
@@ -116,6 +117,42 @@ def init_process_group_from_env(backend: str = "gloo", timeout_s: float = 120.0)
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
 
 
+#: The address the ranks rendezvous on: one machine, so loopback only.
+_MASTER_ADDR = "127.0.0.1"
+#: Rank 0's rendezvous store until the default process group holds it (see _bind_store).
+_bound_store: Any = None
+
+
+def _bind_store(addr: str, port: int) -> None:
+    """Rank 0: start the rendezvous store (a ``TCPStore`` server) on a socket bound to ``addr`` only.
+
+    torch's ``env://`` rendezvous makes rank 0's ``TCPStore`` listen on every interface (``*:MASTER_PORT``), whatever
+    ``MASTER_ADDR`` says: anyone who reaches the machine could read and write its keys during a job. A server started
+    here on a socket we bound (``master_listen_fd``) with ``multi_tenant=True`` is the one rank 0's
+    ``init_process_group`` then uses (torch keeps one multi-tenant server per port and process), so the store listens
+    on ``addr`` only. Our reference is dropped once the default group exists: a group destroyed and started again in
+    the same process then gets a fresh store (no keys of the previous group), bound by torch itself.
+    """
+    global _bound_store
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((addr, port))
+    sock.listen(1024)
+    _bound_store = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                                 master_listen_fd=sock.detach(), timeout=timedelta(seconds=300))
+
+    def release() -> None:
+        global _bound_store
+        while not dist.is_initialized():
+            time.sleep(0.05)
+        _bound_store = None
+
+    threading.Thread(target=release, name="lightning_par-store", daemon=True).start()
+
+
 def _child(
     fn: Callable[..., Any],
     args: tuple,
@@ -144,10 +181,12 @@ def _child(
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
         NODE_RANK="0",
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=_MASTER_ADDR,
         MASTER_PORT=str(port),
     )
     try:
+        if rank == 0:
+            _bind_store(_MASTER_ADDR, port)
         if threads is not None:
             import torch
 
