@@ -23,8 +23,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,12 +40,12 @@ from lightning_par.config.build import (
     build_strategy,
     build_trainer_kwargs,
     check_loggers,
+    model_block_size,
     model_vocab_size,
 )
 from lightning_par.config.schema import check_run_config
 from lightning_par.fault.heartbeat import HEARTBEAT_DIR_ENV
 from lightning_par.fault.orphan import guard_outside_launcher
-from lightning_par.fault.preemption import PREEMPTION_SIGNALS
 from lightning_par.fault.resume import latest_checkpoint, resolve_ckpt_path
 from lightning_par.fault.run_lock import claim_run_dir, job_identity
 from lightning_par.job_logging import JOB_LOG_ENV, attach_job_log, job_log_file
@@ -208,6 +208,9 @@ def validate_run(cfg: DictConfig, dims: ParallelDims | None = None) -> None:
         check_int("profile_steps", cfg.profile_steps, 1)
     scaling = cfg.lr_scaling
     check_lr_scaling(scaling.rule, scaling.reference_batch, scaling.warmup_samples, prefix="lr_scaling.")
+    lr = cfg.model.get("learning_rate") if hasattr(cfg.model, "get") else None
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool) and not math.isfinite(lr):
+        raise ValueError(f"model.learning_rate={lr!r} is not valid: expected a finite number > 0.")
     dims = dims or build_parallel_dims(cfg)
     gpu = _accelerator(cfg) == "gpu"
     strategy = build_strategy(cfg, dims)
@@ -241,26 +244,59 @@ def validate_run(cfg: DictConfig, dims: ParallelDims | None = None) -> None:
             f"({source}). Expected model.vocab_size >= {data_vocab} (a Hugging Face model: config.vocab_size, "
             f"+model.config.vocab_size=N or a pretrained model with a vocabulary that large)."
         )
+    model_block, data_block = model_block_size(module), getattr(datamodule, "block_size", None)
+    if isinstance(model_block, int) and isinstance(data_block, int) and not isinstance(data_block, bool) \
+            and data_block > model_block:
+        raise ValueError(
+            f"data.block_size={data_block} is not valid for this model: it was built for sequences of at most "
+            f"{model_block} tokens (its block_size). Expected data.block_size <= {model_block}, null (the model's), or "
+            f"a model with a larger block_size (model.block_size={data_block})."
+        )
     if callable(getattr(datamodule, "check_corpus", None)):
         datamodule.check_corpus(replicas=dims.dp_size)
 
 
+#: CPU processes per core the recipe starts without ``trainer.allow_oversubscribe``: gloo ranks run one thread each,
+#: and 8 ranks on 2 cores (a tiny 3D layout) take seconds (NOTES-cpu-distributed.md); far beyond, a typo such as
+#: parallel.world_size=10000 would fork a machine to a standstill.
+CPU_PROCESSES_PER_CORE = 4
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _check_machine(cfg: Any, dims: ParallelDims, external: int | None) -> None:
-    """The accelerator the config asks for exists here, with enough devices for the processes started here."""
+    """The accelerator the config asks for exists here, with enough devices (GPU) or cores (CPU: at most
+    :data:`CPU_PROCESSES_PER_CORE` processes per core, unless ``trainer.allow_oversubscribe``) for the processes
+    started here."""
     import torch
 
     if _accelerator(cfg) != "gpu":
+        cores = _usable_cores()
+        limit = CPU_PROCESSES_PER_CORE * cores
+        if external is None and dims.world_size > limit and not cfg.trainer.get("allow_oversubscribe", False):
+            raise ValueError(
+                f"parallel.world_size={dims.world_size} is not valid on this machine: the recipe would start "
+                f"{dims.world_size} processes on {cores} CPU cores. Expected parallel.world_size <= {limit} "
+                f"({CPU_PROCESSES_PER_CORE} per core), several nodes under torchrun/SLURM, or "
+                f"trainer.allow_oversubscribe=true to start them anyway."
+            )
         return
     if not torch.cuda.is_available():
         raise ValueError(
             f"trainer.accelerator={cfg.trainer.accelerator!r} is not valid on this machine: torch finds no CUDA GPU "
             f"(torch.cuda.is_available() is False). Expected trainer.accelerator=cpu or auto."
         )
-    if external is None and torch.cuda.device_count() < dims.world_size:
+    if external is None and torch.cuda.device_count() < dims.world_size and not cfg.trainer.get("allow_oversubscribe",
+                                                                                                 False):
         raise ValueError(
             f"parallel.world_size={dims.world_size} is not valid on this machine: it has {torch.cuda.device_count()} "
             f"GPUs and the recipe starts one process per GPU. Expected parallel.world_size <= "
-            f"{torch.cuda.device_count()}, or several nodes under torchrun/SLURM."
+            f"{torch.cuda.device_count()}, several nodes under torchrun/SLURM, or trainer.allow_oversubscribe=true."
         )
 
 
@@ -318,14 +354,6 @@ def _claim(run_dir: Path) -> contextlib.AbstractContextManager[None]:
     return claim_run_dir(run_dir, rank=0, job=job_identity())
 
 
-def _preemption_signal(cfg: Any) -> int | None:
-    name = cfg.trainer.get("preemption_signal")
-    try:
-        return signal.Signals[name] if name in PREEMPTION_SIGNALS else None
-    except KeyError:
-        return None
-
-
 def _with_resumability(preempted: Any, run_dir: Path) -> Any:
     """``preempted`` with the status the run directory supports: 75 only when it holds a complete checkpoint."""
     from lightning_par.fault.preemption import Preempted, preempted_exit_code
@@ -358,7 +386,7 @@ def launch_job(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any] | None:
     run_dir = Path(run_dir)
     if _external_world_size() is not None:
         # A worker of torchrun/SLURM: it ends when its launcher dies (lightning_par.fault.orphan), from here on.
-        guard_outside_launcher(_preemption_signal(cfg))
+        guard_outside_launcher(clean_stop=bool(cfg.trainer.get("preemption_signal")))
     plan = preflight(cfg, run_dir)
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     ckpt = str(plan.ckpt_path) if plan.ckpt_path is not None else None

@@ -6,13 +6,17 @@ preemption signal: its default action ends the agent at once, status 138), the a
 would keep training with parent pid 1, write checkpoints, prune the ones a restarted job resumes from, and hold the run
 directory. :func:`guard_outside_launcher`, called in every worker as early as the recipe or the strategy starts:
 
-* under torchrun, asks the kernel to send a signal to this worker when the agent exits (Linux ``PR_SET_PDEATHSIG``,
-  after checking that the parent is still the agent: the request is about the parent alive at the call). The signal
-  is the preemption signal when the worker watches one (:class:`~lightning_par.fault.preemption.PreemptionWatch`):
-  every worker of the node then gets it at once, the ranks agree at the next step boundary, save that step's
-  checkpoint and exit (within ``preemption_grace_s``); else SIGKILL. ``PR_SET_PDEATHSIG`` fires when the parent
-  *thread* that created the worker exits: torchrun's agent starts its workers from its main thread
-  (``PContext.start``), so this is the agent's exit.
+* under torchrun, asks the kernel for a signal to this worker when the agent exits (Linux ``PR_SET_PDEATHSIG``,
+  after checking that the parent is still the agent: the request is about the parent alive at the call). Without a
+  preemption signal to honour, that signal is SIGKILL. With one (``trainer.preemption_signal``, or a
+  :class:`~lightning_par.fault.preemption.PreemptionWatch` installed), it is :data:`~lightning_par.fault.process.
+  ORPHAN_SIGNAL`, which the watch turns into the same clean stop as the preemption signal: every worker of the node
+  stops at once, the ranks agree at the next step boundary, save that step's checkpoint and exit (within
+  ``preemption_grace_s``). Not the preemption signal itself: the kernel sends the parent-death signal again each time
+  the worker is handed to another thread of the dying agent (measured: two deliveries for torchrun), and a second
+  preemption signal means "exit at once, without a checkpoint". ``PR_SET_PDEATHSIG`` fires when the parent *thread*
+  that created the worker exits: torchrun's agent starts its workers from its main thread (``PContext.start``), so
+  this is the agent's exit.
 * under torchrun and SLURM, watches the parent pid from a thread (every 0.2 s): a worker re-parented (its launcher
   gone) asks its preemption watch for the same clean stop, or, with none, kills itself. Under SLURM this is the only
   guard (``slurmstepd`` may start tasks from a thread that ends before the task, which would fire
@@ -27,18 +31,23 @@ requeues on status 75 must see a worker's status (``srun`` without torchrun) or 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
+from typing import Any
 
-from lightning_par.fault.process import die_with_parent
+from lightning_par.fault.process import ORPHAN_SIGNAL, die_with_parent
 
 __all__ = ["guard_outside_launcher", "outside_launcher"]
 
 #: Seconds between two looks at the parent pid.
 _POLL_S = 0.2
+#: Seconds an orphaned worker that saved its checkpoint has for its normal exit before it ends itself.
+_EXIT_S = 2.0
 
 
 def outside_launcher(environ: dict[str, str] | None = None) -> str | None:
@@ -70,15 +79,47 @@ class _Guard:
     def __init__(self, kind: str, parent: int) -> None:
         self.kind = kind
         self.parent = parent
-        self.signum: int = signal.SIGKILL
         self.thread = threading.Thread(target=self._watch, name="lightning_par-orphan-guard", daemon=True)
+        self._handled = False
+        atexit.register(self._at_exit)
 
-    def set_signal(self, signum: int | None) -> None:
-        self.signum = int(signum) if signum is not None else signal.SIGKILL
+    def _at_exit(self) -> None:
+        """At interpreter exit, orphaned: end here. The teardown that follows (the process group's destructor) waits
+        on the dead launcher's rendezvous store (measured: 8 s and more), and threads can no longer run then."""
+        if os.getppid() == self.parent:
+            return
+        from lightning_par.fault.preemption import PreemptionWatch
+
+        watch = PreemptionWatch.current()
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(watch.exit_code() if watch is not None and watch.stopped.is_set() else 1)
+
+    def set_clean_stop(self, clean_stop: bool) -> None:
+        """The parent-death signal: :data:`ORPHAN_SIGNAL` (a clean stop, see the module docstring) or SIGKILL."""
+        if clean_stop and threading.current_thread() is threading.main_thread():
+            signal.signal(ORPHAN_SIGNAL, self._on_signal)
+            signum = ORPHAN_SIGNAL
+        else:
+            signum = signal.SIGKILL
         if self.kind == "torchrun":
-            die_with_parent(self.signum, expected_parent=self.parent)
-            if os.getppid() != self.parent:  # die_with_parent exits in this case; kept for platforms without prctl
-                self._orphaned()
+            die_with_parent(signum, expected_parent=self.parent)  # exits (status 1) when the parent is gone already
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # The main thread's handler; with a preemption watch installed, its thread acts on the signal first.
+        self._orphaned()
+
+    @staticmethod
+    def _finish(watch: Any) -> None:
+        """Once the checkpoint is saved, leave the normal exit :data:`_EXIT_S` seconds, then end the process (a
+        teardown in Python that waits on the dead launcher's store; at interpreter exit :meth:`_at_exit` does it)."""
+        watch.stopped.wait()
+        time.sleep(_EXIT_S)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(watch.exit_code())
 
     def _watch(self) -> None:
         while os.getppid() == self.parent:
@@ -91,8 +132,13 @@ class _Guard:
         launcher = "torchrun's agent" if self.kind == "torchrun" else "the SLURM step"
         watch = PreemptionWatch.current()
         if watch is not None:
-            _say(f"{launcher} (pid {self.parent}) is gone: stopping as if preempted (checkpoint at the next step "
-                 f"boundary, within {watch.grace_s:g} s).")
+            if not self._handled:
+                self._handled = True
+                if not watch.requested.is_set():
+                    _say(f"{launcher} (pid {self.parent}) is gone: stopping as if preempted (checkpoint at the next "
+                         f"step boundary, within {watch.grace_s:g} s).")
+                threading.Thread(target=self._finish, args=(watch,), name="lightning_par-orphan-exit",
+                                 daemon=True).start()
             watch.request()
             return
         _say(f"{launcher} (pid {self.parent}) is gone: this worker stops now (SIGKILL); the last good checkpoint "
@@ -103,16 +149,17 @@ class _Guard:
 _guard: _Guard | None = None
 
 
-def guard_outside_launcher(signum: int | None = None) -> str | None:
+def guard_outside_launcher(clean_stop: bool = False) -> str | None:
     """Tie this worker's life to its outside launcher (see the module docstring); a no-op under our own launcher.
 
-    Call it in the main thread, as early as possible; again to change the signal (the preemption signal once a
-    :class:`~lightning_par.fault.preemption.PreemptionWatch` is installed). The parent is the one seen at the first
-    call: a worker whose parent is already gone then (pid 1 that is not torchrun) exits at once with status 1.
+    Call it in the main thread, as early as possible; again to change ``clean_stop``. The parent is the one seen at
+    the first call: a worker whose parent is already gone then (pid 1 that is not torchrun) exits at once with
+    status 1.
 
     Args:
-        signum: the signal the worker gets when torchrun's agent exits: the preemption signal the worker watches, or
-            ``None`` for SIGKILL.
+        clean_stop: the worker honours a preemption signal (``trainer.preemption_signal``, a
+            :class:`~lightning_par.fault.preemption.PreemptionWatch`): the launcher's death stops it as a preemption
+            does (checkpoint, then exit); ``False``: it is killed at once.
 
     Returns:
         ``"torchrun"`` or ``"slurm"`` when guarded, else ``None`` (no outside launcher, or not Linux).
@@ -127,8 +174,8 @@ def guard_outside_launcher(signum: int | None = None) -> str | None:
             _say("the launcher that started this worker is gone already (parent pid 1): exiting.")
             os._exit(1)
         _guard = _Guard(kind, parent)
-        _guard.set_signal(signum)
+        _guard.set_clean_stop(clean_stop)
         _guard.thread.start()
     else:
-        _guard.set_signal(signum)
+        _guard.set_clean_stop(clean_stop)
     return kind

@@ -38,6 +38,8 @@ from typing import Any
 
 import lightning as L
 
+from lightning_par.fault.process import ORPHAN_SIGNAL
+
 __all__ = [
     "PREEMPTED_EXIT_CODE",
     "PREEMPTION_GRACE_ENV",
@@ -145,6 +147,8 @@ class PreemptionWatch:
         self.grace_s = _check_grace(grace_s)
         self.requested = threading.Event()
         self.requested_at: float | None = None
+        #: Set by :meth:`saved`: the step's checkpoint is written and the process is on its way out.
+        self.stopped = threading.Event()
         #: Whether a checkpoint to resume from exists (set by :class:`PreemptionCallback`); ``None``: assume one
         #: does. Decides the status of an exit at once (:func:`preempted_exit_code`).
         self.resumable: Any = None
@@ -208,6 +212,7 @@ class PreemptionWatch:
         if threading.current_thread() is threading.main_thread():
             for signum in {self.signum, signal.SIGTERM}:
                 signal.signal(signum, signal.SIG_IGN)
+        self.stopped.set()
 
     def exit_code(self) -> int:
         """The status of an exit at once now: 75 if a checkpoint to resume from exists, else ``128 + signum``."""
@@ -243,6 +248,8 @@ class PreemptionWatch:
             for number in os.read(r, 512):
                 if number == self.signum and not self._stop.is_set():
                     self._note()
+                elif number == ORPHAN_SIGNAL and not self._stop.is_set():
+                    self.request()  # the outside launcher died (lightning_par.fault.orphan): a clean stop
 
     def _note(self) -> None:
         self._count += 1
@@ -291,7 +298,7 @@ class PreemptionCallback(L.Callback):
             # Under torchrun/SLURM: the agent's death now brings this signal (a checkpoint, then exit), not SIGKILL.
             from lightning_par.fault.orphan import guard_outside_launcher
 
-            guard_outside_launcher(self.signum)
+            guard_outside_launcher(clean_stop=True)
         else:
             self._watch = PreemptionWatch.current()
         if self._watch is not None:

@@ -243,8 +243,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         # Under torchrun/SLURM this worker ends with its launcher (with a preemption watch: as if preempted).
-        watch = PreemptionWatch.current()
-        guard_outside_launcher(watch.signum if watch is not None else None)
+        guard_outside_launcher(clean_stop=PreemptionWatch.current() is not None)
         super().setup_environment()
         self.set_world_ranks()
         # Validate the layout, and the model against it, before any process group starts.

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -32,8 +33,13 @@ def _alive(pid: int) -> bool:
 
 
 def _start(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    """torchrun in a session of its own, its output read all along (a full pipe would block the workers' exit)."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    proc.lines = []  # type: ignore[attr-defined]
+    proc.reader = threading.Thread(target=lambda: proc.lines.extend(proc.stdout), daemon=True)  # type: ignore[attr-defined]
+    proc.reader.start()  # type: ignore[attr-defined]
+    return proc
 
 
 def _workers_at_step(beat_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 200) -> list[int]:
@@ -46,8 +52,7 @@ def _workers_at_step(beat_dir: Path, step: int, proc: subprocess.Popen, timeout:
         if proc.poll() is not None:
             break
         time.sleep(0.05)
-    out = proc.stdout.read() if proc.poll() is not None else ""
-    raise AssertionError(f"the workers did not reach step {step}: {out[-3000:]}")
+    raise AssertionError(f"the workers did not reach step {step}: {''.join(proc.lines)[-3000:]}")
 
 
 def _end(proc: subprocess.Popen, pids: list[int] = ()) -> str:
@@ -57,8 +62,9 @@ def _end(proc: subprocess.Popen, pids: list[int] = ()) -> str:
             os.kill(pid, signal.SIGKILL)
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
-    out, _ = proc.communicate(timeout=30)
-    return out
+    proc.wait(timeout=30)
+    proc.reader.join(timeout=30)
+    return "".join(proc.lines)
 
 
 def _wait_gone(pids: list[int], timeout: float) -> float:
