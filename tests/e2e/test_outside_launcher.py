@@ -146,3 +146,22 @@ def test_two_torchrun_jobs_in_one_run_directory(tmp_path):
         assert first.poll() is None and all(_alive(p) for p in pids)
     finally:
         _end(first, pids)
+
+
+def test_preempted_without_a_checkpoint_is_not_status_75(tmp_path):
+    """trainer.checkpoint=false: SIGTERM to the launcher stops the job at the next step boundary, but with nothing to
+    resume from the status is 143 (128 + SIGTERM), not 75, which would make a scheduler restart it from step 0
+    forever; the message says why."""
+    from lightning_par.fault.preemption import Preempted
+    from lightning_par.train import launch_job
+    from tests.e2e.test_faults import _cfg
+    from tests.e2e.test_preemption import signal_at_step
+
+    run_dir = tmp_path / "run"
+    sent = signal_at_step(run_dir / ".heartbeat", 2, "launcher", launcher_pid=os.getpid())
+    with pytest.raises(Preempted) as info:
+        launch_job(_cfg(*RUN, "trainer.checkpoint=false", "trainer.preemption_grace_s=30"), run_dir)
+    assert sent.get("at") is not None
+    assert info.value.code == 143 and not info.value.resumable, (info.value.code, str(info.value))
+    assert "no checkpoint to resume from" in str(info.value) and "exit code 143" in str(info.value), str(info.value)
+    assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").glob("step-*"))
