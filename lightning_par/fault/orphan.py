@@ -42,7 +42,7 @@ from typing import Any
 
 from lightning_par.fault.process import ORPHAN_SIGNAL, die_with_parent
 
-__all__ = ["guard_outside_launcher", "outside_launcher"]
+__all__ = ["guard_outside_launcher", "is_orphaned", "outside_launcher"]
 
 #: Seconds between two looks at the parent pid.
 _POLL_S = 0.2
@@ -147,6 +147,11 @@ class _Guard:
 
 
 _guard: _Guard | None = None
+
+
+def is_orphaned() -> bool:
+    """Whether this worker's outside launcher is gone (it was guarded, and its parent changed)."""
+    return _guard is not None and os.getppid() != _guard.parent
 
 
 def guard_outside_launcher(clean_stop: bool = False) -> str | None:

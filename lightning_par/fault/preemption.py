@@ -248,8 +248,11 @@ class PreemptionWatch:
             for number in os.read(r, 512):
                 if number == self.signum and not self._stop.is_set():
                     self._note()
-                elif number == ORPHAN_SIGNAL and not self._stop.is_set():
-                    self.request()  # the outside launcher died (lightning_par.fault.orphan): a clean stop
+                elif number == ORPHAN_SIGNAL and not self._stop.is_set() and not self.requested.is_set():
+                    # The outside launcher died (lightning_par.fault.orphan): a clean stop.
+                    _say(f"the launcher that started this process is gone: stopping as if preempted (checkpoint at "
+                         f"the next step boundary, within {self.grace_s:g} s).")
+                    self.request()
 
     def _note(self) -> None:
         self._count += 1
