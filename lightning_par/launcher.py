@@ -395,7 +395,9 @@ def run_distributed(
             ``timeout_s``, or the launcher received SIGTERM/SIGHUP (not the preemption signal). The cause comes first
             in the message.
         lightning_par.fault.preemption.Preempted: a ``SystemExit`` with status 75: the ranks stopped for the
-            preemption signal (a checkpoint saved, or the last good one kept); its message says which step.
+            preemption signal (a checkpoint saved, or the last good one kept); its message says which step. When the
+            ranks report no checkpoint to resume from, status ``128 + signal`` (``resumable`` False); after a second
+            signal to the launcher the ranks' view is not known (75; the recipe checks its run directory).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} is not valid: expected an integer >= 1.")
