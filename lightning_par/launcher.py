@@ -13,6 +13,7 @@ externally and does not launch again. The parent watches the children:
   their connection to it ("Connection reset by peer");
 * a world that outlives ``timeout_s`` is killed; with ``watchdog_s``, so is a world where a rank stops making
   progress (heartbeats, :mod:`lightning_par.fault.heartbeat`), naming that rank and its process state;
+* the rendezvous store listens on 127.0.0.1 only (``MASTER_ADDR``; torch's own would listen on every interface);
 * the children die with the parent: each asks the kernel for SIGKILL when its parent exits (``PR_SET_PDEATHSIG``),
   so even a launcher killed with SIGKILL leaves no rank running, and each child leads its own process group, which
   the parent signals as a whole (DataLoader workers included) when it stops the world. SIGTERM and SIGHUP to the
@@ -116,6 +117,42 @@ def init_process_group_from_env(backend: str = "gloo", timeout_s: float = 120.0)
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
 
 
+#: The address the ranks rendezvous on: one machine, so loopback only.
+_MASTER_ADDR = "127.0.0.1"
+#: Rank 0's rendezvous store until the default process group holds it (see _bind_store).
+_bound_store: Any = None
+
+
+def _bind_store(addr: str, port: int) -> None:
+    """Rank 0: start the rendezvous store (a ``TCPStore`` server) on a socket bound to ``addr`` only.
+
+    torch's ``env://`` rendezvous makes rank 0's ``TCPStore`` listen on every interface (``*:MASTER_PORT``), whatever
+    ``MASTER_ADDR`` says: anyone who reaches the machine could read and write its keys during a job. A server started
+    here on a socket we bound (``master_listen_fd``) with ``multi_tenant=True`` is the one rank 0's
+    ``init_process_group`` then uses (torch keeps one multi-tenant server per port and process), so the store listens
+    on ``addr`` only. Our reference is dropped once the default group exists: a group destroyed and started again in
+    the same process then gets a fresh store (no keys of the previous group), bound by torch itself.
+    """
+    global _bound_store
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((addr, port))
+    sock.listen(1024)
+    _bound_store = dist.TCPStore(addr, port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                                 master_listen_fd=sock.detach(), timeout=timedelta(seconds=300))
+
+    def release() -> None:
+        global _bound_store
+        while not dist.is_initialized():
+            time.sleep(0.05)
+        _bound_store = None
+
+    threading.Thread(target=release, name="lightning_par-store", daemon=True).start()
+
+
 def _child(
     fn: Callable[..., Any],
     args: tuple,
@@ -144,10 +181,12 @@ def _child(
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
         NODE_RANK="0",
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=_MASTER_ADDR,
         MASTER_PORT=str(port),
     )
     try:
+        if rank == 0:
+            _bind_store(_MASTER_ADDR, port)
         if threads is not None:
             import torch
 
@@ -155,7 +194,7 @@ def _child(
         try:
             value = fn(*args)
         except Preempted as preempted:
-            results.put((rank, _PREEMPTED, str(preempted)))
+            results.put((rank, _PREEMPTED, (str(preempted), preempted.resumable, preempted.signum)))
             return
         # Plain pickle copies tensors by value; the queue's own pickler would share them through file descriptors
         # that vanish when this process exits.
@@ -203,7 +242,8 @@ class _Outcome:
     ok: bool
     value: Any = None  # the result (ok), the traceback text (raised) or the preemption message
     exitcode: int | None = None  # set when the rank ended without reporting
-    preempted: bool = False  # it reported Preempted, or exited with PREEMPTED_EXIT_CODE
+    preempted: bool = False  # it reported Preempted, or exited with a preempted status (75, or 128 + the signal)
+    resumable: bool = True  # for a preempted rank: whether a checkpoint to resume from exists
 
 
 def _last_line(tb: str) -> str:
@@ -355,7 +395,9 @@ def run_distributed(
             ``timeout_s``, or the launcher received SIGTERM/SIGHUP (not the preemption signal). The cause comes first
             in the message.
         lightning_par.fault.preemption.Preempted: a ``SystemExit`` with status 75: the ranks stopped for the
-            preemption signal (a checkpoint saved, or the last good one kept); its message says which step.
+            preemption signal (a checkpoint saved, or the last good one kept); its message says which step. When the
+            ranks report no checkpoint to resume from, status ``128 + signal`` (``resumable`` False); after a second
+            signal to the launcher the ranks' view is not known (75; the recipe checks its run directory).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} is not valid: expected an integer >= 1.")
@@ -420,7 +462,8 @@ def run_distributed(
                 try:
                     rank, kind, value = results.get(timeout=0.2)
                     if kind == _PREEMPTED:
-                        outcomes[rank] = _Outcome(False, value, preempted=True)
+                        message, resumable, _ = value
+                        outcomes[rank] = _Outcome(False, message, preempted=True, resumable=resumable)
                     else:
                         outcomes[rank] = _Outcome(True, pickle.loads(value)) if kind else _Outcome(False, value)
                 except queue.Empty:
@@ -432,8 +475,12 @@ def run_distributed(
                     # Ended without a result: give its message a moment to come through the queue.
                     ended_at.setdefault(rank, now)
                     if now - ended_at[rank] > _REPORT_GRACE_S:
+                        # 75, or 128 + the preemption signal: a rank that ended itself at its grace period
+                        # (preempted_exit_code), with or without a checkpoint to resume from.
+                        unresumable = preempt_sig is not None and p.exitcode == 128 + preempt_sig
                         outcomes[rank] = _Outcome(False, exitcode=p.exitcode,
-                                                  preempted=p.exitcode == PREEMPTED_EXIT_CODE)
+                                                  preempted=p.exitcode == PREEMPTED_EXIT_CODE or unresumable,
+                                                  resumable=not unresumable)
                 if any(o.preempted for o in outcomes.values()):
                     preemption.note(now)
                 if preemption.since is not None:
@@ -445,7 +492,10 @@ def run_distributed(
                     if own:
                         failure = _describe_failure(outcomes, procs)
                     elif len(outcomes) == world_size or gave_up or preemption.expired(now):
-                        preempted = Preempted(_preempted_message(outcomes, procs))
+                        reported = [o for o in outcomes.values() if o.preempted]
+                        resumable = all(o.resumable for o in reported) if reported else True
+                        preempted = Preempted(_preempted_message(outcomes, procs), resumable=resumable,
+                                              signum=preempt_sig or signal.SIGTERM)
                     continue
                 failed = [o for o in outcomes.values() if not o.ok]
                 if failed:

@@ -21,12 +21,11 @@ ends the job, named.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
+import math
 import os
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,11 +40,14 @@ from lightning_par.config.build import (
     build_strategy,
     build_trainer_kwargs,
     check_loggers,
+    model_block_size,
     model_vocab_size,
 )
 from lightning_par.config.schema import check_run_config
 from lightning_par.fault.heartbeat import HEARTBEAT_DIR_ENV
-from lightning_par.fault.resume import resolve_ckpt_path
+from lightning_par.fault.orphan import guard_outside_launcher
+from lightning_par.fault.resume import latest_checkpoint, resolve_ckpt_path
+from lightning_par.fault.run_lock import claim_run_dir, job_identity
 from lightning_par.job_logging import JOB_LOG_ENV, attach_job_log, job_log_file
 from lightning_par.launcher import run_distributed
 from lightning_par.parallel_dims import ParallelDims
@@ -114,7 +116,7 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
     from lightning_par.fault.heartbeat import HeartbeatCallback
     from lightning_par.fault.no_progress import ProgressGuard
     from lightning_par.fault.nonfinite import NonFiniteGuard
-    from lightning_par.fault.preemption import Preempted, PreemptionCallback
+    from lightning_par.fault.preemption import PreemptionCallback
     from lightning_par.fault.step_checkpoint import StepCheckpoint
 
     attach_job_log(os.environ.get(JOB_LOG_ENV))
@@ -122,7 +124,8 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
     out = Path(run_dir)
     t = cfg.trainer
     # Preemption: watched from here on (before the model and the process group), agreed at step boundaries.
-    preemption = PreemptionCallback(t.preemption_signal, t.preemption_grace_s) if t.preemption_signal else None
+    preemption = (PreemptionCallback(t.preemption_signal, t.preemption_grace_s, checkpoint_dir=out / CHECKPOINT_DIR)
+                  if t.preemption_signal else None)
     if preemption is not None:
         preemption.setup_watch()
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -175,7 +178,7 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
     # lightning_par.fault.elastic).
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     if preemption is not None and preemption.preempted_at_step is not None:
-        raise Preempted(preemption.message(trainer.global_rank))
+        raise preemption.error(trainer.global_rank)  # status 75 only with a checkpoint to resume from
     if trainer.global_rank != 0:
         return None
     return json.loads(summary_path.read_text())
@@ -205,6 +208,9 @@ def validate_run(cfg: DictConfig, dims: ParallelDims | None = None) -> None:
         check_int("profile_steps", cfg.profile_steps, 1)
     scaling = cfg.lr_scaling
     check_lr_scaling(scaling.rule, scaling.reference_batch, scaling.warmup_samples, prefix="lr_scaling.")
+    lr = cfg.model.get("learning_rate") if hasattr(cfg.model, "get") else None
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool) and not math.isfinite(lr):
+        raise ValueError(f"model.learning_rate={lr!r} is not valid: expected a finite number > 0.")
     dims = dims or build_parallel_dims(cfg)
     gpu = _accelerator(cfg) == "gpu"
     strategy = build_strategy(cfg, dims)
@@ -238,26 +244,59 @@ def validate_run(cfg: DictConfig, dims: ParallelDims | None = None) -> None:
             f"({source}). Expected model.vocab_size >= {data_vocab} (a Hugging Face model: config.vocab_size, "
             f"+model.config.vocab_size=N or a pretrained model with a vocabulary that large)."
         )
+    model_block, data_block = model_block_size(module), getattr(datamodule, "block_size", None)
+    if isinstance(model_block, int) and isinstance(data_block, int) and not isinstance(data_block, bool) \
+            and data_block > model_block:
+        raise ValueError(
+            f"data.block_size={data_block} is not valid for this model: it was built for sequences of at most "
+            f"{model_block} tokens (its block_size). Expected data.block_size <= {model_block}, null (the model's), or "
+            f"a model with a larger block_size (model.block_size={data_block})."
+        )
     if callable(getattr(datamodule, "check_corpus", None)):
         datamodule.check_corpus(replicas=dims.dp_size)
 
 
+#: CPU processes per core the recipe starts without ``trainer.allow_oversubscribe``: gloo ranks run one thread each,
+#: and 8 ranks on 2 cores (a tiny 3D layout) take seconds (NOTES-cpu-distributed.md); far beyond, a typo such as
+#: parallel.world_size=10000 would fork a machine to a standstill.
+CPU_PROCESSES_PER_CORE = 4
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _check_machine(cfg: Any, dims: ParallelDims, external: int | None) -> None:
-    """The accelerator the config asks for exists here, with enough devices for the processes started here."""
+    """The accelerator the config asks for exists here, with enough devices (GPU) or cores (CPU: at most
+    :data:`CPU_PROCESSES_PER_CORE` processes per core, unless ``trainer.allow_oversubscribe``) for the processes
+    started here."""
     import torch
 
     if _accelerator(cfg) != "gpu":
+        cores = _usable_cores()
+        limit = CPU_PROCESSES_PER_CORE * cores
+        if external is None and dims.world_size > limit and not cfg.trainer.get("allow_oversubscribe", False):
+            raise ValueError(
+                f"parallel.world_size={dims.world_size} is not valid on this machine: the recipe would start "
+                f"{dims.world_size} processes on {cores} CPU cores. Expected parallel.world_size <= {limit} "
+                f"({CPU_PROCESSES_PER_CORE} per core), several nodes under torchrun/SLURM, or "
+                f"trainer.allow_oversubscribe=true to start them anyway."
+            )
         return
     if not torch.cuda.is_available():
         raise ValueError(
             f"trainer.accelerator={cfg.trainer.accelerator!r} is not valid on this machine: torch finds no CUDA GPU "
             f"(torch.cuda.is_available() is False). Expected trainer.accelerator=cpu or auto."
         )
-    if external is None and torch.cuda.device_count() < dims.world_size:
+    if external is None and torch.cuda.device_count() < dims.world_size and not cfg.trainer.get("allow_oversubscribe",
+                                                                                                 False):
         raise ValueError(
             f"parallel.world_size={dims.world_size} is not valid on this machine: it has {torch.cuda.device_count()} "
             f"GPUs and the recipe starts one process per GPU. Expected parallel.world_size <= "
-            f"{torch.cuda.device_count()}, or several nodes under torchrun/SLURM."
+            f"{torch.cuda.device_count()}, several nodes under torchrun/SLURM, or trainer.allow_oversubscribe=true."
         )
 
 
@@ -331,29 +370,24 @@ def _check_resume(cfg: DictConfig, ckpt: Path, dims: ParallelDims) -> None:
         log.info("Resuming from %s with %s", ckpt, change)
 
 
-@contextlib.contextmanager
-def _claim(run_dir: Path) -> Iterator[None]:
-    """Hold ``<run_dir>/.lock`` while the job runs: a second job given the same directory fails at once instead of
-    mixing its logs and checkpoints with ours. The lock dies with the process (``flock``), so a restart can take it."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / ".lock", "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "unknown"
-            raise RuntimeError(
-                f"the run directory {str(run_dir)!r} is in use by another job (pid {holder}): give each job its own "
-                f"hydra.run.dir (the default, outputs/${{lp_run_id:}}, is unique per job)."
-            ) from None
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def _claim(run_dir: Path) -> contextlib.AbstractContextManager[None]:
+    """Hold ``<run_dir>/.lock`` while the job runs (:func:`lightning_par.fault.run_lock.claim_run_dir`, rank 0): a
+    second job given the same directory fails at once, naming the first, instead of mixing its logs and checkpoints
+    with ours. The lock dies with the process (``flock``), so a restart can take it."""
+    return claim_run_dir(run_dir, rank=0, job=job_identity())
+
+
+def _with_resumability(preempted: Any, run_dir: Path) -> Any:
+    """``preempted`` with the status the run directory supports: 75 only when it holds a complete checkpoint."""
+    from lightning_par.fault.preemption import Preempted, preempted_exit_code
+
+    resumable = latest_checkpoint(run_dir / CHECKPOINT_DIR, on_skip=None) is not None
+    if resumable == preempted.resumable:
+        return preempted
+    code = preempted_exit_code(resumable, preempted.signum)
+    why = ("a checkpoint to resume from exists" if resumable else
+           f"no checkpoint to resume from in {str(run_dir / CHECKPOINT_DIR)!r}, so not resumable")
+    return Preempted(f"{preempted}; {why}: exit code {code}", resumable=resumable, signum=preempted.signum)
 
 
 def launch_job(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any] | None:
@@ -361,25 +395,39 @@ def launch_job(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any] | None:
 
     Raises:
         ValueError: see :func:`preflight`; before any process starts.
-        RuntimeError: another job holds the run directory.
+        lightning_par.fault.run_lock.RunDirectoryInUse: another job holds the run directory (a ``RuntimeError``
+            naming its pid, host, start time and job), under every launcher.
         lightning_par.launcher.DistributedRunError: a rank failed (a non-finite step included), died, stopped making
             progress for ``trainer.watchdog_s``, or the job ran past ``trainer.job_timeout_s``; the message names the
             rank and the cause first.
         lightning_par.fault.preemption.Preempted: ``trainer.preemption_signal`` reached a rank or the launcher: a
             checkpoint was saved at the next step boundary (``SystemExit`` with status 75; resume with
-            ``ckpt_path=last``).
+            ``ckpt_path=last``); with no checkpoint to resume from in the run directory, status ``128 + signal``.
     """
+    from lightning_par.fault.preemption import Preempted
+
     run_dir = Path(run_dir)
+    if _external_world_size() is not None:
+        # A worker of torchrun/SLURM: it ends when its launcher dies (lightning_par.fault.orphan), from here on.
+        guard_outside_launcher(clean_stop=bool(cfg.trainer.get("preemption_signal")))
     plan = preflight(cfg, run_dir)
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     ckpt = str(plan.ckpt_path) if plan.ckpt_path is not None else None
     if ckpt is not None:
         log.info("Resuming from %s", ckpt)
-    if plan.external_world_size is not None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if _external_rank() == 0:
-            _keep_previous_logs(run_dir)
-        return train_worker(cfg_dict, str(run_dir), ckpt)
+    try:
+        if plan.external_world_size is not None:
+            # Rank 0 locks the run directory for the job; the other ranks wait for it before writing anything.
+            with claim_run_dir(run_dir, rank=_external_rank(), job=job_identity()):
+                if _external_rank() == 0:
+                    _keep_previous_logs(run_dir)
+                return train_worker(cfg_dict, str(run_dir), ckpt)
+        return _launch_world(cfg, plan, cfg_dict, run_dir, ckpt)
+    except Preempted as preempted:
+        raise _with_resumability(preempted, run_dir) from None
+
+
+def _launch_world(cfg: DictConfig, plan: Plan, cfg_dict: Any, run_dir: Path, ckpt: str | None) -> dict[str, Any] | None:
     import torch
 
     t = cfg.trainer

@@ -15,15 +15,21 @@ directory. Hydra's ``${now:...}`` alone repeats within a second and differs betw
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import time
 
 from omegaconf import OmegaConf
 
-__all__ = ["RUN_ID_RESOLVER", "job_run_id", "register_resolvers"]
+__all__ = ["JOB_DIR_RESOLVER", "RUN_ID_RESOLVER", "job_dir_name", "job_run_id", "register_resolvers"]
 
 #: Name of the OmegaConf resolver.
 RUN_ID_RESOLVER = "lp_run_id"
+#: Name of the resolver of a sweep job's directory name (``hydra.sweep.subdir``).
+JOB_DIR_RESOLVER = "lp_job_dir"
+#: Longest job directory name (file systems allow 255 bytes a name).
+JOB_DIR_MAX = 96
 
 
 def job_run_id(environ: dict[str, str] | None = None, now: float | None = None, pid: int | None = None) -> str:
@@ -52,7 +58,26 @@ def job_run_id(environ: dict[str, str] | None = None, now: float | None = None, 
     return time.strftime("%Y-%m-%d/%H-%M-%S", t) + f"-{os.getpid() if pid is None else pid}"
 
 
+def job_dir_name(num: int | str, overrides: str = "", max_len: int = JOB_DIR_MAX) -> str:
+    """A sweep job's directory name: ``<num>_<overrides>``, one path component of at most ``max_len`` characters.
+
+    ``overrides`` (Hydra's ``override_dirname``) is kept readable where it can be: ``/`` and characters outside
+    ``[A-Za-z0-9._,=+-]`` become ``_`` (a swept ``data.path=/a/b`` would otherwise nest directories), and a name too
+    long (13 overrides already passed the 255-byte limit of a file name) is cut and ends with 8 hex digits of the
+    overrides' SHA-1. The job number keeps names unique within a sweep.
+    """
+    prefix = f"{num}_" if overrides else str(num)
+    slug = re.sub(r"[^A-Za-z0-9._,=+-]", "_", str(overrides))
+    if len(prefix) + len(slug) > max_len:
+        digest = hashlib.sha1(str(overrides).encode()).hexdigest()[:8]
+        slug = slug[: max(0, max_len - len(prefix) - 9)] + "-" + digest
+    return (prefix + slug)[:max_len]
+
+
 def register_resolvers() -> None:
-    """Register the ``lp_run_id`` resolver (cached: one value per process, like Hydra's ``now``)."""
+    """Register the ``lp_run_id`` resolver (cached: one value per process, like Hydra's ``now``) and ``lp_job_dir``
+    (:func:`job_dir_name`)."""
     if not OmegaConf.has_resolver(RUN_ID_RESOLVER):
         OmegaConf.register_new_resolver(RUN_ID_RESOLVER, lambda: job_run_id(), use_cache=True)
+    if not OmegaConf.has_resolver(JOB_DIR_RESOLVER):
+        OmegaConf.register_new_resolver(JOB_DIR_RESOLVER, lambda num, overrides="": job_dir_name(num, overrides or ""))

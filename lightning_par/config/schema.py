@@ -482,6 +482,9 @@ class TrainerConfig:
     #: seconds from that signal to the exit: past it (or at a second signal) the job exits at once, keeping the last
     #: good checkpoint.
     preemption_grace_s: float = 60.0
+    #: start more processes on this machine than it can run: on CPU more than 4 per core (os.sched_getaffinity), on
+    #: GPUs more than its devices. false (default): such a parallel.world_size is refused before any process starts.
+    allow_oversubscribe: bool = False
 
     def __post_init__(self) -> None:
         if self.accelerator not in ACCELERATORS:
@@ -515,13 +518,15 @@ class TrainerConfig:
             raise _invalid("trainer.preemption_signal", self.preemption_signal,
                            f"one of {list(PREEMPTION_SIGNALS)}, or null (not handled)")
         _seconds("trainer.preemption_grace_s", self.preemption_grace_s, none_ok=False)
+        if not isinstance(self.allow_oversubscribe, bool):
+            raise _invalid("trainer.allow_oversubscribe", self.allow_oversubscribe, "true or false")
 
 
 #: ``trainer.*`` keys the recipe uses itself; every other ``trainer`` key is a ``lightning.Trainer`` argument.
 TRAINER_RECIPE_KEYS: frozenset[str] = frozenset({
     "peak_flops_per_device", "checkpoint", "job_timeout_s", "checkpoint_every_n_steps", "keep_last_k", "on_nonfinite",
     "max_consecutive_skips", "watchdog_s", "watchdog_startup_s", "async_checkpoint", "preemption_signal",
-    "preemption_grace_s",
+    "preemption_grace_s", "allow_oversubscribe",
 })
 
 

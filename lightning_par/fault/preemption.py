@@ -17,6 +17,12 @@ forwards SIGTERM to every worker), sometimes to one process only. Three parts:
   the handler on the signalled rank only, a collective the other ranks never join) is switched off.
 * the launcher (:func:`lightning_par.launcher.run_distributed`) forwards the signal to its ranks and exits with
   the same code; under torchrun each worker exits with it.
+
+Status 75 means "resume": it is used only when a checkpoint to resume from exists (the one just saved, or an earlier
+complete one). Preempted with nothing to resume from (``trainer.checkpoint=false``, no checkpoint callback, nothing
+saved yet), the status is ``128 + the signal's number`` (143 for SIGTERM, 138 for SIGUSR1: what the signal itself
+would have given), so that a scheduler requeuing on 75 does not restart the job from step 0 forever
+(:func:`preempted_exit_code`).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from typing import Any
 
 import lightning as L
 
+from lightning_par.fault.process import ORPHAN_SIGNAL
+
 __all__ = [
     "PREEMPTED_EXIT_CODE",
     "PREEMPTION_GRACE_ENV",
@@ -41,6 +49,7 @@ __all__ = [
     "PreemptionCallback",
     "PreemptionWatch",
     "parse_signal",
+    "preempted_exit_code",
 ]
 
 log = logging.getLogger(__name__)
@@ -53,6 +62,12 @@ PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
 #: Set by the launcher for its ranks: the preemption signal's name, and the grace period in seconds.
 PREEMPTION_SIGNAL_ENV = "LP_PREEMPTION_SIGNAL"
 PREEMPTION_GRACE_ENV = "LP_PREEMPTION_GRACE_S"
+
+
+def preempted_exit_code(resumable: bool, signum: int = signal.SIGTERM) -> int:
+    """The exit status of a preempted job: :data:`PREEMPTED_EXIT_CODE` (75) when a checkpoint to resume from exists,
+    else ``128 + signum`` (the status the signal itself gives a process it ends)."""
+    return PREEMPTED_EXIT_CODE if resumable else 128 + int(signum)
 
 
 def parse_signal(name: str, field: str = "preemption_signal") -> signal.Signals:
@@ -73,15 +88,23 @@ def _check_grace(grace_s: Any) -> float:
 
 
 class Preempted(SystemExit):
-    """The run stopped because of a preemption signal; its exit status is :data:`PREEMPTED_EXIT_CODE`.
+    """The run stopped because of a preemption signal; its exit status is :data:`PREEMPTED_EXIT_CODE` when a
+    checkpoint to resume from exists, else ``128 + signum`` (:func:`preempted_exit_code`).
 
     A ``SystemExit``, so that a script (and a Hydra sweep, which stops) ends with that status; ``str()`` is the
     message (a plain ``SystemExit`` would print it and exit with 1).
+
+    Args:
+        message: what stopped, at which step, with which checkpoint.
+        resumable: whether a checkpoint to resume from exists.
+        signum: the preemption signal (sets the status when not resumable).
     """
 
-    def __init__(self, message: str) -> None:
-        super().__init__(PREEMPTED_EXIT_CODE)
+    def __init__(self, message: str, resumable: bool = True, signum: int = signal.SIGTERM) -> None:
+        super().__init__(preempted_exit_code(resumable, signum))
         self.message = message
+        self.resumable = resumable
+        self.signum = int(signum)
 
     def __str__(self) -> str:
         return self.message
@@ -96,6 +119,12 @@ def _say(text: str) -> None:
 
 def _ignore(signum: int, frame: Any) -> None:
     """The Python-level handler: nothing to do here (the wake-up pipe tells the watch thread)."""
+
+
+def _kept(code: int) -> str:
+    if code == PREEMPTED_EXIT_CODE:
+        return "the last good checkpoint stays"
+    return "there is no checkpoint to resume from (not resumable)"
 
 
 class PreemptionWatch:
@@ -118,6 +147,11 @@ class PreemptionWatch:
         self.grace_s = _check_grace(grace_s)
         self.requested = threading.Event()
         self.requested_at: float | None = None
+        #: Set by :meth:`saved`: the step's checkpoint is written and the process is on its way out.
+        self.stopped = threading.Event()
+        #: Whether a checkpoint to resume from exists (set by :class:`PreemptionCallback`); ``None``: assume one
+        #: does. Decides the status of an exit at once (:func:`preempted_exit_code`).
+        self.resumable: Any = None
         self._count = 0
         self._stop = threading.Event()
         self._pipe: tuple[int, int] | None = None
@@ -178,6 +212,22 @@ class PreemptionWatch:
         if threading.current_thread() is threading.main_thread():
             for signum in {self.signum, signal.SIGTERM}:
                 signal.signal(signum, signal.SIG_IGN)
+        self.stopped.set()
+
+    def exit_code(self) -> int:
+        """The status of an exit at once now: 75 if a checkpoint to resume from exists, else ``128 + signum``."""
+        try:
+            resumable = True if self.resumable is None else bool(self.resumable())
+        except Exception:  # noqa: BLE001 - deciding the status must not stop the exit
+            resumable = True
+        return preempted_exit_code(resumable, self.signum)
+
+    def request(self) -> None:
+        """Ask for the stop the signal asks for, without a signal (the orphan guard, when the launcher is gone): the
+        flag and the grace period start as with a first signal; a later signal counts as the first."""
+        if not self.requested.is_set():
+            self.requested_at = time.monotonic()
+            self.requested.set()
 
     def _run(self) -> None:
         assert self._pipe is not None
@@ -187,9 +237,10 @@ class PreemptionWatch:
             if self.requested_at is not None:
                 left = self.requested_at + self.grace_s - time.monotonic()
                 if left <= 0:
+                    code = self.exit_code()
                     _say(f"no clean stop within preemption_grace_s={self.grace_s:g} s after {self.signum.name}: "
-                         f"exiting at once with code {PREEMPTED_EXIT_CODE}; the last good checkpoint stays.")
-                    os._exit(PREEMPTED_EXIT_CODE)
+                         f"exiting at once with code {code}; {_kept(code)}.")
+                    os._exit(code)
                 timeout = min(timeout, left)
             ready, _, _ = select.select([r], [], [], timeout)
             if not ready:
@@ -197,55 +248,95 @@ class PreemptionWatch:
             for number in os.read(r, 512):
                 if number == self.signum and not self._stop.is_set():
                     self._note()
+                elif number == ORPHAN_SIGNAL and not self._stop.is_set() and not self.requested.is_set():
+                    # The outside launcher died (lightning_par.fault.orphan): a clean stop.
+                    _say(f"the launcher that started this process is gone: stopping as if preempted (checkpoint at "
+                         f"the next step boundary, within {self.grace_s:g} s).")
+                    self.request()
 
     def _note(self) -> None:
         self._count += 1
         if self._count == 1:
-            self.requested_at = time.monotonic()
-            self.requested.set()
+            self.request()
             _say(f"received {self.signum.name}: saving a checkpoint at the next step boundary, then exiting with code "
                  f"{PREEMPTED_EXIT_CODE} (within {self.grace_s:g} s; a second {self.signum.name} exits at once).")
         else:
-            _say(f"received a second {self.signum.name}: exiting at once with code {PREEMPTED_EXIT_CODE}; the last "
-                 f"good checkpoint stays.")
-            os._exit(PREEMPTED_EXIT_CODE)
+            code = self.exit_code()
+            _say(f"received a second {self.signum.name}: exiting at once with code {code}; {_kept(code)}.")
+            os._exit(code)
 
 
 class PreemptionCallback(L.Callback):
     """Agree on a preemption signal at every step boundary; save the step's checkpoint and stop when any rank got one.
 
     After ``fit`` returns, :attr:`preempted_at_step` is the step saved (``None`` when no signal came); the caller then
-    exits with :data:`PREEMPTED_EXIT_CODE` (``raise Preempted(...)``). The checkpoint is written by the trainer's
+    exits (``raise preemption.error(rank)``): with :data:`PREEMPTED_EXIT_CODE` when a checkpoint to resume from
+    exists (:attr:`resumable`), else ``128 + signum``. The checkpoint is written by the trainer's
     :class:`~lightning_par.fault.step_checkpoint.StepCheckpoint` callbacks (none: the run stops without one).
 
     Args:
         signal_name: ``"SIGTERM"`` or ``"SIGUSR1"``.
         grace_s: seconds from the signal until the process exits at once (see :class:`PreemptionWatch`).
+        checkpoint_dir: a directory of ``step-<N>.ckpt`` the job resumes from (the recipe's ``<run dir>/checkpoints``),
+            consulted by :attr:`resumable` besides the trainer's checkpoint callbacks (also before ``fit``).
 
     Raises:
         ValueError: an unknown signal or a grace period that is not a positive number.
     """
 
-    def __init__(self, signal_name: str = "SIGTERM", grace_s: float = 60.0) -> None:
+    def __init__(self, signal_name: str = "SIGTERM", grace_s: float = 60.0,
+                 checkpoint_dir: str | os.PathLike | None = None) -> None:
         self.signum = parse_signal(signal_name)
+        self.checkpoint_dir = checkpoint_dir
         self.grace_s = _check_grace(grace_s)
         self.preempted_at_step: int | None = None
         self.checkpoint: str | None = None
         self._watch: PreemptionWatch | None = None
+        self._trainer: L.Trainer | None = None
 
     def setup_watch(self) -> None:
         """Start watching for the signal now (main thread), before ``fit``: a signal during start-up is kept."""
         if threading.current_thread() is threading.main_thread():
             self._watch = PreemptionWatch.install(self.signum, self.grace_s)
+            # Under torchrun/SLURM: the agent's death now brings this signal (a checkpoint, then exit), not SIGKILL.
+            from lightning_par.fault.orphan import guard_outside_launcher
+
+            guard_outside_launcher(clean_stop=True)
         else:
             self._watch = PreemptionWatch.current()
+        if self._watch is not None:
+            self._watch.resumable = lambda: self.resumable
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         from lightning_par.compat import disable_lightning_signal_handlers
 
         disable_lightning_signal_handlers(trainer)
+        self._trainer = trainer
         if self._watch is None:
             self.setup_watch()
+
+    @property
+    def resumable(self) -> bool:
+        """Whether a checkpoint to resume from exists: the one saved at preemption, or a complete one in a
+        :class:`~lightning_par.fault.step_checkpoint.StepCheckpoint` directory (another checkpoint callback: its
+        last saved file)."""
+        from lightning_par.fault.resume import latest_checkpoint
+        from lightning_par.fault.step_checkpoint import StepCheckpoint
+
+        if self.checkpoint is not None and os.path.exists(self.checkpoint):
+            return True
+        if self.checkpoint_dir is not None and latest_checkpoint(self.checkpoint_dir, on_skip=None) is not None:
+            return True
+        if self._trainer is None:
+            return False
+
+        for callback in self._trainer.checkpoint_callbacks:
+            if isinstance(callback, StepCheckpoint):
+                if callback.dirpath and latest_checkpoint(callback.dirpath, on_skip=None) is not None:
+                    return True
+            elif getattr(callback, "last_model_path", "") and os.path.exists(callback.last_model_path):
+                return True
+        return False
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -278,7 +369,15 @@ class PreemptionCallback(L.Callback):
         return bool(tensor.item())
 
     def message(self, rank: int) -> str:
-        """What a preempted rank reports: the step, the checkpoint, how to continue."""
+        """What a preempted rank reports: the step, the checkpoint, how to continue (or that it cannot)."""
         saved = f"checkpoint {self.checkpoint}" if self.checkpoint else "no checkpoint callback: nothing saved"
-        return (f"rank {rank}: preempted by {self.signum.name} at step {self.preempted_at_step} ({saved}); "
-                f"exit code {PREEMPTED_EXIT_CODE}, resume with ckpt_path=last")
+        if self.resumable:
+            return (f"rank {rank}: preempted by {self.signum.name} at step {self.preempted_at_step} ({saved}); "
+                    f"exit code {PREEMPTED_EXIT_CODE}, resume with ckpt_path=last")
+        return (f"rank {rank}: preempted by {self.signum.name} at step {self.preempted_at_step} ({saved}); no "
+                f"checkpoint to resume from, so not resumable: exit code {preempted_exit_code(False, self.signum)} "
+                f"(not {PREEMPTED_EXIT_CODE}; trainer.checkpoint=true saves one at preemption)")
+
+    def error(self, rank: int) -> Preempted:
+        """The ``Preempted`` to raise after ``fit``: status 75 when :attr:`resumable`, else ``128 + signum``."""
+        return Preempted(self.message(rank), resumable=self.resumable, signum=self.signum)

@@ -11,7 +11,13 @@ import ctypes.util
 import os
 import signal
 
-__all__ = ["describe_exit", "die_with_parent", "process_state"]
+__all__ = ["ORPHAN_SIGNAL", "describe_exit", "die_with_parent", "process_state"]
+
+#: The parent-death signal of a worker that stops cleanly when its outside launcher dies
+#: (:mod:`lightning_par.fault.orphan`): a real-time signal nothing else sends. The kernel may deliver it several times
+#: (once each time the worker is handed to another thread of the dying parent), so it cannot be the preemption signal,
+#: whose second arrival means "exit at once".
+ORPHAN_SIGNAL = signal.SIGRTMIN + 7 if hasattr(signal, "SIGRTMIN") else signal.SIGTERM
 
 #: ``prctl`` option that sets the signal a process receives when its parent thread exits (``<linux/prctl.h>``).
 _PR_SET_PDEATHSIG = 1

@@ -24,7 +24,10 @@ def destroy_process_group_at_exit() -> None:
     through the rendezvous store, not a collective, so a peer that is still inside a collective can never match it.
     After a failure nothing is done: the peers learn of it from the closed connections.
     """
-    if FAILED[0] or not (dist.is_available() and dist.is_initialized()):
+    from lightning_par.fault.orphan import is_orphaned
+
+    # Orphaned (torchrun's agent gone): its store is gone too, nothing to meet through (the guard ends the process).
+    if FAILED[0] or not (dist.is_available() and dist.is_initialized()) or is_orphaned():
         return
     try:
         store = default_store()

@@ -45,6 +45,8 @@ from lightning_par.checkpoint.strategy_io import ShardedCheckpointIO
 from lightning_par.callbacks.metrics import log_comm_stats
 from lightning_par.callbacks.model_summary import install as install_model_summary
 from lightning_par.fault.elastic import init_process_group_per_attempt
+from lightning_par.fault.orphan import guard_outside_launcher
+from lightning_par.fault.preemption import PreemptionWatch
 from lightning_par.fault.process_group_exit import FAILED, destroy_process_group_at_exit
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.parallelize import OPTION_GROUPS, ParallelModel, ParallelOptions, parallelize, validate
@@ -241,6 +243,8 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        # Under torchrun/SLURM this worker ends with its launcher (with a preemption watch: as if preempted).
+        guard_outside_launcher(clean_stop=PreemptionWatch.current() is not None)
         super().setup_environment()
         self.set_world_ranks()
         # Validate the layout, and the model against it, before any process group starts.

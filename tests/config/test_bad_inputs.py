@@ -74,6 +74,10 @@ PREFLIGHT = [
     ("model.vocab_size=0", "GPTConfig.vocab_size=0 is not valid: expected a positive integer"),
     ("model.dropout=1.5", "GPTConfig.dropout=1.5 is not valid: expected a number in [0, 1)"),
     ("model.learning_rate=0", "GPTLightningModule learning_rate=0.0 is not valid: expected a positive float"),
+    ("model.learning_rate=inf", "model.learning_rate=inf is not valid: expected a finite number > 0"),
+    ("model.learning_rate=nan", "model.learning_rate=nan is not valid: expected a finite number > 0"),
+    ("data.block_size=64", "data.block_size=64 is not valid for this model: it was built for sequences of at most "
+                           "32 tokens"),
     ("model.weight_decay=-1", "GPTLightningModule weight_decay=-1.0 is not valid: expected a float >= 0"),
     ("model.warmup_steps=-1", "GPTLightningModule warmup_steps=-1 is not valid: expected an integer >= 0"),
     ("model.min_lr_ratio=2", "GPTLightningModule min_lr_ratio=2.0 is not valid: expected a float in [0, 1]"),
@@ -93,6 +97,9 @@ PREFLIGHT = [
      "LlamaForCausalLM.config.tie_word_embeddings=True is not valid with tensor parallelism (tp_size=2)"),
     # layout
     ("parallel.world_size=0", "world_size=0 is not valid: expected an integer >= 1"),
+    # the issue's 10,000 ranks on 2 cores: refused before any fork (trainer.allow_oversubscribe=true lifts it)
+    ("parallel.world_size=10000", "parallel.world_size=10000 is not valid on this machine: the recipe would start "
+                                  "10000 processes on"),
     ("parallel.world_size=3 parallel.dp_size=2", "dp_size * tp_size * pp_size = 2 * 1 * 1 = 2 does not equal world_size=3"),
     ("parallel=tp2 strategy=ddp_overlap", "parallel.tp_size=2 is not valid for strategy 'ddp_overlap'"),
     ("parallel.tp_size=3 parallel.world_size=3 strategy=tensor_parallel", "GPTConfig.n_embd=32 is not divisible by tp_size=3"),
@@ -124,6 +131,7 @@ COMPOSE = [
     "trainer.max_stepz=3",
     "trainer.on_nonfinite=[stop]",
     "trainer.async_checkpoint=maybe",
+    "trainer.allow_oversubscribe=maybe",
 ]
 
 
@@ -180,3 +188,19 @@ def test_a_run_directory_in_use_is_refused(tmp_path, monkeypatch):
                 pass
     with train._claim(run_dir):  # free again once the holder let go (or died)
         pass
+
+
+def test_oversubscribing_the_cores_is_an_explicit_choice(monkeypatch):
+    """More than 4 CPU processes per core are refused naming the cores and the override; with
+    trainer.allow_oversubscribe=true the machine check passes."""
+    monkeypatch.setattr(train, "_usable_cores", lambda: 2)
+    cfg = _compose(["parallel.world_size=9"])
+    dims = train.build_parallel_dims(cfg)
+    with pytest.raises(ValueError, match=re.escape("parallel.world_size=9 is not valid on this machine: the recipe "
+                                                   "would start 9 processes on 2 CPU cores. Expected "
+                                                   "parallel.world_size <= 8 (4 per core)")):
+        train._check_machine(cfg, dims, None)
+    train._check_machine(_compose(["parallel.world_size=9", "trainer.allow_oversubscribe=true"]), dims, None)
+    train._check_machine(cfg, dims, 9)  # under torchrun/SLURM the processes exist already
+    train._check_machine(_compose(["parallel.world_size=8"]), train.build_parallel_dims(_compose([
+        "parallel.world_size=8"])), None)
