@@ -22,8 +22,8 @@ class MatrixLM(AttentionLM):
         scheduler: ``None``, ``"step"`` (``StepLR`` stepped every optimizer step) or ``"epoch"`` (every epoch).
         sync_dist: ``sync_dist`` of the ``train_loss`` logged in ``training_step``.
         manual: ``automatic_optimization=False``: ``training_step`` zeroes, calls ``manual_backward`` and steps.
-        compile: ``configure_model`` wraps the network in ``torch.compile`` (``backend="aot_eager"``: dynamo and
-            AOTAutograd without C++ code generation, to keep the test fast).
+        compile: ``configure_model`` wraps the network in ``torch.compile`` (``backend="eager"``: dynamo's tracing and
+            the ``OptimizedModule`` wrapper the strategies meet, without a compiler backend, to keep the test fast).
         moe: the network is :class:`tests.user_models.MoENet` (experts for the ep axis).
         fsdp: ``configure_model`` applies FSDP2's ``fully_shard`` to every layer and the network on the
             ``"data_parallel"`` axis of ``self.device_mesh`` (what Lightning's ``ModelParallelStrategy`` asks of a user).
@@ -48,7 +48,7 @@ class MatrixLM(AttentionLM):
             fully_shard(self.model, mesh=mesh)
             self._sharded = True
         if self.hparams.compile and not isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule):
-            self.model = torch.compile(self.model, backend="aot_eager")
+            self.model = torch.compile(self.model, backend="eager")
 
     def _loss(self, batch: Any) -> torch.Tensor:
         x, y, *positions = batch

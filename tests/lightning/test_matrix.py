@@ -23,11 +23,14 @@ from tests.lightning.matrix import (
     FEATURES,
     KNOWN_FAILURES,
     REFERENCE,
+    README,
     ci_cells,
     check_refusal,
     compare,
     expected,
+    markdown,
     rank_outcome,
+    readme_table,
     run_column,
 )
 
@@ -111,3 +114,10 @@ def test_columns_are_the_registry() -> None:
 
     ours = {n for n in StrategyRegistry.available_strategies() if StrategyRegistry[n]["strategy"] in STRATEGIES}
     assert ours == {c.name for c in COLUMNS if not c.builtin and c.name == c.strategy}
+
+
+def test_readme_shows_the_declared_table() -> None:
+    """README's "Lightning features" table is the one the tests assert (regenerate: ``python -m
+    tests.lightning.matrix --readme``)."""
+    with open(README) as f:
+        assert readme_table(f.read()) == markdown().strip()
