@@ -47,7 +47,8 @@ from lightning_par.strategies import STRATEGIES, MeshStrategy
 from tests.helpers import TokenDataset, full_state_dict
 from tests.lightning.model import MatrixLM, make_matrix_lm
 
-__all__ = ["COLUMNS", "FEATURES", "KNOWN_FAILURES", "REFUSED", "ci_cells", "column_worker", "compare", "expected"]
+__all__ = ["COLUMNS", "FEATURES", "KNOWN_FAILURES", "REFERENCE", "REFUSED", "ci_cells", "column_worker", "compare",
+           "expected", "judge", "markdown", "run_column"]
 
 #: Samples per optimizer step over all dp replicas; every column's per-rank batch is ``GLOBAL_BATCH // dp``.
 GLOBAL_BATCH = 8
@@ -251,6 +252,13 @@ def f_fit(c: Context) -> dict:
     t = c.trainer("fit", max_steps=4, callbacks=[rec])
     t.fit(m, c.train())
     return {"loss_local": rec.losses, "params": c.params(t, m), "global_step_int": t.global_step}
+
+
+def f_fit_adamw(c: Context) -> dict:
+    m, rec = c.module(optimizer="adamw"), Recorder()
+    t = c.trainer("fit_adamw", max_steps=4, callbacks=[rec])
+    t.fit(m, c.train())
+    return {"loss_local": rec.losses, "params": c.params(t, m)}
 
 
 def f_validate(c: Context) -> dict:
@@ -489,7 +497,8 @@ class Feature:
 
 #: The rows, in run order (features known to crash somewhere last, so a crash leaves the others measured).
 FEATURES: list[Feature] = [
-    Feature("fit", f_fit, "fit (losses, parameters)"),
+    Feature("fit", f_fit, "fit, SGD with momentum (losses, parameters)"),
+    Feature("fit_adamw", f_fit_adamw, "fit with AdamW"),
     Feature("validate", f_validate, "validate"),
     Feature("test", f_test, "test"),
     Feature("predict", f_predict, "predict (outputs gathered over ranks)"),
@@ -662,7 +671,7 @@ def column_worker(column: Column, features: list[str], root: str) -> dict:
     shard = None
     for name in features:
         _reset_process_state()
-        ctx = Context(column, GLOBAL_BATCH // _dp_size(column), os.path.join(root, name))
+        ctx = Context(column, GLOBAL_BATCH // column.dp, os.path.join(root, name))
         start = time.perf_counter()
         try:
             results[name] = {"ok": FEATURE_BY_NAME[name].run(ctx)}
@@ -689,10 +698,6 @@ def _progress(trainer: L.Trainer) -> int:
         return trainer.global_step
     loop = {"validate": trainer.validate_loop, "test": trainer.test_loop, "predict": trainer.predict_loop}.get(fn)
     return loop.batch_progress.total.completed if loop is not None else 0
-
-
-def _dp_size(column: Column) -> int:
-    return column.dp
 
 
 def _data_shard(strategy: Any, rank: int) -> Any:
