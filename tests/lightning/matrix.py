@@ -540,6 +540,9 @@ _OURS = [c.name for c in COLUMNS if not c.builtin]
 #: (feature, column) -> (error type name, regex of the message): a refusal before the stage's first step.
 REFUSED: dict[tuple[str, str], tuple[str, str]] = {
     **{("predict", c): ("NotImplementedError", r"predict is not supported under pipelining") for c in _PP},
+    # Found by this matrix: predict_step ran on each rank's half of every sequence (32 per-sample losses over 8
+    # tokens where one process has 16 over 16), neither gathered nor refused.
+    ("predict", "cp2"): ("ValueError", r"predict is not supported with cp_size=2"),
 }
 
 
@@ -585,9 +588,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
              "no parameter that requires a gradient'"),
     **_known("compile_in_configure_model", ("cp2",), "torch.compile in configure_model under cp: a misleading "
              "ValueError 'not valid for OptimizedModule: its forward takes no position_ids' (the network's does)"),
-    **_known("predict", ("cp2",), "found by this matrix: predict under cp2 runs the user's predict_step on each "
-             "rank's half of every sequence (32 per-sample losses over 8 tokens where one process has 16 over 16), "
-             "neither gathered nor refused"),
     **_known("manual_optimization", _PP, "manual optimization under pp: the user's training_step never runs, "
              "global_step stays 0 and the loop runs to max_epochs"),
     **_known("log_local", _PP, "under pp the user's validation_step never runs: its self.log('val_loss_local') "
