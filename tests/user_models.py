@@ -328,7 +328,8 @@ class UserMoE(nn.Module):
         expert, weight = expert.reshape(-1), weight.reshape(-1)
         order = torch.argsort(expert, stable=True)
         out = self.experts(h.reshape(-1, d)[order], torch.bincount(expert, minlength=self.num_experts))
-        y = torch.zeros(b * s, d).index_add_(0, order, out * weight[order, None]).reshape(b, s, d)
+        out = out * weight[order, None]  # bf16 under autocast: accumulate in its dtype
+        y = torch.zeros(b * s, d, dtype=out.dtype, device=out.device).index_add_(0, order, out).reshape(b, s, d)
         return attach_aux_loss(y, 0.01 * aux)
 
 

@@ -444,6 +444,23 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         loader = getattr(self.lightning_module.trainer, "train_dataloader", None) if self.lightning_module else None
         self.options.check_batch_size(getattr(loader, "batch_size", None), self._sizes["pp_size"])
 
+    @override
+    def on_predict_start(self) -> None:
+        """Refuse, before the first batch, predicting under context parallelism.
+
+        Raises:
+            ValueError: ``cp_size > 1``: each rank's ``predict_step`` would see its piece of every sequence only, and
+                return outputs for that piece (found by the Lightning feature matrix, ``tests/lightning/``).
+        """
+        super().on_predict_start()
+        dims = self.parallel_dims
+        if dims is not None and dims.cp_size > 1:
+            raise ValueError(
+                f"predict is not supported with cp_size={dims.cp_size}: each rank's predict_step would see only its "
+                f"1/{dims.cp_size} piece of every sequence and return outputs for that piece. Predict under a strategy "
+                f"with cp_size=1 (a checkpoint saved under any layout loads into it)."
+            )
+
     def _reshard(self) -> None:
         if self.parallel is not None:
             self.parallel.engine.reshard()
