@@ -248,7 +248,10 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         if position_ids is not None and position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0).expand(idx.shape[0], -1)
         logits = self.model(input_ids=idx, position_ids=position_ids, use_cache=False).logits
-        head = self.model.get_output_embeddings()
+        try:
+            head = self.model.get_output_embeddings()
+        except AttributeError:  # a last pipeline stage's skeleton: no input embedding for transformers' check
+            head = getattr(self.model, "lm_head", None)
         vocab = getattr(head, VOCAB_SIZE_ATTR, None) if head is not None else None
         if vocab is not None:  # a padded vocab-parallel head: the model's own arithmetic after it (final soft-capping)
             logits = mask_padded_vocab(logits, vocab)  # may have moved the masked logits back into reach

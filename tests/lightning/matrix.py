@@ -171,9 +171,14 @@ class Recorder(L.Callback):
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if self.grads:
-            norms = grad_norm(pl_module, norm_type=2)
+            if isinstance(trainer.strategy, MeshStrategy):
+                # the documented accessor every layout answers (collective): Lightning's grad_norm for the whole model
+                norms = trainer.strategy.grad_norms(2)
+                self.grad_counts.append(sum(k.startswith("grad_2.0_norm/") for k in norms))
+            else:
+                norms = grad_norm(pl_module, norm_type=2)
+                self.grad_counts.append(sum(p.grad is not None for p in pl_module.parameters()))
             self.grad_norms.append(float(norms.get("grad_2.0_norm_total", float("nan"))))
-            self.grad_counts.append(sum(p.grad is not None for p in pl_module.parameters()))
 
 
 class MemoryLogger(Logger):
@@ -404,11 +409,23 @@ def f_grad_view(c: Context) -> dict:
     return {"grad_norm": rec.grad_norms, "params_with_grad_int": rec.grad_counts}
 
 
+class _PrintedSummary(L.pytorch.callbacks.ModelSummary):
+    """Lightning's ModelSummary callback (what ``enable_model_summary=True`` prints), keeping the total it prints."""
+
+    def __init__(self) -> None:
+        super().__init__(max_depth=1)
+        self.total: int | None = None
+
+    def summarize(self, summary_data: Any, total_parameters: int, *args: Any, **kwargs: Any) -> None:
+        self.total = int(total_parameters)
+
+
 def f_model_summary(c: Context) -> dict:
-    m, rec = c.module(), Recorder()
-    t = c.trainer("summary", max_steps=1, callbacks=[rec])
+    m, rec, printed = c.module(), Recorder(), _PrintedSummary()
+    t = c.trainer("summary", max_steps=1, callbacks=[rec, printed], enable_model_summary=True)
     t.fit(m, c.train())
-    return {"total_parameters_int": rec.summary}
+    # the callback prints on global rank 0 only; every rank reports what it printed
+    return {"total_parameters_int": [t.strategy.broadcast(printed.total, 0)]}
 
 
 def f_limits(c: Context) -> dict:
@@ -520,7 +537,8 @@ FEATURES: list[Feature] = [
     Feature("lr_monitor", f_lr_monitor, "LearningRateMonitor"),
     Feature("bf16_mixed", f_bf16_mixed, "bf16-mixed (vs one process in bf16, rtol 2e-2)", rtol=2e-2),
     Feature("model_summary", f_model_summary, "ModelSummary parameter count"),
-    Feature("grad_view", f_grad_view, "callbacks' gradients (grad_norm in on_before_optimizer_step)"),
+    Feature("grad_view", f_grad_view, "callbacks' gradients in on_before_optimizer_step (ours: strategy.grad_norms; "
+            "Lightning's: grad_norm)"),
     Feature("second_trainer", f_second_trainer, "a second Trainer on the same module"),
     Feature("fit_twice", f_fit_twice, "fit twice on one Trainer"),
     Feature("manual_optimization", f_manual_optimization, "manual optimization"),
@@ -543,6 +561,9 @@ REFUSED: dict[tuple[str, str], tuple[str, str]] = {
     # Found by this matrix: predict_step ran on each rank's half of every sequence (32 per-sample losses over 8
     # tokens where one process has 16 over 16), neither gathered nor refused.
     ("predict", "cp2"): ("ValueError", r"predict is not supported with cp_size=2"),
+    # The user's training_step (which steps the optimizer itself) cannot run inside a pipeline schedule.
+    **{("manual_optimization", c): ("ValueError", r"automatic_optimization=False is not valid under pipelining")
+       for c in _PP},
 }
 
 
@@ -572,14 +593,8 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
              "only accepts torch.Tensor but got DTensor"),
     **_known("fit_twice", ("dp2·tp2",), "fit twice on one Trainer under dp2·tp2: the 4th loss rel 1.05e-3 from one "
              "process"),
-    **_known("grad_view", ("zero2",), "under zero2 no parameter has .grad in on_before_optimizer_step: grad_norm "
-             "gives nothing (nan here)"),
-    **_known("grad_view", ("zero3", "hsdp2x2", "ep2") + _TP, "Lightning's grad_norm on DTensor gradients raises "
-             "RuntimeError: The tensor has a non-zero number of elements, but its data is not allocated yet"),
     **_known("grad_view", ("L:model_parallel",), "Lightning's own grad_norm on FSDP2 DTensor gradients raises "
              "RuntimeError (data is not allocated yet) under Lightning's ModelParallelStrategy"),
-    **_known("grad_view", _PP, "under pp each rank's grad_norm is its stage's only (0.279 where one process has "
-             "0.634, rel 0.56)"),
     **_known("clip_value", _TP + ("ep2",), "gradient_clip_algorithm='value' raises RuntimeError: "
              "_foreach_clamp_min_ got mixed torch.Tensor and DTensor"),
     **_known("compile_in_configure_model", _TP, "torch.compile in configure_model under tp: ValueError plan path "
@@ -588,12 +603,6 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
              "no parameter that requires a gradient'"),
     **_known("compile_in_configure_model", ("cp2",), "torch.compile in configure_model under cp: a misleading "
              "ValueError 'not valid for OptimizedModule: its forward takes no position_ids' (the network's does)"),
-    **_known("manual_optimization", _PP, "manual optimization under pp: the user's training_step never runs, "
-             "global_step stays 0 and the loop runs to max_epochs"),
-    **_known("log_local", _PP, "under pp the user's validation_step never runs: its self.log('val_loss_local') "
-             "never reaches the logger"),
-    **_known("all_gather", _PP, "under pp the user's validation_step never runs: self.all_gather gathers nothing"),
-    **_known("model_summary", _PP, "under pp ModelSummary counts one stage: 17,632 of 34,496 parameters"),
     **_known("log_sync_dist", ("dp2·pp2",), "under dp2·pp2 the pipeline logs train_loss of its dp replica only "
              "(rel 5.8e-3 from one process's global batch loss)"),
 }
