@@ -326,8 +326,15 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         check_precision(self.precision, self.parallel_dims.pp_size,
                         getattr(self.precision_plugin, "scaler", None) is not None)
         self.accelerator.setup(trainer)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        # fit / validate again on this Trainer: the module this strategy parallelised is on its device and converted
+        # already, and is reused as it is. Moving or converting it again would replace every DTensor parameter's
+        # tensor (nn.Module._apply swaps tensor subclasses), which drops the gradient hooks of the dp reducer and of
+        # tensor parallelism: measured, 0 hook calls after `.cpu()` on CPU, and zero gradients for the split
+        # parameters at dp 2 x tp 2.
+        reuse = self.parallel is not None and parallel_model_of(self.model) is self.parallel
+        if not reuse:
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
         if self.parallel is None or self.parallel.module is not self.model:
             if self.parallel is not None:  # another module: its engines stay, undone if it is parallelised again
                 self.parallel.remove_hooks()
@@ -386,25 +393,34 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """Lightning's teardown. After the run's error (Lightning tears down while that error propagates) every part
-        of it is tried and none of its own errors replaces the user's: FSDP2 left mid-forward by the error cannot be
-        moved to the CPU (``'Parameter' object has no attribute '_local_tensor'``), and an error raised here would be
-        printed last, the user's own exception buried above it. The parameters are resharded first."""
-        if self._exception is None:
-            super().teardown()
-            return
+        """Lightning's teardown (``ParallelStrategy.teardown`` and ``Strategy.teardown`` of Lightning 2.6), except that
+        a module this strategy parallelised stays where it is: moving it to the CPU replaces its DTensor parameters'
+        tensors and drops the engines' gradient hooks (see :meth:`setup`), so a later ``fit`` on this Trainer would
+        train wrongly; a new Trainer takes it back to its plain form first
+        (:meth:`~lightning_par.parallelize.ParallelModel.unparallelize`).
+
+        After the run's error (Lightning tears down while that error propagates) every part is tried and none of its
+        own errors replaces the user's: an error raised here would be printed last, the user's exception buried above
+        it (FSDP2 left mid-forward by the error cannot even be moved: ``'Parameter' object has no attribute
+        '_local_tensor'``). The parameters are resharded first then.
+        """
         module = self.lightning_module
+        failed = self._exception is not None
+        keep = module is not None and self.parallel is not None and parallel_model_of(module) is self.parallel
         parts: list[tuple[str, Any]] = [
-            ("reshard", (lambda: self.parallel.engine.reshard()) if self.parallel is not None else None),
+            ("reshard", (lambda: self.parallel.engine.reshard()) if failed and self.parallel is not None else None),
             ("cluster environment", self.cluster_environment.teardown if self.cluster_environment else None),
             ("optimizers to CPU", lambda: _optimizers_to_device(self.optimizers, torch.device("cpu"))),
-            ("module to CPU", module.cpu if module is not None else None),
+            ("module to CPU", module.cpu if module is not None and not keep else None),
             ("precision", self.precision_plugin.teardown),
             ("accelerator", self.accelerator.teardown if self.accelerator is not None else None),
             ("checkpoint io", self.checkpoint_io.teardown),
         ]
         for name, part in parts:
             if part is None:
+                continue
+            if not failed:
+                part()
                 continue
             try:
                 part()
