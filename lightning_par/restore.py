@@ -178,7 +178,7 @@ class ModuleSnapshot:
                 elif before is not sealed:
                     state[key] = before
                 elif key in r.tables:  # the same table, changed in place
-                    _merge_table(now, r.tables[key], r.sealed_tables[key])
+                    _merge_table(now, r.tables[key], r.sealed_tables[key], hooks="hook" in key)
             table = module._parameters
             extra = {n: p for n, p in table.items() if n not in r.params and n not in r.sealed_params}
             table.clear()
@@ -198,10 +198,23 @@ class ModuleSnapshot:
         return self.root
 
 
-def _merge_table(now: dict[Any, Any], before: dict[Any, Any], sealed: dict[Any, Any]) -> None:
+#: Where the engines' own hooks come from: a hook table entry added after ``parallelize()`` by a function of these
+#: packages is an engine's (FSDP2 registers its state-dict hooks lazily, at the first forward) and goes with them.
+_ENGINE_PACKAGES = ("torch.distributed", "lightning_par")
+
+
+def _engine_hook(value: Any) -> bool:
+    fn = getattr(value, "hook", value)  # torch's _WrappedHook keeps the hook in .hook
+    fn = getattr(fn, "func", fn)  # functools.partial
+    where = getattr(fn, "__module__", None) or type(fn).__module__
+    return isinstance(where, str) and where.startswith(_ENGINE_PACKAGES)
+
+
+def _merge_table(now: dict[Any, Any], before: dict[Any, Any], sealed: dict[Any, Any], hooks: bool = False) -> None:
     """Revert, in place (hook handles keep a reference to the table), the entries of one table (hooks, children,
     buffers) that changed between ``before`` and ``sealed`` and were not changed again since: the order is
-    ``before``'s, entries added by others after ``sealed`` come last."""
+    ``before``'s, entries added by others after ``sealed`` come last (for a hook table, unless an engine's: see
+    :data:`_ENGINE_PACKAGES`)."""
     out: dict[Any, Any] = {}
     for key, value in before.items():
         current = now.get(key, _MISSING)
@@ -210,7 +223,7 @@ def _merge_table(now: dict[Any, Any], before: dict[Any, Any], sealed: dict[Any, 
         elif current is not _MISSING:
             out[key] = current  # changed by someone else since
     for key, value in now.items():
-        if key not in out and value is not sealed.get(key, _MISSING):
+        if key not in out and value is not sealed.get(key, _MISSING) and not (hooks and _engine_hook(value)):
             out[key] = value  # added after parallelize() by someone else
     now.clear()
     now.update(out)

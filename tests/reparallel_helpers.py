@@ -2,10 +2,13 @@
 Trainer, as a Lightning user runs them (Lightning's own shuffling ``DistributedSampler``, no sampler of the test's).
 
 A *case* is a picklable dict: ``"name"``; ``"strategy"`` (a Lightning registry name) and ``"options"`` (its keyword
-arguments); ``"optimizer"`` (``"sgd"``: SGD with momentum, or ``"adamw"``); ``"fits"``: a list of ``(how, steps)``,
-``how`` being ``"new"`` (a new Trainer) or ``"same"`` (the previous Trainer's ``fit`` again, ``steps`` more optimizer
-steps); ``"evaluate"``: after the fits, ``trainer.validate`` and ``trainer.test`` on a new Trainer of the same
-strategy.
+arguments); ``"optimizer"`` (``"sgd"``: SGD with momentum, or ``"adamw"``); ``"fits"``: a list of ``(how, steps)`` or
+``(how, steps, layout)``, ``how`` being ``"new"`` (a new Trainer) or ``"same"`` (the previous Trainer's ``fit`` again,
+``steps`` more optimizer steps), ``layout`` a dict with another ``"strategy"`` / ``"options"`` for that fit's new
+Trainer; ``"evaluate"``: after the fits, ``trainer.validate`` and ``trainer.test`` on new Trainers of the last fit's
+strategy; ``"dp"``: the dp size of the case's layout (and of each fit's ``layout``), for the reference. At the end the module is put back to its plain form
+(:meth:`~lightning_par.parallelize.ParallelModel.unparallelize`): its parameters and structure are compared with the
+reference's plain module.
 
 :func:`reference` replays a case in one process with plain torch on the samples Lightning hands the dp replicas: each
 fit of a new Trainer walks epoch 0 of ``DistributedSampler(shuffle=True, seed=0)`` over the dp ranks, and each further
@@ -22,6 +25,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lightning_par.parallelize import parallel_model_of
 from tests.helpers import LossRecorder, TokenDataset
 from tests.user_models import AttentionLM
 
@@ -75,26 +79,45 @@ def run_case(case: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     trainer: L.Trainer | None = None
     recorder = LossRecorder()
     losses: list[list[float]] = []
-    for how, steps in case["fits"]:
+    dp_ranks: list[int] = []
+    layout = case
+    for how, steps, *other in case["fits"]:
         if how == "new":
+            layout = {**case, **other[0]} if other else case
             recorder = LossRecorder()
-            trainer = _trainer(case, world, max_steps=steps, limit_val_batches=0, callbacks=[recorder])
+            trainer = _trainer(layout, world, max_steps=steps, limit_val_batches=0, callbacks=[recorder])
         else:
             assert trainer is not None
             trainer.fit_loop.epoch_loop.max_steps += steps
         seen = len(recorder.losses)
         trainer.fit(module, DataLoader(train, batch_size=MICRO, drop_last=True))
         losses.append(recorder.losses[seen:])
+        dp_ranks.append(trainer.strategy.parallel_dims.coordinates(rank)["dp"])
     assert trainer is not None
-    strategy = trainer.strategy
-    dp_rank = strategy.parallel_dims.coordinates(rank)["dp"]
-    params = strategy.parallel.full_state_dict()
-    out: dict[str, Any] = {"rank": rank, "dp_rank": dp_rank, "losses": losses, "params": params}
+    out: dict[str, Any] = {"rank": rank, "dp_ranks": dp_ranks, "losses": losses}
     if case.get("evaluate"):
         loader = DataLoader(evaluation, batch_size=MICRO, drop_last=True)
-        out["val"] = _trainer(case, world).validate(module, loader, verbose=False)[0]["val_loss"]
-        out["test"] = _trainer(case, world).test(module, loader, verbose=False)[0]["test_loss"]
+        out["val"] = _trainer(layout, world).validate(module, loader, verbose=False)[0]["val_loss"]
+        out["test"] = _trainer(layout, world).test(module, loader, verbose=False)[0]["test_loss"]
+    owner = parallel_model_of(module)
+    assert owner is not None
+    owner.unparallelize()
+    out["params"] = {n: p.detach().clone() for n, p in module.named_parameters()}
+    out["structure"] = structure(module)
+    out["owned"] = parallel_model_of(module) is not None
     return out
+
+
+def structure(module: torch.nn.Module) -> list[tuple[str, str, int, tuple[str, ...]]]:
+    """Every sub-module's name, class, number of module hooks, and its parameters' tensor classes."""
+    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+             "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+    return [
+        (name, type(m).__qualname__, sum(len(getattr(m, h)) for h in hooks),
+         tuple(type(p).__name__ + ("/" + type(p.data).__name__ if type(p.data) is not torch.Tensor else "")
+               for p in m.parameters(recurse=False)))
+        for name, m in module.named_modules()
+    ]
 
 
 def worker(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -105,15 +128,15 @@ def worker(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def global_losses(results: list[dict[str, Any]]) -> list[list[float]]:
-    """Per fit, per step: the loss of the global batch (the mean over the dp replicas)."""
-    by_dp: dict[int, list[list[float]]] = {}
-    for r in results:
-        by_dp.setdefault(r["dp_rank"], r["losses"])
-    replicas = list(by_dp.values())
-    return [
-        [sum(rep[f][i] for rep in replicas) / len(replicas) for i in range(len(replicas[0][f]))]
-        for f in range(len(replicas[0]))
-    ]
+    """Per fit, per step: the loss of the global batch (the mean over the dp replicas of that fit's layout)."""
+    out = []
+    for f in range(len(results[0]["losses"])):
+        by_dp: dict[int, list[float]] = {}
+        for r in results:
+            by_dp.setdefault(r["dp_ranks"][f], r["losses"][f])
+        replicas = list(by_dp.values())
+        out.append([sum(rep[i] for rep in replicas) / len(replicas) for i in range(len(replicas[0]))])
+    return out
 
 
 def _epoch_batches(dataset: Dataset, dp_size: int, epoch: int) -> list[list[int]]:
@@ -141,13 +164,15 @@ def _eval_loss(module: EvalLM, dataset: Dataset, dp_size: int) -> float:
     return sum(losses) / len(losses)
 
 
-def reference(case: dict[str, Any], dp_size: int) -> dict[str, Any]:
+def reference(case: dict[str, Any]) -> dict[str, Any]:
     """The case in one process (see the module docstring): per-fit losses, final parameters, evaluation losses."""
     train, evaluation = datasets()
     module = make_lm(case["optimizer"])
     losses: list[list[float]] = []
-    epoch = 0
-    for how, steps in case["fits"]:
+    epoch, dp_size = 0, case["dp"]
+    for how, steps, *other in case["fits"]:
+        if how == "new":
+            dp_size = other[0].get("dp", case["dp"]) if other else case["dp"]
         epoch = 0 if how == "new" else epoch + 1
         batches = _epoch_batches(train, dp_size, epoch)
         assert steps <= len(batches), "a fit of the reference stays within one epoch"
@@ -161,7 +186,8 @@ def reference(case: dict[str, Any], dp_size: int) -> dict[str, Any]:
             opt.step()
             opt.zero_grad(set_to_none=True)
         losses.append(fit_losses)
-    out: dict[str, Any] = {"losses": losses, "params": {n: p.detach().clone() for n, p in module.named_parameters()}}
+    out: dict[str, Any] = {"losses": losses, "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+                           "structure": structure(module)}
     if case.get("evaluate"):
         out["val"] = out["test"] = _eval_loss(module, evaluation, dp_size)
     return out
