@@ -303,6 +303,25 @@ class ParallelModel:
         every stage (the groups holding other parameters). Returns the norm before clipping."""
         return self.engine.clip_grad_norm_(params, max_norm, norm_type, self._norm_groups)
 
+    @torch.no_grad()
+    def clip_grad_value_(self, params: list[Tensor], clip_value: float) -> None:
+        """Clamp every gradient of ``params`` (an optimizer's) to ``[-clip_value, clip_value]``, elementwise, so
+        clamping each rank's shard (a DTensor's local tensor, a ZeRO chunk, a stage's parameters) is exactly the one
+        process's ``torch.nn.utils.clip_grad_value_``, with no communication. A gradient still ``Partial`` over a mesh
+        (a sum pending over the tp ranks) is summed first: the clamp of a sum is not the sum of clamps."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        from lightning_par.compat import local_tensor
+
+        for p in params:
+            grad = p.grad
+            if grad is None:
+                continue
+            if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+                grad = grad.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in grad.placements])
+                p.grad = grad
+            local_tensor(grad).clamp_(-clip_value, clip_value)
+
     def model_state_dict(self) -> dict[str, Any]:
         """This rank's part of the model, keyed by one-process name (sharded tensors as DTensors of their global
         shape, in their one-process form)."""

@@ -6,7 +6,7 @@ arguments); ``"optimizer"`` (``"sgd"``: SGD with momentum, or ``"adamw"``); ``"f
 ``(how, steps, layout)``, ``how`` being ``"new"`` (a new Trainer) or ``"same"`` (the previous Trainer's ``fit`` again,
 ``steps`` more optimizer steps), ``layout`` a dict with another ``"strategy"`` / ``"options"`` for that fit's new
 Trainer; ``"evaluate"``: after the fits, ``trainer.validate`` and ``trainer.test`` on new Trainers of the last fit's
-strategy; ``"dp"``: the dp size of the case's layout (and of each fit's ``layout``), for the reference. At the end the module is put back to its plain form
+strategy; ``"clip_value"``: Lightning's ``gradient_clip_val`` with ``gradient_clip_algorithm="value"``; ``"dp"``: the dp size of the case's layout (and of each fit's ``layout``), for the reference. At the end the module is put back to its plain form
 (:meth:`~lightning_par.parallelize.ParallelModel.unparallelize`): its parameters and structure are compared with the
 reference's plain module.
 
@@ -85,7 +85,9 @@ def run_case(case: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         if how == "new":
             layout = {**case, **other[0]} if other else case
             recorder = LossRecorder()
-            trainer = _trainer(layout, world, max_steps=steps, limit_val_batches=0, callbacks=[recorder])
+            clip = {"gradient_clip_val": case["clip_value"], "gradient_clip_algorithm": "value"} \
+                if case.get("clip_value") else {}
+            trainer = _trainer(layout, world, max_steps=steps, limit_val_batches=0, callbacks=[recorder], **clip)
         else:
             assert trainer is not None
             trainer.fit_loop.epoch_loop.max_steps += steps
@@ -183,6 +185,8 @@ def reference(case: dict[str, Any]) -> dict[str, Any]:
             loss = module.training_step((torch.stack(x), torch.stack(y)), 0)
             fit_losses.append(float(loss.detach()))
             loss.backward()
+            if case.get("clip_value"):
+                torch.nn.utils.clip_grad_value_(module.parameters(), case["clip_value"])
             opt.step()
             opt.zero_grad(set_to_none=True)
         losses.append(fit_losses)

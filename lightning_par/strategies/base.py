@@ -353,6 +353,8 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         # Norm clipping must see the whole model's norm: every shard, every stage.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        # Value clipping clamps each rank's gradient shards (torch's clip_grad_value_ refuses DTensor gradients).
+        self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
 
     @property
     def precision(self) -> str:
@@ -489,6 +491,10 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
     def handles_gradient_accumulation(self) -> bool:
         """False: Lightning counts the accumulation window and steps the optimizer at its end."""
         return False
+
+    def _clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
+        assert self.parallel is not None
+        self.parallel.clip_grad_value_([p for g in optimizer.param_groups for p in g["params"]], float(clip_val))
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         assert self.parallel is not None
