@@ -54,6 +54,7 @@ __all__ = [
     "flatten_mesh",
     "forget_composable_state",
     "has_composable_state",
+    "is_compiled_module",
     "forward_only_schedule",
     "grad_scaler_init_kwargs",
     "is_view",
@@ -209,6 +210,17 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
             f"torch {torch.__version__} has no DeviceMesh._concatenate: lightning_par needs torch >= 2.10."
         )
     return concatenate(meshes)
+
+
+def is_compiled_module(module: Any) -> bool:
+    """Whether ``module`` is what ``torch.compile`` returns for a module (``torch._dynamo.eval_frame.OptimizedModule``,
+    present in 2.10; the compiled module's own is at ``._orig_mod``). Looked up only if dynamo is imported: without it
+    nothing can have been compiled."""
+    import sys
+
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None) if eval_frame is not None else None
+    return optimized is not None and isinstance(module, optimized)
 
 
 def has_composable_state(module: Any) -> bool:
