@@ -83,23 +83,17 @@ class ModuleSnapshot:
 
     Args:
         root: the module about to be parallelised in place.
-
-    Raises:
-        ValueError: a parameter of ``root`` is already a DTensor (a tree parallelised by other code than
-            :func:`~lightning_par.parallelize.parallelize`, which this cannot put back).
     """
 
     def __init__(self, root: nn.Module) -> None:
         self.root = root
         first_name: dict[int, str] = {}
+        #: the first parameter that already is a DTensor (parallelised by other code: it cannot be put back in full).
+        self.foreign: str | None = None
         for name, p in root.named_parameters(remove_duplicate=False):
             first_name.setdefault(id(p), name)
-            if _is_dtensor(p):
-                raise ValueError(
-                    f"parameter {name!r} of {type(root).__name__} is already a DTensor: a module parallelised by "
-                    f"other code cannot be parallelised again by lightning_par. Build the plain module and let the "
-                    f"strategy parallelise it."
-                )
+            if self.foreign is None and _is_dtensor(p):
+                self.foreign = name
         self.records: list[_ModuleRecord] = []
         for prefix, module in root.named_modules(remove_duplicate=True):
             params = {
@@ -156,10 +150,19 @@ class ModuleSnapshot:
         Raises:
             RuntimeError: before :meth:`seal`.
             KeyError: a parameter missing from ``params``.
-            ValueError: a value whose shape is not the plain parameter's.
+            ValueError: a value whose shape is not the plain parameter's; a tree whose parameters already were
+                DTensors when recorded (parallelised by other code, e.g. the user's ``configure_model``): its plain
+                form is unknown.
         """
         if not self._sealed:
             raise RuntimeError("ModuleSnapshot.restore() needs seal() right after the module was parallelised.")
+        if self.foreign is not None:
+            raise ValueError(
+                f"{type(self.root).__name__} cannot be put back to its plain form: its parameter {self.foreign!r} "
+                f"already was a DTensor before lightning_par parallelised it (parallelised by other code, e.g. "
+                f"configure_model). Build a new module for the next Trainer, and load the trained weights from the "
+                f"checkpoint (lightning_par.checkpoint.load_from_checkpoint)."
+            )
         fresh: dict[str, nn.Parameter] = {}
         for r in self.records:
             module = r.module

@@ -99,3 +99,12 @@ def test_owner_record_is_not_copied() -> None:
     assert parallel_model_of(net) is not None
     assert parallel_model_of(copy.deepcopy(net)) is None
     assert parallel_model_of(pickle.loads(pickle.dumps(net))) is None
+
+
+def test_a_tree_parallelised_by_other_code_is_refused_at_restore() -> None:
+    net = Net()
+    snapshot = ModuleSnapshot(net)
+    snapshot.foreign = "body.0.weight"  # what a DTensor parameter at recording time sets
+    snapshot.seal()
+    with pytest.raises(ValueError, match=r"'body.0.weight' already was a DTensor.*Build a new module"):
+        snapshot.restore({}, {})
