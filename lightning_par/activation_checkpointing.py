@@ -125,6 +125,8 @@ def _paths(network: nn.Module, mode: str) -> list[str]:
 def _check(module: nn.Module, network: nn.Module, dims: Any, options: Any) -> None:
     if options.activation_checkpointing == "none":
         return
+    contract.check_not_compiled(module, f"activation_checkpointing={options.activation_checkpointing!r}",
+                                "wraps the modules named by their paths")
     for path in _paths(network, options.activation_checkpointing):
         try:
             network.get_submodule(path)

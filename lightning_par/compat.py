@@ -52,6 +52,9 @@ __all__ = [
     "flash_attention_cpu",
     "flash_attention_cpu_backward",
     "flatten_mesh",
+    "forget_composable_state",
+    "has_composable_state",
+    "is_compiled_module",
     "forward_only_schedule",
     "grad_scaler_init_kwargs",
     "is_view",
@@ -106,6 +109,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "_GeneralMultiDeviceReplicator": ("torch.distributed.fsdp.sharded_grad_scaler",),
     "FakeStore": ("torch.testing._internal.distributed.fake_pg",),
     "_clear_sharding_prop_cache": ("torch.distributed.tensor.debug",),
+    "_module_state_mapping": ("torch.distributed._composable_state",),
 }
 
 
@@ -206,6 +210,29 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
             f"torch {torch.__version__} has no DeviceMesh._concatenate: lightning_par needs torch >= 2.10."
         )
     return concatenate(meshes)
+
+
+def is_compiled_module(module: Any) -> bool:
+    """Whether ``module`` is what ``torch.compile`` returns for a module (``torch._dynamo.eval_frame.OptimizedModule``,
+    present in 2.10; the compiled module's own is at ``._orig_mod``). Looked up only if dynamo is imported: without it
+    nothing can have been compiled."""
+    import sys
+
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None) if eval_frame is not None else None
+    return optimized is not None and isinstance(module, optimized)
+
+
+def has_composable_state(module: Any) -> bool:
+    """Whether a composable API (FSDP2's ``fully_shard``) registered its state for ``module`` in torch's table of
+    module states (``torch.distributed._composable_state._module_state_mapping``, present in 2.10)."""
+    return module in _private("_module_state_mapping")
+
+
+def forget_composable_state(module: Any) -> None:
+    """Drop ``module`` from torch's table of composable module states (see :func:`has_composable_state`), once its
+    FSDP2 class and hooks are undone: ``fully_shard`` refuses a module already in the table."""
+    _private("_module_state_mapping").pop(module, None)
 
 
 def resolve_process_group(group_name: str) -> ProcessGroup:

@@ -123,6 +123,34 @@ def network_method(network: nn.Module, name: str) -> Callable[..., Any] | None:
     return None
 
 
+def check_not_compiled(module: nn.Module, technique: str, why: str) -> None:
+    """Refuse a LightningModule holding a ``torch.compile``'d module (``torch.compile`` in ``configure_model`` or
+    ``__init__``, Lightning's documented pattern) under a technique that splits the model by its own structure: compile
+    puts the compiled module behind ``._orig_mod``, so the plan's paths and the stage boundaries no longer name it, and
+    a compiled graph would not see the split the technique makes afterwards. The data-parallel modes (``ddp``,
+    ``zero1``-``zero3``) take a compiled network (measured at parity with ``backend="aot_eager"``).
+
+    Args:
+        module: the LightningModule.
+        technique: what refuses (``"tensor parallelism (tp_size=2)"``).
+        why: what it does with the module's structure.
+
+    Raises:
+        ValueError: naming the compiled module and what to do instead.
+    """
+    from lightning_par.compat import is_compiled_module
+
+    compiled = [name or type(module).__name__ for name, m in module.named_modules() if is_compiled_module(m)]
+    if compiled:
+        raise ValueError(
+            f"{type(module).__name__}.{compiled[0]} is a torch.compile'd module (torch.compile in configure_model or "
+            f"__init__), which {technique} cannot run: it {why}, and torch.compile hides the module's own structure "
+            f"behind '_orig_mod'. Remove torch.compile from the LightningModule for this layout: compiling belongs "
+            f"after the strategy has parallelised the model (a compile option of the strategy is planned); a "
+            f"data-parallel layout (ddp, zero1, zero2, zero3) accepts a compiled network."
+        )
+
+
 def find_network(module: nn.Module, module_attr: str | None, pipelined: bool) -> nn.Module:
     """The network the strategies parallelise (see the module docstring).
 

@@ -47,11 +47,16 @@ from lightning_par.data_parallel.options import DP_MODES, ReducerOptions, ZeroOp
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.pipeline_parallel.options import PipelineOptions
+from lightning_par.restore import ModuleSnapshot
 from lightning_par.steps import StepHooks
 from lightning_par.tensor_parallel.options import TensorParallelOptions
 from lightning_par.validation import check_choice
 
-__all__ = ["OPTION_GROUPS", "ParallelModel", "ParallelOptions", "parallelize", "validate"]
+__all__ = ["OPTION_GROUPS", "ParallelModel", "ParallelOptions", "parallel_model_of", "parallelize", "validate"]
+
+#: Attribute of a module :func:`parallelize` changed: the :class:`ParallelModel` that owns it (in a box that deep
+#: copies and pickles as ``None``: a copy of a parallelised module owns nothing).
+OWNER_ATTR = "_lightning_par_parallel_model"
 
 #: User-facing ZeRO fields (``strategy.zero.*``); the rest of :class:`ZeroOptions` comes from ``dp_mode`` and the
 #: reducer group.
@@ -233,9 +238,12 @@ class ParallelModel:
         after_schedule: what runs after a pipeline schedule's backward pieces, before the dp reduction.
     """
 
-    def __init__(self, build: Build) -> None:
+    def __init__(self, build: Build, snapshot: ModuleSnapshot | None = None) -> None:
         assert build.network is not None and build.engine is not None
         self.module = build.module
+        self.device = build.device
+        self._snapshot = snapshot
+        self._hooks_removed = False
         self.network = build.network
         self.dims = build.dims
         self.options = build.options
@@ -312,6 +320,25 @@ class ParallelModel:
         every stage (the groups holding other parameters). Returns the norm before clipping."""
         return self.engine.clip_grad_norm_(params, max_norm, norm_type, self._norm_groups)
 
+    @torch.no_grad()
+    def clip_grad_value_(self, params: list[Tensor], clip_value: float) -> None:
+        """Clamp every gradient of ``params`` (an optimizer's) to ``[-clip_value, clip_value]``, elementwise, so
+        clamping each rank's shard (a DTensor's local tensor, a ZeRO chunk, a stage's parameters) is exactly the one
+        process's ``torch.nn.utils.clip_grad_value_``, with no communication. A gradient still ``Partial`` over a mesh
+        (a sum pending over the tp ranks) is summed first: the clamp of a sum is not the sum of clamps."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        from lightning_par.compat import local_tensor
+
+        for p in params:
+            grad = p.grad
+            if grad is None:
+                continue
+            if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+                grad = grad.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in grad.placements])
+                p.grad = grad
+            local_tensor(grad).clamp_(-clip_value, clip_value)
+
     def model_state_dict(self) -> dict[str, Any]:
         """This rank's part of the model, keyed by one-process name (sharded tensors as DTensors of their global
         shape, in their one-process form)."""
@@ -382,6 +409,58 @@ class ParallelModel:
         dist.all_gather_object(parts, local, group=self.dims.group("pp"))
         return {k: v for part in parts for k, v in part.items()}
 
+    def full_buffers(self) -> dict[str, Tensor]:
+        """Every buffer of the whole model in full, keyed by one-process name, on every rank (collective over the tp
+        meshes, then the pp group)."""
+        local = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+            for k, v in self.module.named_buffers()
+        }
+        if not self.dims.pp_enabled:
+            return local
+        parts: list[Any] = [None] * self.dims.pp_size
+        dist.all_gather_object(parts, local, group=self.dims.group("pp"))
+        out: dict[str, Tensor] = {}
+        for part in parts:
+            for k, v in part.items():
+                out.setdefault(k, v)
+        return out
+
+    def remove_hooks(self) -> None:
+        """Detach the dp engine's hooks (idempotent)."""
+        if not self._hooks_removed:
+            self.engine.remove()
+            self._hooks_removed = True
+
+    def unparallelize(self) -> nn.Module:
+        """Put the plain module back, holding the trained values: every axis's changes undone (the pipeline cut,
+        the tensor-parallel styles, FSDP2, the dp engines' hooks, activation checkpointing), fresh plain parameters
+        with the full values on every rank (see :mod:`lightning_par.restore`). After it this ``ParallelModel`` no
+        longer owns the module; :func:`parallelize` may take it again, under any layout. Collective over the world
+        (it gathers the whole model on every rank: :meth:`full_state_dict`), with this model's meshes.
+
+        Returns:
+            The module.
+
+        Raises:
+            RuntimeError: the module was not parallelised by :func:`parallelize` (no record to undo it).
+        """
+        if self._snapshot is None:
+            raise RuntimeError("This ParallelModel has no record of the plain module: it cannot be undone.")
+        try:
+            self.module.to(self.device)  # Lightning's teardown moved it to the CPU; the gathers run on the meshes'
+        except Exception:  # noqa: BLE001 - best effort: the gathers below say what is wrong
+            pass
+        self.engine.reshard()
+        params = self.full_state_dict()
+        buffers = self.full_buffers()
+        self.remove_hooks()
+        self._snapshot.restore(params, buffers)
+        self._snapshot = None
+        if isinstance(self.module.__dict__.get(OWNER_ATTR), _Owner) and self.module.__dict__[OWNER_ATTR].model is self:
+            del self.module.__dict__[OWNER_ATTR]
+        return self.module
+
     def step_figures(self) -> dict[str, float]:
         """Every axis's figures of the training step that just ran (e.g. the MoE layers' load imbalance and the ep
         all-to-all bytes), to log under ``parallel/``."""
@@ -397,6 +476,30 @@ class ParallelModel:
             out.update(summary())
         out.update(self.steps.summary())
         return out
+
+
+class _Owner:
+    """The box of :data:`OWNER_ATTR`: a deep copy or a pickle of the module carries ``None`` instead."""
+
+    def __init__(self, model: ParallelModel) -> None:
+        self.model = model
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _nothing, ()
+
+
+def _nothing() -> None:
+    return None
+
+
+def parallel_model_of(module: nn.Module) -> ParallelModel | None:
+    """The :class:`ParallelModel` :func:`parallelize` made of ``module`` and that still owns it (``None``: a plain
+    module)."""
+    owner = module.__dict__.get(OWNER_ATTR)
+    return owner.model if isinstance(owner, _Owner) else None
 
 
 def validate(module: nn.Module, dims: ParallelDims, options: ParallelOptions) -> None:
@@ -438,12 +541,18 @@ def parallelize(
         step_context: entered around each pipeline schedule run (autocast, the vocab-parallel loss context).
         check: run :func:`validate` first (``False`` when the caller has just validated this module and layout).
 
+    A module an earlier call parallelised (a second, new Trainer on the same module) is first put back to its plain
+    form with the trained values (:meth:`ParallelModel.unparallelize`, collective with the earlier layout's meshes).
+
     Returns:
-        The :class:`ParallelModel`.
+        The :class:`ParallelModel`, which owns ``module`` until :meth:`ParallelModel.unparallelize`.
 
     Raises:
         ValueError: see :func:`validate`.
     """
+    previous = parallel_model_of(module)
+    if previous is not None:
+        previous.unparallelize()
     if check:
         validate(module, dims, options)
     dims.build_mesh(device.type)
@@ -451,7 +560,11 @@ def parallelize(
         module=module, dims=dims, options=options, device=device, training=training, step_context=step_context,
         network=contract.find_network(module, options.module_attr, dims.pp_enabled),
     )
+    snapshot = ModuleSnapshot(module)
     steps = [(PHASES[phase], n, step) for n, axis in enumerate(AXES) for phase, step in axis.steps]
     for _, _, step in sorted(steps, key=lambda t: t[:2]):
         step(build)
-    return ParallelModel(build)
+    snapshot.seal(live=build.stage_modules)
+    model = ParallelModel(build, snapshot)
+    module.__dict__[OWNER_ATTR] = _Owner(model)
+    return model

@@ -1,7 +1,12 @@
 """Sharded, atomically committed checkpoints (``torch.distributed.checkpoint``) that every strategy writes and that
 reshard across layouts, dp modes, strategies and one process."""
 
-from lightning_par.checkpoint.loading import ShardedCheckpointLoading, load_from_checkpoint, read_full_checkpoint
+from lightning_par.checkpoint.loading import (
+    ShardedCheckpointLoading,
+    load_from_checkpoint,
+    loading_hint,
+    read_full_checkpoint,
+)
 from lightning_par.checkpoint.sharded import (
     FORMAT_VERSION,
     METADATA_FILENAME,
@@ -26,6 +31,7 @@ __all__ = [
     "is_sharded_checkpoint",
     "load_from_checkpoint",
     "load_model_weights",
+    "loading_hint",
     "load_sharded",
     "read_full_checkpoint",
     "read_record",

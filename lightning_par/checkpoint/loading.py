@@ -20,7 +20,13 @@ import torch
 from lightning_par.checkpoint.safe import load_metadata_file, safe_dcp_load, safe_reader
 from lightning_par.checkpoint.sharded import METADATA_FILENAME, verify_checkpoint
 
-__all__ = ["ShardedCheckpointLoading", "load_from_checkpoint", "load_in_one_process", "read_full_checkpoint"]
+__all__ = [
+    "ShardedCheckpointLoading",
+    "load_from_checkpoint",
+    "load_in_one_process",
+    "loading_hint",
+    "read_full_checkpoint",
+]
 
 
 def load_in_one_process(request: dict[str, Any], path: str | Path) -> None:
@@ -79,6 +85,25 @@ def load_from_checkpoint(cls: Any, checkpoint_path: str | Path, *args: Any, **kw
         buffer.seek(0)
         checkpoint_path = buffer  # type: ignore[assignment] - Lightning reads a file object as a file
     return cls.load_from_checkpoint(checkpoint_path, *args, **kwargs)
+
+
+def loading_hint(cls: type, path: str | Path) -> str | None:
+    """What to call to load the checkpoint directory ``path`` into a ``cls``, when ``cls.load_from_checkpoint(path)``
+    cannot (``None`` when it can: ``cls`` has :class:`ShardedCheckpointLoading`).
+
+    Lightning 2.6's ``load_from_checkpoint`` has no hook for a directory: it opens its argument as one file through
+    fsspec (``lightning.fabric.utilities.cloud_io._load``), so a directory raises ``IsADirectoryError`` before any code
+    of the module or the strategy runs. A strategy says this when it writes the directory instead.
+    """
+    if isinstance(cls, type) and issubclass(cls, ShardedCheckpointLoading):
+        return None
+    name = getattr(cls, "__name__", "MyModule")
+    return (
+        f"{path} is a sharded checkpoint directory: Lightning's {name}.load_from_checkpoint(path) opens its argument "
+        f"as one file (IsADirectoryError). Load it with lightning_par.checkpoint.load_from_checkpoint({name}, path) "
+        f"(any layout, one process), or give {name} the lightning_par.checkpoint.ShardedCheckpointLoading mixin; "
+        f"Trainer.fit/validate/test(ckpt_path=path) read it under any lightning_par strategy."
+    )
 
 
 class ShardedCheckpointLoading:

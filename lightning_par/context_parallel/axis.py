@@ -26,6 +26,8 @@ __all__ = ["CONTEXT_PARALLEL"]
 def _check(module: nn.Module, network: nn.Module, dims: ParallelDims, options: Any) -> None:
     if not dims.cp_enabled:
         return
+    contract.check_not_compiled(module, f"context parallelism (cp_size={dims.cp_size})",
+                                "replaces each attention call by a context-parallel one while a step runs")
     context_parallel_positions(network)
     check_context_parallel(network, dims.cp_size)
     if options.context_parallel.method == "all_to_all":

@@ -23,6 +23,8 @@ __all__ = ["EXPERT_PARALLEL"]
 def _check(module: nn.Module, network: nn.Module, dims: ParallelDims, options: Any) -> None:
     if not dims.ep_enabled:
         return
+    contract.check_not_compiled(module, f"expert parallelism (ep_size={dims.ep_size})",
+                                "splits the experts modules named by their paths and exchanges tokens around them")
     for path in contract.expert_modules(network):
         check_num_experts(path, contract.num_experts(network, path), dims.ep_size, dims.size("dp_shard_cp"))
 

@@ -23,6 +23,8 @@ __all__ = ["PIPELINE_PARALLEL"]
 def _check(module: nn.Module, network: nn.Module, dims: ParallelDims, options: Any) -> None:
     if not dims.pp_enabled:
         return
+    contract.check_not_compiled(module, f"pipelining (pp_size={dims.pp_size})",
+                                "cuts the network into stages between its layers and runs the stages on their own")
     if getattr(module, "automatic_optimization", True) is False:
         raise ValueError(
             f"{type(module).__name__}.automatic_optimization=False is not valid under pipelining (pp_size > 1): the "

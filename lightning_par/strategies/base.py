@@ -14,6 +14,7 @@ one-process state. Checkpoints are sharded ``torch.distributed.checkpoint`` dire
 from __future__ import annotations
 
 import atexit
+import logging
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -49,11 +50,20 @@ from lightning_par.fault.orphan import guard_outside_launcher
 from lightning_par.fault.preemption import PreemptionWatch
 from lightning_par.fault.process_group_exit import FAILED, destroy_process_group_at_exit
 from lightning_par.parallel_dims import ParallelDims
-from lightning_par.parallelize import OPTION_GROUPS, ParallelModel, ParallelOptions, parallelize, validate
+from lightning_par.parallelize import (
+    OPTION_GROUPS,
+    ParallelModel,
+    ParallelOptions,
+    parallel_model_of,
+    parallelize,
+    validate,
+)
 from lightning_par.precision import check_precision, distributed_scaler, fsdp_mixed_precision
 from lightning_par.validation import MAX_TIMEOUT_S, check_number
 
 __all__ = ["MeshStrategy"]
+
+_log = logging.getLogger(__name__)
 
 def _split_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     """``(batch, the other positional arguments, the other keyword arguments)`` of a Lightning step call."""
@@ -161,6 +171,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         self.parallel_dims: ParallelDims | None = None
         self.parallel: ParallelModel | None = None
         self._validated: Any = None  # the module validate_model checked (parallelize then does not check it again)
+        self._exception: BaseException | None = None  # the run's error (teardown then never raises over it)
         self.num_nodes = 1
 
     @classmethod
@@ -247,6 +258,8 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         guard_outside_launcher(clean_stop=PreemptionWatch.current() is not None)
         super().setup_environment()
         self.set_world_ranks()
+        self._exception = None
+        self.unparallelize_previous()
         # Validate the layout, and the model against it, before any process group starts.
         dims = self.resolve_parallel_dims(self.num_nodes * self.num_processes)
         self.validate_model(dims)
@@ -269,6 +282,27 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         if self.lightning_module is not None:  # as Lightning's ModelParallelStrategy: visible in configure_model
             self.lightning_module._device_mesh = mesh
 
+    def unparallelize_previous(self) -> None:
+        """A module that another strategy's run parallelised (a second, new Trainer on the same module) goes back to
+        its plain form with the trained values before this run checks and parallelises it
+        (:meth:`~lightning_par.parallelize.ParallelModel.unparallelize`: collective, with that run's meshes). The
+        module this strategy itself parallelised (``fit`` again on the same Trainer) is kept as it is.
+
+        Raises:
+            RuntimeError: the process group the module was parallelised with is gone.
+        """
+        module = self.lightning_module
+        previous = parallel_model_of(module) if module is not None else None
+        if previous is None or previous is self.parallel:
+            return
+        if not dist.is_initialized():
+            raise RuntimeError(
+                f"{type(module).__name__} was parallelised by an earlier lightning_par run whose process group is "
+                f"gone, so its shards cannot be gathered back: build a new module and load the earlier run's "
+                f"checkpoint (lightning_par.checkpoint.load_from_checkpoint), or keep the process group alive."
+            )
+        previous.unparallelize()
+
     def validate_model(self, dims: ParallelDims) -> None:
         """Check the LightningModule against the layout before the process group starts (all of
         :func:`lightning_par.parallelize.validate`, unless ``configure_model`` builds the layers later; then
@@ -286,7 +320,8 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
                 "accelerator and the CPU. Run on a GPU or set cpu_offload=False."
             )
         module = self.lightning_module
-        if module is not None and not is_overridden("configure_model", module):
+        # A module this strategy already parallelised (fit again) was checked then; it is reused as it is.
+        if module is not None and not is_overridden("configure_model", module) and parallel_model_of(module) is None:
             validate(module, dims, self.options)
             self._validated = module
 
@@ -296,11 +331,18 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         check_precision(self.precision, self.parallel_dims.pp_size,
                         getattr(self.precision_plugin, "scaler", None) is not None)
         self.accelerator.setup(trainer)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        # fit / validate again on this Trainer: the module this strategy parallelised is on its device and converted
+        # already, and is reused as it is. Moving or converting it again would replace every DTensor parameter's
+        # tensor (nn.Module._apply swaps tensor subclasses), which drops the gradient hooks of the dp reducer and of
+        # tensor parallelism: measured, 0 hook calls after `.cpu()` on CPU, and zero gradients for the split
+        # parameters at dp 2 x tp 2.
+        reuse = self.parallel is not None and parallel_model_of(self.model) is self.parallel
+        if not reuse:
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
         if self.parallel is None or self.parallel.module is not self.model:
-            if self.parallel is not None:
-                self.parallel.engine.remove()
+            if self.parallel is not None:  # another module: its engines stay, undone if it is parallelised again
+                self.parallel.remove_hooks()
             self.parallel = parallelize(
                 self.model, self.parallel_dims, self.precision_options(), device=self.root_device,
                 step_context=self._step_context, check=self._validated is not self.lightning_module,
@@ -316,6 +358,8 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         # Norm clipping must see the whole model's norm: every shard, every stage.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        # Value clipping clamps each rank's gradient shards (torch's clip_grad_value_ refuses DTensor gradients).
+        self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
         install_model_summary(trainer)  # Lightning's ModelSummary counts the whole model, not this rank's part
 
     @property
@@ -349,9 +393,47 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Remember the failure: the exit hook then leaves the process group alone (see
-        :func:`~lightning_par.fault.process_group_exit.destroy_process_group_at_exit`)."""
+        :func:`~lightning_par.fault.process_group_exit.destroy_process_group_at_exit`), and :meth:`teardown` raises
+        nothing over it."""
         FAILED[0] = True
+        self._exception = exception
         super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        """Lightning's teardown (``ParallelStrategy.teardown`` and ``Strategy.teardown`` of Lightning 2.6), except that
+        a module this strategy parallelised stays where it is: moving it to the CPU replaces its DTensor parameters'
+        tensors and drops the engines' gradient hooks (see :meth:`setup`), so a later ``fit`` on this Trainer would
+        train wrongly; a new Trainer takes it back to its plain form first
+        (:meth:`~lightning_par.parallelize.ParallelModel.unparallelize`).
+
+        After the run's error (Lightning tears down while that error propagates) every part is tried and none of its
+        own errors replaces the user's: an error raised here would be printed last, the user's exception buried above
+        it (FSDP2 left mid-forward by the error cannot even be moved: ``'Parameter' object has no attribute
+        '_local_tensor'``). The parameters are resharded first then.
+        """
+        module = self.lightning_module
+        failed = self._exception is not None
+        keep = module is not None and self.parallel is not None and parallel_model_of(module) is self.parallel
+        parts: list[tuple[str, Any]] = [
+            ("reshard", (lambda: self.parallel.engine.reshard()) if failed and self.parallel is not None else None),
+            ("cluster environment", self.cluster_environment.teardown if self.cluster_environment else None),
+            ("optimizers to CPU", lambda: _optimizers_to_device(self.optimizers, torch.device("cpu"))),
+            ("module to CPU", module.cpu if module is not None and not keep else None),
+            ("precision", self.precision_plugin.teardown),
+            ("accelerator", self.accelerator.teardown if self.accelerator is not None else None),
+            ("checkpoint io", self.checkpoint_io.teardown),
+        ]
+        for name, part in parts:
+            if part is None:
+                continue
+            if not failed:
+                part()
+                continue
+            try:
+                part()
+            except Exception as err:  # noqa: BLE001 - the user's error is the one to see
+                _log.debug("teardown after the run's error: %s failed: %r", name, err)
 
     # ------------------------------------------------------------------ steps (the parallel model's step hooks)
     def loss_context(self) -> Any:
@@ -415,6 +497,10 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
     def handles_gradient_accumulation(self) -> bool:
         """False: Lightning counts the accumulation window and steps the optimizer at its end."""
         return False
+
+    def _clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
+        assert self.parallel is not None
+        self.parallel.clip_grad_value_([p for g in optimizer.param_groups for p in g["params"]], float(clip_val))
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         assert self.parallel is not None

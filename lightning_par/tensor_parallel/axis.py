@@ -23,6 +23,8 @@ __all__ = ["TENSOR_PARALLEL"]
 def _check(module: nn.Module, network: nn.Module, dims: ParallelDims, options: Any) -> None:
     if not dims.tp_enabled:
         return
+    contract.check_not_compiled(module, f"tensor parallelism (tp_size={dims.tp_size})",
+                                "splits the modules its plan names by their paths")
     tp = options.tensor_parallel
     plan = contract.tp_plan(module, network, tp.plan)
     contract.check_tensor_parallel(network, dims.tp_size, tp.sequence_parallel)

@@ -239,3 +239,22 @@ def test_load_from_checkpoint_reads_no_pretrained_weights(pretrained, tmp_path, 
     loaded = HFCausalLM.load_from_checkpoint(tmp_path / "ft.ckpt")
     assert loaded.hparams.pretrained == str(pretrained)
     torch.testing.assert_close(logits(loaded.model), logits(module.model), rtol=0, atol=0)
+
+
+def test_the_hint_for_a_module_without_the_mixin_names_the_call_that_works(tmp_path):
+    """Lightning 2.6 opens load_from_checkpoint's argument as one file (no hook for a directory), so the strategy says
+    at its first save what to call; the call it names loads the directory."""
+    from lightning_par.checkpoint import loading_hint
+
+    torch.manual_seed(0)
+    trained = UserModule(width=5)
+    path = tmp_path / "u.ckpt"
+    save_checkpoint(trained, path)
+    assert loading_hint(UserModuleWithMixin, path) is None
+    hint = loading_hint(UserModule, path)
+    assert "lightning_par.checkpoint.load_from_checkpoint(UserModule, path)" in hint and "IsADirectoryError" in hint
+    import lightning_par
+
+    loaded = eval("lightning_par.checkpoint.load_from_checkpoint(UserModule, path)",
+                  {"lightning_par": lightning_par, "UserModule": UserModule, "path": path})
+    assert loaded.hparams.width == 5
