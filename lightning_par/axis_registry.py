@@ -87,6 +87,8 @@ class Build:
             (:mod:`~lightning_par.context_parallel.report`). Applied in order, the first outermost.
         token_groups: process groups whose ranks hold other tokens of the same samples (cp's pieces of a sequence):
             a pipeline weighs each micro-batch's token-mean loss by its share of the tokens counted over them.
+        refused_stages: Trainer stages the layout cannot run (``"predict"``), each with the reason; the strategy
+            raises it as a ``ValueError`` before the stage's first batch.
     """
 
     module: nn.Module
@@ -119,6 +121,7 @@ class Build:
     step_logs: list[Callable[[], dict[str, float]]] = field(default_factory=list)
     step_wrappers: list[Callable[[Any, Any, Callable[[Any], Any]], Any]] = field(default_factory=list)
     token_groups: list[Any] = field(default_factory=list)
+    refused_stages: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -263,6 +263,8 @@ class ParallelModel:
         self._summaries = list(build.summaries)
         self._step_logs = list(build.step_logs)
         self._step_wrappers = list(build.step_wrappers)
+        #: Trainer stage -> why this layout cannot run it (raised before the stage's first batch)
+        self.refused_stages = dict(build.refused_stages)
         self._norm_groups = list(build.norm_groups)
         self.steps: StepHooks = (build.steps or StepHooks)(self)
 

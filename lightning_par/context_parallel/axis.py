@@ -53,7 +53,12 @@ def _apply(build: Build) -> None:
     build.batch_transforms.append(split)
     # What a step logs and returns is its rank's share of the sequence: report the mean over the cp ranks' tokens.
     build.step_wrappers.append(cp_mean_step(group))
-    build.token_groups.append(group)  # a pipeline's micro-batch weights count the tokens of the whole sequence
+    build.token_groups.append(group)
+    build.refused_stages["predict"] = (
+        f"predict is not supported with cp_size={dims.cp_size}: each rank's predict_step would see only its "
+        f"1/{dims.cp_size} piece of every sequence and return outputs for that piece. Predict under a strategy with "
+        f"cp_size=1 (a checkpoint saved under any layout loads into it)."
+    )  # a pipeline's micro-batch weights count the tokens of the whole sequence
     attention = context_parallel_attention(build.network)
     if attention is not None:  # e.g. a Hugging Face model's attention without its position-built mask
         build.step_contexts.append(attention)

@@ -532,20 +532,17 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
 
     @override
     def on_predict_start(self) -> None:
-        """Refuse, before the first batch, predicting under context parallelism.
+        """Refuse, before the first batch, predicting under a layout that cannot (an axis's
+        :attr:`~lightning_par.axis_registry.Build.refused_stages`).
 
         Raises:
-            ValueError: ``cp_size > 1``: each rank's ``predict_step`` would see its piece of every sequence only, and
-                return outputs for that piece (found by the Lightning feature matrix, ``tests/lightning/``).
+            ValueError: the axis's reason (e.g. a sequence split over ranks: each ``predict_step`` would see its piece
+                of every sequence only, and return outputs for that piece).
         """
         super().on_predict_start()
-        dims = self.parallel_dims
-        if dims is not None and dims.cp_size > 1:
-            raise ValueError(
-                f"predict is not supported with cp_size={dims.cp_size}: each rank's predict_step would see only its "
-                f"1/{dims.cp_size} piece of every sequence and return outputs for that piece. Predict under a strategy "
-                f"with cp_size=1 (a checkpoint saved under any layout loads into it)."
-            )
+        reason = self.parallel.refused_stages.get("predict") if self.parallel is not None else None
+        if reason:
+            raise ValueError(reason)
 
     def _reshard(self) -> None:
         if self.parallel is not None:
