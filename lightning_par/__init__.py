@@ -10,3 +10,7 @@ __all__ = ["MESH_AXES", "DDPOverlapStrategy", "MeshStrategy", "Parallel3DStrateg
 __version__ = "0.1.0.dev0"
 
 register_all()
+
+from lightning_par.checkpoint.loading import install_directory_loading  # noqa: E402
+
+install_directory_loading()  # MyModule.load_from_checkpoint(DIR) reads a lightning_par checkpoint directory

@@ -4,7 +4,7 @@ reshard across layouts, dp modes, strategies and one process."""
 from lightning_par.checkpoint.loading import (
     ShardedCheckpointLoading,
     load_from_checkpoint,
-    loading_hint,
+    install_directory_loading,
     read_full_checkpoint,
 )
 from lightning_par.checkpoint.sharded import (
@@ -31,7 +31,7 @@ __all__ = [
     "is_sharded_checkpoint",
     "load_from_checkpoint",
     "load_model_weights",
-    "loading_hint",
+    "install_directory_loading",
     "load_sharded",
     "read_full_checkpoint",
     "read_record",

@@ -1,7 +1,8 @@
 """``LightningModule.load_from_checkpoint`` for the sharded checkpoint directories every lightning_par strategy writes.
 
-Lightning's ``load_from_checkpoint`` opens its argument as one file, so a ``*.ckpt`` directory fails with
-``IsADirectoryError``. :func:`load_from_checkpoint` reads such a directory in one process (the model's weights in
+Lightning's ``load_from_checkpoint`` opens its argument as one file, so a ``*.ckpt`` directory failed with
+``IsADirectoryError``; importing lightning_par installs :func:`install_directory_loading`, so that any module's
+``load_from_checkpoint(DIR)`` reads one. :func:`load_from_checkpoint` reads such a directory in one process (the model's weights in
 full, from the DCP shards of any layout, plus ``meta.pt``: hyper-parameters, loops, callbacks) into the dict a
 single-file checkpoint holds and hands it to Lightning's own ``load_from_checkpoint`` (hyper-parameters, ``strict``,
 ``on_load_checkpoint``, keyword overrides all as usual). :class:`ShardedCheckpointLoading` makes a LightningModule's
@@ -18,13 +19,13 @@ from typing import Any
 import torch
 
 from lightning_par.checkpoint.safe import load_metadata_file, safe_dcp_load, safe_reader
-from lightning_par.checkpoint.sharded import METADATA_FILENAME, verify_checkpoint
+from lightning_par.checkpoint.sharded import METADATA_FILENAME, RECORD_FILENAME, verify_checkpoint
 
 __all__ = [
     "ShardedCheckpointLoading",
+    "install_directory_loading",
     "load_from_checkpoint",
     "load_in_one_process",
-    "loading_hint",
     "read_full_checkpoint",
 ]
 
@@ -87,25 +88,6 @@ def load_from_checkpoint(cls: Any, checkpoint_path: str | Path, *args: Any, **kw
     return cls.load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
 
-def loading_hint(cls: type, path: str | Path) -> str | None:
-    """What to call to load the checkpoint directory ``path`` into a ``cls``, when ``cls.load_from_checkpoint(path)``
-    cannot (``None`` when it can: ``cls`` has :class:`ShardedCheckpointLoading`).
-
-    Lightning 2.6's ``load_from_checkpoint`` has no hook for a directory: it opens its argument as one file through
-    fsspec (``lightning.fabric.utilities.cloud_io._load``), so a directory raises ``IsADirectoryError`` before any code
-    of the module or the strategy runs. A strategy says this when it writes the directory instead.
-    """
-    if isinstance(cls, type) and issubclass(cls, ShardedCheckpointLoading):
-        return None
-    name = getattr(cls, "__name__", "MyModule")
-    return (
-        f"{path} is a sharded checkpoint directory: Lightning's {name}.load_from_checkpoint(path) opens its argument "
-        f"as one file (IsADirectoryError). Load it with lightning_par.checkpoint.load_from_checkpoint({name}, path) "
-        f"(any layout, one process), or give {name} the lightning_par.checkpoint.ShardedCheckpointLoading mixin; "
-        f"Trainer.fit/validate/test(ckpt_path=path) read it under any lightning_par strategy."
-    )
-
-
 class ShardedCheckpointLoading:
     """Mixin (before ``LightningModule`` in the bases) whose ``load_from_checkpoint`` also reads lightning_par
     checkpoint directories (:func:`load_from_checkpoint`)."""
@@ -121,3 +103,37 @@ class ShardedCheckpointLoading:
         if isinstance(checkpoint_path, (str, Path)) and Path(checkpoint_path).is_dir():
             return load_from_checkpoint(cls, checkpoint_path, *args, **kwargs)
         return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
+
+
+def _is_our_directory(path: Any) -> bool:
+    return isinstance(path, (str, Path)) and Path(path).is_dir() and (Path(path) / RECORD_FILENAME).is_file()
+
+
+def install_directory_loading() -> None:
+    """Make every LightningModule's ``load_from_checkpoint(path)`` read a lightning_par checkpoint directory (a user's
+    module without :class:`ShardedCheckpointLoading` too), as :func:`load_from_checkpoint` does. Idempotent; called
+    when ``lightning_par`` is imported.
+
+    Lightning 2.6 offers no hook for this: ``LightningModule.load_from_checkpoint`` calls
+    ``lightning.pytorch.core.module._load_from_checkpoint``, which opens its argument as one file through fsspec
+    before any code of the module or a strategy runs, so a directory raised ``IsADirectoryError``. This wraps that one
+    function: a directory holding a lightning_par record is read in full (one process) into the dict a single-file
+    checkpoint holds, and handed to Lightning's own function as a file object; every other argument goes to Lightning
+    unchanged.
+    """
+    import lightning.pytorch.core.module as lightning_module
+
+    original = lightning_module._load_from_checkpoint
+    if getattr(original, "_lightning_par_directories", False):
+        return
+
+    def _load_from_checkpoint(cls: Any, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        if _is_our_directory(checkpoint_path):
+            buffer = io.BytesIO()
+            torch.save(read_full_checkpoint(checkpoint_path), buffer)
+            buffer.seek(0)
+            checkpoint_path = buffer
+        return original(cls, checkpoint_path, *args, **kwargs)
+
+    _load_from_checkpoint._lightning_par_directories = True  # type: ignore[attr-defined]
+    lightning_module._load_from_checkpoint = _load_from_checkpoint

@@ -146,22 +146,6 @@ class ShardedCheckpointIO:
             )
         else:
             save_sharded(path, checkpoint, record, is_rank0=rank0, barrier=self.barrier)
-        self._say_how_to_load(path, rank0)
-
-    def _say_how_to_load(self, path: Path, rank0: bool) -> None:
-        """Once per strategy, on rank 0: how to load the directory into the module's class when its
-        ``load_from_checkpoint`` cannot (:func:`~lightning_par.checkpoint.loading.loading_hint`)."""
-        module = getattr(self, "lightning_module", None)
-        if not rank0 or module is None or getattr(self, "_told_how_to_load", False):
-            return
-        self._told_how_to_load = True
-        from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
-        from lightning_par.checkpoint.loading import loading_hint
-
-        hint = loading_hint(type(module), path)
-        if hint is not None:
-            rank_zero_info(hint)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint of any layout, dp mode or strategy into this rank's part of the model (and the optimizers

@@ -592,10 +592,6 @@ def _known(features: str | tuple[str, ...], columns: tuple[str, ...] | list[str]
 #: configure_model, load_from_checkpoint, clip by value on DTensor gradients; the pipeline's contract with the
 #: user's steps, ModelSummary and the gradient view): the lead flips them when the fixes land.
 KNOWN_FAILURES: dict[tuple[str, str], str] = {
-    **_known("load_from_checkpoint", _OURS, "MatrixLM.load_from_checkpoint(path) on the checkpoint directory a "
-             "lightning_par strategy saved raises IsADirectoryError: Lightning 2.6 opens the path as one file before "
-             "any hook runs; the strategy names lightning_par.checkpoint.load_from_checkpoint(MyModule, DIR) at its "
-             "first save (the next row)"),
     **_known("load_from_checkpoint", ("L:model_parallel",), "Lightning's own ModelParallelStrategy saves a directory: "
              "load_from_checkpoint raises IsADirectoryError (Lightning's limitation)"),
     **_known("load_sharded_checkpoint", ("L:model_parallel",), "lightning_par's loader refuses Lightning's own "

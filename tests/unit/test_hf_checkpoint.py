@@ -158,9 +158,8 @@ def test_load_from_checkpoint_directory_for_any_module(tmp_path):
     torch.manual_seed(0)
     trained = UserModule(width=6)
     save_checkpoint(trained, tmp_path / "u.ckpt")
-    with pytest.raises(IsADirectoryError):  # Lightning's own, which the issue reports
-        UserModule.load_from_checkpoint(tmp_path / "u.ckpt")
-    for loaded in (load_from_checkpoint(UserModule, tmp_path / "u.ckpt"),
+    for loaded in (UserModule.load_from_checkpoint(tmp_path / "u.ckpt"),  # Lightning's own call (issue 32)
+                   load_from_checkpoint(UserModule, tmp_path / "u.ckpt"),
                    UserModuleWithMixin.load_from_checkpoint(str(tmp_path / "u.ckpt"))):
         assert loaded.hparams.width == 6
         for (name, a), b in zip(loaded.state_dict().items(), trained.state_dict().values()):
@@ -241,20 +240,21 @@ def test_load_from_checkpoint_reads_no_pretrained_weights(pretrained, tmp_path, 
     torch.testing.assert_close(logits(loaded.model), logits(module.model), rtol=0, atol=0)
 
 
-def test_the_hint_for_a_module_without_the_mixin_names_the_call_that_works(tmp_path):
-    """Lightning 2.6 opens load_from_checkpoint's argument as one file (no hook for a directory), so the strategy says
-    at its first save what to call; the call it names loads the directory."""
-    from lightning_par.checkpoint import loading_hint
+def test_a_module_without_the_mixin_loads_the_directory_with_lightnings_own_call(tmp_path):
+    """Lightning 2.6 opens load_from_checkpoint's argument as one file (no hook for a directory); importing
+    lightning_par wraps that one function, so a user's module without the mixin loads a checkpoint directory with
+    Lightning's own call, and a single-file checkpoint still goes to Lightning unchanged."""
+    import lightning_par  # noqa: F401  (installs the directory loading)
 
     torch.manual_seed(0)
     trained = UserModule(width=5)
     path = tmp_path / "u.ckpt"
     save_checkpoint(trained, path)
-    assert loading_hint(UserModuleWithMixin, path) is None
-    hint = loading_hint(UserModule, path)
-    assert "lightning_par.checkpoint.load_from_checkpoint(UserModule, path)" in hint and "IsADirectoryError" in hint
-    import lightning_par
-
-    loaded = eval("lightning_par.checkpoint.load_from_checkpoint(UserModule, path)",
-                  {"lightning_par": lightning_par, "UserModule": UserModule, "path": path})
+    loaded = UserModule.load_from_checkpoint(path)
     assert loaded.hparams.width == 5
+    for (name, p), q in zip(trained.named_parameters(), loaded.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
+    single = tmp_path / "single.ckpt"
+    torch.save({"state_dict": trained.state_dict(), "hyper_parameters": {"width": 5},
+                "pytorch-lightning_version": "2.6.0"}, single)
+    assert UserModule.load_from_checkpoint(single).hparams.width == 5
