@@ -38,7 +38,12 @@ from tests.helpers import LossRecorder, TokenDataset, quiet_trainer, reference_f
 STEPS, MICRO, SEQ, VOCAB = 4, 4, 16, 256
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, POSITIONS = 64, 4, 4, 2, 16, 128, 64
 RTOL = 1e-5
-ADAM_EPS = 1e-5
+#: AdamW's eps and learning rate. Adam divides by sqrt(v) + eps: fp32 rounding in an entry whose gradient is near eps
+#: (an embedding row of a token seen a few times: gradients about 1e-5 here) becomes a step difference of up to lr
+#: (tests/helpers.assert_params_close). At lr 3e-3 and eps 1e-6 or 1e-5, 1 or 2 of 16,384 embedding entries ended
+#: 1e-5 to 7e-5 apart after 4 steps with equal losses (llama and qwen3_moe under tp2+SP, several under cp2); at lr 1e-3
+#: the bound of 1e-5 absolute is a hundredth of a step, while a missing reduction moves every entry by about a step.
+ADAM_EPS, ADAM_LR = 1e-5, 1e-3
 LAYOUTS = ("zero3", "tp2", "tp2sp", "pp2", "cp2", "ep2")
 #: Strategy registry name and options per layout (2 ranks each).
 STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -117,7 +122,7 @@ def tiny_config(model_type: str) -> dict[str, Any]:
     """Config overrides that make ``model_type`` tiny (see the module docstring), from its default config.
 
     Every name in ``_FIELDS`` that the default config has (directly or through its class's ``attribute_map``) is set;
-    dropout fields become 0 (the ranks' random streams differ from one process's); token ids beyond the small
+    dropout and router-jitter fields become 0 (the ranks' random streams differ from one process's); token ids beyond the small
     vocabulary move inside it; per-layer lists are cut to the first layers; ``is_decoder`` is set where the config
     has it (a causal LM attends causally); sub-configs (``config.sub_configs``) are shrunk the same way.
 
@@ -149,7 +154,7 @@ def _shrink(default: Any) -> dict[str, Any]:
     if mla and "qk_head_dim" in values:
         out["qk_head_dim"] = _FIELDS["qk_rope_head_dim"][0] + _FIELDS["qk_nope_head_dim"][0]
     for name, value in values.items():
-        if isinstance(value, float) and re.search(r"dropout|pdrop|layerdrop", name):
+        if isinstance(value, float) and re.search(r"dropout|pdrop|layerdrop|jitter", name):
             out[name] = 0.0
         elif name.endswith("_token_id") and isinstance(value, int) and not isinstance(value, bool) and value >= VOCAB:
             out[name] = VOCAB - 1
@@ -191,7 +196,7 @@ def make_model(model_type: str, optimizer: str, config: dict[str, Any] | None = 
     from lightning_par.hf import HFCausalLM
 
     torch.manual_seed(0)
-    lr = {"sgd": 0.1, "adamw": 3e-3}[optimizer]
+    lr = {"sgd": 0.1, "adamw": ADAM_LR}[optimizer]
     return HFCausalLM(model_type=model_type, config=tiny_config(model_type) if config is None else config,
                       optimizer=optimizer, learning_rate=lr, adam_eps=ADAM_EPS)
 
@@ -256,12 +261,13 @@ def _strategy(layout: str) -> Any:
 
     name, options = STRATEGIES[layout]
     entry = StrategyRegistry[name]
-    return entry["strategy"](**{**entry["init_params"], "timeout_s": 120, **options})
+    return entry["strategy"](**{**entry["init_params"], "timeout_s": 300, **options})
 
 
-def layout_worker(layout: str, model_types: list[str], data: TokenDataset) -> list[dict[str, Any]]:
-    """Body of one rank: fit every model type under ``layout`` in turn, in one process group. A failure of one model
-    is recorded (``error``, ``started``: whether a training batch began) and the next one runs.
+def layout_worker(layout: str, model_types: list[str], data: TokenDataset, progress: str) -> None:
+    """Body of one rank: fit every model type under ``layout`` in turn, in one process group, saving each record to
+    ``progress/<model_type>.rank<rank>.pt``. A failure of one model is recorded (``error``, ``started``: whether a
+    training batch began) and the next one runs.
 
     A rank that raises where its peer does not would leave the peer in a collective: the collectives' timeout
     (``timeout_s`` of the strategy) turns that into an error on the peer, recorded the same way.
@@ -280,7 +286,6 @@ def layout_worker(layout: str, model_types: list[str], data: TokenDataset) -> li
     env = dict(os.environ)
     torch.set_num_threads(1)
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    out = []
     for model_type in model_types:
         os.environ.clear()
         os.environ.update(env)  # Lightning's teardown removes WORLD_SIZE and friends after each fit
@@ -297,16 +302,16 @@ def layout_worker(layout: str, model_types: list[str], data: TokenDataset) -> li
                                     callbacks=[recorder, started])
             trainer.fit(make_model(model_type, optimizer_of(model_type, layout)), loader)
             last_pp = coords["pp"] == dims.pp_size - 1
-            out.append({"losses": recorder.losses if last_pp else None, "dp": dims.dp_size,
-                        "state": strategy.full_state_dict(), "seconds": time.perf_counter() - t0})
+            record = {"losses": recorder.losses if last_pp else None, "dp": dims.dp_size,
+                      "state": strategy.full_state_dict(), "seconds": time.perf_counter() - t0}
         except BaseException as err:  # noqa: BLE001 - recorded per model; the next one runs
             if isinstance(err, KeyboardInterrupt):
                 raise
-            out.append({"error": _reason(err), "value_error": isinstance(err, ValueError),
-                        "started": started.started, "trace": traceback.format_exc()[-3000:],
-                        "seconds": time.perf_counter() - t0})
+            record = {"error": _reason(err), "value_error": isinstance(err, ValueError),
+                      "started": started.started, "trace": traceback.format_exc()[-3000:],
+                      "seconds": time.perf_counter() - t0}
             _reset_process_group()
-    return out
+        torch.save(record, os.path.join(progress, f"{model_type}.rank{rank}.pt"))
 
 
 def _reset_process_group() -> None:
@@ -321,13 +326,43 @@ def _reset_process_group() -> None:
 
 
 def run_layout(layout: str, model_types: list[str], timeout_s: float = 3000) -> dict[str, list[dict[str, Any]]]:
-    """Every model type under ``layout`` in one launch of 2 ranks: ``{model_type: [rank 0's record, rank 1's]}``."""
-    from lightning_par.launcher import run_distributed
+    """Every model type under ``layout`` in one launch of 2 ranks: ``{model_type: [rank 0's record, rank 1's]}``.
 
-    if not model_types:
-        return {}
-    per_rank = run_distributed(layout_worker, 2, (layout, model_types, dataset()), timeout_s=timeout_s)
-    return {mt: [per_rank[r][i] for r in range(2)] for i, mt in enumerate(model_types)}
+    Each rank saves its record of a model type as soon as it is done. A model type that kills the launch (a rank
+    aborted in native code, or the world past ``timeout_s``) gets a crash record on both ranks, and the model types
+    after it run in a new launch.
+    """
+    import tempfile
+
+    from lightning_par.launcher import DistributedRunError, LauncherSignalled, run_distributed
+
+    out: dict[str, list[dict[str, Any]]] = {}
+    remaining = list(model_types)
+    while remaining:
+        with tempfile.TemporaryDirectory(prefix="hf_matrix_") as progress:
+            try:
+                run_distributed(layout_worker, 2, (layout, remaining, dataset(), progress), timeout_s=timeout_s)
+                crashed = None
+            except LauncherSignalled:
+                raise
+            except DistributedRunError as err:
+                crashed = err
+            done = []
+            for mt in remaining:
+                paths = [os.path.join(progress, f"{mt}.rank{r}.pt") for r in range(2)]
+                if not all(os.path.exists(p) for p in paths):
+                    break
+                out[mt] = [torch.load(p, weights_only=False) for p in paths]
+                done.append(mt)
+            remaining = remaining[len(done):]
+            if remaining:
+                if crashed is None:
+                    raise RuntimeError(f"{layout}: the ranks returned without records of {remaining}")
+                record = {"error": f"the process died: {_reason(crashed)}", "value_error": False, "started": True,
+                          "seconds": 0.0}
+                out[remaining[0]] = [record, record]
+                remaining = remaining[1:]
+    return out
 
 
 _REFERENCES: dict[tuple[str, str, int], tuple[list[float], dict[str, torch.Tensor]]] = {}
@@ -342,10 +377,6 @@ def reference(model_type: str, optimizer: str, dp: int) -> tuple[list[float], di
         with one_thread():
             _REFERENCES[key] = reference_fit(lambda: make_model(model_type, optimizer), dataset(), MICRO * dp, STEPS)
     return _REFERENCES[key]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 def judge(model_type: str, layout: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -377,10 +408,10 @@ def judge(model_type: str, layout: str, runs: list[dict[str, Any]]) -> dict[str,
         actual = state[name]
         if not torch.allclose(actual, expected, rtol=RTOL, atol=1e-5):
             param_ok = False
-        rel = _rel(actual, expected)
+        rel = float((actual - expected).abs().max())
         if rel > worst:
             worst, worst_name = rel, name
-    detail = f"loss rel {loss_rel:.1e}, params rel {worst:.1e} ({worst_name})"
+    detail = f"loss rel {loss_rel:.1e}, params max abs diff {worst:.1e} ({worst_name})"
     if loss_rel <= RTOL and param_ok and all(math.isfinite(v) for v in losses):
         return {"status": "PASS", "detail": detail}
     return {"status": "FAIL", "detail": f"wrong numbers: {detail}; losses {[round(v, 6) for v in losses]} vs "
@@ -389,16 +420,31 @@ def judge(model_type: str, layout: str, runs: list[dict[str, Any]]) -> dict[str,
 
 # -- the table --------------------------------------------------------------------------------------------------------
 
+def probe_all(model_types: list[str], cache: str | None = None) -> dict[str, dict[str, Any]]:
+    """:func:`probe` of every model type, read from / written to the JSON file ``cache`` when given."""
+    import json
+
+    if cache and os.path.exists(cache):
+        with open(cache) as f:
+            found = json.load(f)
+        if all(mt in found for mt in model_types):
+            return {mt: found[mt] for mt in model_types}
+    found = {mt: probe(mt) for mt in model_types}
+    if cache:
+        with open(cache, "w") as f:
+            json.dump(found, f, indent=1)
+    return found
+
+
 def run_matrix(model_types: list[str] | None = None, layouts: tuple[str, ...] = LAYOUTS,
-               log: Any = None) -> dict[str, dict[str, Any]]:
-    """Every architecture's row: ``{model_type: {"cannot": reason} | {layout: verdict or None (not claimed)}}``."""
+               log: Any = None, probes: str | None = None) -> dict[str, dict[str, Any]]:
+    """Every architecture's row: ``{model_type: {"cannot": reason} | {"claims": [...], layout: verdict or None}}``
+    (``None``: not claimed, or not run here)."""
     model_types = registry() if model_types is None else model_types
     rows: dict[str, dict[str, Any]] = {}
-    for mt in model_types:
-        found = probe(mt)
-        rows[mt] = {"cannot": found["cannot"]} if "cannot" in found else {l: None for l in LAYOUTS}
-        if "claims" in found:
-            rows[mt]["claims"] = found["claims"]
+    for mt, found in probe_all(model_types, probes).items():
+        rows[mt] = {"cannot": found["cannot"]} if "cannot" in found else {"claims": found["claims"],
+                                                                          **{l: None for l in LAYOUTS}}
     for layout in layouts:
         members = [mt for mt in model_types if layout in rows[mt].get("claims", ())]
         t0 = time.perf_counter()
@@ -411,6 +457,8 @@ def run_matrix(model_types: list[str] | None = None, layouts: tuple[str, ...] = 
             runs = results[mt]
             rows[mt][layout] = (judge(mt, layout, runs) if runs is not None
                                 else {"status": "FAIL", "detail": f"launch failed: {launch_error}"})
+            if runs is not None:
+                rows[mt][layout]["seconds"] = round(max(r["seconds"] for r in runs), 1)
             if log is not None:
                 print(f"{layout:6s} {mt:28s} {rows[mt][layout]['status']:8s} {rows[mt][layout]['detail'][:200]}",
                       file=log, flush=True)
@@ -418,6 +466,18 @@ def run_matrix(model_types: list[str] | None = None, layouts: tuple[str, ...] = 
             print(f"# {layout}: {len(members)} architectures in {time.perf_counter() - t0:.0f} s", file=log,
                   flush=True)
     return rows
+
+
+def merge(parts: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Rows of runs over disjoint cells (layouts or model types) as one table."""
+    rows: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for mt, row in part.items():
+            into = rows.setdefault(mt, dict(row))
+            for key, value in row.items():
+                if value is not None:
+                    into[key] = value
+    return dict(sorted(rows.items()))
 
 
 def _cell(verdict: dict[str, Any] | None) -> str:
@@ -455,7 +515,8 @@ def markdown(rows: dict[str, dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m tests.hf_matrix_helpers [--markdown] [--json PATH] [--layouts zero3,tp2] [MODEL_TYPE ...]``."""
+    """``python -m tests.hf_matrix_helpers [--markdown] [--json PATH] [--layouts zero3,tp2] [--probes PATH]
+    [--merge A.json B.json ...] [MODEL_TYPE ...]``."""
     import argparse
     import json
     import sys
@@ -466,15 +527,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
     parser.add_argument("--json", help="write the rows as JSON here")
+    parser.add_argument("--probes", help="a JSON file caching each architecture's build (read if present)")
+    parser.add_argument("--merge", nargs="+", help="JSON files of earlier runs to merge into one table (runs nothing)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    layouts = tuple(l for l in args.layouts.split(",") if l)
-    for l in layouts:
-        if l not in LAYOUTS:
-            raise SystemExit(f"--layouts: {l!r} is not valid: expected some of {LAYOUTS}")
-    with quiet():
-        rows = run_matrix(args.model_types or None, layouts, log=sys.stderr)
+    if args.merge:
+        parts = []
+        for path in args.merge:
+            with open(path) as f:
+                parts.append(json.load(f))
+        rows = merge(parts)
+    else:
+        layouts = tuple(l for l in args.layouts.split(",") if l)
+        for l in layouts:
+            if l not in LAYOUTS:
+                raise SystemExit(f"--layouts: {l!r} is not valid: expected some of {LAYOUTS}")
+        with quiet():
+            rows = run_matrix(args.model_types or None, layouts, log=sys.stderr, probes=args.probes)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

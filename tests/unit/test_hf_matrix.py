@@ -56,7 +56,7 @@ def test_judge_fails_a_cell_that_trains_and_differs(monkeypatch) -> None:
     moved = torch.ones(4, 4)
     moved[1, 2] += 1e-3
     off_param = M.judge("llama", "pp2", _runs(ref_losses, {"w": moved}))
-    assert off_param["status"] == "FAIL" and "params rel 1.0e-03 (w)" in off_param["detail"]
+    assert off_param["status"] == "FAIL" and "params max abs diff 1.0e-03 (w)" in off_param["detail"]
     renamed = M.judge("llama", "pp2", _runs(ref_losses, {"v": torch.ones(4, 4)}))
     assert renamed["status"] == "FAIL" and "names differ" in renamed["detail"]
 
