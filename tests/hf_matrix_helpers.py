@@ -44,6 +44,8 @@ RTOL = 1e-5
 #: 1e-5 to 7e-5 apart after 4 steps with equal losses (llama and qwen3_moe under tp2+SP, several under cp2); at lr 1e-3
 #: the bound of 1e-5 absolute is a hundredth of a step, while a missing reduction moves every entry by about a step.
 ADAM_EPS, ADAM_LR = 1e-5, 1e-3
+#: Seconds without progress (a step, or the next model) after which a launch is ended and its model recorded as hung.
+WATCHDOG_S = 300
 LAYOUTS = ("zero3", "tp2", "tp2sp", "pp2", "cp2", "ep2")
 #: Strategy registry name and options per layout (2 ranks each).
 STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -286,9 +288,12 @@ def layout_worker(layout: str, model_types: list[str], data: TokenDataset, progr
     env = dict(os.environ)
     torch.set_num_threads(1)
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    for model_type in model_types:
+    from lightning_par.fault.heartbeat import HeartbeatCallback, beat
+
+    for index, model_type in enumerate(model_types):
         os.environ.clear()
         os.environ.update(env)  # Lightning's teardown removes WORLD_SIZE and friends after each fit
+        beat(index, "setup")  # the launcher's watchdog ends a launch that stops progressing (a model that hangs)
         t0 = time.perf_counter()
         started, recorder = Started(), LossRecorder()
         strategy = None
@@ -299,7 +304,7 @@ def layout_worker(layout: str, model_types: list[str], data: TokenDataset, progr
             sampler = DistributedSampler(data, num_replicas=dims.dp_size, rank=coords["dp"], shuffle=False)
             loader = DataLoader(data, batch_size=MICRO, sampler=sampler, drop_last=True)
             trainer = quiet_trainer(strategy, world, max_steps=STEPS, limit_val_batches=0,
-                                    callbacks=[recorder, started])
+                                    callbacks=[recorder, started, HeartbeatCallback()])
             trainer.fit(make_model(model_type, optimizer_of(model_type, layout)), loader)
             last_pp = coords["pp"] == dims.pp_size - 1
             record = {"losses": recorder.losses if last_pp else None, "dp": dims.dp_size,
@@ -329,7 +334,7 @@ def run_layout(layout: str, model_types: list[str], timeout_s: float = 3000) -> 
     """Every model type under ``layout`` in one launch of 2 ranks: ``{model_type: [rank 0's record, rank 1's]}``.
 
     Each rank saves its record of a model type as soon as it is done. A model type that kills the launch (a rank
-    aborted in native code, or the world past ``timeout_s``) gets a crash record on both ranks, and the model types
+    aborted in native code, no progress for :data:`WATCHDOG_S`, or the world past ``timeout_s``) gets a crash record on both ranks, and the model types
     after it run in a new launch.
     """
     import tempfile
@@ -341,7 +346,8 @@ def run_layout(layout: str, model_types: list[str], timeout_s: float = 3000) -> 
     while remaining:
         with tempfile.TemporaryDirectory(prefix="hf_matrix_") as progress:
             try:
-                run_distributed(layout_worker, 2, (layout, remaining, dataset(), progress), timeout_s=timeout_s)
+                run_distributed(layout_worker, 2, (layout, remaining, dataset(), progress), timeout_s=timeout_s,
+                                watchdog_s=WATCHDOG_S, startup_grace_s=WATCHDOG_S)
                 crashed = None
             except LauncherSignalled:
                 raise
