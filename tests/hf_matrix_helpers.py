@@ -317,6 +317,15 @@ def layout_worker(layout: str, model_types: list[str], data: TokenDataset, progr
                       "seconds": time.perf_counter() - t0}
             _reset_process_group()
         torch.save(record, os.path.join(progress, f"{model_type}.rank{rank}.pt"))
+        _wait_for_peers(progress, model_type, world)
+
+
+def _wait_for_peers(progress: str, model_type: str, world: int) -> None:
+    """Start the next model only when every rank has finished this one, its teardown included (a file barrier: the
+    process group is gone). Without it, on a loaded machine a rank that refused early initialised the next model's
+    process group while its peer was still tearing the last one down, and both waited for good."""
+    while not all(os.path.exists(os.path.join(progress, f"{model_type}.rank{r}.pt")) for r in range(world)):
+        time.sleep(0.05)
 
 
 def _reset_process_group() -> None:
@@ -486,14 +495,19 @@ def merge(parts: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     return dict(sorted(rows.items()))
 
 
+def _short(text: str, width: int) -> str:
+    text = text.replace("|", "/").replace("\n", " ")
+    for prefix in ("ValueError: ", "wrong numbers: "):
+        text = text.replace(prefix, "")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 def _cell(verdict: dict[str, Any] | None) -> str:
     if verdict is None:
         return "–"
-    status, detail = verdict["status"], verdict["detail"]
-    if status == "PASS":
+    if verdict["status"] == "PASS":
         return "PASS"
-    short = detail.replace("|", "/")
-    return f"{status}: {short[:90]}"
+    return f"{verdict['status']}: {_short(verdict['detail'], 80)}"
 
 
 def markdown(rows: dict[str, dict[str, Any]]) -> str:
@@ -505,7 +519,7 @@ def markdown(rows: dict[str, dict[str, Any]]) -> str:
              "| model_type | " + " | ".join(LAYOUTS) + " |", "|---|" + "---|" * len(LAYOUTS)]
     for mt, row in rows.items():
         if "cannot" in row:
-            lines.append(f"| {mt} | cannot build: {row['cannot'].replace('|', '/')[:110]} |" + " |" * (len(LAYOUTS) - 1))
+            lines.append(f"| {mt} | cannot build: {_short(row['cannot'], 110)} |" + " |" * (len(LAYOUTS) - 1))
         else:
             lines.append(f"| {mt} | " + " | ".join(_cell(row.get(l)) for l in LAYOUTS) + " |")
     counts: dict[str, int] = {}
