@@ -322,8 +322,9 @@ def layout_worker(layout: str, model_types: list[str], data: TokenDataset, progr
 
 def _wait_for_peers(progress: str, model_type: str, world: int) -> None:
     """Start the next model only when every rank has finished this one, its teardown included (a file barrier: the
-    process group is gone). Without it, on a loaded machine a rank that refused early initialised the next model's
-    process group while its peer was still tearing the last one down, and both waited for good."""
+    process group is gone). Without it, batched runs on a loaded machine hung now and then at the set-up of a model
+    that trains alone (qwen3_moe under ep2 and tp2, after other models' refusals): suspected, not proven, a rank
+    initialising the next process group while its peer still tears the last one down."""
     while not all(os.path.exists(os.path.join(progress, f"{model_type}.rank{r}.pt")) for r in range(world)):
         time.sleep(0.05)
 
