@@ -341,11 +341,23 @@ def _reset_process_group() -> None:
 
 
 def run_layout(layout: str, model_types: list[str], timeout_s: float = 3000) -> dict[str, list[dict[str, Any]]]:
+    """:func:`_run_batch`, then each model type that crashed or hung after start in the batch once more alone: its
+    result alone is the verdict. (Batched launches on a loaded machine hung now and then at a model that trains alone,
+    after an earlier model's failure; a real crash or hang repeats alone.)"""
+    out = _run_batch(layout, model_types, timeout_s)
+    if len(model_types) > 1:
+        for mt in model_types:
+            if any("error" in r and r["started"] and not r["value_error"] for r in out[mt]):
+                out[mt] = _run_batch(layout, [mt], timeout_s)[mt]
+    return out
+
+
+def _run_batch(layout: str, model_types: list[str], timeout_s: float) -> dict[str, list[dict[str, Any]]]:
     """Every model type under ``layout`` in one launch of 2 ranks: ``{model_type: [rank 0's record, rank 1's]}``.
 
     Each rank saves its record of a model type as soon as it is done. A model type that kills the launch (a rank
-    aborted in native code, no progress for :data:`WATCHDOG_S`, or the world past ``timeout_s``) gets a crash record on both ranks, and the model types
-    after it run in a new launch.
+    aborted in native code, no progress for :data:`WATCHDOG_S`, or the world past ``timeout_s``) gets a crash record
+    on both ranks, and the model types after it run in a new launch.
     """
     import tempfile
 
@@ -522,7 +534,9 @@ def markdown(rows: dict[str, dict[str, Any]]) -> str:
         if "cannot" in row:
             lines.append(f"| {mt} | cannot build: {_short(row['cannot'], 110)} |" + " |" * (len(LAYOUTS) - 1))
         else:
-            lines.append(f"| {mt} | " + " | ".join(_cell(row.get(l)) for l in LAYOUTS) + " |")
+            lines.append(f"| {mt} | " + " | ".join(
+                "not run" if row.get(l) is None and l in row.get("claims", ()) else _cell(row.get(l)) for l in LAYOUTS
+            ) + " |")
     counts: dict[str, int] = {}
     for row in rows.values():
         if "cannot" in row:
