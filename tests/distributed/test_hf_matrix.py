@@ -58,6 +58,16 @@ KNOWN: dict[tuple[str, str], str] = {
     ("doge", "cp2"): "issue 33 (new): Doge's learned attention mask; refused now at the first step (was silently dropped)",
     ("doge", "pp2"): "issue 33 (new): loss rel 4.7e-03 under pp2 (cause not yet read)",
     ("doge", "tp2"): "issue 33 (new): crashed after start, teardown's `_apply(): Couldn't swap Linear.weight`",
+    ("kolibri1", "cp2"): "issue 33 (new): 1.3e-05 apart in model.embed_tokens (bound 1e-05 + 1e-05 rel), losses rel 1.7e-07: "
+                         "probably AdamW rounding near eps, alone too",
+    ("aria_text", "tp2sp"): "issue 33 (new): MoE shared experts under SP: loss rel 8.6e-05, "
+                            "mlp.shared_experts.gate_proj 4.4e-03 apart",
+    ("glm4_moe", "tp2sp"): "issue 33 (new): MoE shared experts under SP: loss rel 6.3e-05, "
+                           "mlp.shared_experts.up_proj 7.5e-03 apart",
+    ("ernie4_5_moe", "tp2sp"): "issue 33 (new): crashed after start under SP (teardown's `_apply(): Couldn't swap "
+                               "Linear.weight` hides it)",
+    ("hy_v3", "tp2sp"): "issue 33 (new): crashed after start under SP: 'a and b must have same reduction dim, but got "
+                        "[32, 128] X [64, 64]' (teardown's `_apply(): Couldn't swap Linear.weight` hides it)",
     ("lara_mini", "pp2"): "issue 33 (new): loss rel 1.1e-03 under pp2 (cause not yet read)",
     ("llama4", "tp2"): "issue 33 (new): crashed after start, teardown's `_apply(): Couldn't swap Linear.weight`",
     ("llama4_text", "tp2"): "issue 33 (new): crashed after start, teardown's `_apply(): Couldn't swap Linear.weight`",
