@@ -294,6 +294,7 @@ def layout_worker(layout: str, model_types: list[str], data: TokenDataset, progr
         os.environ.clear()
         os.environ.update(env)  # Lightning's teardown removes WORLD_SIZE and friends after each fit
         beat(index, "setup")  # the launcher's watchdog ends a launch that stops progressing (a model that hangs)
+        os.environ["MASTER_PORT"] = _shared_port(progress, index, rank)
         t0 = time.perf_counter()
         started, recorder = Started(), LossRecorder()
         strategy = None
@@ -320,11 +321,28 @@ def layout_worker(layout: str, model_types: list[str], data: TokenDataset, progr
         _wait_for_peers(progress, model_type, world)
 
 
+def _shared_port(progress: str, index: int, rank: int) -> str:
+    """A fresh rendezvous port per model, chosen by rank 0 and read by the others from ``progress``.
+
+    On the same port, the next model's ``init_process_group`` on rank 1 met rank 0's previous store, still alive, and
+    passed the rendezvous alone: rank 1 waited in the first broadcast and rank 0 in ``init_process_group`` for good
+    (py-spy, batched zero3 launch)."""
+    from lightning_par.launcher import find_free_port
+
+    path = os.path.join(progress, f"port-{index}")
+    if rank == 0:
+        with open(path + ".tmp", "w") as f:
+            f.write(str(find_free_port()))
+        os.replace(path + ".tmp", path)
+    while not os.path.exists(path):
+        time.sleep(0.05)
+    with open(path) as f:
+        return f.read().strip()
+
+
 def _wait_for_peers(progress: str, model_type: str, world: int) -> None:
     """Start the next model only when every rank has finished this one, its teardown included (a file barrier: the
-    process group is gone). Without it, batched runs on a loaded machine hung now and then at the set-up of a model
-    that trains alone (qwen3_moe under ep2 and tp2, after other models' refusals): suspected, not proven, a rank
-    initialising the next process group while its peer still tears the last one down."""
+    process group is gone), with :func:`_shared_port` against batched launches hanging at a model's set-up."""
     while not all(os.path.exists(os.path.join(progress, f"{model_type}.rank{r}.pt")) for r in range(world)):
         time.sleep(0.05)
 
