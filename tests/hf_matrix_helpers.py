@@ -45,7 +45,7 @@ RTOL = 1e-5
 #: the bound of 1e-5 absolute is a hundredth of a step, while a missing reduction moves every entry by about a step.
 ADAM_EPS, ADAM_LR = 1e-5, 1e-3
 #: Seconds without progress (a step, or the next model) after which a launch is ended and its model recorded as hung.
-WATCHDOG_S = 300
+WATCHDOG_S = 180
 LAYOUTS = ("zero3", "tp2", "tp2sp", "pp2", "cp2", "ep2")
 #: Strategy registry name and options per layout (2 ranks each).
 STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -263,7 +263,7 @@ def _strategy(layout: str) -> Any:
 
     name, options = STRATEGIES[layout]
     entry = StrategyRegistry[name]
-    return entry["strategy"](**{**entry["init_params"], "timeout_s": 300, **options})
+    return entry["strategy"](**{**entry["init_params"], "timeout_s": 90, **options})
 
 
 def layout_worker(layout: str, model_types: list[str], data: TokenDataset, progress: str) -> None:
