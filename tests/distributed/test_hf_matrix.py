@@ -39,6 +39,10 @@ KNOWN: dict[tuple[str, str], str] = {
     ("cohere2_moe", "pp2"): "issue 33 (hfpp): logit_scale outside the pipeline plan: loss rel 4.1e-03",
     ("minicpm3", "pp2"): "issue 33 (hfpp): embedding/logit scaling outside the pipeline plan: losses 5.87 vs 10.04",
     ("laguna", "pp2"): "issue 33 (hfpp): LagunaRotaryEmbedding.forward() needs layer_type (as gemma3_text)",
+    ("beam", "pp2"): "issue 33 (hfpp): BeamRotaryEmbedding.forward() needs layer_type (as gemma3_text)",
+    ("gemma3_text", "pp2"): "issue 33 (hfpp): Gemma3RotaryEmbedding.forward() needs layer_type",
+    ("olmo3", "pp2"): "issue 33 (hfpp): Olmo3RotaryEmbedding.forward() needs layer_type (as gemma3_text)",
+    ("cohere2", "pp2"): "issue 33 (hfpp): logit_scale outside the pipeline plan: loss rel 7.4e-03",
     ("mellum", "pp2"): "issue 33 (hfpp): MellumRotaryEmbedding.forward() needs layer_type (as gemma3_text)",
     # new: found by this matrix
     ("apertus", "tp2"): "issue 33 (new): xIELU act_fn.alpha_p/alpha_n (replicated, inside the split MLP) get tp-partial "
