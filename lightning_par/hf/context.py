@@ -39,7 +39,9 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     """``sdpa_attention_forward`` without a mask; refuses a sliding window shorter than the sequence.
 
     Raises:
-        ValueError: the layer has a sliding window shorter than the global sequence held by the cp ranks.
+        ValueError: the layer has a sliding window shorter than the global sequence held by the cp ranks; or the
+            model passes an attention mask of its own (``create_causal_mask`` returns none under :data:`ATTENTION`,
+            so a mask here was built by the model: Doge's learned dynamic mask), which would be dropped.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -58,6 +60,14 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
                 f"sequences of {span} tokens: cp attention is causal over the whole sequence; use sequences of at "
                 f"most {window} tokens or cp_size=1."
             )
+    if attention_mask is not None and shard is not None:
+        # Measured (transformers 5.24, doge at cp 2): dropping it trained with equal losses and a wrong gradient of the
+        # mask's parameter (A), 2.6 AdamW steps off after 4 steps.
+        raise ValueError(
+            f"context parallelism is not valid for {type(module).__name__}: the model passes its own attention mask "
+            f"of shape {tuple(attention_mask.shape)} (a learned or data-dependent bias, not the causal mask), which "
+            f"ring and all-to-all attention cannot split; use cp_size=1."
+        )
     return sdpa_attention_forward(module, query, key, value, None, **kwargs)
 
 
