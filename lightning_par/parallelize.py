@@ -369,11 +369,7 @@ class ParallelModel:
         }
         for transform in self._full_state_transforms:
             transform(local)
-        if not self.dims.pp_enabled:
-            return local
-        parts: list[Any] = [None] * self.dims.pp_size
-        dist.all_gather_object(parts, local, group=self.dims.group("pp"))
-        return {k: v for part in parts for k, v in part.items()}
+        return self._over_stages(local)
 
     def grad_norm(self, params: list[Tensor], norm_type: float = 2.0) -> Tensor:
         """The ``norm_type``-norm of the whole model's gradient (every shard, every stage), computed as clipping
@@ -387,11 +383,7 @@ class ParallelModel:
         local = {k: v.detach().cpu() for k, v in self.engine.full_grads().items()}
         for transform in self._full_state_transforms:
             transform(local)
-        if not self.dims.pp_enabled:
-            return local
-        parts: list[Any] = [None] * self.dims.pp_size
-        dist.all_gather_object(parts, local, group=self.dims.group("pp"))
-        return {k: v for part in parts for k, v in part.items()}
+        return self._over_stages(local)
 
     def parameter_counts(self) -> dict[str, tuple[int, bool]]:
         """``{one-process name: (elements, requires_grad)}`` of every parameter of the whole model, on every rank:
@@ -405,11 +397,7 @@ class ParallelModel:
         for transform in self._full_state_transforms:
             transform(shapes)
         local = {name: (t.numel(), trainable[name]) for name, t in shapes.items()}
-        if not self.dims.pp_enabled:
-            return local
-        parts: list[Any] = [None] * self.dims.pp_size
-        dist.all_gather_object(parts, local, group=self.dims.group("pp"))
-        return {k: v for part in parts for k, v in part.items()}
+        return self._over_stages(local)
 
     def full_buffers(self) -> dict[str, Tensor]:
         """Every buffer of the whole model in full, keyed by one-process name, on every rank (collective over the tp
@@ -418,11 +406,16 @@ class ParallelModel:
             k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
             for k, v in self.module.named_buffers()
         }
+        return self._over_stages(local)
+
+    def _over_stages(self, local: dict[str, Any]) -> dict[str, Any]:
+        """``local`` (this rank's entries, keyed by one-process name) merged with the other pipeline stages'
+        (collective over the pp group; the first stage's entry wins where two hold one name, e.g. a buffer)."""
         if not self.dims.pp_enabled:
             return local
         parts: list[Any] = [None] * self.dims.pp_size
         dist.all_gather_object(parts, local, group=self.dims.group("pp"))
-        out: dict[str, Tensor] = {}
+        out: dict[str, Any] = {}
         for part in parts:
             for k, v in part.items():
                 out.setdefault(k, v)

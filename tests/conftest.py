@@ -1,0 +1,10 @@
+"""Session-wide test settings."""
+
+import torch
+
+# The distributed tests fork their ranks from this process (lightning_par.launcher, start method "fork"). GNU OpenMP is
+# not fork-safe: a child that enters a parallel region after this process ran one on several threads waits forever
+# for the worker threads it did not inherit (seen in the full suite: a forked rank idle in libgomp inside CPU flash
+# attention). With one intra-op thread here this process never starts an OpenMP thread pool; the ranks set their own
+# thread count (threads_per_rank).
+torch.set_num_threads(1)
