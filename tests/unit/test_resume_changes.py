@@ -20,15 +20,8 @@ from lightning_par.train import preflight
 from tests.e2e.test_faults import _cfg
 
 
-@pytest.fixture(autouse=True)
-def _no_process_group_left_behind():
-    """A Trainer run in this process starts a process group (world 1) that Lightning leaves initialised; later tests
-    check that nothing starts one before its time."""
-    yield
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+# A Trainer run in this process starts a process group (world 1) that Lightning leaves initialised.
+pytestmark = pytest.mark.usefixtures("no_process_group_left_behind")
 
 TINY = ("strategy=zero2", "parallel.world_size=2", "trainer.max_steps=4")
 
