@@ -44,6 +44,14 @@ RTOL = 1e-5
 #: 1e-5 to 7e-5 apart after 4 steps with equal losses (llama and qwen3_moe under tp2+SP, several under cp2); at lr 1e-3
 #: the bound of 1e-5 absolute is a hundredth of a step, while a missing reduction moves every entry by about a step.
 ADAM_EPS, ADAM_LR = 1e-5, 1e-3
+#: Cells whose parameters are judged with a wider absolute bound than 1e-5, each under AdamW only, with what was
+#: measured. kolibri1 cp2 (AdamW): 6 of 16,384 embedding entries ended 1.9e-6 to 1.29e-5 apart (losses rel 1.7e-7),
+#: each an entry whose gradient was near eps in the one step its token was seen (9.7e-6 at (43, 14), the worst), where
+#: Adam's step lr * g / (sqrt(v) + eps) turns fp32 rounding of g into a step difference; the same cell under SGD+momentum
+#: ends 1.4e-7 apart, and in ONE process the whole-batch gradient against the mean of two half-batch gradients (equal
+#: up to rounding) already ends 6.8e-6 apart at such entries under AdamW (1.7e-7 under SGD). A missing or unaveraged
+#: reduction moves entries by about a step (lr 1e-3): 3e-5 is 3 % of one.
+PARAM_ATOL: dict[tuple[str, str], float] = {("kolibri1", "cp2"): 3e-5}
 #: Seconds without progress (a step, or the next model) after which a launch is ended and its model recorded as hung.
 WATCHDOG_S = 180
 LAYOUTS = ("zero3", "tp2", "tp2sp", "pp2", "cp2", "ep2")
@@ -429,7 +437,8 @@ def judge(model_type: str, layout: str, runs: list[dict[str, Any]]) -> dict[str,
     """A cell's verdict from both ranks' records: ``{"status": "PASS"|"refused"|"FAIL", "detail": ...}``.
 
     PASS: every step's global loss within rel :data:`RTOL` of one process, and every parameter within
-    ``assert_params_close``'s bound (rel 1e-5 plus 1e-5 absolute, see :func:`tests.helpers.assert_params_close`).
+    ``assert_params_close``'s bound (rel 1e-5 plus 1e-5 absolute, see :func:`tests.helpers.assert_params_close`; the
+    cells of :data:`PARAM_ATOL` under AdamW: their measured absolute bound).
     refused: a ``ValueError`` on a rank before its first training batch (its message), and no rank finished. Anything
     else is FAIL with the measured relative errors or the error.
     """
@@ -450,9 +459,10 @@ def judge(model_type: str, layout: str, runs: list[dict[str, Any]]) -> dict[str,
     if sorted(state) != sorted(ref_params):
         return {"status": "FAIL", "detail": f"parameter names differ: {sorted(set(state) ^ set(ref_params))[:4]}"}
     param_ok, worst, worst_name = True, 0.0, ""
+    atol = PARAM_ATOL.get((model_type, layout), 1e-5) if optimizer_of(model_type, layout) == "adamw" else 1e-5
     for name, expected in ref_params.items():
         actual = state[name]
-        if not torch.allclose(actual, expected, rtol=RTOL, atol=1e-5):
+        if not torch.allclose(actual, expected, rtol=RTOL, atol=atol):
             param_ok = False
         rel = float((actual - expected).abs().max())
         if rel > worst:

@@ -290,9 +290,17 @@ def check_sequence_mixing(network: nn.Module, intro: str) -> None:
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
             network.eval()
-            logits, calls = _record(network, input_ids, arange)
-            own_logits, own_calls = _record(network, input_ids, None)
-            moved_logits, moved_calls = _record(network, changed, arange)
+            try:
+                logits, calls = _record(network, input_ids, arange)
+                own_logits, own_calls = _record(network, input_ids, None)
+                moved_logits, moved_calls = _record(network, changed, arange)
+            except ValueError:
+                raise
+            except Exception as err:  # noqa: BLE001 - a model the check cannot run is not trained unchecked
+                raise ValueError(
+                    f"{intro}: the check of what a split sequence changes could not run the model on "
+                    f"{PROBE_TOKENS} tokens ({type(err).__name__}: {err}). Use cp_size=1."
+                ) from err
     finally:
         _PROBING.reset(token)
         for module, mode in training.items():

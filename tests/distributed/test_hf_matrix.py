@@ -35,21 +35,7 @@ KNOWN: dict[tuple[str, str], str] = {
                         "gradients: loss rel 7.6e-06, params 4.3e-04 apart",
     ("apertus1p5_text", "tp2"): "issue 33 (new): xIELU act_fn.alpha_p tp-partial gradients: params 1.6e-03 apart",
     ("sarvam_moe", "tp2"): "issue 33 (new): self_attn.q_norm weight tp-partial gradient: params 4.4e-03 apart",
-    ("camembert", "cp2"): "issue 33 (new): RoBERTa positions start at padding_idx + 1, cp passes 0..: loss rel 4.9e-03",
-    ("data2vec-text", "cp2"): "issue 33 (new): RoBERTa-style positions under cp: loss rel 1.8e-03",
-    ("roberta", "cp2"): "issue 33 (new): RoBERTa positions under cp: loss rel 1.8e-03",
-    ("roberta-prelayernorm", "cp2"): "issue 33 (new): RoBERTa positions under cp: loss rel 3.5e-03",
-    ("xlm-roberta", "cp2"): "issue 33 (new): RoBERTa positions under cp: loss rel 4.9e-03",
-    ("xlm-roberta-xl", "cp2"): "issue 33 (new): RoBERTa positions under cp: loss rel 6.7e-04",
-    ("granitemoehybrid", "cp2"): "issue 33 (new): Mamba layers mix the sequence outside attention: loss rel 6.9e-03",
-    ("lfm3", "cp2"): "issue 33 (new): short convolutions mix the sequence outside attention: loss rel 8.6e-03",
-    ("recurrent_gemma", "cp2"): "issue 33 (new): recurrent blocks / conv1d outside attention: loss rel 6.9e-04",
-    ("minimax", "cp2"): "issue 33 (new): linear-attention layers outside sdpa: loss rel 4.0e-04",
-    ("doge", "cp2"): "issue 33 (new): Doge's learned attention mask; refused now at the first step (was silently dropped)",
-    ("doge", "pp2"): "issue 33 (new): loss rel 4.7e-03 under pp2 (cause not yet read)",
     ("doge", "tp2"): "issue 33 (new): crashed after start, teardown's `_apply(): Couldn't swap Linear.weight`",
-    ("kolibri1", "cp2"): "issue 33 (new): 1.3e-05 apart in model.embed_tokens (bound 1e-05 + 1e-05 rel), losses rel 1.7e-07: "
-                         "probably AdamW rounding near eps, alone too",
     ("aria_text", "tp2sp"): "issue 33 (new): MoE shared experts under SP: loss rel 8.6e-05, "
                             "mlp.shared_experts.gate_proj 4.4e-03 apart",
     ("glm4_moe", "tp2sp"): "issue 33 (new): MoE shared experts under SP: loss rel 6.3e-05, "
@@ -61,7 +47,6 @@ KNOWN: dict[tuple[str, str], str] = {
     ("kolibri1", "tp2sp"): "issue 33 (new): MoE shared experts under SP: loss rel 7.7e-04, "
                            "mlp.shared_experts.down_proj 7.9e-03 apart",
     ("llama4", "tp2sp"): "issue 33 (new): crashed after start, teardown's `_apply(): Couldn't swap Linear.weight`",
-    ("lara_mini", "pp2"): "issue 33 (new): loss rel 1.1e-03 under pp2 (cause not yet read)",
     ("llama4", "tp2"): "issue 33 (new): crashed after start, teardown's `_apply(): Couldn't swap Linear.weight`",
     ("llama4_text", "tp2"): "issue 33 (new): crashed after start, teardown's `_apply(): Couldn't swap Linear.weight`",
     ("llama4_text", "tp2sp"): "issue 33 (new): crashed after start, teardown's `_apply(): Couldn't swap Linear.weight`",
