@@ -99,8 +99,10 @@ def mask_free_attention(network: nn.Module) -> Generator[None, None, None]:
 def attention_windows(network: nn.Module) -> dict[str, int]:
     """The sliding windows of ``network``'s attention, in tokens: ``{attention module path: window}`` for every
     attention module with an integer ``sliding_window`` attribute (transformers sets it per layer type); a model whose
-    attention modules have no such attribute but whose ``config.sliding_window`` is an integer (Mistral) gets
-    ``{"config.sliding_window": window}``."""
+    attention modules have no such attribute but whose ``config.sliding_window`` is a positive integer (Mistral) gets
+    ``{"config.sliding_window": window}``, unless the config turns the window off: ``use_sliding_window=False``, or
+    ``layer_types`` without a sliding layer (Qwen2-MoE keeps ``sliding_window=0`` then, and its attention modules get
+    no window attribute)."""
     found: dict[str, int] = {}
     has_attribute = False
     for name, module in network.named_modules():
@@ -108,8 +110,12 @@ def attention_windows(network: nn.Module) -> dict[str, int]:
             has_attribute = True
             if isinstance(module.sliding_window, int) and not isinstance(module.sliding_window, bool):
                 found[name] = module.sliding_window
-    window = getattr(getattr(network, "config", None), "sliding_window", None)
-    if not has_attribute and isinstance(window, int) and not isinstance(window, bool):
+    config = getattr(network, "config", None)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    used = getattr(config, "use_sliding_window", True) is not False and (
+        not isinstance(layer_types, (list, tuple)) or any("sliding" in str(kind) for kind in layer_types))
+    if not has_attribute and used and isinstance(window, int) and not isinstance(window, bool) and window > 0:
         found["config.sliding_window"] = window
     return found
 
@@ -145,6 +151,8 @@ def check_hf_context_parallel(network: nn.Module, cp_size: int) -> None:
             f"False), and context-parallel attention computes what SDPA does. Use cp_size=1."
         )
     longest = getattr(network.config, "max_position_embeddings", None)
+    if longest is None and hasattr(network.config, "get_text_config"):  # a multimodal model's text part (Gemma 3)
+        longest = getattr(network.config.get_text_config(), "max_position_embeddings", None)
     windows = attention_windows(network)
     for path, window in windows.items():
         if not isinstance(longest, int) or window < longest:

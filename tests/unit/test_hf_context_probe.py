@@ -18,14 +18,14 @@ pytest.importorskip("transformers")
 
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
-from lightning_par.hf.context import check_sequence_mixing  # noqa: E402
+from lightning_par.hf.context import attention_windows, check_sequence_mixing  # noqa: E402
 from lightning_par.parallel_dims import ParallelDims  # noqa: E402
 from tests import hf_matrix_helpers as M  # noqa: E402
 
 
-def _tiny(model_type: str):
+def _tiny(model_type: str, **overrides):
     with M.quiet():
-        return M.make_model(model_type, "sgd")
+        return M.make_model(model_type, "sgd", {**M.tiny_config(model_type), **overrides} if overrides else None)
 
 
 def _validate(module, cp_size: int = 2) -> None:
@@ -90,3 +90,13 @@ def test_a_model_on_the_meta_device_is_checked_later_on_its_weights():
     with torch.device("meta"):
         module = _tiny("roberta")
     check_sequence_mixing(module.model, "cp")  # nothing to run: each rank checks the built model before its step
+
+
+def test_a_window_the_config_turns_off_or_longer_than_the_text_models_positions_is_accepted():
+    # Qwen2-MoE without use_sliding_window keeps config.sliding_window=0 and no window on its attention modules
+    assert attention_windows(_tiny("qwen2_moe").model) == {}
+    _validate(_tiny("qwen2_moe"))
+    windowed = _tiny("qwen2_moe", use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention"] * 4)
+    with pytest.raises(ValueError, match=re.escape("model.layers.0.self_attn attends within a sliding window of 8")):
+        _validate(windowed)
+    _validate(_tiny("gemma3"))  # windows of 4096 over text_config.max_position_embeddings=64: never bind
