@@ -46,11 +46,11 @@ RTOL = 1e-5
 ADAM_EPS, ADAM_LR = 1e-5, 1e-3
 #: Cells whose parameters are judged with a wider absolute bound than 1e-5, each under AdamW only, with what was
 #: measured. kolibri1 cp2 (AdamW): 6 of 16,384 embedding entries ended 1.9e-6 to 1.29e-5 apart (losses rel 1.7e-7),
-#: each an entry whose gradient was near eps in the one step its token was seen (9.7e-6 at (43, 14), the worst), where
-#: Adam's step lr * g / (sqrt(v) + eps) turns fp32 rounding of g into a step difference; the same cell under SGD+momentum
-#: ends 1.4e-7 apart, and in ONE process the whole-batch gradient against the mean of two half-batch gradients (equal
-#: up to rounding) already ends 6.8e-6 apart at such entries under AdamW (1.7e-7 under SGD). A missing or unaveraged
-#: reduction moves entries by about a step (lr 1e-3): 3e-5 is 3 % of one.
+#: each an entry whose gradient was near eps in the one step its token was seen (9.7e-6 at (43, 14), the worst),
+#: where Adam's step lr * g / (sqrt(v) + eps) turns fp32 rounding of g into a step difference. The same cell under
+#: SGD+momentum ends 1.4e-7 apart; in ONE process, the whole-batch gradient against the mean of two half-batch
+#: gradients (equal up to rounding) already ends 6.8e-6 apart at such entries under AdamW (1.7e-7 under SGD). A
+#: missing or unaveraged reduction moves entries by about a step (lr 1e-3): 3e-5 is 3 % of one.
 PARAM_ATOL: dict[tuple[str, str], float] = {("kolibri1", "cp2"): 3e-5}
 #: Seconds without progress (a step, or the next model) after which a launch is ended and its model recorded as hung.
 WATCHDOG_S = 180

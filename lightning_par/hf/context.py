@@ -16,7 +16,11 @@ That path computes plain causal softmax attention over the whole sequence, whate
 model was built with. :func:`check_hf_context_parallel` refuses, before start, models whose attention is something
 else, read from the model itself: logit soft-capping (Gemma2), attention sinks (gpt-oss), an architecture transformers
 marks as not expressible by SDPA (``_supports_sdpa = False``), and a sliding window shorter than the sequences the
-model takes (``config.max_position_embeddings``): the ring and all-to-all attention have no window.
+model takes (``config.max_position_embeddings``): the ring and all-to-all attention have no window. It also runs the
+model once on a short sequence with attention cut to each position alone (:func:`check_sequence_mixing`) and refuses
+what a split sequence would change outside the attention it replaces: positions the model derives itself when given
+none (RoBERTa's), layers that mix the sequence outside attention (Mamba, short convolutions, linear attention,
+recurrent blocks), a mask the model builds for its attention (Doge's).
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ATTENTION", "attention_windows", "check_hf_context_parallel", "check_sequence_mixing", "mask_free_attention"]
+__all__ = [
+    "ATTENTION", "attention_windows", "check_hf_context_parallel", "check_sequence_mixing", "mask_free_attention",
+]
 
 #: The name of the attention implementation used under context parallelism.
 ATTENTION = "lightning_par_cp_sdpa"
@@ -126,8 +132,9 @@ def check_hf_context_parallel(network: nn.Module, cp_size: int) -> None:
 
     Raises:
         ValueError: an attention module with logit soft-capping (``attn_logit_softcapping``) or sinks (a ``sinks``
-            parameter), an architecture transformers does not run with SDPA, or a sliding window shorter than
-            ``config.max_position_embeddings``. The message names the module or config field and the value.
+            parameter), an architecture transformers does not run with SDPA, a sliding window shorter than
+            ``config.max_position_embeddings``, or what :func:`check_sequence_mixing` refuses. The message names the
+            module or config field and the value.
     """
     name = type(network).__name__
     intro = f"context parallelism (cp_size={cp_size}) is not valid for {name}"
@@ -208,6 +215,8 @@ def _differs(a: Any, b: Any, keep: int | None) -> bool:
     """Whether tensors ``a`` and ``b`` (same shape) differ anywhere but at index ``keep`` of their sequence dim."""
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.shape != b.shape:
         return False
+    if not a.is_floating_point():  # token ids, positions, masks: compared whole (the changed token is an input)
+        return keep is None and not torch.equal(a, b)
     if keep is not None:
         dim = _sequence_dim(a, PROBE_TOKENS)
         if dim is None:
