@@ -62,7 +62,7 @@ FEW: dict[str, list[str]] = {
     "tp2": ["llama", "qwen3_moe"],
     "tp2sp": ["llama", "qwen3"],
     "pp2": ["llama", "qwen3_moe"],
-    "cp2": ["llama", "qwen3"],
+    "cp2": ["llama", "qwen3", "roberta"],  # roberta: refused before start (its own positions), under the Trainer
     "ep2": ["qwen3_moe", "mixtral"],
 }
 

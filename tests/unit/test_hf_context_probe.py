@@ -100,3 +100,10 @@ def test_a_window_the_config_turns_off_or_longer_than_the_text_models_positions_
     with pytest.raises(ValueError, match=re.escape("model.layers.0.self_attn attends within a sliding window of 8")):
         _validate(windowed)
     _validate(_tiny("gemma3"))  # windows of 4096 over text_config.max_position_embeddings=64: never bind
+
+
+def test_the_same_architecture_is_accepted_or_refused_by_the_layers_it_has():
+    attention_only = ["full_attention"] * 4  # the matrix's tiny LFM2 (its first layers): plain attention
+    _validate(_tiny("lfm2", layer_types=attention_only))
+    with pytest.raises(ValueError, match=re.escape("model.layers.0.conv (Lfm2ShortConv) mixes the tokens")):
+        _validate(_tiny("lfm2", layer_types=["conv", "full_attention", "conv", "full_attention"]))
