@@ -232,19 +232,31 @@ def hf_tp_plan(network: nn.Module) -> dict[str, Any]:
     for path, hf_style in params:  # entries on the experts' own weights: covered by their module's entry
         if hf_style not in _EXPERT_PARAM_STYLES or not any(path.startswith(e + ".") for e in experts):
             raise _refuse(network, path, hf_style, "a parameter, not a module, outside an experts module")
+    blocks = [e.rpartition(".")[0] for e in experts]
+    for path in [p for p in plan if any(p.startswith(b + ".") for b in blocks if b)]:
+        # Inside a mixture-of-experts block (a per-token module, experts whole on every tp rank) a split shared expert
+        # would run on this rank's tokens only under sequence parallelism (its column layers gathering them as if the
+        # sequence, from a flattened (tokens, hidden) input): it is kept whole too, and its parameters' gradients,
+        # from this rank's tokens, are summed over the tp ranks with the block's.
+        del plan[path]
     for path in [p for p, s in plan.items() if s in ("colwise", "colwise_gather")]:
         parent = path.rpartition(".")[0]
         plan.setdefault(parent, "colwise_input")
     regions = [p for p, s in plan.items() if s != "colwise_input"]
     gathered = [p for p, s in plan.items() if s == "colwise_input"]
-    for group in gathered:  # a group whose column layers all gather their output runs on replicated activations
+    for group in gathered:
         inner = [p for p in plan if p.startswith(group + ".")]
-        if not all(plan[p] in ("colwise_gather", "rowwise_split") for p in inner):
-            continue
+        # A group whose column layers all gather their output runs on replicated activations: a module inside runs as
+        # in one process (a norm over the whole hidden size, OLMo2's q_norm/k_norm). In any other group a module the
+        # plan leaves out runs on this rank's part of the split features or heads (an activation with learned
+        # parameters, Apertus' xIELU; a per-head norm, Sarvam's q_norm): its parameters' gradients come from this
+        # rank's part only, partial sums over the tp ranks, which 'replicate_grad_sum' sums. That its forward is
+        # right on a part is checked on the model before any split (check_hf_tensor_parallel).
+        gathers = all(plan[p] in ("colwise_gather", "rowwise_split") for p in inner)
         for name, module in network.get_submodule(group).named_modules(prefix=group):
             owns = any(True for _ in module.parameters(recurse=False))
             if owns and name != group and not any(name == p or name.startswith(p + ".") for p in inner):
-                plan[name] = "replicate"  # a norm over the whole hidden size (OLMo2's q_norm/k_norm)
+                plan[name] = "replicate" if gathers else "replicate_grad_sum"
     for name, module in network.named_modules():
         inside = any(name == r or name.startswith(r + ".") for r in regions + gathered if r)
         if _is_norm(module) and name not in plan and not inside:
