@@ -283,14 +283,24 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_hf_tensor_parallel(network: nn.Module, tp_size: int, sequence_parallel: bool) -> None:
+def check_hf_tensor_parallel(network: nn.Module, tp_size: int, sequence_parallel: bool,
+                             plan: Mapping[str, Any] | None = None) -> None:
     """Check that a Hugging Face model can be split over ``tp_size`` ranks by its plan.
+
+    Args:
+        network: the ``PreTrainedModel``.
+        tp_size: tensor-parallel size.
+        sequence_parallel: whether sequence parallelism is on.
+        plan: the plan the run uses (default: the model's own, :func:`hf_tp_plan`).
 
     Raises:
         ValueError: ``config.num_attention_heads`` or ``config.num_key_value_heads`` not divisible by ``tp_size``
             (whole heads, and whole key/value heads under grouped-query attention, go to each rank), or tied input
             and output embeddings (``config.tie_word_embeddings=True``: one weight cannot be split twice). The message
-            names the config field, its value and what would be valid.
+            names the config field, its value and what would be valid. Or, on real weights, a split region of the
+            plan (an attention or MLP planned ``colwise_input``) whose own forward is not right on one rank's part of
+            its heads or features, checked in one process on 8 tokens
+            (:func:`lightning_par.tensor_parallel.regions.check_split_regions`): the message names the module.
     """
     config = network.config
     name = type(network).__name__
@@ -309,6 +319,22 @@ def check_hf_tensor_parallel(network: nn.Module, tp_size: int, sequence_parallel
             f"embedding and the LM head share one weight, which the vocab-parallel styles would split twice. Build "
             f"the model with config tie_word_embeddings=False (+model.config.tie_word_embeddings=false)."
         )
+    if tp_size > 1:
+        _check_regions(network, tp_size, hf_tp_plan(network) if plan is None else plan)
+
+
+def _check_regions(network: nn.Module, tp_size: int, plan: Mapping[str, Any]) -> None:
+    from lightning_par.tensor_parallel.plan import expand_plan
+    from lightning_par.tensor_parallel.regions import check_split_regions
+
+    if any(p.is_meta for p in network.parameters()):
+        return
+    vocab = int(getattr(network.config, "vocab_size", 2) or 2)
+    device = next(network.parameters()).device
+    ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    model = f"{type(network).__name__} (model_type={getattr(network.config, 'model_type', None)!r})"
+    check_split_regions(network, expand_plan(network, plan), tp_size,
+                        lambda: network(input_ids=ids, use_cache=False), model)
 
 
 def _layers(network: nn.Module) -> list[str]:
