@@ -20,6 +20,17 @@ model's prefix ``model.``). :func:`hf_tp_plan` translates its style names into o
   over the whole hidden size (OLMo2's ``q_norm``/``k_norm``, planned ``replicate``) then run on replicated
   activations, which is right whatever the packing of the fused weight.
 
+* ``replicate_grad_sum`` on every module holding parameters that the plan leaves out inside a split attention or MLP
+  (Apertus' xIELU activation with its learned scalars, a per-head norm such as Sarvam's ``q_norm``): it runs on this
+  rank's part of the heads or features, so its parameters' gradients are partial sums over the tp ranks. That the
+  region's own forward is right on a part is checked before any split, in one process
+  (:func:`check_hf_tensor_parallel`, :mod:`lightning_par.tensor_parallel.regions`): Doge's attention, which builds a
+  mask for every key/value head, is refused naming the module;
+* a mixture-of-experts block (``moe_tp_experts``: experts whole on every tp rank, the block a per-token module) keeps
+  its shared experts whole too: the plan's column/row entries inside it are dropped. Under sequence parallelism the
+  block runs on this rank's tokens (often flattened to ``(tokens, hidden)``), which split shared experts would gather
+  as if they were the sequence.
+
 An ``nn.Embedding`` subclass (Gemma's scaled embedding) keeps its own ``forward`` around the vocab-parallel lookup
 (:class:`~lightning_par.tensor_parallel.styles.VocabParallelEmbedding`).
 
