@@ -80,6 +80,13 @@ def test_a_region_right_on_each_part_passes_and_modes_are_restored():
     assert list(split_regions(expand_plan(net, PLAN))) == ["attn"]
 
 
+def test_a_region_in_bf16_is_not_refused_for_rounding():
+    torch.manual_seed(0)
+    net = Net().to(torch.bfloat16)
+    x = torch.randn(2, 6, HIDDEN, dtype=torch.bfloat16)
+    check_split_regions(net, expand_plan(net, PLAN), 2, lambda: net(x), "Net")
+
+
 def test_a_norm_over_every_head_is_refused_naming_the_region():
     torch.manual_seed(0)
     with pytest.raises(ValueError, match=re.escape("tensor parallelism (tp_size=2) is not valid for Net: its split "
