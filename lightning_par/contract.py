@@ -9,8 +9,8 @@ the network                 ``lightning_module.<module_attr>`` (``module_attr="m
                             attribute and with ``pp_size == 1``, the LightningModule itself.
 tensor parallelism          a plan ``{module path relative to the network: style}`` from the strategy's ``plan=``,
                             else ``network.tp_plan()``, else ``lightning_module.tp_plan()``. Optional
-                            ``network.check_tensor_parallel(tp_size, sequence_parallel)`` raises ``ValueError`` for
-                            shapes the plan cannot split (e.g. heads not divisible by ``tp_size``).
+                            ``network.check_tensor_parallel(tp_size, sequence_parallel[, plan=])`` raises
+                            ``ValueError`` for shapes the plan cannot split (e.g. heads not divisible by ``tp_size``).
 pipeline stages             ``network.pipeline_layers() -> list[str]``: names of the children between which a stage
                             boundary may fall, in execution order; ``network.pipeline_stage(layers, first=, last=)
                             -> nn.Module``: a module that runs only those layers (plus what comes before the first
@@ -201,11 +201,19 @@ def tp_plan(module: nn.Module, network: nn.Module, explicit: Mapping[str, Any] |
     )
 
 
-def check_tensor_parallel(network: nn.Module, tp_size: int, sequence_parallel: bool) -> None:
+def check_tensor_parallel(network: nn.Module, tp_size: int, sequence_parallel: bool,
+                          plan: Mapping[str, Any] | None = None) -> None:
     """Call the network's own ``check_tensor_parallel(tp_size, sequence_parallel)`` if it has one (it raises
-    ``ValueError`` for shapes its plan cannot split)."""
+    ``ValueError`` for shapes its plan cannot split), with ``plan=`` (the plan the run uses) if it takes one."""
     method = network_method(network, "check_tensor_parallel")
-    if callable(method):
+    if not callable(method):
+        return
+    import inspect
+
+    params = inspect.signature(method).parameters.values()
+    if plan is not None and any(p.name == "plan" or p.kind is p.VAR_KEYWORD for p in params):
+        method(tp_size, sequence_parallel, plan=plan)
+    else:
         method(tp_size, sequence_parallel)
 
 

@@ -50,8 +50,10 @@ ADAM_EPS, ADAM_LR = 1e-5, 1e-3
 #: where Adam's step lr * g / (sqrt(v) + eps) turns fp32 rounding of g into a step difference. The same cell under
 #: SGD+momentum ends 1.4e-7 apart; in ONE process, the whole-batch gradient against the mean of two half-batch
 #: gradients (equal up to rounding) already ends 6.8e-6 apart at such entries under AdamW (1.7e-7 under SGD). A
-#: missing or unaveraged reduction moves entries by about a step (lr 1e-3): 3e-5 is 3 % of one.
-PARAM_ATOL: dict[tuple[str, str], float] = {("kolibri1", "cp2"): 3e-5}
+#: missing or unaveraged reduction moves entries by about a step (lr 1e-3): 3e-5 is 3 % of one. kolibri1 tp2+SP
+#: (AdamW): 1 of 16,384 embedding entries 1.1e-5 apart, losses rel 8.6e-8; with SGD, or AdamW at eps 1e-3, every
+#: parameter within 3e-6 (the same rounding near eps).
+PARAM_ATOL: dict[tuple[str, str], float] = {("kolibri1", "cp2"): 3e-5, ("kolibri1", "tp2sp"): 3e-5}
 #: Seconds without progress (a step, or the next model) after which a launch is ended and its model recorded as hung.
 WATCHDOG_S = 180
 LAYOUTS = ("zero3", "tp2", "tp2sp", "pp2", "cp2", "ep2")

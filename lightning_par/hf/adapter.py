@@ -29,12 +29,13 @@ class HFAdapter:
 
         return hf_tp_plan(network)
 
-    def check_tensor_parallel(self, network: nn.Module, tp_size: int, sequence_parallel: bool) -> None:
-        """Heads and key/value heads divisible by ``tp_size``, embeddings untied
-        (:func:`lightning_par.hf.tensor_parallel.check_hf_tensor_parallel`)."""
+    def check_tensor_parallel(self, network: nn.Module, tp_size: int, sequence_parallel: bool,
+                              plan: dict[str, Any] | None = None) -> None:
+        """Heads and key/value heads divisible by ``tp_size``, embeddings untied, and the plan's split regions right
+        on a part (:func:`lightning_par.hf.tensor_parallel.check_hf_tensor_parallel`)."""
         from lightning_par.hf.tensor_parallel import check_hf_tensor_parallel
 
-        check_hf_tensor_parallel(network, tp_size, sequence_parallel)
+        check_hf_tensor_parallel(network, tp_size, sequence_parallel, plan=plan)
 
     def checkpoint_modules(self, network: nn.Module, mode: str) -> list[str]:
         """Decoder layers (``"full"``) or their attention (``"selective"``)

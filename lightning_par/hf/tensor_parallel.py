@@ -20,6 +20,17 @@ model's prefix ``model.``). :func:`hf_tp_plan` translates its style names into o
   over the whole hidden size (OLMo2's ``q_norm``/``k_norm``, planned ``replicate``) then run on replicated
   activations, which is right whatever the packing of the fused weight.
 
+* ``replicate_grad_sum`` on every module holding parameters that the plan leaves out inside a split attention or MLP
+  (Apertus' xIELU activation with its learned scalars, a per-head norm such as Sarvam's ``q_norm``): it runs on this
+  rank's part of the heads or features, so its parameters' gradients are partial sums over the tp ranks. That the
+  region's own forward is right on a part is checked before any split, in one process
+  (:func:`check_hf_tensor_parallel`, :mod:`lightning_par.tensor_parallel.regions`): Doge's attention, which builds a
+  mask for every key/value head, is refused naming the module;
+* a mixture-of-experts block (``moe_tp_experts``: experts whole on every tp rank, the block a per-token module) keeps
+  its shared experts whole too: the plan's column/row entries inside it are dropped. Under sequence parallelism the
+  block runs on this rank's tokens (often flattened to ``(tokens, hidden)``), which split shared experts would gather
+  as if they were the sequence.
+
 An ``nn.Embedding`` subclass (Gemma's scaled embedding) keeps its own ``forward`` around the vocab-parallel lookup
 (:class:`~lightning_par.tensor_parallel.styles.VocabParallelEmbedding`).
 
@@ -232,19 +243,31 @@ def hf_tp_plan(network: nn.Module) -> dict[str, Any]:
     for path, hf_style in params:  # entries on the experts' own weights: covered by their module's entry
         if hf_style not in _EXPERT_PARAM_STYLES or not any(path.startswith(e + ".") for e in experts):
             raise _refuse(network, path, hf_style, "a parameter, not a module, outside an experts module")
+    blocks = [e.rpartition(".")[0] for e in experts]
+    for path in [p for p in plan if any(p.startswith(b + ".") for b in blocks if b)]:
+        # Inside a mixture-of-experts block (a per-token module, experts whole on every tp rank) a split shared expert
+        # would run on this rank's tokens only under sequence parallelism (its column layers gathering them as if the
+        # sequence, from a flattened (tokens, hidden) input): it is kept whole too, and its parameters' gradients,
+        # from this rank's tokens, are summed over the tp ranks with the block's.
+        del plan[path]
     for path in [p for p, s in plan.items() if s in ("colwise", "colwise_gather")]:
         parent = path.rpartition(".")[0]
         plan.setdefault(parent, "colwise_input")
     regions = [p for p, s in plan.items() if s != "colwise_input"]
     gathered = [p for p, s in plan.items() if s == "colwise_input"]
-    for group in gathered:  # a group whose column layers all gather their output runs on replicated activations
+    for group in gathered:
         inner = [p for p in plan if p.startswith(group + ".")]
-        if not all(plan[p] in ("colwise_gather", "rowwise_split") for p in inner):
-            continue
+        # A group whose column layers all gather their output runs on replicated activations: a module inside runs as
+        # in one process (a norm over the whole hidden size, OLMo2's q_norm/k_norm). In any other group a module the
+        # plan leaves out runs on this rank's part of the split features or heads (an activation with learned
+        # parameters, Apertus' xIELU; a per-head norm, Sarvam's q_norm): its parameters' gradients come from this
+        # rank's part only, partial sums over the tp ranks, which 'replicate_grad_sum' sums. That its forward is
+        # right on a part is checked on the model before any split (check_hf_tensor_parallel).
+        gathers = all(plan[p] in ("colwise_gather", "rowwise_split") for p in inner)
         for name, module in network.get_submodule(group).named_modules(prefix=group):
             owns = any(True for _ in module.parameters(recurse=False))
             if owns and name != group and not any(name == p or name.startswith(p + ".") for p in inner):
-                plan[name] = "replicate"  # a norm over the whole hidden size (OLMo2's q_norm/k_norm)
+                plan[name] = "replicate" if gathers else "replicate_grad_sum"
     for name, module in network.named_modules():
         inside = any(name == r or name.startswith(r + ".") for r in regions + gathered if r)
         if _is_norm(module) and name not in plan and not inside:
@@ -271,14 +294,24 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_hf_tensor_parallel(network: nn.Module, tp_size: int, sequence_parallel: bool) -> None:
+def check_hf_tensor_parallel(network: nn.Module, tp_size: int, sequence_parallel: bool,
+                             plan: Mapping[str, Any] | None = None) -> None:
     """Check that a Hugging Face model can be split over ``tp_size`` ranks by its plan.
+
+    Args:
+        network: the ``PreTrainedModel``.
+        tp_size: tensor-parallel size.
+        sequence_parallel: whether sequence parallelism is on.
+        plan: the plan the run uses (default: the model's own, :func:`hf_tp_plan`).
 
     Raises:
         ValueError: ``config.num_attention_heads`` or ``config.num_key_value_heads`` not divisible by ``tp_size``
             (whole heads, and whole key/value heads under grouped-query attention, go to each rank), or tied input
             and output embeddings (``config.tie_word_embeddings=True``: one weight cannot be split twice). The message
-            names the config field, its value and what would be valid.
+            names the config field, its value and what would be valid. Or, on real weights, a split region of the
+            plan (an attention or MLP planned ``colwise_input``) whose own forward is not right on one rank's part of
+            its heads or features, checked in one process on 8 tokens
+            (:func:`lightning_par.tensor_parallel.regions.check_split_regions`): the message names the module.
     """
     config = network.config
     name = type(network).__name__
@@ -297,6 +330,22 @@ def check_hf_tensor_parallel(network: nn.Module, tp_size: int, sequence_parallel
             f"embedding and the LM head share one weight, which the vocab-parallel styles would split twice. Build "
             f"the model with config tie_word_embeddings=False (+model.config.tie_word_embeddings=false)."
         )
+    if tp_size > 1:
+        _check_regions(network, tp_size, hf_tp_plan(network) if plan is None else plan)
+
+
+def _check_regions(network: nn.Module, tp_size: int, plan: Mapping[str, Any]) -> None:
+    from lightning_par.tensor_parallel.plan import expand_plan
+    from lightning_par.tensor_parallel.regions import check_split_regions
+
+    if any(p.is_meta for p in network.parameters()):
+        return
+    vocab = int(getattr(network.config, "vocab_size", 2) or 2)
+    device = next(network.parameters()).device
+    ids = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    model = f"{type(network).__name__} (model_type={getattr(network.config, 'model_type', None)!r})"
+    check_split_regions(network, expand_plan(network, plan), tp_size,
+                        lambda: network(input_ids=ids, use_cache=False), model)
 
 
 def _layers(network: nn.Module) -> list[str]:

@@ -27,7 +27,7 @@ def _check(module: nn.Module, network: nn.Module, dims: ParallelDims, options: A
                                 "splits the modules its plan names by their paths")
     tp = options.tensor_parallel
     plan = contract.tp_plan(module, network, tp.plan)
-    contract.check_tensor_parallel(network, dims.tp_size, tp.sequence_parallel)
+    contract.check_tensor_parallel(network, dims.tp_size, tp.sequence_parallel, plan=plan)
     validate_plan(network, plan, dims.tp_size, tp.sequence_parallel)
 
 

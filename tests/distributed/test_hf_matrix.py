@@ -28,28 +28,7 @@ MODEL_TYPES = M.registry()
 #: (model_type, layout) -> what was measured (2026-11-27, transformers 5.24), for cells that train and differ or crash
 #: after start today. "hftp"/"hfpp": in the scope of issue 33's fixes under way; "new": found by this matrix.
 KNOWN: dict[tuple[str, str], str] = {
-    ("laguna", "tp2sp"): "issue 33 (new): crashed after start under SP: 'a and b must have same reduction dim' (as "
-                         "hy_v3; the sliding-window crash is fixed)",
     # new: found by this matrix
-    ("apertus", "tp2"): "issue 33 (new): xIELU act_fn.alpha_p/alpha_n (replicated, inside the split MLP) get tp-partial "
-                        "gradients: loss rel 7.6e-06, params 4.3e-04 apart",
-    ("apertus1p5_text", "tp2"): "issue 33 (new): xIELU act_fn.alpha_p tp-partial gradients: params 1.6e-03 apart",
-    ("sarvam_moe", "tp2"): "issue 33 (new): self_attn.q_norm weight tp-partial gradient: params 4.4e-03 apart",
-    ("doge", "tp2"): "issue 33 (new): crashed after start, teardown's `_apply(): Couldn't swap Linear.weight`",
-    ("aria_text", "tp2sp"): "issue 33 (new): MoE shared experts under SP: loss rel 8.6e-05, "
-                            "mlp.shared_experts.gate_proj 4.4e-03 apart",
-    ("glm4_moe", "tp2sp"): "issue 33 (new): MoE shared experts under SP: loss rel 6.3e-05, "
-                           "mlp.shared_experts.up_proj 7.5e-03 apart",
-    ("ernie4_5_moe", "tp2sp"): "issue 33 (new): crashed after start under SP (teardown's `_apply(): Couldn't swap "
-                               "Linear.weight` hides it)",
-    ("hy_v3", "tp2sp"): "issue 33 (new): crashed after start under SP: 'a and b must have same reduction dim, but got "
-                        "[32, 128] X [64, 64]' (teardown's `_apply(): Couldn't swap Linear.weight` hides it)",
-    ("kolibri1", "tp2sp"): "issue 33 (new): MoE shared experts under SP: loss rel 7.7e-04, "
-                           "mlp.shared_experts.down_proj 7.9e-03 apart",
-    ("llama4", "tp2sp"): "issue 33 (new): crashed after start, teardown's `_apply(): Couldn't swap Linear.weight`",
-    ("llama4", "tp2"): "issue 33 (new): crashed after start, teardown's `_apply(): Couldn't swap Linear.weight`",
-    ("llama4_text", "tp2"): "issue 33 (new): crashed after start, teardown's `_apply(): Couldn't swap Linear.weight`",
-    ("llama4_text", "tp2sp"): "issue 33 (new): crashed after start, teardown's `_apply(): Couldn't swap Linear.weight`",
 }
 
 #: Architectures issue 33 requires to build (the user's attention backend kept, or one that the model allows chosen).
