@@ -71,7 +71,54 @@ class ResidualMLP(L.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.hparams.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        if self.hparams.optimizer in ("muon", "torchmuon"):  # Muon on the matrices, AdamW on the rest
+            return muon_optimizer(self, torch_reference=self.hparams.optimizer == "torchmuon")
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr / 10, eps=1e-5)
+
+
+#: the Muon and AdamW hyper-parameters of the user models' ``"muon"`` optimizer (AdamW's eps as the AdamW runs').
+MUON_HPARAMS = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
+MUON_ADAMW_HPARAMS = dict(lr=5e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.01)
+
+
+class TorchMuonAndAdamW:
+    """The one-process reference: ``torch.optim.Muon`` on the Muon side of the split, ``torch.optim.AdamW`` on the
+    rest, stepped together (what a user writes by hand in one process)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        from lightning_par.optim import muon_param_groups
+
+        groups = muon_param_groups(module, adamw_weight_decay=MUON_ADAMW_HPARAMS["weight_decay"])
+        adamw = MUON_ADAMW_HPARAMS
+        self.muon = torch.optim.Muon([p for g in groups if g["use_muon"] for p in g["params"]], **MUON_HPARAMS)
+        self.adamw = torch.optim.AdamW(
+            [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups if not g["use_muon"]],
+            lr=adamw["lr"], betas=adamw["betas"], eps=adamw["eps"],
+        )
+        self.param_groups = self.muon.param_groups + self.adamw.param_groups
+
+    def step(self) -> None:
+        self.muon.step()
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none)
+        self.adamw.zero_grad(set_to_none)
+
+
+def muon_optimizer(module: nn.Module, torch_reference: bool = False) -> Any:
+    """lightning_par's :class:`~lightning_par.optim.MuonAdamW` over ``module`` with :data:`MUON_HPARAMS`, or (with
+    ``torch_reference``) torch's two optimizers doing the same in one process."""
+    if torch_reference:
+        return TorchMuonAndAdamW(module)
+    from lightning_par.optim import MuonAdamW, muon_param_groups
+
+    adamw = MUON_ADAMW_HPARAMS
+    return MuonAdamW(
+        muon_param_groups(module, adamw_weight_decay=adamw["weight_decay"]), **MUON_HPARAMS,
+        adamw_lr=adamw["lr"], adamw_betas=adamw["betas"], adamw_eps=adamw["eps"],
+        adamw_weight_decay=adamw["weight_decay"],
+    )
 
 
 def make_mlp(optimizer: str = "sgd", depth: int = 3) -> ResidualMLP:

@@ -1,0 +1,298 @@
+"""Muon on the hidden weight matrices, AdamW on the rest, exact under every sharding of the parameters.
+
+Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/; at scale: Liu et al. 2025, "Muon is Scalable for
+LLM Training", arXiv:2502.16982) keeps a momentum buffer per weight matrix and replaces the update by its
+Newton-Schulz orthogonalisation. :class:`MuonAdamW` runs torch 2.13's ``torch.optim.Muon`` arithmetic: the same
+momentum (``buf.lerp_(g, 1 - mu)``, Nesterov ``g.lerp(buf, mu)``), the same bf16 quintic iteration
+(``torch.optim._muon._zeropower_via_newtonschulz``, called, not copied), the same ``adjust_lr_fn`` and decoupled
+weight decay; the other parameters take torch's own ``AdamW`` step. In one process it equals ``torch.optim.Muon``
+plus ``torch.optim.AdamW`` bit for bit (``tests/unit/test_muon.py``).
+
+Distribution: the scheme and why
+--------------------------------
+Everything in Muon but the orthogonalisation is elementwise, so it runs on whatever part of the matrix this rank
+holds, with no communication, and the momentum buffer is sharded exactly like the parameter (a ZeRO-1/2 row chunk,
+an FSDP2 ``Shard(0)`` DTensor, a tensor-parallel column/row block, an expert-parallel rank's experts). The
+orthogonalisation needs the whole matrix: for a parameter held in pieces, the Nesterov update ``U`` (fp32, this
+rank's piece) is **all-gathered** over the ranks that hold the other pieces (``DTensor.full_tensor`` over the
+parameter's mesh: the dp shard group under ZeRO/FSDP2, the tp group under tensor parallelism, both under FSDP+TP),
+every one of those ranks runs the iteration on the whole matrix, and keeps the rows/columns of its own piece
+(a local slice: no second collective). A parameter held whole (DDP, ``ddp_overlap``, pipeline stages, context
+parallelism, an expert's matrix under expert parallelism) needs nothing.
+
+Cost per step, for ``M`` elements of Muon matrices spread over ``n`` ranks that share them (fp32 updates):
+
+* bytes received per rank: ``4 M (n - 1) / n`` (one all-gather of each update); AdamW under the same layout sends
+  nothing at the step (ZeRO's parameter all-gather after the step is the same for both);
+* memory: one extra full update matrix at a time (``4 max(m x k)`` bytes plus the bf16 iteration's three
+  ``m x m`` / ``m x k`` temporaries), freed before the next matrix;
+* compute: every rank of the group orthogonalises every matrix of the group: ``n``-fold redundant.
+
+Why this scheme. Megatron-core's distributed Muon and Moonlight's ZeRO-1 implementation (Liu et al. 2025, §2.3
+"Distributed Muon") gather each matrix's update over the dp group and compute the iteration redundantly on every
+rank, exactly this scheme; Dion/torchtitan (torchtitan #2494) and Essential AI's "Practical efficiency of Muon"
+assign each matrix to one *owner* rank (gather to the owner, iterate there, scatter the result back), which divides
+the compute by ``n`` and, per rank, moves ``~2 M (n - 1) / n^2`` elements instead of ``M (n - 1) / n``. Here the
+redundant gather is kept because it is exact and layout-independent (the matrix each rank orthogonalises is
+bit-identical to the one-process matrix whenever the reduced gradient is, whatever the mesh), it needs no
+rank-to-owner bookkeeping across dp, tp and FSDP+TP meshes, and on the models this project trains the iteration's
+cost is small next to the step (``recipes/benchmark.py --only muon`` measures it). The owner scheme is the known
+next step when the iteration dominates.
+
+The split rule (:func:`muon_param_groups`): Muon takes a trainable parameter of 2 or more dimensions owned by a
+module that is not an embedding, the output head or a router; everything else (embeddings, the head, norms, biases,
+routers) goes to AdamW. A parameter of more than two dimensions (a grouped-experts tensor ``(E, d_in, d_out)``) is a
+stack of matrices over its leading dimensions, each orthogonalised on its own (``adjust_lr`` from its last two
+dimensions). Override the rule with ``is_muon(name, param, module) -> bool``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate
+from lightning_par.compat import local_tensor
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _zeropower_via_newtonschulz
+
+__all__ = ["MuonAdamW", "default_is_muon", "muon_param_groups", "muon_split"]
+
+#: a module whose class name contains one of these keeps its parameters on AdamW.
+_ADAMW_MODULE_WORDS = ("embedding", "router", "norm")
+#: a parameter whose owning module's attribute name is one of these is the output head or a router: AdamW.
+_ADAMW_MODULE_NAMES = ("lm_head", "head", "output", "classifier", "score", "router", "gate", "wte", "wpe")
+
+
+def default_is_muon(name: str, param: Tensor, module: nn.Module) -> bool:
+    """The default split rule: whether the trainable parameter ``name`` (owned by ``module``) takes Muon.
+
+    Muon: 2 or more dimensions, and ``module`` is not an embedding, a norm or a router (by class name), and its
+    attribute name is not an output head or a router (``lm_head``, ``head``, ``output``, ``classifier``, ``score``,
+    ``router``, ``gate``, ``wte``, ``wpe``). A Llama ``gate_proj`` is a hidden matrix (Muon); a Mixtral/Qwen-MoE
+    ``gate`` is a router (AdamW).
+    """
+    if param.dim() < 2:
+        return False
+    kind = type(module).__name__.lower()
+    if any(word in kind for word in _ADAMW_MODULE_WORDS):
+        return False
+    parts = name.split(".")
+    owner = parts[-2] if len(parts) > 1 else ""
+    return owner not in _ADAMW_MODULE_NAMES
+
+
+def muon_split(
+    module: nn.Module, is_muon: Callable[[str, Tensor, nn.Module], bool] | None = None
+) -> tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]]]:
+    """``(muon, adamw)``: the trainable named parameters of ``module`` on each side of the split rule.
+
+    ``module.get_output_embeddings()`` (a Hugging Face model's head), when it exists, is always AdamW; a parameter
+    shared by several modules (tied embeddings) is decided once, at its first name.
+    """
+    rule = is_muon or default_is_muon
+    head = set()
+    for sub in module.modules():
+        get = getattr(sub, "get_output_embeddings", None)
+        if callable(get):
+            try:
+                out = get()
+            except Exception:  # noqa: BLE001 - a model without a head may raise; then it has none
+                out = None
+            if isinstance(out, nn.Module):
+                head |= {id(p) for p in out.parameters()}
+    owners = {name: sub for name, sub in module.named_modules()}
+    muon, adamw = [], []
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        owner = owners[name.rsplit(".", 1)[0]] if "." in name else module
+        (muon if id(p) not in head and rule(name, p, owner) else adamw).append((name, p))
+    return muon, adamw
+
+
+def muon_param_groups(
+    module: nn.Module,
+    *,
+    is_muon: Callable[[str, Tensor, nn.Module], bool] | None = None,
+    adamw_weight_decay: float = 0.0,
+    adamw_decay_matrices: bool = True,
+) -> list[dict[str, Any]]:
+    """Param groups for :class:`MuonAdamW`: one Muon group, and AdamW groups with and without weight decay.
+
+    Args:
+        module: the model.
+        is_muon: the split rule (default :func:`default_is_muon`).
+        adamw_weight_decay: AdamW's decoupled weight decay on its parameters of 2 or more dimensions (embeddings,
+            head) when ``adamw_decay_matrices``; vectors (norms, biases) never decay.
+        adamw_decay_matrices: decay AdamW's matrices (the recipe GPT's habit) or not.
+
+    Returns:
+        Non-empty groups only, each with ``"use_muon"``.
+    """
+    muon, adamw = muon_split(module, is_muon)
+    decay = [p for _, p in adamw if p.dim() >= 2 and adamw_decay_matrices]
+    no_decay = [p for _, p in adamw if not (p.dim() >= 2 and adamw_decay_matrices)]
+    groups = [
+        {"params": [p for _, p in muon], "use_muon": True},
+        {"params": decay, "use_muon": False, "weight_decay": adamw_weight_decay},
+        {"params": no_decay, "use_muon": False, "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def _adjust_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """torch's ``_adjust_lr`` for the matrix ``shape[-2:]`` (torch reads ``shape[:2]``: the same for a matrix)."""
+    a, b = shape[-2], shape[-1]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, a / b))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(a, b))
+    return lr
+
+
+def _orthogonalise(update: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> Tensor:
+    """torch's bf16 Newton-Schulz on a matrix, or on each matrix of a stack ``(..., m, k)``; bf16 result."""
+    if update.dim() == 2:
+        return _zeropower_via_newtonschulz(update, coefficients, steps, eps)
+    flat = update.reshape(-1, *update.shape[-2:])
+    out = torch.stack([_zeropower_via_newtonschulz(m, coefficients, steps, eps) for m in flat])
+    return out.reshape(update.shape)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon on the groups with ``use_muon=True``, torch's AdamW on the others; one optimizer for Lightning.
+
+    Args:
+        params: param groups, each with ``"use_muon"`` (:func:`muon_param_groups` builds them), or a module (split by
+            :func:`default_is_muon`). A group's own keys override the defaults below.
+        lr: Muon's learning rate (torch's default 1e-3; Keller Jordan's 0.02 with ``adjust_lr_fn=None``).
+        weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: ``torch.optim.Muon``'s.
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: ``torch.optim.AdamW``'s for the AdamW groups
+            (a group's ``weight_decay`` wins over ``adamw_weight_decay``).
+
+    Sharded parameters: a DTensor parameter (FSDP2, tensor parallelism) is gathered through its mesh. A plain tensor
+    that is one rank's piece of a larger parameter (a ZeRO-1/2 chunk) is gathered through the view the engine
+    registers with :meth:`set_global_views`. See the module docstring for the scheme and its cost.
+
+    Raises:
+        ValueError: a Muon parameter with fewer than 2 dimensions, a group without ``"use_muon"``, or an invalid
+            hyper-parameter (torch's messages).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any] | nn.Module,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = (DEFAULT_A, DEFAULT_B, DEFAULT_C),
+        eps: float = EPS,
+        ns_steps: int = DEFAULT_NS_STEPS,
+        adjust_lr_fn: str | None = None,
+        *,
+        adamw_lr: float = 1e-3,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.01,
+    ) -> None:
+        if isinstance(params, nn.Module):
+            params = muon_param_groups(params, adamw_weight_decay=adamw_weight_decay)
+        groups = [dict(g) for g in params]
+        if not groups or not all(isinstance(g, dict) and "use_muon" in g for g in groups):
+            raise ValueError(
+                "MuonAdamW params must be param groups (dicts) each with 'use_muon': True or False, "
+                "e.g. lightning_par.optim.muon_param_groups(module), or a module."
+            )
+        # torch's own checks and defaults, on both sides.
+        torch.optim.Muon([torch.zeros(1, 1)], lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps,
+                         adjust_lr_fn)
+        adamw_defaults = torch.optim.AdamW(
+            [torch.zeros(1)], lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay
+        ).defaults
+        muon_defaults = {
+            "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
+            "ns_coefficients": tuple(ns_coefficients), "eps": eps, "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn,
+        }
+        for g in groups:
+            for key, value in (muon_defaults if g["use_muon"] else adamw_defaults).items():
+                g.setdefault(key, value)
+        super().__init__(groups, {})
+        for g in self.param_groups:
+            if g["use_muon"]:
+                for p in g["params"]:
+                    if p.dim() < 2:
+                        raise ValueError(
+                            f"MuonAdamW: a Muon group holds a parameter of shape {tuple(p.shape)}: Muon needs 2 or "
+                            f"more dimensions (put vectors in a group with use_muon=False)."
+                        )
+        #: id(tensor the optimizer steps) -> its DTensor of the whole parameter's shape (ZeRO-1/2 chunks).
+        self._global_views: dict[int, Callable[[Tensor], DTensor]] = {}
+        self._adamw = torch.optim.AdamW([torch.zeros(1)])  # steps this optimizer's AdamW groups (see step)
+
+    def set_global_views(self, views: dict[int, Callable[[Tensor], DTensor]]) -> None:
+        """Register, for tensors this optimizer steps that are one rank's piece of a parameter (``id(tensor)``),
+        a function mapping a tensor of that piece's shape to a DTensor of the whole parameter (what a ZeRO-1/2 engine
+        calls when it re-points the param groups at its chunks)."""
+        self._global_views.update(views)
+
+    def _whole(self, p: Tensor, update: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+        """The whole matrix of ``update`` (this rank's piece of ``p``'s update) and a function from a whole matrix
+        to this rank's piece of it (a local slice)."""
+        if isinstance(update, DTensor):
+            spec = update
+        elif id(p) in self._global_views:
+            spec = self._global_views[id(p)](update)
+        else:
+            return update, lambda whole: whole
+        mesh, placements = spec.device_mesh, spec.placements
+
+        def piece(whole: Tensor) -> Tensor:
+            replicated = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            return replicated.redistribute(mesh, placements).to_local()
+
+        return spec.full_tensor(), piece
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One step: Muon on the ``use_muon`` groups, then torch's AdamW on the others.
+
+        Collective when parameters are sharded: every rank holding a piece of a Muon parameter must step.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_group(group)
+        adamw_groups = [g for g in self.param_groups if not g["use_muon"]]
+        if adamw_groups:
+            # torch's AdamW step on these groups and this optimizer's state (shared dicts: nothing is copied).
+            self._adamw.param_groups = adamw_groups
+            self._adamw.state = self.state
+            torch.optim.AdamW.step(self._adamw)
+        return loss
+
+    def _muon_group(self, group: dict[str, Any]) -> None:
+        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = p.grad
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(grad, 1 - mu)  # torch.optim.Muon's arithmetic, on this rank's piece
+            update = grad.lerp(buf, mu) if group["nesterov"] else buf
+            whole, piece = self._whole(p, update)
+            ortho = piece(_orthogonalise(whole, group["ns_coefficients"], group["ns_steps"], group["eps"]))
+            full_shape = whole.shape
+            adjusted = _adjust_lr(lr, group["adjust_lr_fn"], full_shape)
+            target = local_tensor(p)
+            target.mul_(1 - lr * wd)
+            target.add_(ortho, alpha=-adjusted)

@@ -1,0 +1,115 @@
+"""MuonAdamW in one process: equal to ``torch.optim.Muon`` + ``torch.optim.AdamW`` bit for bit; the split rule;
+errors; state dict round trip."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_par.models import GPTConfig, GPTLightningModule
+from lightning_par.optim import MuonAdamW, muon_param_groups, muon_split
+from tests.user_models import TorchMuonAndAdamW, make_mlp, muon_optimizer
+
+
+def _train(module: nn.Module, opt, steps: int = 8, seed: int = 1) -> list[float]:
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+        loss = module.loss_fn(module.model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_one_process_equals_torch_muon_plus_adamw_bitwise():
+    ours, ref = make_mlp("muon"), make_mlp("muon")
+    a = _train(ours, muon_optimizer(ours))
+    b = _train(ref, TorchMuonAndAdamW(ref))
+    assert a == b
+    for (n, p), (_, q) in zip(ours.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q), n
+    assert a[-1] < a[0]
+
+
+@pytest.mark.parametrize("nesterov,adjust", [(False, "match_rms_adamw"), (True, "original")])
+def test_options_follow_torch(nesterov, adjust):
+    torch.manual_seed(0)
+    w1, w2 = nn.Parameter(torch.randn(12, 5)), nn.Parameter(torch.randn(12, 5))
+    w2.data.copy_(w1.data)
+    ours = MuonAdamW([{"params": [w1], "use_muon": True}], lr=0.05, nesterov=nesterov, adjust_lr_fn=adjust,
+                     ns_steps=3, momentum=0.9, weight_decay=0.2)
+    ref = torch.optim.Muon([w2], lr=0.05, nesterov=nesterov, adjust_lr_fn=adjust, ns_steps=3, momentum=0.9,
+                           weight_decay=0.2)
+    for k in range(3):
+        g = torch.randn(12, 5, generator=torch.Generator().manual_seed(k))
+        w1.grad, w2.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    assert torch.equal(w1, w2)
+
+
+def test_a_stack_of_expert_matrices_is_orthogonalised_per_matrix():
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(3, 6, 4))
+    singles = [nn.Parameter(w.detach()[e].clone()) for e in range(3)]
+    ours = MuonAdamW([{"params": [w], "use_muon": True}], lr=0.02)
+    ref = torch.optim.Muon(singles, lr=0.02)
+    g = torch.randn(3, 6, 4)
+    w.grad = g.clone()
+    for e in range(3):
+        singles[e].grad = g[e].clone()
+    ours.step()
+    ref.step()
+    assert torch.equal(w.detach(), torch.stack([s.detach() for s in singles]))
+
+
+def test_the_gpt_split_rule():
+    config = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=256, num_experts=4, moe_every=2)
+    module = GPTLightningModule(config)
+    muon, adamw = muon_split(module)
+    muon_names, adamw_names = {n for n, _ in muon}, {n for n, _ in adamw}
+    assert "model.blocks.0.attn.q_proj.weight" in muon_names and "model.blocks.0.mlp.c_fc.weight" in muon_names
+    assert "model.blocks.1.mlp.experts.w1" in muon_names
+    for name in ("model.wte.weight", "model.wpe.weight", "model.lm_head.weight", "model.blocks.0.ln_1.weight",
+                 "model.blocks.0.attn.q_proj.bias", "model.blocks.1.mlp.router.gate.weight"):
+        assert name in adamw_names, name
+    # overridable: everything 2-D except the head
+    muon, _ = muon_split(module, is_muon=lambda n, p, m: p.dim() >= 2 and "lm_head" not in n)
+    assert "model.wte.weight" in {n for n, _ in muon}
+
+
+def test_hugging_face_head_and_embeddings_go_to_adamw():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=64, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config)
+    muon, adamw = muon_split(model)
+    muon_names, adamw_names = {n for n, _ in muon}, {n for n, _ in adamw}
+    assert "model.layers.0.mlp.gate_proj.weight" in muon_names
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= adamw_names
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ValueError, match="use_muon"):
+        MuonAdamW([nn.Parameter(torch.zeros(2, 2))])
+    with pytest.raises(ValueError, match="2 or more dimensions"):
+        MuonAdamW([{"params": [nn.Parameter(torch.zeros(3))], "use_muon": True}])
+    with pytest.raises(ValueError, match="momentum"):
+        MuonAdamW(make_mlp("muon"), momentum=-1.0)
+
+
+def test_state_dict_round_trip_continues_identically():
+    a, b = make_mlp("muon"), make_mlp("muon")
+    opt_a = muon_optimizer(a)
+    _train(a, opt_a, steps=3)
+    b.load_state_dict(a.state_dict())
+    opt_b = muon_optimizer(b)
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # torch shares the tensors otherwise
+    assert _train(a, opt_a, steps=3, seed=5) == _train(b, opt_b, steps=3, seed=5)
+    assert "momentum_buffer" in opt_b.state[next(iter(b.model[1].fc1.parameters()))]
