@@ -77,7 +77,12 @@ def make_model(step: dict[str, Any]) -> Any:
         torch.manual_seed(0)
         extra = {"moe_capacity_factor": 1.0} if name.endswith("-cap") else {}
         config = GPTConfig(**{**CONFIG.__dict__, "num_experts": 4, "moe_every": 2, **extra})
-        return GPTLightningModule(config, learning_rate=3e-3, adam_eps=1e-6)
+        muon = {"optimizer": "muon", "muon_ns_precision": "fp32" if name.endswith("32") else "bf16"}
+        return GPTLightningModule(config, learning_rate=3e-3, adam_eps=1e-6, **(muon if "-muon" in name else {}))
+    if name in ("gpt-muon", "gpt-muon32"):  # the tiny GPT with Muon on its hidden matrices (bf16/fp32 iteration)
+        torch.manual_seed(0)
+        return GPTLightningModule(CONFIG, learning_rate=3e-3, adam_eps=1e-6, optimizer="muon",
+                                  muon_ns_precision="fp32" if name.endswith("32") else "bf16")
     if name.startswith("moelm"):  # a user's MoE LM with its own router and experts (tests.user_models.MoELM)
         from tests.user_models import make_moe_lm
 

@@ -71,8 +71,9 @@ class ResidualMLP(L.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.hparams.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
-        if self.hparams.optimizer in ("muon", "torchmuon"):  # Muon on the matrices, AdamW on the rest
-            return muon_optimizer(self, torch_reference=self.hparams.optimizer == "torchmuon")
+        if self.hparams.optimizer in ("muon", "muon32", "torchmuon"):  # Muon on the matrices, AdamW on the rest
+            return muon_optimizer(self, torch_reference=self.hparams.optimizer == "torchmuon",
+                                  ns_precision="fp32" if self.hparams.optimizer == "muon32" else "bf16")
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr / 10, eps=1e-5)
 
 
@@ -97,6 +98,21 @@ class TorchMuonAndAdamW:
         )
         self.param_groups = self.muon.param_groups + self.adamw.param_groups
 
+    @classmethod
+    def like(cls, optimizer: Any) -> "TorchMuonAndAdamW":
+        """torch's two optimizers over the groups of a :class:`~lightning_par.optim.MuonAdamW`, with its
+        hyper-parameters."""
+        out = cls.__new__(cls)
+        muon_keys = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
+                     "adjust_lr_fn")
+        adamw_keys = ("lr", "betas", "eps", "weight_decay")
+        muon = [g for g in optimizer.param_groups if g["use_muon"]]
+        adamw = [g for g in optimizer.param_groups if not g["use_muon"]]
+        out.muon = torch.optim.Muon([{"params": list(g["params"]), **{k: g[k] for k in muon_keys}} for g in muon])
+        out.adamw = torch.optim.AdamW([{"params": list(g["params"]), **{k: g[k] for k in adamw_keys}} for g in adamw])
+        out.param_groups = out.muon.param_groups + out.adamw.param_groups
+        return out
+
     def step(self) -> None:
         self.muon.step()
         self.adamw.step()
@@ -106,7 +122,7 @@ class TorchMuonAndAdamW:
         self.adamw.zero_grad(set_to_none)
 
 
-def muon_optimizer(module: nn.Module, torch_reference: bool = False) -> Any:
+def muon_optimizer(module: nn.Module, torch_reference: bool = False, ns_precision: str = "bf16") -> Any:
     """lightning_par's :class:`~lightning_par.optim.MuonAdamW` over ``module`` with :data:`MUON_HPARAMS`, or (with
     ``torch_reference``) torch's two optimizers doing the same in one process."""
     if torch_reference:
@@ -117,7 +133,7 @@ def muon_optimizer(module: nn.Module, torch_reference: bool = False) -> Any:
     return MuonAdamW(
         muon_param_groups(module, adamw_weight_decay=adamw["weight_decay"]), **MUON_HPARAMS,
         adamw_lr=adamw["lr"], adamw_betas=adamw["betas"], adamw_eps=adamw["eps"],
-        adamw_weight_decay=adamw["weight_decay"],
+        adamw_weight_decay=adamw["weight_decay"], ns_precision=ns_precision,
     )
 
 

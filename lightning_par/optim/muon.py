@@ -153,12 +153,42 @@ def _adjust_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
     return lr
 
 
-def _orthogonalise(update: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> Tensor:
-    """torch's bf16 Newton-Schulz on a matrix, or on each matrix of a stack ``(..., m, k)``; bf16 result."""
+#: the precisions of the Newton-Schulz iteration: torch's (bf16) and fp32.
+NS_PRECISIONS = ("bf16", "fp32")
+
+
+def _newton_schulz_fp32(grad: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> Tensor:
+    """torch's ``_zeropower_via_newtonschulz`` loop, step for step, in fp32 instead of bf16.
+
+    Why: bf16 rounds each entry to 8 bits, so two layouts whose reduced gradients differ by one fp32 ulp (a tensor-
+    parallel partial sum, a context-parallel gradient summed in another order) can round an entry of the iteration's
+    input to neighbouring bf16 values, and the 8-step trajectories then drift apart at ~1e-4 (measured in
+    tests/distributed/test_muon.py). In fp32 the same layouts agree at 1e-5: use it to check a layout, bf16 to train.
+    """
+    a, b, c = coefficients
+    ortho = grad.float()
+    if grad.size(0) > grad.size(1):
+        ortho = ortho.T
+    ortho = ortho.div(ortho.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = ortho @ ortho.T
+        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        ortho = torch.addmm(ortho, update, ortho, beta=a)
+    if grad.size(0) > grad.size(1):
+        ortho = ortho.T
+    return ortho
+
+
+def _orthogonalise(
+    update: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, precision: str = "bf16"
+) -> Tensor:
+    """torch's Newton-Schulz on a matrix, or on each matrix of a stack ``(..., m, k)`` (bf16: torch's own function;
+    fp32: :func:`_newton_schulz_fp32`)."""
+    iterate = _zeropower_via_newtonschulz if precision == "bf16" else _newton_schulz_fp32
     if update.dim() == 2:
-        return _zeropower_via_newtonschulz(update, coefficients, steps, eps)
+        return iterate(update, coefficients, steps, eps)
     flat = update.reshape(-1, *update.shape[-2:])
-    out = torch.stack([_zeropower_via_newtonschulz(m, coefficients, steps, eps) for m in flat])
+    out = torch.stack([iterate(m, coefficients, steps, eps) for m in flat])
     return out.reshape(update.shape)
 
 
@@ -170,6 +200,8 @@ class MuonAdamW(torch.optim.Optimizer):
             :func:`default_is_muon`). A group's own keys override the defaults below.
         lr: Muon's learning rate (torch's default 1e-3; Keller Jordan's 0.02 with ``adjust_lr_fn=None``).
         weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: ``torch.optim.Muon``'s.
+        ns_precision: ``"bf16"`` (torch's iteration, the default) or ``"fp32"`` (the same loop in fp32: layouts
+            agree at 1e-5 where bf16 rounding makes them drift at ~1e-4; see :func:`_newton_schulz_fp32`).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: ``torch.optim.AdamW``'s for the AdamW groups
             (a group's ``weight_decay`` wins over ``adamw_weight_decay``).
 
@@ -194,6 +226,7 @@ class MuonAdamW(torch.optim.Optimizer):
         ns_steps: int = DEFAULT_NS_STEPS,
         adjust_lr_fn: str | None = None,
         *,
+        ns_precision: str = "bf16",
         adamw_lr: float = 1e-3,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
@@ -216,7 +249,10 @@ class MuonAdamW(torch.optim.Optimizer):
         muon_defaults = {
             "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
             "ns_coefficients": tuple(ns_coefficients), "eps": eps, "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn,
+            "ns_precision": ns_precision,
         }
+        if ns_precision not in NS_PRECISIONS:
+            raise ValueError(f"MuonAdamW ns_precision={ns_precision!r} is not valid: expected one of {NS_PRECISIONS}.")
         for g in groups:
             for key, value in (muon_defaults if g["use_muon"] else adamw_defaults).items():
                 g.setdefault(key, value)
@@ -290,7 +326,8 @@ class MuonAdamW(torch.optim.Optimizer):
             buf.lerp_(grad, 1 - mu)  # torch.optim.Muon's arithmetic, on this rank's piece
             update = grad.lerp(buf, mu) if group["nesterov"] else buf
             whole, piece = self._whole(p, update)
-            ortho = piece(_orthogonalise(whole, group["ns_coefficients"], group["ns_steps"], group["eps"]))
+            ortho = piece(_orthogonalise(whole, group["ns_coefficients"], group["ns_steps"], group["eps"],
+                                         group.get("ns_precision", "bf16")))
             full_shape = whole.shape
             adjusted = _adjust_lr(lr, group["adjust_lr_fn"], full_shape)
             target = local_tensor(p)
