@@ -54,7 +54,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from lightning_par.compat import local_tensor
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _zeropower_via_newtonschulz
 
@@ -268,29 +269,14 @@ class MuonAdamW(torch.optim.Optimizer):
         #: id(tensor the optimizer steps) -> its DTensor of the whole parameter's shape (ZeRO-1/2 chunks).
         self._global_views: dict[int, Callable[[Tensor], DTensor]] = {}
         self._adamw = torch.optim.AdamW([torch.zeros(1)])  # steps this optimizer's AdamW groups (see step)
+        #: bytes this rank received gathering whole updates in the last step (``(n-1)/n`` of each matrix, fp32).
+        self.gather_bytes_last_step = 0
 
     def set_global_views(self, views: dict[int, Callable[[Tensor], DTensor]]) -> None:
         """Register, for tensors this optimizer steps that are one rank's piece of a parameter (``id(tensor)``),
         a function mapping a tensor of that piece's shape to a DTensor of the whole parameter (what a ZeRO-1/2 engine
         calls when it re-points the param groups at its chunks)."""
         self._global_views.update(views)
-
-    def _whole(self, p: Tensor, update: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
-        """The whole matrix of ``update`` (this rank's piece of ``p``'s update) and a function from a whole matrix
-        to this rank's piece of it (a local slice)."""
-        if isinstance(update, DTensor):
-            spec = update
-        elif id(p) in self._global_views:
-            spec = self._global_views[id(p)](update)
-        else:
-            return update, lambda whole: whole
-        mesh, placements = spec.device_mesh, spec.placements
-
-        def piece(whole: Tensor) -> Tensor:
-            replicated = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
-            return replicated.redistribute(mesh, placements).to_local()
-
-        return spec.full_tensor(), piece
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -302,9 +288,8 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            if group["use_muon"]:
-                self._muon_group(group)
+        self.gather_bytes_last_step = 0
+        self._muon_groups([g for g in self.param_groups if g["use_muon"]])
         adamw_groups = [g for g in self.param_groups if not g["use_muon"]]
         if adamw_groups:
             # torch's AdamW step on these groups and this optimizer's state (shared dicts: nothing is copied).
@@ -313,23 +298,180 @@ class MuonAdamW(torch.optim.Optimizer):
             torch.optim.AdamW.step(self._adamw)
         return loss
 
-    def _muon_group(self, group: dict[str, Any]) -> None:
-        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            grad = p.grad
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
-            buf.lerp_(grad, 1 - mu)  # torch.optim.Muon's arithmetic, on this rank's piece
-            update = grad.lerp(buf, mu) if group["nesterov"] else buf
-            whole, piece = self._whole(p, update)
-            ortho = piece(_orthogonalise(whole, group["ns_coefficients"], group["ns_steps"], group["eps"],
-                                         group.get("ns_precision", "bf16")))
-            full_shape = whole.shape
-            adjusted = _adjust_lr(lr, group["adjust_lr_fn"], full_shape)
-            target = local_tensor(p)
+    def _muon_groups(self, groups: list[dict[str, Any]]) -> None:
+        """Muon on every parameter of ``groups``: momentum on this rank's pieces, the whole matrices orthogonalised
+        (owner scheme, all-gather fallback, or locally), each piece updated."""
+        mats: list[_Matrix] = []
+        for group in groups:
+            mu = group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(grad, 1 - mu)  # torch.optim.Muon's arithmetic, on this rank's piece
+                update = grad.lerp(buf, mu) if group["nesterov"] else buf
+                spec = update if isinstance(update, DTensor) else self._global_views.get(id(p), lambda u: None)(update)
+                mats.append(_Matrix.of(p, group, update, spec))
+        # Owners: per process group, each matrix to the member with the least Newton-Schulz work so far.
+        by_group: dict[Any, list[_Matrix]] = {}
+        for m in mats:
+            if m.kind == "owner":
+                by_group.setdefault(m.pg, []).append(m)
+        for members in by_group.values():
+            n = members[0].n
+            for m, owner in zip(members, assign_owners([tuple(m.shape[-2:]) for m in members], n,
+                                                       [m.batch for m in members])):
+                m.owner = owner
+        owned = [m for m in mats if m.kind == "owner"]
+        # 1. every piece to its matrix's owner (launched together, then waited for)
+        works = [m.launch_gather() for m in owned]
+        for w in works:
+            w.wait()
+        # 2. orthogonalise: owned matrices on their owner, the fallbacks and local matrices here
+        for m in mats:
+            g = m.group
+            args = (g["ns_coefficients"], g["ns_steps"], g["eps"], g.get("ns_precision", "bf16"))
+            if m.kind == "owner":
+                if m.owner == m.me:
+                    m.ortho_whole = _orthogonalise(m.assemble(), *args)
+            elif m.kind == "gather":
+                whole = m.spec.full_tensor()
+                self.gather_bytes_last_step += (whole.numel() - m.local.numel()) * whole.element_size()
+                m.ortho = m.piece_of(_orthogonalise(whole, *args))
+            else:
+                m.ortho = _orthogonalise(m.local, *args)
+        # 3. each owner's result back to the pieces
+        works = [m.launch_scatter() for m in owned]
+        for w in works:
+            w.wait()
+        for m in owned:
+            m.finish_scatter()
+            self.gather_bytes_last_step += m.received_bytes
+        # 4. torch's update on this rank's piece
+        for m in mats:
+            g = m.group
+            lr, wd = g["lr"], g["weight_decay"]
+            adjusted = _adjust_lr(lr, g["adjust_lr_fn"], m.shape)
+            target = local_tensor(m.p)
             target.mul_(1 - lr * wd)
-            target.add_(ortho, alpha=-adjusted)
+            target.add_(m.ortho, alpha=-adjusted)
+
+
+def newton_schulz_flops(shape: tuple[int, int], ns_steps: int = DEFAULT_NS_STEPS) -> float:
+    """Flops of torch's Newton-Schulz iteration on an ``m x k`` matrix: ``ns_steps * 2 (2 p^2 q + p^3)`` with
+    ``p = min(m, k)``, ``q = max(m, k)`` (Gram matrix, its square, the product with the matrix)."""
+    p, q = min(shape), max(shape)
+    return ns_steps * 2.0 * (2 * p * p * q + p**3)
+
+
+def assign_owners(shapes: list[tuple[int, int]], n: int, batch: list[int] | None = None) -> list[int]:
+    """The owner (a member index in ``[0, n)``) of each matrix: in order, the member with the least Newton-Schulz
+    flops so far (the lowest index on ties); ``batch[i]`` matrices of ``shapes[i]`` (an expert stack) count as one
+    item. Deterministic: every rank computes the same assignment."""
+    load = [0.0] * n
+    out = []
+    for i, shape in enumerate(shapes):
+        owner = min(range(n), key=lambda r: (load[r], r))
+        load[owner] += newton_schulz_flops(shape) * (batch[i] if batch else 1)
+        out.append(owner)
+    return out
+
+
+def _chunk_sizes(size: int, n: int) -> list[int]:
+    """``torch.chunk``'s (and ``Shard``'s) piece sizes of a dimension of ``size`` over ``n`` ranks."""
+    chunk = -(-size // n)
+    return [max(0, min(chunk, size - i * chunk)) for i in range(n)]
+
+
+class _Matrix:
+    """One Muon parameter in one step: this rank's piece of its update and how its whole matrix is formed.
+
+    ``kind``: ``"local"`` (held whole), ``"owner"`` (split along one tensor dim over one mesh dim: gathered to an
+    owner, orthogonalised there, scattered back) or ``"gather"`` (any other split, e.g. FSDP + TP's two mesh dims:
+    all-gathered and orthogonalised on every rank).
+    """
+
+    def __init__(self, p: Tensor, group: dict[str, Any], local: Tensor, shape: torch.Size) -> None:
+        self.p, self.group, self.local, self.shape = p, group, local, shape
+        self.batch = math.prod(shape[:-2]) if len(shape) > 2 else 1
+        self.kind = "local"
+        self.spec: DTensor | None = None
+        self.ortho: Tensor | None = None
+        self.ortho_whole: Tensor | None = None
+        self.received_bytes = 0
+
+    @classmethod
+    def of(cls, p: Tensor, group: dict[str, Any], update: Tensor, spec: DTensor | None) -> "_Matrix":
+        if spec is None:
+            return cls(p, group, update, update.shape)
+        local = update.to_local() if isinstance(update, DTensor) else update
+        m = cls(p, group, local, spec.shape)
+        mesh, placements = spec.device_mesh, spec.placements
+        split = [(i, pl) for i, pl in enumerate(placements) if not pl.is_replicate() and mesh.size(i) > 1]
+        if not split:
+            return m
+        m.spec = spec
+        m.kind = "gather"
+        if len(split) == 1 and type(split[0][1]) is Shard:
+            mesh_dim, pl = split[0]
+            n = mesh.size(mesh_dim)
+            sizes = _chunk_sizes(spec.shape[pl.dim], n)
+            me = mesh.get_local_rank(mesh_dim)
+            if sizes[me] == local.shape[pl.dim]:
+                m.kind, m.pg, m.dim, m.n, m.me, m.sizes = "owner", mesh.get_group(mesh_dim), pl.dim, n, me, sizes
+        return m
+
+    def piece_of(self, whole: Tensor) -> Tensor:
+        """This rank's piece of a whole matrix (a local slice, by the spec's placements)."""
+        mesh = self.spec.device_mesh
+        replicated = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return replicated.redistribute(mesh, self.spec.placements).to_local()
+
+    def _padded_shape(self) -> list[int]:
+        shape = list(self.local.shape)
+        shape[self.dim] = self.sizes[0]
+        return shape
+
+    def _pad(self, t: Tensor) -> Tensor:
+        if t.shape[self.dim] == self.sizes[0]:
+            return t.contiguous()
+        out = t.new_zeros(self._padded_shape())
+        out.narrow(self.dim, 0, t.shape[self.dim]).copy_(t)
+        return out
+
+    def launch_gather(self) -> Any:
+        owner = dist.get_global_rank(self.pg, self.owner)
+        self.gathered = [self.local.new_empty(self._padded_shape()) for _ in range(self.n)] if self.owner == self.me \
+            else None
+        if self.owner == self.me:
+            self.received_bytes += (self.n - 1) * self.gathered[0].numel() * self.gathered[0].element_size()
+        return dist.gather(self._pad(self.local), self.gathered, dst=owner, group=self.pg, async_op=True)
+
+    def assemble(self) -> Tensor:
+        parts = [t.narrow(self.dim, 0, size) for t, size in zip(self.gathered, self.sizes)]
+        self.gathered = None
+        return torch.cat(parts, dim=self.dim)
+
+    def launch_scatter(self) -> Any:
+        owner = dist.get_global_rank(self.pg, self.owner)
+        dtype = torch.bfloat16 if self.group.get("ns_precision", "bf16") == "bf16" else torch.float32
+        self.received = self.local.new_empty(self._padded_shape(), dtype=dtype)
+        pieces = None
+        if self.owner == self.me:
+            whole = self.ortho_whole
+            pieces, start = [], 0
+            for size in self.sizes:
+                pieces.append(self._pad(whole.narrow(self.dim, start, size)))
+                start += size
+            self.ortho_whole = None
+        else:
+            self.received_bytes += self.received.numel() * self.received.element_size()
+        return dist.scatter(self.received, pieces, src=owner, group=self.pg, async_op=True)
+
+    def finish_scatter(self) -> None:
+        self.ortho = self.received.narrow(self.dim, 0, self.sizes[self.me])
+        self.received = None
