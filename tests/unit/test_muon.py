@@ -113,3 +113,51 @@ def test_state_dict_round_trip_continues_identically():
     opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # torch shares the tensors otherwise
     assert _train(a, opt_a, steps=3, seed=5) == _train(b, opt_b, steps=3, seed=5)
     assert "momentum_buffer" in opt_b.state[next(iter(b.model[1].fc1.parameters()))]
+
+
+def test_the_recipe_override_model_optimizer_muon_builds_muon():
+    from hydra import compose, initialize_config_dir
+
+    from lightning_par.config.build import build_module
+    from lightning_par.config.schema import register_configs
+    from tests.config.test_compose import CONF
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="config", overrides=["model=tiny", "model.optimizer=muon", "model.muon_lr=0.01"])
+    optimizer = build_module(cfg).configure_optimizers()["optimizer"]
+    assert isinstance(optimizer, MuonAdamW)
+    assert [g["initial_lr"] for g in optimizer.param_groups if g["use_muon"]] == [0.01]  # warmup scales "lr"
+    with pytest.raises(ValueError, match="optimizer='lion'"):
+        GPTLightningModule(optimizer="lion")
+
+
+def test_hugging_face_module_takes_muon():
+    pytest.importorskip("transformers")
+    from lightning_par.hf import HFCausalLM
+
+    module = HFCausalLM(model_type="llama", config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                        num_attention_heads=2, num_key_value_heads=1, vocab_size=64),
+                        optimizer="muon", muon_lr=0.01)
+    optimizer = module.configure_optimizers()
+    assert isinstance(optimizer, MuonAdamW)
+    names = {id(p): n for n, p in module.named_parameters()}
+    muon = {names[id(p)] for g in optimizer.param_groups if g["use_muon"] for p in g["params"]}
+    assert "model.model.layers.0.self_attn.q_proj.weight" in muon or any("q_proj" in n for n in muon)
+    assert not any("embed_tokens" in n or "lm_head" in n or "norm" in n for n in muon)
+
+
+def test_planner_terms():
+    from lightning_par.planner.muon import gpt_muon_matrices, muon_precision, muon_state_bytes, muon_step_cost
+
+    prec = muon_precision("fp32", 0.5)
+    assert prec.optimizer_bytes == 6.0 and prec.param_bytes == 4
+    assert muon_state_bytes(10, 5, 2) == 4 * 10 + 8 * 5 + 4 * 2
+    with pytest.raises(ValueError, match="muon_fraction"):
+        muon_precision("fp32", 1.5)
+    mats = gpt_muon_matrices(2, 8)
+    cost = muon_step_cost(mats, 2)
+    whole = sum(m * k for m, k in mats)
+    # owners balanced: each rank receives about 6 M (n-1)/n^2 = 1.5 M bytes at n = 2, never the all-gather's 2 M
+    assert 1.2 * whole <= cost.received_bytes < 2 * whole
+    assert muon_step_cost(mats, 1).received_bytes == 0
