@@ -23,8 +23,9 @@ orthogonalisation needs the whole matrix. Scheme (``MuonAdamW.step``):
   launched before any is waited for, then every owner iterates on its matrices at once, then all scatters.
 * **all-gather** (a matrix split over two mesh dims, e.g. FSDP + TP's strided shards): the update is all-gathered
   (``DTensor.full_tensor``) and every rank of the group orthogonalises it, keeping its own slice.
-* **local** (a matrix held whole: DDP, ``ddp_overlap``, pipeline stages, context parallelism, an expert-parallel
-  rank's experts): nothing is communicated.
+* **local** (a matrix held whole: DDP, ``ddp_overlap``, pipeline stages, context parallelism; a stack of expert
+  matrices split only along its expert dim, as expert parallelism and ZeRO/FSDP's dim-0 shards of it do): nothing
+  is communicated, each rank orthogonalises the matrices it holds.
 
 Cost per step, for ``M`` elements of Muon matrices each in ``n`` pieces (fp32 update, bf16 result):
 
@@ -417,8 +418,9 @@ class _Matrix:
         m = cls(p, group, local, spec.shape)
         mesh, placements = spec.device_mesh, spec.placements
         split = [(i, pl) for i, pl in enumerate(placements) if not pl.is_replicate() and mesh.size(i) > 1]
-        if not split:
-            return m
+        matrix_dims = (spec.ndim - 2, spec.ndim - 1)
+        if all(pl.is_shard() and pl.dim not in matrix_dims for _, pl in split):
+            return m  # split only along a stack's leading dim (experts): every matrix is whole here
         m.spec = spec
         m.kind = "gather"
         if len(split) == 1 and type(split[0][1]) is Shard:
