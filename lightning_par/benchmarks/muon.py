@@ -26,8 +26,8 @@ __all__ = ["run"]
 SECTION = "muon"
 ORDER = 35
 
-_QUICK = dict(steps=8, warmup=2, batch=8)
-_FULL = dict(steps=30, warmup=3, batch=8)
+_QUICK = dict(steps=8, warmup=2, batch=8, shape="small")
+_FULL = dict(steps=30, warmup=3, batch=8, shape="small")
 _LAYOUTS = ("dp2 zero2", "dp2 zero3", "tp2")
 
 
@@ -61,7 +61,7 @@ def _worker(setup: dict[str, Any]) -> dict[str, Any]:
 
     init_process_group_from_env(timeout_s=600)
     rank = dist.get_rank()
-    shape = GPT_SHAPES["small"]
+    shape = GPT_SHAPES[setup["shape"]]
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     tp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     total = setup["steps"] + setup["warmup"]
@@ -141,17 +141,24 @@ def _predicted_state(row: dict[str, Any], optimizer: str, layout: str, world: in
     return muon_state_bytes(muon, sum(adamw.values()), len(adamw))
 
 
-def run(quick: bool = False, world_size: int = 2) -> str:
-    """Measure and return the markdown table (see the module docstring)."""
+def run(quick: bool = False, world_size: int = 2, setup: dict[str, Any] | None = None) -> str:
+    """Measure and return the markdown table (see the module docstring).
+
+    Args:
+        quick: 8 measured steps per contender (30 without).
+        world_size: ranks (the dp and tp size).
+        setup: replaces the quick/full settings (``steps``, ``warmup``, ``batch``, ``shape``: a key of
+            :data:`~lightning_par.benchmarks.common.GPT_SHAPES`).
+    """
     from lightning_par.benchmarks.common import GPT_SHAPES
     from lightning_par.launcher import run_distributed
     from lightning_par.planner.muon import muon_step_cost
 
-    setup = _QUICK if quick else _FULL
+    setup = setup or (_QUICK if quick else _FULL)
     res = run_distributed(_worker, world_size, (setup,), timeout_s=1800, threads_per_rank=1)
-    shape = GPT_SHAPES["small"]
+    shape = GPT_SHAPES[setup["shape"]]
     lines = [
-        f"### Muon vs AdamW (CPU, gloo, fp32): GPT small ({shape['n_layer']}x{shape['n_embd']}), micro-batch "
+        f"### Muon vs AdamW (CPU, gloo, fp32): GPT {setup['shape']} ({shape['n_layer']}x{shape['n_embd']}), micro-batch "
         f"{setup['batch']}x{shape['block_size']} per rank; median of {setup['steps']} steps, in turns; bytes and "
         "state per rank (the largest over ranks)",
         "",

@@ -228,3 +228,25 @@ def test_a_zero2_muon_checkpoint_continues_at_tp2_and_in_one_process(checkpoint_
         ref_losses, _ = reference_fit_microbatched(_torch_reference("gpt-muon32"), token_data(CKPT_SAMPLES), 4,
                                                    2 * CKPT_EPOCH, 1, 2)
     torch.testing.assert_close(torch.tensor(uninterrupted), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------ cost
+def test_benchmark_state_and_bytes_follow_the_planner():
+    """``recipes/benchmark.py --only muon`` on the tiny GPT, one step: per-rank optimizer-state bytes within 2% of
+    the planner's ``muon_state_bytes`` and the bytes received at the step equal to ``muon_step_cost``'s, at dp2
+    zero2, zero3 and tp2; Muon's state below AdamW's."""
+    from lightning_par.benchmarks.muon import run
+
+    table = run(setup=dict(steps=1, warmup=0, batch=2, shape="tiny"))
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| dp2") or line.startswith("| tp2")]
+    assert len(rows) == 6
+    state = {}
+    for cells in rows:
+        layout, optimizer = cells[0].strip(), cells[1].strip()
+        received, planned, measured, predicted = (float(cells[i]) for i in (6, 7, 8, 9))
+        assert abs(measured / predicted - 1) <= 0.02, cells
+        assert received == planned, cells
+        assert (received > 0) == (optimizer == "muon"), cells
+        state[layout, optimizer] = measured
+    for layout in ("dp2 zero2", "dp2 zero3", "tp2"):
+        assert state[layout, "muon"] < state[layout, "adamw"]
