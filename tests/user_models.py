@@ -342,6 +342,8 @@ class AttentionLM(L.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_name == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=1e-6)
+        if self.optimizer_name in ("muon", "muon32"):  # Muon on the matrices, AdamW on the rest
+            return muon_optimizer(self, ns_precision="fp32" if self.optimizer_name == "muon32" else "bf16")
         return torch.optim.SGD(self.parameters(), lr=0.3, momentum=0.9)
 
 
