@@ -22,10 +22,13 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_par.planner.precision import Precision, get_precision
 
-__all__ = ["MuonStepCost", "gpt_muon_matrices", "muon_precision", "muon_state_bytes", "muon_step_cost"]
+__all__ = [
+    "MuonStepCost", "gpt_muon_matrices", "muon_fraction", "muon_precision", "muon_state_bytes", "muon_step_cost",
+]
 
 #: bytes of Muon's momentum per element (fp32) and of AdamW's two moments.
 MUON_STATE_BYTES, ADAMW_STATE_BYTES = 4, 8
@@ -45,6 +48,21 @@ def muon_precision(precision: str | Precision, muon_fraction: float) -> Precisio
     prec = get_precision(precision)
     k = prec.optimizer_bytes - (ADAMW_STATE_BYTES - MUON_STATE_BYTES) * muon_fraction
     return dataclasses.replace(prec, name=f"{prec.name}+muon", optimizer_bytes=k)  # type: ignore[arg-type]
+
+
+def muon_fraction(model: Any) -> float:
+    """The fraction of a :class:`~lightning_par.planner.model.ModelSpec`'s parameters on Muon under the default split
+    rule: each block's ``4 h^2`` attention matrices, a dense block's ``2 h f`` MLP matrices, a MoE block's experts
+    ``E 2 h f_e`` and shared expert ``2 h f_e`` (embeddings, head, norms, biases, routers are AdamW's)."""
+    h, f, fe = model.hidden_size, model.ffn, model.expert_hidden
+    matrices = 0
+    for layer in range(model.num_layers):
+        matrices += 4 * h * h
+        if model.is_moe(layer):
+            matrices += model.num_experts * 2 * h * fe + (2 * h * fe if model.moe_shared_expert else 0)
+        else:
+            matrices += 2 * h * f
+    return min(1.0, matrices / model.total_params())
 
 
 def muon_state_bytes(muon_numel: int, adamw_numel: int, adamw_tensors: int) -> int:

@@ -161,3 +161,24 @@ def test_planner_terms():
     # owners balanced: each rank receives about 6 M (n-1)/n^2 = 1.5 M bytes at n = 2, never the all-gather's 2 M
     assert 1.2 * whole <= cost.received_bytes < 2 * whole
     assert muon_step_cost(mats, 1).received_bytes == 0
+
+
+def test_planner_muon_fraction_of_the_gpt_and_its_memory():
+    from lightning_par.planner import ModelSpec, plan
+    from lightning_par.planner.muon import muon_fraction, muon_precision
+
+    config = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=256)
+    module = GPTLightningModule(config)
+    muon, _ = muon_split(module)
+    total = sum(p.numel() for p in module.parameters())
+    spec = ModelSpec(num_layers=4, hidden_size=32, num_heads=2, vocab_size=256, seq_len=16)
+    assert spec.total_params() == total
+    assert muon_fraction(spec) == pytest.approx(sum(p.numel() for _, p in muon) / total)
+    # the planner's memory with Muon's K: zero2 at dp 2 holds 8 bytes per parameter of AdamW state / 2
+    from lightning_par.planner import Layout, predict
+
+    layout = Layout(dp_size=2, tp_size=1, pp_size=1, dp_mode="zero2", micro_batch_size=1, num_microbatches=1)
+    adamw = predict(spec, layout, "a100-80gb", precision="fp32").memory.model_state_bytes
+    with_muon = predict(spec, layout, "a100-80gb", precision=muon_precision("fp32", muon_fraction(spec)))
+    muon_numel = sum(p.numel() for _, p in muon)
+    assert adamw - with_muon.memory.model_state_bytes == pytest.approx(4 * muon_numel / 2, rel=0.02)
