@@ -87,6 +87,14 @@ def make_model(step: dict[str, Any]) -> Any:
         from tests.user_models import make_moe_lm
 
         return make_moe_lm(optimizer=name.split("-")[1])
+    if name.startswith("hf-llama-muon"):  # a tiny Hugging Face Llama with Muon (``32``: the fp32 iteration)
+        from lightning_par.hf import HFCausalLM
+
+        torch.manual_seed(0)
+        config = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False)
+        return HFCausalLM(model_type="llama", config=config, optimizer="muon", learning_rate=1e-3, adam_eps=1e-5,
+                          muon_ns_precision="fp32" if name.endswith("32") else "bf16")
     if name == "gpt-h4":  # 4 heads of width 8: all-to-all context parallelism splits them over cp x tp = 4
         torch.manual_seed(0)
         return GPTLightningModule(GPTConfig(**{**CONFIG.__dict__, "n_head": 4}), learning_rate=3e-3, adam_eps=1e-6)

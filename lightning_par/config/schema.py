@@ -308,6 +308,8 @@ class HFModelConfig:
     momentum: float = 0.9
     adam_eps: float = 1e-8
     muon_lr: float = 0.02
+    #: ``bf16`` (torch's Newton-Schulz) or ``fp32`` (docs/muon.md).
+    muon_ns_precision: str = "bf16"
 
 
 @dataclass

@@ -101,6 +101,7 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
             ``learning_rate`` on the embeddings, head, norms, biases and routers; docs/muon.md).
         learning_rate: the optimizer's learning rate (AdamW's under ``"muon"``).
         muon_lr: Muon's learning rate under ``optimizer="muon"``.
+        muon_ns_precision: ``"bf16"`` (torch's Newton-Schulz) or ``"fp32"`` (:class:`~lightning_par.optim.MuonAdamW`).
         weight_decay: AdamW's decoupled weight decay (matrices and embeddings only); SGD's L2 term.
         momentum: SGD's momentum.
         adam_eps: AdamW's ``eps``.
@@ -124,6 +125,7 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         momentum: float = 0.9,
         adam_eps: float = 1e-8,
         muon_lr: float = 0.02,
+        muon_ns_precision: str = "bf16",
     ) -> None:
         super().__init__()
         _check("model_type", model_type, (model_type is None) != (pretrained is None),
@@ -131,6 +133,7 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         _check("optimizer", optimizer, optimizer in OPTIMIZERS, f"one of {OPTIMIZERS}")
         _check("learning_rate", learning_rate, learning_rate > 0, "a positive float")
         _check("muon_lr", muon_lr, muon_lr > 0, "a positive float")
+        _check("muon_ns_precision", muon_ns_precision, muon_ns_precision in ("bf16", "fp32"), "'bf16' or 'fp32'")
         if model_type is not None:
             _check("model_type", model_type, _known_model_type(model_type),
                    "a transformers model type such as 'llama', 'qwen2', 'qwen3', 'mistral', 'qwen3_moe', 'mixtral'")
@@ -142,7 +145,7 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         self.save_hyperparameters(
             {"model_type": model_type, "config": config, "pretrained": pretrained, "optimizer": optimizer,
              "learning_rate": learning_rate, "weight_decay": weight_decay, "momentum": momentum, "adam_eps": adam_eps,
-             "muon_lr": muon_lr}
+             "muon_lr": muon_lr, "muon_ns_precision": muon_ns_precision}
         )
         try:
             from transformers import AutoConfig, AutoModelForCausalLM
@@ -275,7 +278,7 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
             return MuonAdamW(
                 muon_param_groups(self, adamw_weight_decay=hp.weight_decay), lr=hp.get("muon_lr", 0.02),
                 weight_decay=hp.weight_decay, adamw_lr=hp.learning_rate, adamw_eps=hp.adam_eps,
-                adamw_weight_decay=hp.weight_decay,
+                adamw_weight_decay=hp.weight_decay, ns_precision=hp.get("muon_ns_precision", "bf16"),
             )
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},

@@ -46,6 +46,7 @@ WORLD2 = {c["name"]: c for c in [
     _fit("cp2-attn-fp32", "attn-muon32", cp_size=2),
     _fit("ep2-moegpt-fp32", "moegpt-muon32", ep_size=2),
     _fit("tp2-sp-gpt", "gpt-muon", tp_size=2, sequence_parallel=True),
+    _fit("tp2-hf-llama-fp32", "hf-llama-muon32", "tensor_parallel", tp_size=2),
 ]}
 #: Cells whose reduced gradients differ from one process's by fp32 rounding (a tp partial sum, a cp or ep gradient
 #: summed in another order): torch's bf16 iteration rounds such neighbours apart and 8 steps drift (measured: loss
@@ -65,6 +66,8 @@ WORLD2_SLOW = {c["name"]: c for c in [
     _fit("tp2-gpt-fp32", "gpt-muon32", "tensor_parallel", tp_size=2),
     _fit("pp2-1f1b-mlp", "mlp-muon", pp_size=2, schedule="1f1b", num_microbatches=2),
     _fit("ep2-zero2-moegpt-fp32", "moegpt-muon32", ep_size=2, dp_mode="zero2"),
+    _fit("zero2-hf-llama-fp32", "hf-llama-muon32", "zero2"),
+    _fit("zero3-hf-llama-fp32", "hf-llama-muon32", "zero3"),
 ]}
 #: HSDP 2x2 and dp2·tp2·pp2: one cell each in CI (the user's MLP, fp32 iteration: HSDP's reduce-scatter within a
 #: replica then all-reduce across replicas sums 4 gradients in another order than one process, see BF16_DRIFT).
@@ -123,7 +126,7 @@ def _check(runs: list[dict], case: dict, world: int) -> dict:
     model = case["model"]
     dataset = RegressionDataset(n=samples) if model.startswith("mlp") else token_data(samples)
     with one_thread():
-        if dims.cp_enabled:
+        if dims.cp_enabled or model.startswith("hf"):  # a Hugging Face model: its training_step on the global batch
             ref_losses, ref_params = reference_fit(_torch_reference(model), dataset, MICRO * dims.dp_size, STEPS)
         else:
             ref_losses, ref_params = reference_fit_microbatched(
