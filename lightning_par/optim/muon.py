@@ -212,9 +212,10 @@ class MuonAdamW(torch.optim.Optimizer):
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: ``torch.optim.AdamW``'s for the AdamW groups
             (a group's ``weight_decay`` wins over ``adamw_weight_decay``).
 
-    Sharded parameters: a DTensor parameter (FSDP2, tensor parallelism) is gathered through its mesh. A plain tensor
-    that is one rank's piece of a larger parameter (a ZeRO-1/2 chunk) is gathered through the view the engine
-    registers with :meth:`set_global_views`. See the module docstring for the scheme and its cost.
+    Sharded parameters: a DTensor parameter (FSDP2, tensor parallelism) is assembled through its mesh, a plain tensor
+    that is one rank's piece of a larger parameter (a ZeRO-1/2 chunk) through the view the engine registers with
+    :meth:`set_global_views`: each matrix whole on one owner rank (see the module docstring for the scheme and its
+    cost). ``step`` is then collective: every rank holding a piece of a Muon parameter must step.
 
     Raises:
         ValueError: a Muon parameter with fewer than 2 dimensions, a group without ``"use_muon"``, or an invalid
@@ -275,7 +276,8 @@ class MuonAdamW(torch.optim.Optimizer):
         #: id(tensor the optimizer steps) -> its DTensor of the whole parameter's shape (ZeRO-1/2 chunks).
         self._global_views: dict[int, Callable[[Tensor], DTensor]] = {}
         self._adamw = torch.optim.AdamW([torch.zeros(1)])  # steps this optimizer's AdamW groups (see step)
-        #: bytes this rank received gathering whole updates in the last step (``(n-1)/n`` of each matrix, fp32).
+        #: bytes this rank received for whole matrices in the last step: as an owner, the other pieces of its
+        #: matrices (fp32); otherwise, its pieces of the results (bf16); all-gathers ``(n-1)/n`` of each matrix.
         self.gather_bytes_last_step = 0
 
     def set_global_views(self, views: dict[int, Callable[[Tensor], DTensor]]) -> None:
