@@ -77,11 +77,24 @@ def make_model(step: dict[str, Any]) -> Any:
         torch.manual_seed(0)
         extra = {"moe_capacity_factor": 1.0} if name.endswith("-cap") else {}
         config = GPTConfig(**{**CONFIG.__dict__, "num_experts": 4, "moe_every": 2, **extra})
-        return GPTLightningModule(config, learning_rate=3e-3, adam_eps=1e-6)
+        muon = {"optimizer": "muon", "muon_ns_precision": "fp32" if name.endswith("32") else "bf16"}
+        return GPTLightningModule(config, learning_rate=3e-3, adam_eps=1e-6, **(muon if "-muon" in name else {}))
+    if name in ("gpt-muon", "gpt-muon32"):  # the tiny GPT with Muon on its hidden matrices (bf16/fp32 iteration)
+        torch.manual_seed(0)
+        return GPTLightningModule(CONFIG, learning_rate=3e-3, adam_eps=1e-6, optimizer="muon",
+                                  muon_ns_precision="fp32" if name.endswith("32") else "bf16")
     if name.startswith("moelm"):  # a user's MoE LM with its own router and experts (tests.user_models.MoELM)
         from tests.user_models import make_moe_lm
 
         return make_moe_lm(optimizer=name.split("-")[1])
+    if name.startswith("hf-llama-muon"):  # a tiny Hugging Face Llama with Muon (``32``: the fp32 iteration)
+        from lightning_par.hf import HFCausalLM
+
+        torch.manual_seed(0)
+        config = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False)
+        return HFCausalLM(model_type="llama", config=config, optimizer="muon", learning_rate=1e-3, adam_eps=1e-5,
+                          muon_ns_precision="fp32" if name.endswith("32") else "bf16")
     if name == "gpt-h4":  # 4 heads of width 8: all-to-all context parallelism splits them over cp x tp = 4
         torch.manual_seed(0)
         return GPTLightningModule(GPTConfig(**{**CONFIG.__dict__, "n_head": 4}), learning_rate=3e-3, adam_eps=1e-6)

@@ -71,7 +71,70 @@ class ResidualMLP(L.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.hparams.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        if self.hparams.optimizer in ("muon", "muon32", "torchmuon"):  # Muon on the matrices, AdamW on the rest
+            return muon_optimizer(self, torch_reference=self.hparams.optimizer == "torchmuon",
+                                  ns_precision="fp32" if self.hparams.optimizer == "muon32" else "bf16")
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr / 10, eps=1e-5)
+
+
+#: the Muon and AdamW hyper-parameters of the user models' ``"muon"`` optimizer (AdamW's eps as the AdamW runs').
+MUON_HPARAMS = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
+MUON_ADAMW_HPARAMS = dict(lr=5e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.01)
+
+
+class TorchMuonAndAdamW:
+    """The one-process reference: ``torch.optim.Muon`` on the Muon side of the split, ``torch.optim.AdamW`` on the
+    rest, stepped together (what a user writes by hand in one process)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        from lightning_par.optim import muon_param_groups
+
+        groups = muon_param_groups(module, adamw_weight_decay=MUON_ADAMW_HPARAMS["weight_decay"])
+        adamw = MUON_ADAMW_HPARAMS
+        self.muon = torch.optim.Muon([p for g in groups if g["use_muon"] for p in g["params"]], **MUON_HPARAMS)
+        self.adamw = torch.optim.AdamW(
+            [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups if not g["use_muon"]],
+            lr=adamw["lr"], betas=adamw["betas"], eps=adamw["eps"],
+        )
+        self.param_groups = self.muon.param_groups + self.adamw.param_groups
+
+    @classmethod
+    def like(cls, optimizer: Any) -> "TorchMuonAndAdamW":
+        """torch's two optimizers over the groups of a :class:`~lightning_par.optim.MuonAdamW`, with its
+        hyper-parameters."""
+        out = cls.__new__(cls)
+        muon_keys = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
+                     "adjust_lr_fn")
+        adamw_keys = ("lr", "betas", "eps", "weight_decay")
+        muon = [g for g in optimizer.param_groups if g["use_muon"]]
+        adamw = [g for g in optimizer.param_groups if not g["use_muon"]]
+        out.muon = torch.optim.Muon([{"params": list(g["params"]), **{k: g[k] for k in muon_keys}} for g in muon])
+        out.adamw = torch.optim.AdamW([{"params": list(g["params"]), **{k: g[k] for k in adamw_keys}} for g in adamw])
+        out.param_groups = out.muon.param_groups + out.adamw.param_groups
+        return out
+
+    def step(self) -> None:
+        self.muon.step()
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none)
+        self.adamw.zero_grad(set_to_none)
+
+
+def muon_optimizer(module: nn.Module, torch_reference: bool = False, ns_precision: str = "bf16") -> Any:
+    """lightning_par's :class:`~lightning_par.optim.MuonAdamW` over ``module`` with :data:`MUON_HPARAMS`, or (with
+    ``torch_reference``) torch's two optimizers doing the same in one process."""
+    if torch_reference:
+        return TorchMuonAndAdamW(module)
+    from lightning_par.optim import MuonAdamW, muon_param_groups
+
+    adamw = MUON_ADAMW_HPARAMS
+    return MuonAdamW(
+        muon_param_groups(module, adamw_weight_decay=adamw["weight_decay"]), **MUON_HPARAMS,
+        adamw_lr=adamw["lr"], adamw_betas=adamw["betas"], adamw_eps=adamw["eps"],
+        adamw_weight_decay=adamw["weight_decay"], ns_precision=ns_precision,
+    )
 
 
 def make_mlp(optimizer: str = "sgd", depth: int = 3) -> ResidualMLP:
@@ -279,6 +342,8 @@ class AttentionLM(L.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_name == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=3e-3, eps=1e-6)
+        if self.optimizer_name in ("muon", "muon32"):  # Muon on the matrices, AdamW on the rest
+            return muon_optimizer(self, ns_precision="fp32" if self.optimizer_name == "muon32" else "bf16")
         return torch.optim.SGD(self.parameters(), lr=0.3, momentum=0.9)
 
 

@@ -245,6 +245,16 @@ class GPTModelConfig:
     moe_capacity_factor: Optional[float] = None
     moe_aux_loss_coeff: Optional[float] = None
     moe_z_loss_coeff: Optional[float] = None
+    #: ``adamw`` or ``muon`` (Muon on the hidden matrices, AdamW at ``learning_rate`` on the rest: docs/muon.md).
+    optimizer: str = "adamw"
+    muon_lr: float = 0.02
+    #: null: ``weight_decay``.
+    muon_weight_decay: Optional[float] = None
+    muon_momentum: float = 0.95
+    #: null/``original`` or ``match_rms_adamw`` (torch.optim.Muon's ``adjust_lr_fn``).
+    muon_adjust_lr_fn: Optional[str] = None
+    #: ``bf16`` (torch's Newton-Schulz) or ``fp32`` (layouts agree at 1e-5: docs/muon.md).
+    muon_ns_precision: str = "bf16"
 
 
 #: Kept for code that imports the old name: the reference GPT's schema.
@@ -290,12 +300,16 @@ class HFModelConfig:
     #: config fields of a ``model_type`` build under ``config``: a tiny model in conf/model/hf.yaml (vocab 256, as the
     #: byte corpora); ignored with ``pretrained``.
     base_config: dict[str, Any] = field(default_factory=dict)
-    #: ``adamw`` or ``sgd`` (with ``momentum``).
+    #: ``adamw``, ``sgd`` (with ``momentum``) or ``muon`` (Muon at ``muon_lr`` on the hidden matrices, AdamW at
+    #: ``learning_rate`` on the rest: docs/muon.md).
     optimizer: str = "adamw"
     learning_rate: float = 1e-3
     weight_decay: float = 0.0
     momentum: float = 0.9
     adam_eps: float = 1e-8
+    muon_lr: float = 0.02
+    #: ``bf16`` (torch's Newton-Schulz) or ``fp32`` (docs/muon.md).
+    muon_ns_precision: str = "bf16"
 
 
 @dataclass

@@ -284,6 +284,9 @@ class ZeroShardedDataParallel(ZeroEngine):
             group["params"] = new
         self._optimizer_buckets[id(optimizer)] = [self.layout.buckets[i] for i in sorted(buckets)]
         self._hooks.append(optimizer.register_step_post_hook(self._after_step))
+        set_views = getattr(optimizer, "set_global_views", None)
+        if callable(set_views):  # an optimizer that needs whole matrices (lightning_par.optim.MuonAdamW)
+            set_views({id(lp): (lambda t, name=name: self._global(name, t)) for name, lp in self.local_params.items()})
 
     def owns(self, p: Tensor) -> bool:
         """Whether ``p`` is one of this engine's parameters or chunks."""

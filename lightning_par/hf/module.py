@@ -23,7 +23,7 @@ from lightning_par.tensor_parallel.vocab import VOCAB_SIZE_ATTR
 
 __all__ = ["HFCausalLM", "recipe_model"]
 
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "muon")
 
 
 def _known_model_type(model_type: object) -> bool:
@@ -96,8 +96,12 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
             downloads. Its weights are loaded at once in a single process, and after the strategy has parallelized
             the model under a launcher (``WORLD_SIZE`` > 1), each rank reading only what it holds
             (:meth:`load_pretrained_weights`).
-        optimizer: ``"adamw"`` (default) or ``"sgd"`` (with ``momentum``).
-        learning_rate: the optimizer's learning rate.
+        optimizer: ``"adamw"`` (default), ``"sgd"`` (with ``momentum``) or ``"muon"``
+            (:class:`~lightning_par.optim.MuonAdamW`: Muon at ``muon_lr`` on the hidden matrices, AdamW at
+            ``learning_rate`` on the embeddings, head, norms, biases and routers; docs/muon.md).
+        learning_rate: the optimizer's learning rate (AdamW's under ``"muon"``).
+        muon_lr: Muon's learning rate under ``optimizer="muon"``.
+        muon_ns_precision: ``"bf16"`` (torch's Newton-Schulz) or ``"fp32"`` (:class:`~lightning_par.optim.MuonAdamW`).
         weight_decay: AdamW's decoupled weight decay (matrices and embeddings only); SGD's L2 term.
         momentum: SGD's momentum.
         adam_eps: AdamW's ``eps``.
@@ -120,12 +124,16 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         weight_decay: float = 0.0,
         momentum: float = 0.9,
         adam_eps: float = 1e-8,
+        muon_lr: float = 0.02,
+        muon_ns_precision: str = "bf16",
     ) -> None:
         super().__init__()
         _check("model_type", model_type, (model_type is None) != (pretrained is None),
                "exactly one of model_type and pretrained (a local save_pretrained directory)")
         _check("optimizer", optimizer, optimizer in OPTIMIZERS, f"one of {OPTIMIZERS}")
         _check("learning_rate", learning_rate, learning_rate > 0, "a positive float")
+        _check("muon_lr", muon_lr, muon_lr > 0, "a positive float")
+        _check("muon_ns_precision", muon_ns_precision, muon_ns_precision in ("bf16", "fp32"), "'bf16' or 'fp32'")
         if model_type is not None:
             _check("model_type", model_type, _known_model_type(model_type),
                    "a transformers model type such as 'llama', 'qwen2', 'qwen3', 'mistral', 'qwen3_moe', 'mixtral'")
@@ -136,7 +144,8 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
                f"config fields only, without the loader options {sorted(LOADER_OPTIONS)}")
         self.save_hyperparameters(
             {"model_type": model_type, "config": config, "pretrained": pretrained, "optimizer": optimizer,
-             "learning_rate": learning_rate, "weight_decay": weight_decay, "momentum": momentum, "adam_eps": adam_eps}
+             "learning_rate": learning_rate, "weight_decay": weight_decay, "momentum": momentum, "adam_eps": adam_eps,
+             "muon_lr": muon_lr, "muon_ns_precision": muon_ns_precision}
         )
         try:
             from transformers import AutoConfig, AutoModelForCausalLM
@@ -258,11 +267,19 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         return logits
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        """AdamW (weight decay on tensors of 2 or more dims) or SGD with momentum."""
+        """AdamW (weight decay on tensors of 2 or more dims), SGD with momentum, or Muon + AdamW."""
         hp = self.hparams
         params = [p for p in self.parameters() if p.requires_grad]
         if hp.optimizer == "sgd":
             return torch.optim.SGD(params, lr=hp.learning_rate, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        if hp.optimizer == "muon":
+            from lightning_par.optim import MuonAdamW, muon_param_groups
+
+            return MuonAdamW(
+                muon_param_groups(self, adamw_weight_decay=hp.weight_decay), lr=hp.get("muon_lr", 0.02),
+                weight_decay=hp.weight_decay, adamw_lr=hp.learning_rate, adamw_eps=hp.adam_eps,
+                adamw_weight_decay=hp.weight_decay, ns_precision=hp.get("muon_ns_precision", "bf16"),
+            )
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
