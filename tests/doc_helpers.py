@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_par.data.packing import PackedBlocks
 from lightning_par.models import GPTConfig, GPTLightningModule
 from tests.helpers import LossRecorder, quiet_trainer
+from tests.user_models import AttentionLM
 
 BLOCK, VOCAB, MICRO = 16, 256, 2
 CONFIG = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=BLOCK, vocab_size=VOCAB, dropout=0.0)
@@ -37,12 +38,30 @@ class SGDGPT(GPTLightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
+class PackedUserLM(AttentionLM):
+    """A user's causal LM (:class:`tests.user_models.AttentionLM`: its own tensor-parallel plan and pipeline stages)
+    reading packed blocks through the contract: its step takes ``input_ids``, ``position_ids`` and ``labels`` from
+    the batch and knows nothing of ``document_ids``; the strategy masks its attention per document."""
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(x, position_ids)
+
+    def pipeline_batch(self, batch: Any) -> tuple[Any, torch.Tensor]:
+        return (batch["input_ids"], batch["position_ids"]), batch["labels"]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.loss_fn(self.model(batch["input_ids"], batch["position_ids"]), batch["labels"])
+
+
 def make_model(name: str) -> Any:
     """``"gpt"``: :class:`SGDGPT` (4 heads); ``"llama"``: a tiny Hugging Face llama (4 query heads over 2 key/value
-    heads, SGD with momentum). Seeded: every rank and the reference build the same weights."""
+    heads, SGD with momentum); ``"user"``: :class:`PackedUserLM` (SGD with momentum). Seeded: every rank and the
+    reference build the same weights."""
     torch.manual_seed(0)
     if name == "gpt":
         return SGDGPT(CONFIG)
+    if name == "user":
+        return PackedUserLM("sgd")
     from tests.hf_matrix_helpers import make_model as make_hf
 
     return make_hf(name, "sgd")

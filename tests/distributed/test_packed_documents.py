@@ -4,7 +4,9 @@ Blocks of 16 tokens, each exactly filled by 1 to 5 documents (:func:`tests.doc_h
 runs every document alone (one sequence, positions from 0, plain causal attention) and divides the summed token losses
 by the global batch's tokens (:func:`tests.doc_helpers.reference_run`). Per layout: every step's loss (rel 1e-5) and
 the summed parameter updates (SGD, so the gradients; rel 1e-5 over all parameters, and per parameter) against it.
-Models: the reference GPT (4 heads) and a tiny Hugging Face llama (4 query heads over 2 key/value heads).
+Models: the reference GPT (4 heads), a tiny Hugging Face llama (4 query heads over 2 key/value heads), and a user's
+model through the contract (:class:`tests.doc_helpers.PackedUserLM`: its step reads ``input_ids``/``position_ids``/
+``labels`` and never sees ``document_ids``; the strategy masks its attention).
 """
 
 from __future__ import annotations
@@ -24,16 +26,24 @@ LAYOUTS2 = {
     "cp2-all_to_all": dict(cp_size=2, method="all_to_all"),
     "pp2-1f1b": dict(pp_size=2, schedule="1f1b", num_microbatches=2),
     "tp2-sp": dict(tp_size=2, sequence_parallel=True),
+    "tp2": dict(tp_size=2),
     "zero3-dp2": dict(dp_size=2, dp_mode="zero3"),
 }
 LAYOUTS8 = {"dp2cp2tp2-zero3": dict(dp_size=2, cp_size=2, tp_size=2, sequence_parallel=True, dp_mode="zero3")}
-#: what CI runs (the rest is marked slow): both models at cp2 (both methods) and pp2, the GPT at tp2+SP and zero3
-FAST = {("gpt", n) for n in LAYOUTS2} | {("llama", "cp2-ring"), ("llama", "cp2-all_to_all"), ("llama", "pp2-1f1b")}
+#: what CI runs (the rest is marked slow): the GPT under every world-2 layout, the llama at cp2 (both methods) and
+#: pp2, the user's model at cp2 ring and pp2
+FAST = {("gpt", n) for n in LAYOUTS2} | {("llama", "cp2-ring"), ("llama", "cp2-all_to_all"), ("llama", "pp2-1f1b"),
+                                         ("user", "cp2-ring"), ("user", "pp2-1f1b")}
+MODELS = ("gpt", "llama", "user")
+#: the user's plan has no sequence-parallel norms (refused before start under SP); the others run SP
+SKIP = {("gpt", "tp2"), ("llama", "tp2"), ("user", "tp2-sp")}
+CELLS = [(m, n) for m in MODELS for n in LAYOUTS2 if (m, n) not in SKIP]
 
 
-def _cases(layouts: dict, models=("gpt", "llama")) -> list[dict]:
+def _cases(layouts: dict, models=MODELS, fast: bool | None = None) -> list[dict]:
     return [{"name": f"{m}-{name}", "model": m, "options": options, "steps": STEPS}
-            for m in models for name, options in layouts.items()]
+            for m in models for name, options in layouts.items()
+            if (m, name) not in SKIP and (fast is None or ((m, name) in FAST) == fast)]
 
 
 def _dp(options: dict) -> int:
@@ -46,13 +56,18 @@ def blocks():
 
 
 @pytest.fixture(scope="module")
-def world2(blocks) -> dict:
-    return run_cases(2, _cases(LAYOUTS2), blocks)
+def world2_fast(blocks) -> dict:
+    return run_cases(2, _cases(LAYOUTS2, fast=True), blocks)
+
+
+@pytest.fixture(scope="module")
+def world2_slow(blocks) -> dict:
+    return run_cases(2, _cases(LAYOUTS2, fast=False), blocks)
 
 
 @pytest.fixture(scope="module")
 def world8(blocks) -> dict:
-    return run_cases(8, _cases(LAYOUTS8), blocks)
+    return run_cases(8, _cases(LAYOUTS8, models=("gpt", "llama")), blocks)
 
 
 def _check(results: list[dict], model: str, options: dict, blocks) -> None:
@@ -76,10 +91,11 @@ def _check(results: list[dict], model: str, options: dict, blocks) -> None:
 
 
 @pytest.mark.parametrize("model,layout", [
-    pytest.param(m, n, marks=() if (m, n) in FAST else pytest.mark.slow) for m in ("gpt", "llama") for n in LAYOUTS2
+    pytest.param(m, n, marks=() if (m, n) in FAST else pytest.mark.slow) for m, n in CELLS
 ])
-def test_packed_documents_match_each_document_alone_world2(world2, blocks, model, layout):
-    _check(world2[f"{model}-{layout}"], model, LAYOUTS2[layout], blocks)
+def test_packed_documents_match_each_document_alone_world2(request, blocks, model, layout):
+    results = request.getfixturevalue("world2_fast" if (model, layout) in FAST else "world2_slow")
+    _check(results[f"{model}-{layout}"], model, LAYOUTS2[layout], blocks)
 
 
 @pytest.mark.slow
