@@ -67,6 +67,24 @@ def make_model(name: str) -> Any:
     return make_hf(name, "sgd")
 
 
+def padded_blocks(n_blocks: int, seed: int = 0) -> PackedBlocks:
+    """``n_blocks`` blocks of :data:`BLOCK` tokens packed first-fit from documents of 3 to 12 tokens, padding at the
+    end of most (labels -100 there): blocks, micro-batches and cp pieces count different numbers of tokens."""
+    rng = np.random.default_rng(seed)
+    lengths: list[int] = []
+    while True:
+        lengths.append(int(rng.integers(3, 13)))
+        blocks = PackedBlocks(np.zeros(sum(lengths), dtype=np.int64), np.concatenate([[0], np.cumsum(lengths)]),
+                              BLOCK, buffer_blocks=1)
+        if len(blocks) > n_blocks:
+            lengths.pop()
+            break
+    tokens = rng.integers(0, VOCAB, size=sum(lengths))
+    blocks = PackedBlocks(tokens, np.concatenate([[0], np.cumsum(lengths)]), BLOCK, buffer_blocks=1)
+    assert len(blocks) == n_blocks and blocks.stats.padding_fraction > 0, blocks.stats
+    return blocks
+
+
 def packed_blocks(n_blocks: int, seed: int = 0) -> PackedBlocks:
     """``n_blocks`` blocks of :data:`BLOCK` tokens, each exactly filled by 1 to 5 documents of random lengths."""
     rng = np.random.default_rng(seed)
