@@ -37,6 +37,7 @@ LAYOUTS2 = {
     "tp2": dict(tp_size=2),
     "zero3-dp2": dict(dp_size=2, dp_mode="zero3"),
 }
+LAYOUTS4 = {"hsdp2x2-zero3": dict(dp_size=4, dp_replicate_size=2, dp_shard_size=2, dp_mode="zero3")}
 LAYOUTS8 = {"dp2cp2tp2-zero3": dict(dp_size=2, cp_size=2, tp_size=2, sequence_parallel=True, dp_mode="zero3")}
 #: what CI runs (the rest is marked slow): the GPT under every world-2 layout, the llama at cp2 (both methods) and
 #: pp2, the user's model at cp2 ring and pp2
@@ -71,6 +72,16 @@ def world2_fast(blocks) -> dict:
 @pytest.fixture(scope="module")
 def world2_slow(blocks) -> dict:
     return run_cases(2, _cases(LAYOUTS2, fast=False), blocks)
+
+
+@pytest.fixture(scope="module")
+def blocks4():
+    return packed_blocks(MICRO * 4 * STEPS, seed=2)
+
+
+@pytest.fixture(scope="module")
+def world4(blocks4) -> dict:
+    return run_cases(4, _cases(LAYOUTS4, models=("gpt", "llama")), blocks4)
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +129,12 @@ def _check(results: list[dict], model: str, options: dict, blocks) -> None:
 def test_packed_documents_match_each_document_alone_world2(request, blocks, model, layout):
     results = request.getfixturevalue("world2_fast" if (model, layout) in FAST else "world2_slow")
     _check(results[f"{model}-{layout}"], model, LAYOUTS2[layout], blocks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_packed_documents_match_each_document_alone_hsdp(world4, blocks4, model):
+    _check(world4[f"{model}-hsdp2x2-zero3"], model, LAYOUTS4["hsdp2x2-zero3"], blocks4)
 
 
 @pytest.mark.slow
