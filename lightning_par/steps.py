@@ -42,8 +42,7 @@ class StepHooks:
         set_aux_loss_scale(1.0 / host.lightning_module.trainer.accumulate_grad_batches)  # Lightning's loss factor
         from lightning_par.data.doc_mask import batch_document_ids
 
-        self._documents = batch_document_ids(batch)  # backward recomputes (activation checkpointing) under them too
-        with self.parallel.loss_context(), self._document_attention(self._documents):
+        with self.parallel.loss_context(), self._document_attention(batch_document_ids(batch)):
             return self.parallel.run_step(call, batch)
 
     def _document_attention(self, documents: Any) -> AbstractContextManager[None]:
@@ -67,7 +66,7 @@ class StepHooks:
         hook would see this rank's unreduced gradients (tests/distributed/test_ddp_overlap.py).
         """
         module, precision, engine = host.lightning_module, host.precision_plugin, self.parallel.engine
-        with self.parallel.loss_context(), self._document_attention(getattr(self, "_documents", None)):
+        with self.parallel.loss_context():
             engine.pre_backward()
             closure_loss = precision.pre_backward(closure_loss, module)
             precision.backward(closure_loss, module, optimizer, *args, **kwargs)

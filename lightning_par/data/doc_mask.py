@@ -39,19 +39,32 @@ __all__ = [
     "batch_document_ids",
     "document_attention",
     "document_mask",
+    "recompute_contexts",
 ]
 
 #: The batch keys of a packed block (a mapping batch), besides ``input_ids`` and ``labels``.
 DOCUMENT_IDS = "document_ids"
 POSITION_IDS = "position_ids"
 
-_active: list[Tensor] = []
+_active: list[tuple[Tensor, Callable[[], Any] | None]] = []
 
 
 def active_documents() -> Tensor | None:
     """The document ids ``(batch, seq_local)`` of the forward running now under :func:`document_attention`; ``None``
     outside one (every token sees every earlier token)."""
-    return _active[-1] if _active else None
+    return _active[-1][0] if _active else None
+
+
+def recompute_contexts() -> tuple[Any, Any]:
+    """``(forward context, recompute context)`` for ``torch.utils.checkpoint(..., context_fn=recompute_contexts)``:
+    the recomputation in backward runs under the document masking active at the forward (measured: without it, a
+    checkpointed block recomputes unmasked attention in backward, and torch refuses the different saved tensors)."""
+    from contextlib import nullcontext
+
+    if not _active:
+        return nullcontext(), nullcontext()
+    documents, attention_context = _active[-1]
+    return nullcontext(), document_attention(documents, attention_context)
 
 
 def batch_document_ids(batch: Any) -> Tensor | None:
@@ -145,7 +158,7 @@ def document_attention(documents: Tensor | None,
     if documents is None:
         yield
         return
-    _active.append(documents)
+    _active.append((documents, attention_context))
     try:
         with ExitStack() as stack:
             if attention_context is not None:
