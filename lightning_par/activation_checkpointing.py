@@ -55,7 +55,10 @@ class _Checkpointed:
         forward = super().forward  # type: ignore[misc]
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        from lightning_par.data.doc_mask import recompute_contexts
+
+        # packed documents: the recomputation in backward attends under the forward's document masks
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=recompute_contexts, **kwargs)
 
 
 def is_checkpointed(module: nn.Module) -> bool:

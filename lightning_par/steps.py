@@ -40,8 +40,21 @@ class StepHooks:
         (:meth:`~lightning_par.parallelize.ParallelModel.prepare_batch`), inside the step's contexts."""
         batch = self.parallel.prepare_batch(batch)
         set_aux_loss_scale(1.0 / host.lightning_module.trainer.accumulate_grad_batches)  # Lightning's loss factor
-        with self.parallel.loss_context():
+        from lightning_par.data.doc_mask import batch_document_ids
+
+        with self.parallel.loss_context(), self._document_attention(batch_document_ids(batch)):
             return self.parallel.run_step(call, batch)
+
+    def _document_attention(self, documents: Any) -> AbstractContextManager[None]:
+        """A packed block's document masking (:mod:`lightning_par.data.doc_mask`) around the LightningModule's own
+        step, for any network through the contract (its attention reached unmasked through the network's
+        ``context_parallel_attention``, a Hugging Face model's); a no-op for other batches."""
+        from lightning_par.context_parallel.contract import context_parallel_attention
+        from lightning_par.data.doc_mask import document_attention
+
+        if documents is None:
+            return document_attention(None)
+        return document_attention(documents, context_parallel_attention(self.parallel.network))
 
     def backward(self, host: Any, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Backward, then the end of the dp reduction, then ``on_after_backward``.
@@ -68,7 +81,9 @@ class StepHooks:
         """A validation (``stage="val"``), test or predict step: ``call(batch)`` runs the LightningModule's own on
         this rank's batch."""
         batch = self.parallel.prepare_batch(batch)
-        with self.parallel.loss_context():
+        from lightning_par.data.doc_mask import batch_document_ids
+
+        with self.parallel.loss_context(), self._document_attention(batch_document_ids(batch)):
             return self.parallel.run_step(call, batch)
 
     def summary(self) -> dict[str, Any]:

@@ -137,6 +137,8 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
     sources: list[Any] = [LRScalingCallback(**OmegaConf.to_container(cfg.lr_scaling))]
     if cfg.get("profile"):
         sources.append(TimelineCallback(out / "timeline", cfg.profile_start_step, cfg.profile_steps))
+    if callable(getattr(datamodule, "metrics_callback", None)):  # packed documents: tokens that count, padding
+        sources.append(datamodule.metrics_callback())
     trainer_kwargs = build_trainer_kwargs(cfg)
     callbacks: list[Any] = [
         metrics,

@@ -348,6 +348,37 @@ class CustomDataConfig:
 
 
 @dataclass
+class DocumentDataConfig:
+    """Your documents (:mod:`lightning_par.data.datasets`): JSONL / Parquet / text files through Hugging Face
+    ``datasets``, or a ``litdata.optimize`` output; tokenized once into the cache, packed whole into blocks with
+    attention masked per document (``packing: documents``) or cut into windows across them (``concat``)."""
+
+    _target_: str = "lightning_par.data.DocumentDataModule"
+    #: json (JSON Lines or a JSON array), parquet, text (one document per file) or litdata
+    source: str = "json"
+    #: a file, a directory or a glob; litdata: the optimize output directory
+    path: Optional[str] = None
+    text_field: str = "text"
+    #: a field holding a chat (list of {"role", "content"}), rendered by the tokenizer's chat template
+    messages_field: Optional[str] = None
+    #: a local Hugging Face tokenizer directory; null: one token per byte
+    tokenizer: Optional[str] = None
+    #: tokens per block; None takes the model's ``block_size``
+    block_size: Optional[int] = None
+    batch_size: int = 16
+    #: documents (whole documents per block, document-masked attention) or concat (windows across documents)
+    packing: str = "documents"
+    #: documents longer than a block: split, truncate or error
+    long_documents: str = "split"
+    buffer_blocks: int = 64
+    val_every: int = 20
+    val_batches: Optional[int] = 20
+    num_workers: int = 0
+    seed: int = II("seed")
+    cache_dir: Optional[str] = None
+
+
+@dataclass
 class CSVLoggerConfig:
     """Lightning's ``CSVLogger``; ``save_dir: null`` writes into the run directory."""
 
@@ -660,6 +691,7 @@ def register_configs(cs: ConfigStore | None = None) -> None:
     cs.store(group="model", name="schema_hf", node=HFModelConfig)
     cs.store(group="data", name="schema_byte_corpus", node=ByteCorpusDataConfig)
     cs.store(group="data", name="schema_custom", node=CustomDataConfig)
+    cs.store(group="data", name="schema_documents", node=DocumentDataConfig)
     for name, schema in LOGGER_SCHEMAS.items():
         cs.store(group="logger", name=f"schema_{name}", node=schema)
     cs.store(group="trainer", name="schema_trainer", node=TrainerConfig)

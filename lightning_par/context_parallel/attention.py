@@ -266,15 +266,19 @@ def _finite(lse: Tensor) -> Tensor:
     return lse.masked_fill(torch.isneginf(lse), 0.0)
 
 
-def _scores(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, kind: str, scale: float, acc: torch.dtype) -> Tensor:
+def _scores(q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, kind: str, scale: float, acc: torch.dtype,
+            mask: Tensor | None = None) -> Tensor:
+    """Scaled scores of a piece, ``-inf`` where its mask is false: ``mask`` (a document mask ``(batch, 1, sq, sk)``)
+    when given, else the causal mask of the positions."""
     scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * scale
     if kind != "full":
-        scores = scores.masked_fill(~_causal_mask(q_pos, k_pos), float("-inf"))
+        scores = scores.masked_fill(~(_causal_mask(q_pos, k_pos) if mask is None else mask), float("-inf"))
     return scores
 
 
 def _piece_forward(
-    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, kind: str, scale: float, acc: torch.dtype
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, kind: str, scale: float, acc: torch.dtype,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of one piece, in ``acc``; ``lse`` is ``-inf`` on rows that see no key of the piece.
 
@@ -284,7 +288,7 @@ def _piece_forward(
     if kind != "mask" and q.device.type == "cpu":
         out, lse = flash_attention_cpu(q, k, v, kind == "causal", scale)
         return out.to(acc), lse.to(acc)
-    scores = _scores(q, k, q_pos, k_pos, kind, scale, acc)
+    scores = _scores(q, k, q_pos, k_pos, kind, scale, acc, mask)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - _finite(lse).unsqueeze(-1)), v.to(acc))
     return out, lse
@@ -292,7 +296,7 @@ def _piece_forward(
 
 def _piece_backward(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_pos: Tensor, k_pos: Tensor,
-    kind: str, scale: float,
+    kind: str, scale: float, mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One piece's share of the gradients of ``q``, ``k`` and ``v``, from the whole rows' ``out`` and ``lse`` (all
     blocks merged): FlashAttention's backward per block, ``dS = P (dP - rowsum(dO * O))`` with
@@ -300,7 +304,7 @@ def _piece_backward(
     if kind != "mask" and q.device.type == "cpu":
         return flash_attention_cpu_backward(grad_out, q, k, v, out, lse, kind == "causal", scale)
     acc = lse.dtype
-    p = torch.exp(_scores(q, k, q_pos, k_pos, kind, scale, acc) - _finite(lse).unsqueeze(-1))
+    p = torch.exp(_scores(q, k, q_pos, k_pos, kind, scale, acc, mask) - _finite(lse).unsqueeze(-1))
     do = grad_out.to(acc)
     grad_v = torch.matmul(p.transpose(-2, -1), do)
     dp = torch.matmul(do, v.to(acc).transpose(-2, -1))
@@ -332,7 +336,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, group: dist.ProcessGroup | None, is_causal: bool,
-        scale: float,
+        scale: float, documents: Tensor | None = None,
     ) -> Tensor:
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         all_positions = _all_gather_positions(positions, group) if is_causal and n > 1 else None
@@ -341,6 +345,13 @@ class _RingAttention(torch.autograd.Function):
         k_positions = [positions if s == 0 or all_positions is None else all_positions[(rank - s) % n]
                        for s in range(n)]
         plans = [_pieces(positions, k_pos, is_causal) for k_pos in k_positions]
+        masks: list[Tensor | None] = [None] * n
+        if documents is not None:  # packed documents: one masked piece per block that any query may see, or none
+            all_documents = _all_gather_positions(documents, group) if n > 1 else documents.unsqueeze(0)
+            for s in range(n):
+                block_docs = documents if s == 0 else all_documents[(rank - s) % n]
+                masks[s] = _document_block_mask(documents, block_docs, positions, k_positions[s], is_causal)
+                plans[s] = [(slice(0, q.size(2)), slice(0, k.size(2)), "mask")] if bool(masks[s].any()) else []
         # Merge in at least float32: the log-sum-exp rescaling loses too much in half precision.
         acc = torch.promote_types(q.dtype, torch.float32)
         # (batch, seq, heads, head_dim) in memory, as the fused kernel lays its output out: a model's usual
@@ -355,11 +366,11 @@ class _RingAttention(torch.autograd.Function):
             k_blk, v_blk = kv.split([k.size(-1), v.size(-1)], dim=-1)
             for qs, ks, kind in plans[s]:
                 part = _piece_forward(q[:, :, qs], k_blk[:, :, ks], v_blk[:, :, ks], positions[qs],
-                                      k_positions[s][ks], kind, scale, acc)
+                                      k_positions[s][ks], kind, scale, acc, masks[s])
                 out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], *part)
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.plans, ctx.positions, ctx.k_positions = plans, positions, k_positions
+        ctx.plans, ctx.positions, ctx.k_positions, ctx.masks = plans, positions, k_positions, masks
         ctx.group, ctx.scale = group, scale
         return result
 
@@ -378,7 +389,7 @@ class _RingAttention(torch.autograd.Function):
             for qs, ks, kind in ctx.plans[s]:
                 gq, gk, gv = _piece_backward(grad_out[:, :, qs], q[:, :, qs], k_blk[:, :, ks], v_blk[:, :, ks],
                                              out[:, :, qs], lse[:, :, qs], ctx.positions[qs], ctx.k_positions[s][ks],
-                                             kind, ctx.scale)
+                                             kind, ctx.scale, ctx.masks[s])
                 grad_q[:, :, qs] += gq
                 grad_kv[:, :, ks, :dk_width] += gk
                 grad_kv[:, :, ks, dk_width:] += gv
@@ -400,7 +411,14 @@ class _RingAttention(torch.autograd.Function):
         if carried is not None:
             grad_kv = grad_kv + _ring_shift(carried, group, "backward")
         grad_k, grad_v = grad_kv.split([dk_width, grad_kv.size(-1) - dk_width], dim=-1)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, None
+
+
+def _document_block_mask(documents: Tensor, block_documents: Tensor, q_pos: Tensor, k_pos: Tensor,
+                         is_causal: bool) -> Tensor:
+    """``(batch, 1, sq, sk)``: query may attend key (same document, and not later when causal)."""
+    same = (documents.unsqueeze(-1) == block_documents.unsqueeze(-2)).unsqueeze(1)
+    return same & _causal_mask(q_pos, k_pos) if is_causal else same
 
 
 def ring_attention(
@@ -412,6 +430,7 @@ def ring_attention(
     *,
     is_causal: bool = True,
     scale: float | None = None,
+    documents: Tensor | None = None,
 ) -> Tensor:
     """Ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers", §3) over the cp group.
 
@@ -439,11 +458,15 @@ def ring_attention(
         group: the cp process group (``None``: the default group).
         is_causal: a query at position ``p`` attends to keys at positions ``<= p``; otherwise to every key.
         scale: the softmax scale; ``None``: ``1 / sqrt(head_dim)``, as ``F.scaled_dot_product_attention``.
+        documents: ``(batch, S_local)`` document ids of the local tokens (packed documents,
+            :mod:`lightning_par.data.doc_mask`): a query attends only keys of its own document. Each block then runs
+            as one masked piece in plain operators (its ``(batch, 1, S_local, S_local)`` mask kept for backward), and a
+            block no local query may see is skipped. ``None``: no document boundaries.
 
     Returns:
         ``(batch, heads, S_local, head_dim_v)``, the attention output for the local queries, in ``q``'s dtype.
     """
-    return _RingAttention.apply(q, k, v, positions, group, is_causal, _default_scale(q, scale))
+    return _RingAttention.apply(q, k, v, positions, group, is_causal, _default_scale(q, scale), documents)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -495,6 +518,7 @@ def ulysses_attention(
     *,
     is_causal: bool = True,
     scale: float | None = None,
+    documents: Tensor | None = None,
 ) -> Tensor:
     """DeepSpeed-Ulysses attention (Jacobs et al. 2023, §3) over the cp group.
 
@@ -514,6 +538,9 @@ def ulysses_attention(
         group: the cp process group (``None``: the default group).
         is_causal: a query at position ``p`` attends to keys at positions ``<= p``; otherwise to every key.
         scale: the softmax scale; ``None``: ``1 / sqrt(head_dim)``.
+        documents: ``(batch, S_local)`` document ids of the local tokens (packed documents): they are all-gathered
+            too and the whole sequence's attention runs with the mask ``causal & same document``
+            ``(batch, 1, S, S)``. ``None``: no document boundaries.
 
     Returns:
         ``(batch, heads, S_local, head_dim_v)``.
@@ -523,8 +550,10 @@ def ulysses_attention(
     """
     n = dist.get_world_size(group)
     check_ulysses_heads(q.size(1), n)
-    if n == 1:
+    if n == 1 and documents is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    if documents is not None:
+        return _ulysses_documents(q, k, v, positions, group, n, is_causal, scale, documents)
     # q, k and v travel as one tensor (one all-to-all instead of three); v's head_dim may differ.
     dims = [q.size(-1), k.size(-1), v.size(-1)]
     qkv = _seq_to_heads(torch.cat([q, k, v], dim=-1), group, n)
@@ -542,6 +571,23 @@ def ulysses_attention(
     if order is not None:
         out = out.index_select(2, torch.argsort(order))  # back to rank order
     return _heads_to_seq(out, group, n)
+
+def _ulysses_documents(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, group: dist.ProcessGroup | None, n: int,
+                       is_causal: bool, scale: float | None, documents: Tensor) -> Tensor:
+    """:func:`ulysses_attention` over packed documents: the gathered sequence (rank order) attends with the mask
+    ``same document (& causal by global position)``, ``(batch, 1, S, S)``."""
+    dims = [q.size(-1), k.size(-1), v.size(-1)]
+    qkv = _seq_to_heads(torch.cat([q, k, v], dim=-1), group, n) if n > 1 else torch.cat([q, k, v], dim=-1)
+    all_positions = _all_gather_positions(positions, group).reshape(-1) if n > 1 else positions
+    if n > 1:  # (cp, batch, S_local) -> (batch, cp * S_local), rank order as the all-to-all lays the tokens out
+        all_documents = _all_gather_positions(documents, group).permute(1, 0, 2).reshape(documents.size(0), -1)
+    else:
+        all_documents = documents
+    mask = _document_block_mask(all_documents, all_documents, all_positions, all_positions, is_causal)
+    q_full, k_full, v_full = qkv.split(dims, dim=-1)
+    out = F.scaled_dot_product_attention(q_full, k_full, v_full, attn_mask=mask, scale=scale)
+    return _heads_to_seq(out, group, n) if n > 1 else out
+
 
 # --------------------------------------------------------------------------------------------------------------------
 # Routing F.scaled_dot_product_attention
@@ -614,4 +660,13 @@ class CPAttentionMode(TorchFunctionMode):
             groups = query.size(-3) // key.size(-3)
             key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
         attend = CP_ATTENTION_METHODS[self.method]
-        return attend(query, key, value, self.positions, self.group, is_causal=is_causal, scale=scale)
+        from lightning_par.data.doc_mask import active_documents
+
+        documents = active_documents()  # packed documents: this rank's (batch, S_local) document ids
+        if documents is not None and (documents.dim() != 2 or documents.shape != (query.size(0), query.size(-2))):
+            raise ValueError(
+                f"document_ids of shape {tuple(documents.shape)} are not valid under context parallelism for queries "
+                f"{tuple(query.shape)}: expected this rank's (batch, seq_local) = ({query.size(0)}, {query.size(-2)})."
+            )
+        return attend(query, key, value, self.positions, self.group, is_causal=is_causal, scale=scale,
+                      documents=documents)

@@ -17,7 +17,8 @@ class SequenceSplit:
     tensor's dim 1) cut into ``2 * cp_size`` chunks, rank ``i`` keeping chunks ``i`` and ``2 cp_size - 1 - i`` (so
     every rank does the same causal-attention work: the "zigzag" layout of Megatron-Core's context parallelism and of
     torch's ``context_parallel`` load balancer), and the global ``position_ids`` ``(seq / cp_size,)`` of what it
-    kept: appended to a tuple or list batch, under ``"position_ids"`` in a mapping.
+    kept: appended to a tuple or list batch, under ``"position_ids"`` in a mapping (a mapping that holds its own
+    ``position_ids`` ``(batch, seq)``, a packed block's, keeps them, split like the tokens).
 
     Args:
         cp_rank: this rank's coordinate on the cp axis.
@@ -52,6 +53,12 @@ class SequenceSplit:
             return t
 
         if isinstance(batch, Mapping):
-            return {**{k: split(v) for k, v in batch.items()}, "position_ids": positions}
+            pieces = {k: split(v) for k, v in batch.items()}
+            # A packed block's own position_ids (restarting with every document) are split like the tokens and kept:
+            # the attention takes the global positions from this split (``positions``), the model its own.
+            own = batch.get("position_ids")
+            if not (isinstance(own, Tensor) and own.dim() >= 2 and own.shape[1] == seq):
+                pieces["position_ids"] = positions
+            return pieces
         pieces = [*(split(t) for t in batch), positions]
         return pieces if isinstance(batch, list) else tuple(pieces)

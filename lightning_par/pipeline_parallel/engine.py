@@ -162,6 +162,12 @@ class PipelineEngine:
         #: ``observer(i, outputs)``: called on the last stage with each real micro-batch's outputs (detached), after
         #: its loss (the LightningModule's own ``training_step`` runs there for what it logs).
         self.observer: Callable[[int, Any], None] | None = None
+        #: packed documents (:mod:`lightning_par.data.doc_mask`): per micro-batch, its ``(micro_batch, seq)`` document
+        #: ids; each stage's forward (and backward, which may recompute it) of micro-batch ``i`` runs with them, so the
+        #: ids travel with the micro-batch through every stage. ``None``: no document masking.
+        self.documents: list[Tensor] | None = None
+        #: the network's context for reaching ``scaled_dot_product_attention`` unmasked (a Hugging Face model's)
+        self.document_context: Callable[[], Any] | None = None
 
     @property
     def has_first_stage(self) -> bool:
@@ -205,10 +211,15 @@ class PipelineEngine:
                 kind = kind_of(*args, **kwargs)
                 if kind == "F" and sid == self.num_stages - 1:
                     self._forwarded.add(chunk_id)
-                if self._timer is None:
-                    return method(chunk_id, *args, **kwargs)
-                with self._timer.op(kind, sid, chunk_id):
-                    return method(chunk_id, *args, **kwargs)
+                with contextlib.ExitStack() as stack:
+                    if self.documents is not None and 0 <= chunk_id < len(self.documents):
+                        from lightning_par.data.doc_mask import document_attention
+
+                        stack.enter_context(document_attention(self.documents[chunk_id], self.document_context))
+                    if self._timer is None:
+                        return method(chunk_id, *args, **kwargs)
+                    with self._timer.op(kind, sid, chunk_id):
+                        return method(chunk_id, *args, **kwargs)
 
             return run
 
@@ -342,6 +353,12 @@ class PipelineEngine:
                 return None
             return _plain(self.loss_fn(outputs, targets)).detach()
 
+    def eval_microbatches(self, inputs: tuple[Tensor, ...]) -> int:
+        """The micro-batches :meth:`eval_outputs` splits ``inputs`` into: the largest divisor of the batch size up to
+        ``num_microbatches``."""
+        size = inputs[0].shape[0]
+        return max(d for d in range(1, min(self.options.num_microbatches, size) + 1) if size % d == 0)
+
     @torch.no_grad()
     def eval_outputs(self, inputs: tuple[Tensor, ...]) -> Any:
         """Forward only: the last stage's outputs of the whole batch (its micro-batches' outputs concatenated along
@@ -350,8 +367,7 @@ class PipelineEngine:
         The batch is split into the largest number of equal micro-batches up to ``num_microbatches`` (the result does
         not depend on it).
         """
-        size = inputs[0].shape[0]
-        m = max(d for d in range(1, min(self.options.num_microbatches, size) + 1) if size % d == 0)
+        m = self.eval_microbatches(inputs)
         schedule = self._eval_schedule(_shape_key(inputs), m)
         outputs = schedule.step(*(inputs if self.has_first_stage else ()))
         return outputs if self.has_last_stage else None

@@ -42,6 +42,21 @@ from lightning_par.steps import StepHooks
 __all__ = ["PipelinedSteps"]
 
 
+def _set_documents(pipeline: Any, batch: Any, num_microbatches: int, network: Any) -> None:
+    """A packed block's document ids, split into the schedule's micro-batches, for the engine to run each stage's
+    forward of micro-batch ``i`` with (:mod:`lightning_par.data.doc_mask`); nothing for other batches."""
+    from lightning_par.context_parallel.contract import context_parallel_attention
+    from lightning_par.data.doc_mask import batch_document_ids
+    from lightning_par.pipeline_parallel.engine import split_tree
+
+    documents = batch_document_ids(batch)
+    if documents is None:
+        pipeline.documents = None
+        return
+    pipeline.documents = split_tree(documents, num_microbatches, "the batch's document_ids")
+    pipeline.document_context = context_parallel_attention(network)
+
+
 class PipelinedSteps(StepHooks):
     """The step hooks of a parallel model with a pipeline (``parallel.pipeline``).
 
@@ -96,11 +111,13 @@ class PipelinedSteps(StepHooks):
             firsts = [contract.pipeline_batch(module, b)[0][0] for b in micro]
             capture = TrainingStepCapture(module, getattr(module, attr), attr, call, micro, firsts)
         pipeline.observer = capture
+        _set_documents(pipeline, prepared, m, parallel.network)
         try:
             with parallel.engine.defer_sync():
                 loss = pipeline.train_step(inputs, targets, loss_scale=1.0 / accumulate)
         finally:
             pipeline.observer = None
+            pipeline.documents = None
         for after in parallel.after_schedule:  # e.g. tp's partial gradients, deferred out of the schedule
             after()
         if opens_window:  # hold the new gradients aside while Lightning zeroes; backward() hands them back
@@ -191,8 +208,12 @@ class PipelinedSteps(StepHooks):
         inputs, _ = contract.pipeline_batch(module, prepared)
         for m in parallel.stage_modules:
             m.train(module.training)
-        with host.precision_plugin.forward_context(), parallel.loss_context():
-            outputs = parallel.pipeline.eval_outputs(inputs)
+        _set_documents(parallel.pipeline, prepared, parallel.pipeline.eval_microbatches(inputs), parallel.network)
+        try:
+            with host.precision_plugin.forward_context(), parallel.loss_context():
+                outputs = parallel.pipeline.eval_outputs(inputs)
+        finally:
+            parallel.pipeline.documents = None
         dims = parallel.dims
         pp_group = dims.group("pp")
         last = dist.get_global_rank(pp_group, parallel.options.pipeline.last_stage_rank(dims.pp_size))
