@@ -69,7 +69,9 @@ __all__ = [
     "network_method",
     "register_adapter",
     "attention_heads",
+    "batch_counted_tokens",
     "checkpoint_modules",
+    "counted_tokens",
     "expert_modules",
     "find_network",
     "pipeline_batch",
@@ -273,6 +275,33 @@ def counted_tokens(targets: Any) -> float | None:
     if isinstance(targets, Tensor) and not targets.is_floating_point() and not targets.is_complex():
         return float((targets != IGNORE_INDEX).sum())
     return None
+
+
+def batch_counted_tokens(module: nn.Module, batch: Any) -> float:
+    """The number of target tokens of this rank's ``batch`` that count in a token-mean loss (not
+    :data:`IGNORE_INDEX`), the weight of this rank's loss among the ranks holding other parts of the same batch (cp's
+    pieces of the sequences, dp's other samples).
+
+    The targets are a mapping batch's ``"labels"``, else ``pipeline_batch(module, batch)[1]`` (``batch[1]`` of a tuple
+    batch). ``1.0`` (every rank weighs the same) when there are no integer targets to count, or when the module sets
+    ``token_mean_loss = False`` (its loss is no mean over the counted tokens: a sum, a per-sample mean).
+
+    Args:
+        module: the LightningModule.
+        batch: this rank's batch, as its step sees it.
+    """
+    if getattr(module, "token_mean_loss", True) is False:
+        return 1.0
+    targets: Any = None
+    if isinstance(batch, Mapping):
+        targets = batch.get("labels")
+    else:
+        try:
+            _, targets = pipeline_batch(module, batch)
+        except (ValueError, TypeError):
+            targets = None
+    counted = counted_tokens(targets)
+    return 1.0 if counted is None else counted
 
 
 def pipeline_batch(module: nn.Module, batch: Any) -> tuple[tuple[Tensor, ...], Any]:

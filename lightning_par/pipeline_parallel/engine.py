@@ -11,7 +11,7 @@ What this module adds, where torch stops:
 * **Token-mean losses of unequal micro-batches.** With integer targets, each micro-batch's loss (a mean over its
   counted tokens, :func:`~lightning_par.contract.counted_tokens`: targets of ``-100`` are not counted) is weighed by
   its share of the batch's counted tokens (over ``token_groups`` too: the ranks holding other pieces of the same
-  sequences), so that the loss and its gradients are those of the whole batch's token mean, as in one process. Equal
+  sequences, cp, and the other samples of the global batch, dp), so that the loss and its gradients are those of the whole batch's token mean, as in one process. Equal
   counts (no label mask) give every micro-batch the weight 1. torch's schedules weigh every micro-batch alike: with an
   answer-only label mask the mean of micro-batch means differs from the batch's token mean.
 * **Shapes that change.** A ``PipelineStage`` infers its tensor shapes on its first step; each distinct micro-batch
@@ -115,7 +115,7 @@ class PipelineEngine:
         loss_fn: ``loss_fn(last stage outputs, targets of one micro-batch) -> scalar mean loss``.
         step_context: entered around every schedule run (autocast, the vocab-parallel loss context, ...).
         token_groups: process groups whose ranks (all holding the last stage when this rank does) hold other tokens
-            of the same samples; the counted tokens are summed over them for the micro-batch weights.
+            of the same batch (cp, dp); the counted tokens are summed over them for the micro-batch weights.
 
     Raises:
         ValueError: ``len(modules)`` differs from ``len(stage_ids)``.
@@ -258,6 +258,9 @@ class PipelineEngine:
         self._forwarded.discard(i)
         with self._timer.op("L", self.num_stages - 1, i) if self._timer is not None else contextlib.nullcontext():
             loss = _plain(self.loss_fn(outputs, self._targets[i]))
+            # a micro-batch without a counted token has the mean 0/0 (NaN), the weight 0 and a zero gradient
+            if self.log_weights[i] == 0 or self.grad_weights[i] == 0:
+                loss = loss.nan_to_num(0.0)
             self._losses.append(loss.detach() * self.log_weights[i])
         if self.observer is not None:
             self.observer(i, tree_map_only(Tensor, lambda t: t.detach(), outputs))
