@@ -109,6 +109,8 @@ class ResumableDataLoader(DataLoader):
         return gen if isinstance(gen, torch.Generator) else None
 
     def _epoch(self) -> int | None:
+        if isinstance(self.sampler, ResumableDistributedSampler):
+            return self.sampler.data_epoch
         return self.sampler.epoch if isinstance(self.sampler, DistributedSampler) else None
 
     @property
@@ -125,20 +127,26 @@ class ResumableDataLoader(DataLoader):
             gen.set_state(self._restore_generator)
         self._restore_generator = None
         self._pass_generator_state = gen.get_state().clone() if gen is not None else None
+        restore, self._restore_start = self._restore_start, None
+        if restore is not None and self._skip and self._skip_epoch is not None and self._resplits():
+            # Resumed inside the pass over epoch e: continue that pass whatever epoch Lightning resumes at. After
+            # ``fit`` stops at ``max_steps`` mid-epoch Lightning counts the epoch as finished and resumes at e + 1
+            # with the batches already done counted in it: the rest of e's order then fills that count exactly, and
+            # the later epochs keep the offset, so the run sees what the uninterrupted one would.
+            self.sampler.epoch_offset = int(self._skip_epoch) - self.sampler.epoch
         skip = self._skip if self._skip_epoch is None or self._skip_epoch == self._epoch() else 0
         self._skip, self._skip_epoch = 0, None
         self._yielded, self._pass_started = skip, True
         if skip:
             self._iterator = None  # a persistent-worker iterator keeps its old sampler; build a fresh one
-        restore, self._restore_start = self._restore_start, None
         if skip and restore is not None and self._resplits():
             # the sampler starts the global order after the consumed samples, split over the replicas there are now
-            self.sampler.set_start(restore[0], self.sampler.epoch)
+            self.sampler.set_start(restore[0], self.sampler.data_epoch)
             self._offset = skip
         else:
             self._offset = 0
             if self._resplits():
-                self.sampler.set_start(0, self.sampler.epoch)
+                self.sampler.set_start(0, self.sampler.data_epoch)
             self._pending_skip = skip
         try:
             batches = super().__iter__()
@@ -164,9 +172,10 @@ class ResumableDataLoader(DataLoader):
         for field, saved, now, saved_text, now_text in checks:
             if saved is not None and saved != now:
                 raise ValueError(
-                    f"{field}={now_text if now_text else repr(now)} is not valid for this resume: the checkpoint is "
-                    f"{batches} batches into an epoch with {field}={saved_text if saved_text else repr(saved)}; Lightning counts the epoch in batches of "
-                    f"the global order, so another would replay or skip samples. Resume with the same {field} (the "
+                    f"{field}={now_text or repr(now)} is not valid for this resume: the checkpoint is {batches} "
+                    f"batches into an epoch with {field}={saved_text or repr(saved)}; Lightning counts the epoch in "
+                    f"batches of the global order, so another would replay or skip samples. Resume with the same "
+                    f"{field} (the "
                     f"number of replicas may change if the global batch stays: e.g. dp_size 2 -> 4 with half the "
                     f"batch_size), or from a checkpoint at an epoch boundary."
                 )
@@ -181,7 +190,8 @@ class ResumableDataLoader(DataLoader):
         finished = not self._pass_started or self._yielded >= len(self)
         shape = {"batch_size": self.batch_size, "replicas": self._replicas()}
         if self._resplits():
-            shape.update(seed=int(self.sampler.seed), shuffle=bool(self.sampler.shuffle))
+            shape.update(seed=int(self.sampler.seed), shuffle=bool(self.sampler.shuffle),
+                         epoch_offset=int(self.sampler.epoch_offset))
         dataset_state = self.dataset.state_dict() if callable(getattr(self.dataset, "state_dict", None)) else None
         if dataset_state is not None:
             shape["dataset"] = dataset_state
@@ -218,6 +228,8 @@ class ResumableDataLoader(DataLoader):
                         f"epoch counted with {field}={saved}, and resuming with another would replay or skip samples. "
                         f"Resume with {field}={saved}, or from a checkpoint at an epoch boundary."
                     )
+        if self._resplits():
+            self.sampler.epoch_offset = int(state_dict.get("epoch_offset") or 0)
         if state_dict.get("dataset") is not None and callable(getattr(self.dataset, "load_state_dict", None)):
             self.dataset.load_state_dict(state_dict["dataset"])
         self._skip = batches

@@ -41,6 +41,16 @@ class ResumableDistributedSampler(DistributedSampler):
 
     start: int = 0
     start_epoch: int | None = None
+    #: added to ``epoch`` for the order drawn (see :attr:`data_epoch`)
+    epoch_offset: int = 0
+
+    @property
+    def data_epoch(self) -> int:
+        """The epoch whose order is drawn: ``epoch + epoch_offset``. The offset is -1 after resuming a checkpoint that
+        ``Trainer.save_checkpoint`` wrote once ``fit`` stopped at ``max_steps`` inside an epoch: Lightning counts that
+        epoch as finished there, so the resumed loop is one epoch ahead of the data (see
+        :class:`~lightning_par.data.resumable.ResumableDataLoader`)."""
+        return self.epoch + self.epoch_offset
 
     @classmethod
     def like(cls, sampler: DistributedSampler) -> ResumableDistributedSampler:
@@ -51,7 +61,8 @@ class ResumableDistributedSampler(DistributedSampler):
         return out
 
     def set_start(self, start: int, epoch: int) -> None:
-        """Start the pass over ``epoch`` after the first ``start`` samples of its global order.
+        """Start the pass over data epoch ``epoch`` (:attr:`data_epoch`) after the first ``start`` samples of its global
+        order.
 
         Raises:
             ValueError: ``start`` is negative or past the dataset's length.
@@ -63,14 +74,14 @@ class ResumableDistributedSampler(DistributedSampler):
         self.start, self.start_epoch = int(start), int(epoch)
 
     def _start(self) -> int:
-        return self.start if self.start_epoch == self.epoch else 0
+        return self.start if self.start_epoch == self.data_epoch else 0
 
     def global_order(self) -> list[int]:
-        """The epoch's order of every sample index, as ``DistributedSampler`` draws it (before padding)."""
+        """The order of every sample index in :attr:`data_epoch`, as ``DistributedSampler`` draws it (before padding)."""
         n = len(self.dataset)  # type: ignore[arg-type]
         if self.shuffle:
             g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
+            g.manual_seed(self.seed + self.data_epoch)
             return torch.randperm(n, generator=g).tolist()
         return list(range(n))
 
