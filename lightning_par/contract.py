@@ -282,8 +282,8 @@ def batch_counted_tokens(module: nn.Module, batch: Any) -> float:
     :data:`IGNORE_INDEX`), the weight of this rank's loss among the ranks holding other parts of the same batch (cp's
     pieces of the sequences, dp's other samples).
 
-    The targets are a mapping batch's ``"labels"``, else ``pipeline_batch(module, batch)[1]`` (``batch[1]`` of a tuple
-    batch). ``1.0`` (every rank weighs the same) when there are no integer targets to count, or when the module sets
+    The targets are ``module.pipeline_batch(batch)[1]`` when the module defines it, else a mapping batch's
+    ``"labels"``, else ``batch[1]`` of a tuple batch (also of a longer one such as cp's ``(x, y, position_ids)``). ``1.0`` (every rank weighs the same) when there are no integer targets to count, or when the module sets
     ``token_mean_loss = False`` (its loss is no mean over the counted tokens: a sum, a per-sample mean).
 
     Args:
@@ -293,13 +293,13 @@ def batch_counted_tokens(module: nn.Module, batch: Any) -> float:
     if getattr(module, "token_mean_loss", True) is False:
         return 1.0
     targets: Any = None
-    if isinstance(batch, Mapping):
-        targets = batch.get("labels")
-    else:
+    if callable(getattr(module, "pipeline_batch", None)) or not isinstance(batch, Mapping):
         try:
             _, targets = pipeline_batch(module, batch)
-        except (ValueError, TypeError):
-            targets = None
+        except (ValueError, TypeError, KeyError):  # e.g. (x, y, position_ids) without a pipeline_batch
+            targets = batch[1] if isinstance(batch, (tuple, list)) and len(batch) >= 2 else None
+    if counted_tokens(targets) is None and isinstance(batch, Mapping):
+        targets = batch.get("labels")
     counted = counted_tokens(targets)
     return 1.0 if counted is None else counted
 

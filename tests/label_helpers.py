@@ -53,8 +53,17 @@ class ChatRecords(Dataset):
 
 def make_model(name: str) -> L.LightningModule:
     """``"gpt"`` (AdamW), ``"gpt-sgd"`` (SGD with momentum), or a user's causal LM ``"lm-sgd"`` / ``"lm-adamw"``;
-    ``"lm-sgd-unweighed"`` sets ``token_mean_loss = False`` (the dp replicas then weigh alike)."""
+    ``"lm-sgd-unweighed"`` sets ``token_mean_loss = False`` (the dp replicas then weigh alike); ``"moegpt"``,
+    ``"moelm-sgd"`` (experts); ``"hf-llama-sgd"`` (a Hugging Face Llama)."""
     torch.manual_seed(0)
+    if name.startswith(("moegpt", "moelm")):  # mixture-of-experts models, for ep (tests.p3d_helpers.make_model)
+        from tests.p3d_helpers import make_model as make_3d_model
+
+        return make_3d_model({"model": name})
+    if name.startswith("hf-"):  # a Hugging Face causal LM (tests.distributed.test_hf_pipeline.make_hf)
+        from tests.distributed.test_hf_pipeline import make_hf
+
+        return make_hf(name[3:])
     if name.startswith("lm-"):
         from tests.user_models import AttentionLM
 

@@ -42,6 +42,13 @@ WORLD2 = [
     _case("pp2-8mb-lm-sgd", "1f1b", "lm-sgd", 8, pp_size=2, num_microbatches=8),
 ]
 
+#: world 2, slow: ep2 (borrowed from dp2) for the MoE GPT and a user's MoE LM, a Hugging Face Llama under zero2.
+WORLD2_SLOW = [
+    _case("ep2-moegpt-adamw", "parallel_3d", "moegpt", 4, ep_size=2),
+    _case("ep2-zero2-moelm-sgd", "parallel_3d", "moelm-sgd", 4, ep_size=2, dp_mode="zero2"),
+    _case("zero2-hf-llama-sgd", "zero2", "hf-llama-sgd", 4),
+]
+
 #: world 4: the dp weighing composed with pp and with cp.
 WORLD4 = [
     _case("pp2dp2-lm-sgd", "parallel_3d", "lm-sgd", 4, pp_size=2, dp_size=2, num_microbatches=4),
@@ -83,6 +90,13 @@ def test_answer_only_labels_match_one_process_at_world2():
     """dp2 and zero2 (SGD+momentum, AdamW), tp2 (vocab-parallel loss), pp2 with 8 micro-batches: losses at rel
     1e-5 and parameters after 2 steps, for the GPT and a user's causal LM."""
     _check(run_fit_cases(2, WORLD2), WORLD2, 2)
+
+
+@pytest.mark.slow
+def test_answer_only_labels_match_one_process_under_ep_and_for_hugging_face():
+    """ep2 (experts split over the dp ranks: their tokens, weighed by each replica's loss, travel all-to-all) and a
+    Hugging Face Llama under zero2."""
+    _check(run_fit_cases(2, WORLD2_SLOW), WORLD2_SLOW, 2)
 
 
 @pytest.mark.slow
