@@ -116,6 +116,8 @@ class PipelineEngine:
         step_context: entered around every schedule run (autocast, the vocab-parallel loss context, ...).
         token_groups: process groups whose ranks (all holding the last stage when this rank does) hold other tokens
             of the same batch (cp, dp); the counted tokens are summed over them for the micro-batch weights.
+        token_mean: ``False`` when the loss is no mean over counted tokens (the module's ``token_mean_loss = False``):
+            every micro-batch then weighs the same.
 
     Raises:
         ValueError: ``len(modules)`` differs from ``len(stage_ids)``.
@@ -132,6 +134,7 @@ class PipelineEngine:
         loss_fn: Callable[[Any, Any], Tensor],
         step_context: Callable[[], ContextManager] | None = None,
         token_groups: Sequence[dist.ProcessGroup] = (),
+        token_mean: bool = True,
     ) -> None:
         if len(modules) != len(stage_ids):
             raise ValueError(f"{len(modules)} stage modules for {len(stage_ids)} stage ids {list(stage_ids)}.")
@@ -147,6 +150,7 @@ class PipelineEngine:
         self.loss_fn = loss_fn
         self.step_context = step_context or contextlib.nullcontext
         self.token_groups = list(token_groups)
+        self.token_mean = token_mean
         #: per micro-batch: the factor on its loss for the gradient, and for the logged mean (see :meth:`_weights`)
         self.grad_weights: list[float] = []
         self.log_weights: list[float] = []
@@ -277,7 +281,7 @@ class PipelineEngine:
         """
         counts = [contract.counted_tokens(t) for t in self._targets]
         ones = [1.0] * m
-        if len(counts) != m or any(c is None for c in counts):
+        if not self.token_mean or len(counts) != m or any(c is None for c in counts):
             return ones, ones
         local = float(sum(counts))  # type: ignore[arg-type]
         total, ranks = local, 1
