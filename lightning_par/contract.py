@@ -54,6 +54,10 @@ expert parallelism          ``network.expert_modules() -> list[str]``: paths (re
                             Per-sequence statistics (load balance, capacity) read
                             :func:`lightning_par.context_parallel.sequence.active_sequence_shard` under cp; auxiliary
                             losses go through :func:`lightning_par.aux_loss.attach_aux_loss`.
+label masks                 integer targets of ``-100`` count for nothing (:func:`batch_counted_tokens`): with a
+                            token-mean loss the dp replicas, cp pieces and pp micro-batches are weighed by their
+                            share of the counted tokens, as one process averages. A LightningModule whose loss is no
+                            token mean sets ``token_mean_loss = False`` (every part then weighs the same).
 ==========================  ==========================================================================================
 """
 
@@ -283,7 +287,8 @@ def batch_counted_tokens(module: nn.Module, batch: Any) -> float:
     pieces of the sequences, dp's other samples).
 
     The targets are ``module.pipeline_batch(batch)[1]`` when the module defines it, else a mapping batch's
-    ``"labels"``, else ``batch[1]`` of a tuple batch (also of a longer one such as cp's ``(x, y, position_ids)``). ``1.0`` (every rank weighs the same) when there are no integer targets to count, or when the module sets
+    ``"labels"``, else ``batch[1]`` of a tuple batch (also of a longer one such as cp's ``(x, y, position_ids)``).
+    ``1.0`` (every rank weighs the same) when there are no integer targets to count, or when the module sets
     ``token_mean_loss = False`` (its loss is no mean over the counted tokens: a sum, a per-sample mean).
 
     Args:

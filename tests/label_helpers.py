@@ -75,7 +75,10 @@ def make_model(name: str) -> L.LightningModule:
 
     module = make_gpt()
     if name == "gpt-sgd":
-        module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.3, momentum=0.9)  # type: ignore[method-assign]
+        def sgd() -> torch.optim.Optimizer:
+            return torch.optim.SGD(module.parameters(), lr=0.3, momentum=0.9)
+
+        module.configure_optimizers = sgd  # type: ignore[method-assign]
     return module
 
 

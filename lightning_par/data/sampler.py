@@ -67,17 +67,16 @@ class ResumableDistributedSampler(DistributedSampler):
         Raises:
             ValueError: ``start`` is negative or past the dataset's length.
         """
-        if not 0 <= int(start) <= len(self.dataset):  # type: ignore[arg-type]
-            raise ValueError(
-                f"start={start} is not valid: expected 0 <= start <= {len(self.dataset)} (the dataset's length)."  # type: ignore[arg-type]
-            )
+        n = len(self.dataset)  # type: ignore[arg-type]
+        if not 0 <= int(start) <= n:
+            raise ValueError(f"start={start} is not valid: expected 0 <= start <= {n} (the dataset's length).")
         self.start, self.start_epoch = int(start), int(epoch)
 
     def _start(self) -> int:
         return self.start if self.start_epoch == self.data_epoch else 0
 
     def global_order(self) -> list[int]:
-        """The order of every sample index in :attr:`data_epoch`, as ``DistributedSampler`` draws it (before padding)."""
+        """The order of every sample index in :attr:`data_epoch`, as ``DistributedSampler`` draws it (unpadded)."""
         n = len(self.dataset)  # type: ignore[arg-type]
         if self.shuffle:
             g = torch.Generator()

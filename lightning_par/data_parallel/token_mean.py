@@ -20,8 +20,9 @@ this wrapper unchanged.
 
 The value the step returns (and logs) stays this replica's own mean, as under Lightning's ``DDPStrategy``; only its
 gradient changes. A rank whose batch counts no token at all (prompts and padding only) returns 0.0 in place of
-``F.cross_entropy``'s 0/0 (NaN, which a non-finite check would stop on); its gradient is zero either way. One all-reduce of one number over the dp group per training step (and one over the cp group
-before it under cp), only while the step's loss has a gradient.
+``F.cross_entropy``'s 0/0 (NaN, which a non-finite check would stop on); its gradient is zero either way. One
+all-reduce of one number over the dp group per training step (and one over the cp group before it under cp), only
+while the step's loss has a gradient.
 
 A LightningModule whose loss is *not* a token mean over integer targets (a sum, a per-sample mean of a
 classification loss with ``-100`` entries) sets ``token_mean_loss = False``: every replica then weighs the same, as

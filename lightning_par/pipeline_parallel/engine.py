@@ -11,9 +11,10 @@ What this module adds, where torch stops:
 * **Token-mean losses of unequal micro-batches.** With integer targets, each micro-batch's loss (a mean over its
   counted tokens, :func:`~lightning_par.contract.counted_tokens`: targets of ``-100`` are not counted) is weighed by
   its share of the batch's counted tokens (over ``token_groups`` too: the ranks holding other pieces of the same
-  sequences, cp, and the other samples of the global batch, dp), so that the loss and its gradients are those of the whole batch's token mean, as in one process. Equal
-  counts (no label mask) give every micro-batch the weight 1. torch's schedules weigh every micro-batch alike: with an
-  answer-only label mask the mean of micro-batch means differs from the batch's token mean.
+  sequences, cp, and the other samples of the global batch, dp), so that the loss and its gradients are those of the
+  whole batch's token mean, as in one process. Equal counts (no label mask) give every micro-batch the weight 1.
+  torch's schedules weigh every micro-batch alike: with an answer-only label mask the mean of micro-batch means
+  differs from the batch's token mean.
 * **Shapes that change.** A ``PipelineStage`` infers its tensor shapes on its first step; each distinct micro-batch
   input shape (and training vs evaluation) gets its own stage objects and schedule, built on first use.
 * **Evaluation.** Forward only, then the loss of the whole batch from the merged outputs on the last stage (exact,

@@ -195,7 +195,8 @@ def test_the_resumable_sampler_orders_as_torch_and_resplits_the_rest():
     data = _dataset(40)
     for replicas, drop_last in ((2, False), (3, False), (3, True)):
         for rank in range(replicas):
-            torch_s = DistributedSampler(data, num_replicas=replicas, rank=rank, shuffle=True, seed=5, drop_last=drop_last)
+            torch_s = DistributedSampler(data, num_replicas=replicas, rank=rank, shuffle=True, seed=5,
+                                         drop_last=drop_last)
             ours = ResumableDistributedSampler(data, num_replicas=replicas, rank=rank, shuffle=True, seed=5,
                                                drop_last=drop_last)
             for epoch in (0, 1):
