@@ -184,8 +184,9 @@ class ResumableDataLoader(DataLoader):
         return int(self.sampler.num_replicas) if isinstance(self.sampler, DistributedSampler) else 1
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"batches", "samples", "batch_size", "replicas", "generator", "epoch"}`` of the current pass; a finished
-        pass saves the start of the next."""
+        """``{"batches", "samples", "consumed", "batch_size", "replicas", "generator", "epoch"}`` of the current pass,
+        with ``"seed"``, ``"shuffle"``, ``"epoch_offset"`` under a ``DistributedSampler`` and ``"dataset"`` when the
+        dataset has a ``state_dict`` (see the module docstring); a finished pass saves the start of the next."""
         gen = self._generator()
         finished = not self._pass_started or self._yielded >= len(self)
         shape = {"batch_size": self.batch_size, "replicas": self._replicas()}
@@ -211,8 +212,9 @@ class ResumableDataLoader(DataLoader):
         """Make the next pass start where the saved one stopped.
 
         Raises:
-            ValueError: the saved position is inside an epoch and was counted with another batch size or number of
-                data-parallel replicas (see the module docstring).
+            ValueError: the saved position is inside an epoch and was counted with another global batch, sampler seed
+                or shuffle (a ``DistributedSampler``), or another batch size or number of data-parallel replicas
+                (any other sampler); see the module docstring.
         """
         batches = int(state_dict.get("batches", 0))
         consumed = state_dict.get("consumed")
