@@ -42,11 +42,12 @@ WORLD2 = [
     _case("pp2-8mb-lm-sgd", "1f1b", "lm-sgd", 8, pp_size=2, num_microbatches=8),
 ]
 
-#: world 2, slow: ep2 (borrowed from dp2) for the MoE GPT and a user's MoE LM, a Hugging Face Llama under zero2.
+#: world 2, slow: ep2 (borrowed from dp2) for the MoE GPT and a user's MoE LM, a Hugging Face Llama under zero2, zero3.
 WORLD2_SLOW = [
     _case("ep2-moegpt-adamw", "parallel_3d", "moegpt", 4, ep_size=2),
     _case("ep2-zero2-moelm-sgd", "parallel_3d", "moelm-sgd", 4, ep_size=2, dp_mode="zero2"),
     _case("zero2-hf-llama-sgd", "zero2", "hf-llama-sgd", 4),
+    _case("zero3-lm-adamw", "zero3", "lm-adamw", 4),
 ]
 
 #: world 4: the dp weighing composed with pp and with cp.
@@ -114,8 +115,8 @@ def test_unweighed_parts_differ_from_one_process(world2_runs, control):
 
 @pytest.mark.slow
 def test_answer_only_labels_match_one_process_under_ep_and_for_hugging_face():
-    """ep2 (experts split over the dp ranks: their tokens, weighed by each replica's loss, travel all-to-all) and a
-    Hugging Face Llama under zero2."""
+    """ep2 (experts split over the dp ranks: their tokens, weighed by each replica's loss, travel all-to-all), a
+    Hugging Face Llama under zero2, and zero3 (FSDP2's reduce-scatter)."""
     _check(run_fit_cases(2, WORLD2_SLOW), WORLD2_SLOW, 2)
 
 
