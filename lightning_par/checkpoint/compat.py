@@ -140,7 +140,10 @@ def _same_global_batch(position: Mapping[str, Any], datamodule_hparams: Mapping[
     """Whether a position saved in the global order (``consumed``) resumes with the same global batch."""
     if position.get("consumed") is None or not position.get("batch_size") or not position.get("replicas"):
         return False
-    batch = (datamodule_hparams or {}).get("batch_size", position["batch_size"])
+    if "batch_size" not in (datamodule_hparams or {}):
+        # a loader the check cannot see (no data module): the loader compares the global batch when it loads
+        return True
+    batch = datamodule_hparams["batch_size"]  # type: ignore[index]
     now_replicas = replicas if replicas is not None else position["replicas"]
     return int(batch) * int(now_replicas) == int(position["batch_size"]) * int(position["replicas"])
 

@@ -76,6 +76,9 @@ def test_a_global_order_position_resumes_with_more_replicas_and_the_same_global_
     assert refused == [] and applied == ["data batch_size: 8 -> 4",
                                          "data-parallel replicas (dp_size): 2 -> 4 (the rest of the epoch re-split "
                                          "over the new replicas)"]
+    # without a data module's batch size the loader itself compares the global batch when it loads
+    assert resume_changes(meta, None, None, replicas=4) == ([], ["data-parallel replicas (dp_size): 2 -> 4 (the rest "
+                                                                 "of the epoch re-split over the new replicas)"])
     refused, _ = resume_changes(meta, None, {"batch_size": 8}, replicas=4)
     assert refused == ["data-parallel replicas (dp_size): 2 -> 4 (the checkpoint is 2 batches into an epoch; it may "
                        "resume with another dp_size if batch_size * dp_size stays 8 * 2 = 16)"]
