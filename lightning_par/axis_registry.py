@@ -85,8 +85,9 @@ class Build:
             training, validation or test step on this rank's ``batch``) and may change what it logs and returns: cp
             averages them over the ranks holding the other pieces of the sequence
             (:mod:`~lightning_par.context_parallel.report`). Applied in order, the first outermost.
-        token_groups: process groups whose ranks hold other tokens of the same samples (cp's pieces of a sequence):
-            a pipeline weighs each micro-batch's token-mean loss by its share of the tokens counted over them.
+        token_groups: process groups whose ranks hold other tokens of the same batch (cp's pieces of a sequence, dp's
+            other samples): a pipeline weighs each micro-batch's token-mean loss by its share of the tokens counted
+            over them.
         refused_stages: Trainer stages the layout cannot run (``"predict"``), each with the reason; the strategy
             raises it as a ``ValueError`` before the stage's first batch.
     """

@@ -54,6 +54,10 @@ expert parallelism          ``network.expert_modules() -> list[str]``: paths (re
                             Per-sequence statistics (load balance, capacity) read
                             :func:`lightning_par.context_parallel.sequence.active_sequence_shard` under cp; auxiliary
                             losses go through :func:`lightning_par.aux_loss.attach_aux_loss`.
+label masks                 integer targets of ``-100`` count for nothing (:func:`batch_counted_tokens`): with a
+                            token-mean loss the dp replicas, cp pieces and pp micro-batches are weighed by their
+                            share of the counted tokens, as one process averages. A LightningModule whose loss is no
+                            token mean sets ``token_mean_loss = False`` (every part then weighs the same).
 ==========================  ==========================================================================================
 """
 
@@ -69,7 +73,9 @@ __all__ = [
     "network_method",
     "register_adapter",
     "attention_heads",
+    "batch_counted_tokens",
     "checkpoint_modules",
+    "counted_tokens",
     "expert_modules",
     "find_network",
     "pipeline_batch",
@@ -281,6 +287,34 @@ def counted_tokens(targets: Any) -> float | None:
     if isinstance(targets, Tensor) and not targets.is_floating_point() and not targets.is_complex():
         return float((targets != IGNORE_INDEX).sum())
     return None
+
+
+def batch_counted_tokens(module: nn.Module, batch: Any) -> float:
+    """The number of target tokens of this rank's ``batch`` that count in a token-mean loss (not
+    :data:`IGNORE_INDEX`), the weight of this rank's loss among the ranks holding other parts of the same batch (cp's
+    pieces of the sequences, dp's other samples).
+
+    The targets are ``module.pipeline_batch(batch)[1]`` when the module defines it, else a mapping batch's
+    ``"labels"``, else ``batch[1]`` of a tuple batch (also of a longer one such as cp's ``(x, y, position_ids)``).
+    ``1.0`` (every rank weighs the same) when there are no integer targets to count, or when the module sets
+    ``token_mean_loss = False`` (its loss is no mean over the counted tokens: a sum, a per-sample mean).
+
+    Args:
+        module: the LightningModule.
+        batch: this rank's batch, as its step sees it.
+    """
+    if getattr(module, "token_mean_loss", True) is False:
+        return 1.0
+    targets: Any = None
+    if callable(getattr(module, "pipeline_batch", None)) or not isinstance(batch, Mapping):
+        try:
+            _, targets = pipeline_batch(module, batch)
+        except (ValueError, TypeError, KeyError):  # e.g. (x, y, position_ids) without a pipeline_batch
+            targets = batch[1] if isinstance(batch, (tuple, list)) and len(batch) >= 2 else None
+    if counted_tokens(targets) is None and isinstance(batch, Mapping):
+        targets = batch.get("labels")
+    counted = counted_tokens(targets)
+    return 1.0 if counted is None else counted
 
 
 def pipeline_batch(module: nn.Module, batch: Any) -> tuple[tuple[Tensor, ...], Any]:

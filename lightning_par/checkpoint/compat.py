@@ -14,7 +14,10 @@ and the LightningDataModule's ``save_hyperparameters()``; nested dicts by dotted
   saved position would point elsewhere) **refused**; :data:`APPLIED_DATA_FIELDS` (workers, validation batches, cache
   directory) applied; ``batch_size`` **refused** while the checkpoint is inside an epoch (Lightning's loops count the
   epoch in batches: a new size would replay or skip samples), applied from an epoch boundary. The same holds for the
-  number of data-parallel replicas (:class:`~lightning_par.data.ResumableDataLoader` saves both with its position).
+  number of data-parallel replicas (:class:`~lightning_par.data.ResumableDataLoader` saves both with its position),
+  except that a position saved in the epoch's global order (``consumed``: the loader's re-splitting sampler,
+  :mod:`lightning_par.data.sampler`) resumes inside an epoch with another ``batch_size`` and number of replicas when
+  their product, the global batch, is the same (``dp_size`` 2 -> 4 with half the ``batch_size``): applied.
 
 A field that only one side has (a hyper-parameter added by a newer version, a checkpoint of an older one) is not
 compared.
@@ -103,18 +106,46 @@ def resume_changes(
         (applied if field in APPLIED_MODULE_FIELDS else refused).append(f"model {field}: {old!r} -> {new!r}")
     position = data_position(meta) or {}
     inside_epoch = int(position.get("batches") or 0) > 0
+    saved_replicas = position.get("replicas")
+    # A position in the global order (a re-splitting sampler's ``consumed``) resumes with another batch size and
+    # replica count when the global batch is the same (see the module docstring).
+    same_global = _same_global_batch(position, datamodule_hparams, replicas)
     for field, old, new in _changed(meta.get("datamodule_hyper_parameters"), datamodule_hparams):
         line = f"data {field}: {old!r} -> {new!r}"
-        if field in APPLIED_DATA_FIELDS or (field in EPOCH_BOUNDARY_DATA_FIELDS and not inside_epoch):
+        if field in APPLIED_DATA_FIELDS or (field in EPOCH_BOUNDARY_DATA_FIELDS and (not inside_epoch or same_global)):
             applied.append(line)
         else:
-            refused.append(line + (f" (the checkpoint is {position['batches']} batches into an epoch)"
-                                   if field in EPOCH_BOUNDARY_DATA_FIELDS else ""))
-    saved_replicas = position.get("replicas")
+            refused.append(line + (f" (the checkpoint is {position['batches']} batches into an epoch"
+                                   f"{_global_hint(position)})" if field in EPOCH_BOUNDARY_DATA_FIELDS else ""))
     if inside_epoch and replicas is not None and saved_replicas is not None and int(saved_replicas) != replicas:
-        refused.append(f"data-parallel replicas (dp_size): {saved_replicas} -> {replicas} (the checkpoint is "
-                       f"{position['batches']} batches into an epoch)")
+        line = f"data-parallel replicas (dp_size): {saved_replicas} -> {replicas}"
+        if same_global:
+            applied.append(line + " (the rest of the epoch re-split over the new replicas)")
+        else:
+            refused.append(line + f" (the checkpoint is {position['batches']} batches into an epoch"
+                                  f"{_global_hint(position)})")
     return refused, applied
+
+
+def _global_hint(position: Mapping[str, Any]) -> str:
+    if position.get("consumed") is None or not position.get("batch_size") or not position.get("replicas"):
+        return ""
+    total = int(position["batch_size"]) * int(position["replicas"])
+    return (f"; it may resume with another dp_size if batch_size * dp_size stays {position['batch_size']} * "
+            f"{position['replicas']} = {total}")
+
+
+def _same_global_batch(position: Mapping[str, Any], datamodule_hparams: Mapping[str, Any] | None,
+                       replicas: int | None) -> bool:
+    """Whether a position saved in the global order (``consumed``) resumes with the same global batch."""
+    if position.get("consumed") is None or not position.get("batch_size") or not position.get("replicas"):
+        return False
+    if "batch_size" not in (datamodule_hparams or {}):
+        # a loader the check cannot see (no data module): the loader compares the global batch when it loads
+        return True
+    batch = datamodule_hparams["batch_size"]  # type: ignore[index]
+    now_replicas = replicas if replicas is not None else position["replicas"]
+    return int(batch) * int(now_replicas) == int(position["batch_size"]) * int(position["replicas"])
 
 
 def check_resume(

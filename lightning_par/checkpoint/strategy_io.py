@@ -189,7 +189,10 @@ class ShardedCheckpointIO:
         trainer = getattr(module, "_trainer", None)
         fitting = trainer is not None and getattr(trainer.state.fn, "value", None) == "fit"
         datamodule = getattr(trainer, "datamodule", None) if fitting else None
-        check_resume(path, meta, getattr(module, "hparams", None), getattr(datamodule, "hparams", None))
+        dims = getattr(self, "parallel_dims", None)
+        # the dp size decides whether a data module's new batch size keeps the global batch of a mid-epoch position
+        replicas = int(dims.dp_size) if fitting and dims is not None else None
+        check_resume(path, meta, getattr(module, "hparams", None), getattr(datamodule, "hparams", None), replicas)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Nothing to do: :meth:`load_checkpoint` has loaded the model."""

@@ -36,22 +36,14 @@ IGNORE_INDEX = contract.IGNORE_INDEX
 
 def target_tokens(module: Any, batch: Any) -> float:
     """The number of target tokens of this rank's ``batch`` that count in a token-mean loss (not ``-100``); ``1.0``
-    when the batch has no integer targets to count (every rank then weighs the same).
+    when the batch has no integer targets to count (every rank then weighs the same): the contract's
+    :func:`~lightning_par.contract.batch_counted_tokens`.
 
     Args:
         module: the LightningModule (its ``pipeline_batch`` maps a batch to ``(inputs, targets)``, when defined).
         batch: this rank's batch, as the step sees it (its sequence already split over cp).
     """
-    targets: Any = None
-    if isinstance(batch, Mapping):
-        targets = batch.get("labels")
-    else:
-        try:
-            _, targets = contract.pipeline_batch(module, batch)
-        except (ValueError, TypeError):
-            targets = None
-    counted = contract.counted_tokens(targets)
-    return 1.0 if counted is None else counted
+    return contract.batch_counted_tokens(module, batch)
 
 
 def _local(value: Tensor) -> Tensor:
@@ -109,6 +101,8 @@ def cp_mean_step(group: dist.ProcessGroup) -> Callable[..., Any]:
             mean = _weighted_mean(loss, weight, group)
             if not torch.is_grad_enabled() or not loss.requires_grad:
                 return mean
+            if weight == 0:  # no counted token in this piece: its mean is 0/0 (NaN), its gradient zero
+                loss = loss.nan_to_num(0.0)
             # The dp axis averages the cp ranks' gradients alike: weighing this rank's loss by its share of the
             # tokens makes that average the gradient of the token mean (a factor of exactly 1 without masks).
             scaled = loss * (weight * size / total) if total > 0 else loss

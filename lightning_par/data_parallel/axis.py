@@ -11,6 +11,7 @@ from lightning_par.data_parallel.buffers import prepare_sync_batchnorm
 from lightning_par.data_parallel.engine import apply_data_parallel
 from lightning_par.data_parallel.meshes import DataParallelMeshes
 from lightning_par.data_parallel.planner import DATA_PARALLEL_TERMS
+from lightning_par.data_parallel.token_mean import dp_token_mean_step
 from lightning_par.parallel_dims import ParallelDims
 
 __all__ = ["DATA_PARALLEL"]
@@ -27,7 +28,8 @@ def _check(module: nn.Module, network: nn.Module, dims: ParallelDims, options: A
 def _apply(build: Build) -> None:
     """The dp mode over the whole LightningModule (its state names are the checkpoint's). For evaluation ZeRO-1/2
     keep plain replicas (there is no optimizer to shard); ``zero3`` still shards. ``nn.SyncBatchNorm`` layers
-    synchronise over the dp replicas (refused on CPU, where torch's SyncBatchNorm does not run)."""
+    synchronise over the dp replicas (refused on CPU, where torch's SyncBatchNorm does not run). A token-mean loss
+    under a label mask is weighed per replica (:mod:`~lightning_par.data_parallel.token_mean`)."""
     options = build.options
     meshes = DataParallelMeshes.from_dims(build.dims)
     prepare_sync_batchnorm(build.module, build.device, meshes.dp.get_group())
@@ -38,6 +40,14 @@ def _apply(build: Build) -> None:
         stage_modules=build.stage_modules or None, communicate=dp_mode is not None, groups=build.dp_groups,
     )
     build.summaries.append(build.engine.summary)
+    dims = build.dims
+    if build.training and dims.dp_size > 1:
+        # The replicas' token-mean losses weighed by their share of the global batch's counted tokens (label masks,
+        # padding), so that the dp average is one process's gradient (:mod:`~lightning_par.data_parallel.token_mean`);
+        # a pipeline weighs its micro-batches over the dp group too.
+        dp_group = dims.group("dp")
+        build.step_wrappers.append(dp_token_mean_step(dp_group, dims.group("cp") if dims.cp_enabled else None))
+        build.token_groups.append(dp_group)
 
 
 #: Data parallelism (ddp, ZeRO-1/2/3) over dp_replicate x dp_shard, HSDP when dp_replicate_size > 1.

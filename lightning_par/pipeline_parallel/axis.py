@@ -79,6 +79,7 @@ def _schedule(build: Build) -> None:
     build.pipeline = PipelineEngine(
         build.stage_modules, build.stage_ids, build.options.pipeline, dims.group("pp"), dims.pp_size,  # type: ignore[arg-type]
         build.device, contract.pipeline_loss(build.module), build.step_context, token_groups=build.token_groups,
+        token_mean=getattr(build.module, "token_mean_loss", True) is not False,
     )
     build.steps = PipelinedSteps
 

@@ -11,9 +11,10 @@ What this module adds, where torch stops:
 * **Token-mean losses of unequal micro-batches.** With integer targets, each micro-batch's loss (a mean over its
   counted tokens, :func:`~lightning_par.contract.counted_tokens`: targets of ``-100`` are not counted) is weighed by
   its share of the batch's counted tokens (over ``token_groups`` too: the ranks holding other pieces of the same
-  sequences), so that the loss and its gradients are those of the whole batch's token mean, as in one process. Equal
-  counts (no label mask) give every micro-batch the weight 1. torch's schedules weigh every micro-batch alike: with an
-  answer-only label mask the mean of micro-batch means differs from the batch's token mean.
+  sequences, cp, and the other samples of the global batch, dp), so that the loss and its gradients are those of the
+  whole batch's token mean, as in one process. Equal counts (no label mask) give every micro-batch the weight 1.
+  torch's schedules weigh every micro-batch alike: with an answer-only label mask the mean of micro-batch means
+  differs from the batch's token mean.
 * **Shapes that change.** A ``PipelineStage`` infers its tensor shapes on its first step; each distinct micro-batch
   input shape (and training vs evaluation) gets its own stage objects and schedule, built on first use.
 * **Evaluation.** Forward only, then the loss of the whole batch from the merged outputs on the last stage (exact,
@@ -115,7 +116,9 @@ class PipelineEngine:
         loss_fn: ``loss_fn(last stage outputs, targets of one micro-batch) -> scalar mean loss``.
         step_context: entered around every schedule run (autocast, the vocab-parallel loss context, ...).
         token_groups: process groups whose ranks (all holding the last stage when this rank does) hold other tokens
-            of the same samples; the counted tokens are summed over them for the micro-batch weights.
+            of the same batch (cp, dp); the counted tokens are summed over them for the micro-batch weights.
+        token_mean: ``False`` when the loss is no mean over counted tokens (the module's ``token_mean_loss = False``):
+            every micro-batch then weighs the same.
 
     Raises:
         ValueError: ``len(modules)`` differs from ``len(stage_ids)``.
@@ -132,6 +135,7 @@ class PipelineEngine:
         loss_fn: Callable[[Any, Any], Tensor],
         step_context: Callable[[], ContextManager] | None = None,
         token_groups: Sequence[dist.ProcessGroup] = (),
+        token_mean: bool = True,
     ) -> None:
         if len(modules) != len(stage_ids):
             raise ValueError(f"{len(modules)} stage modules for {len(stage_ids)} stage ids {list(stage_ids)}.")
@@ -147,6 +151,7 @@ class PipelineEngine:
         self.loss_fn = loss_fn
         self.step_context = step_context or contextlib.nullcontext
         self.token_groups = list(token_groups)
+        self.token_mean = token_mean
         #: per micro-batch: the factor on its loss for the gradient, and for the logged mean (see :meth:`_weights`)
         self.grad_weights: list[float] = []
         self.log_weights: list[float] = []
@@ -269,6 +274,9 @@ class PipelineEngine:
         self._forwarded.discard(i)
         with self._timer.op("L", self.num_stages - 1, i) if self._timer is not None else contextlib.nullcontext():
             loss = _plain(self.loss_fn(outputs, self._targets[i]))
+            # a micro-batch without a counted token has the mean 0/0 (NaN), the weight 0 and a zero gradient
+            if self.log_weights[i] == 0 or self.grad_weights[i] == 0:
+                loss = loss.nan_to_num(0.0)
             self._losses.append(loss.detach() * self.log_weights[i])
         if self.observer is not None:
             self.observer(i, tree_map_only(Tensor, lambda t: t.detach(), outputs))
@@ -285,7 +293,7 @@ class PipelineEngine:
         """
         counts = [contract.counted_tokens(t) for t in self._targets]
         ones = [1.0] * m
-        if len(counts) != m or any(c is None for c in counts):
+        if not self.token_mean or len(counts) != m or any(c is None for c in counts):
             return ones, ones
         local = float(sum(counts))  # type: ignore[arg-type]
         total, ranks = local, 1

@@ -175,11 +175,84 @@ def test_a_resume_inside_an_epoch_with_another_batch_size_or_replica_count_is_re
     _take(iter(first), 2)
     state = first.state_dict()
     assert (state["batches"], state["samples"], state["batch_size"], state["replicas"]) == (2, 8, 4, 2)
-    with pytest.raises(ValueError, match=r"batch_size=8 is not valid for this resume: the checkpoint is 2 batches into "
-                                         r"an epoch counted with batch_size=4"):
+    with pytest.raises(ValueError, match=re.escape("global batch (batch_size * data-parallel replicas)=8 * 2 is not "
+                                                   "valid for this resume: the checkpoint is 2 batches into an epoch "
+                                                   "with global batch (batch_size * data-parallel replicas)=4 * 2")):
         make(8).load_state_dict(state)
-    with pytest.raises(ValueError, match=r"data-parallel replicas=4 is not valid for this resume: .*replicas=2"):
+    with pytest.raises(ValueError, match=re.escape("global batch (batch_size * data-parallel replicas)=4 * 4 is not")):
         make(4, replicas=4).load_state_dict(state)
     make(4).load_state_dict(state)  # the same: fine
+    make(2, replicas=4).load_state_dict(state)  # more replicas, the same global batch: the rest is re-split
     _take(iter(first), len(first))  # at an epoch boundary either may change
     make(8, replicas=4).load_state_dict(first.state_dict())
+
+
+def test_the_resumable_sampler_orders_as_torch_and_resplits_the_rest():
+    """From the start, what torch's DistributedSampler yields; started after ``s`` samples of the global order, the
+    rest split over another number of replicas: every sample of the epoch exactly once, the global batches in order."""
+    from lightning_par.data.sampler import ResumableDistributedSampler
+
+    data = _dataset(40)
+    for replicas, drop_last in ((2, False), (3, False), (3, True)):
+        for rank in range(replicas):
+            torch_s = DistributedSampler(data, num_replicas=replicas, rank=rank, shuffle=True, seed=5,
+                                         drop_last=drop_last)
+            ours = ResumableDistributedSampler(data, num_replicas=replicas, rank=rank, shuffle=True, seed=5,
+                                               drop_last=drop_last)
+            for epoch in (0, 1):
+                torch_s.set_epoch(epoch)
+                ours.set_epoch(epoch)
+                assert list(ours) == list(torch_s) and len(ours) == len(torch_s)
+    # dp2, batch 4: 2 global batches of 8 consumed; then dp4, batch 2
+    order = ResumableDistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=5).global_order()
+    rest = []
+    for rank in range(4):
+        s = ResumableDistributedSampler(data, num_replicas=4, rank=rank, shuffle=True, seed=5)
+        s.set_start(16, epoch=0)
+        rest.append(list(s))
+        assert len(s) == 6
+    for k in range(3):  # global batch k after the resume: the next 8 of the global order
+        assert sorted(i for r in rest for i in r[2 * k: 2 * k + 2]) == sorted(order[16 + 8 * k: 24 + 8 * k])
+    s.set_epoch(1)  # the start applies to its epoch only
+    assert len(s) == 10
+    with pytest.raises(ValueError, match=r"start=41 is not valid: expected 0 <= start <= 40"):
+        s.set_start(41, epoch=0)
+
+
+def test_a_loader_resumed_with_more_replicas_takes_the_rest_of_the_epoch_once():
+    """dp2 -> dp4 inside an epoch with the same global batch: the 4 resumed loaders yield, batch by batch, the global
+    batches the 2 uninterrupted ones would have; none seen twice or skipped, and len is the full pass."""
+    data = _dataset(48)
+
+    def loader(replicas, rank):
+        sampler = DistributedSampler(data, num_replicas=replicas, rank=rank, shuffle=True, seed=3)
+        return ResumableDataLoader(data, batch_size=8 // replicas, sampler=sampler)
+
+    def ids(batch):
+        return [int(i) for i in batch[0]]
+
+    ref = [loader(2, r) for r in range(2)]
+    for dl in ref:
+        dl.sampler.set_epoch(0)
+    ref_batches = [list(map(ids, dl)) for dl in ref]  # per rank, per step
+    ref_global = [sorted(ref_batches[0][k] + ref_batches[1][k]) for k in range(len(ref[0]))]
+    first = loader(2, 0)
+    first.sampler.set_epoch(0)
+    _take(iter(first), 2)
+    state = first.state_dict()
+    assert state["consumed"] == 16
+    resumed = [loader(4, r) for r in range(4)]
+    got = []
+    for dl in resumed:
+        dl.load_state_dict(state)
+        dl.sampler.set_epoch(0)
+        assert len(dl) == len(ref[0])  # Lightning counts the 2 batches as fetched
+        got.append(list(map(ids, dl)))
+    resumed_global = [sorted(sum((g[k] for g in got), [])) for k in range(len(got[0]))]
+    assert resumed_global == ref_global[2:]
+    assert resumed[0].state_dict()["batches"] == 0  # the pass ended: the next starts at the beginning
+    mid = loader(4, 1)
+    mid.load_state_dict(state)
+    mid.sampler.set_epoch(0)
+    _take(iter(mid), 1)
+    assert mid.state_dict()["consumed"] == 24  # 16 before, then one global batch of 8

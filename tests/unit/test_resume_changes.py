@@ -66,6 +66,24 @@ def test_a_resume_with_other_settings_is_refused_before_start(mid_epoch, overrid
     assert "step-2.ckpt" in str(info.value)
 
 
+def test_a_global_order_position_resumes_with_more_replicas_and_the_same_global_batch():
+    """A position in the epoch's global order (``consumed``, the re-splitting sampler's) resumes at dp4 with half the
+    batch size; another global batch is still refused, naming the product that would be accepted."""
+    state = {"batches": 2, "samples": 16, "consumed": 32, "batch_size": 8, "replicas": 2, "epoch": 0}
+    meta = {"loops": {"fit_loop": {"state_dict": {"combined_loader": [state]}}},
+            "datamodule_hyper_parameters": {"batch_size": 8}}
+    refused, applied = resume_changes(meta, None, {"batch_size": 4}, replicas=4)
+    assert refused == [] and applied == ["data batch_size: 8 -> 4",
+                                         "data-parallel replicas (dp_size): 2 -> 4 (the rest of the epoch re-split "
+                                         "over the new replicas)"]
+    # without a data module's batch size the loader itself compares the global batch when it loads
+    assert resume_changes(meta, None, None, replicas=4) == ([], ["data-parallel replicas (dp_size): 2 -> 4 (the rest "
+                                                                 "of the epoch re-split over the new replicas)"])
+    refused, _ = resume_changes(meta, None, {"batch_size": 8}, replicas=4)
+    assert refused == ["data-parallel replicas (dp_size): 2 -> 4 (the checkpoint is 2 batches into an epoch; it may "
+                       "resume with another dp_size if batch_size * dp_size stays 8 * 2 = 16)"]
+
+
 def test_applied_changes_pass(mid_epoch, tmp_path, caplog):
     plan = preflight(_cfg(*TINY, "trainer.max_steps=10", "data.num_workers=1"), mid_epoch)
     assert plan.ckpt_path is not None and plan.ckpt_path.name == "step-2.ckpt"
