@@ -110,7 +110,12 @@ def _check(results: list[dict], model: str, options: dict, blocks) -> None:
     per_replica: dict[int, list[float]] = {}
     for r in results:
         per_replica.setdefault(r["dp_rank"], r["losses"])
-    losses = [sum(v[i] for v in per_replica.values()) / len(per_replica) for i in range(STEPS)]
+    # each replica returns its own token mean (as under Lightning's DDPStrategy); the global batch's loss weighs them by
+    # their counted tokens. Replica r's step k holds blocks r + dp (k MICRO + j) (DistributedSampler, no shuffle).
+    counted = {r: [sum(int((blocks[r + dp * (k * MICRO + j)]["labels"] != -100).sum()) for j in range(MICRO))
+                   for k in range(STEPS)] for r in per_replica}
+    losses = [sum(per_replica[r][k] * counted[r][k] for r in per_replica) / sum(counted[r][k] for r in per_replica)
+              for k in range(STEPS)]
     for got, want in zip(losses, ref_losses):
         assert math.isclose(got, want, rel_tol=1e-5), (losses, ref_losses)
     state = results[0]["state"]
@@ -143,13 +148,8 @@ def test_packed_documents_match_each_document_alone_world8(world8, blocks, model
     _check(world8[f"{model}-dp2cp2tp2-zero3"], model, LAYOUTS8["dp2cp2tp2-zero3"], blocks)
 
 
-@pytest.mark.parametrize("layout", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=(
-        "dp averages the replicas' token means; a token mean over the global batch when replicas count different "
-        "tokens is the label-mask work (issue 35 item 3)"))) if n == "zero3-dp2" else n
-    for n in PADDED
-])
+@pytest.mark.parametrize("layout", list(PADDED))
 def test_padded_blocks_match_each_document_alone(world2_padded, padded, layout):
     """With padding the loss is the mean over the tokens that count: exact under cp (token-weighted over the cp
-    ranks), pp (micro-batches weighed by their tokens) and tp."""
+    ranks), pp (micro-batches weighed by their tokens), tp and dp (replicas weighed by their counted tokens)."""
     _check(world2_padded[f"gpt-{layout}"], "gpt", PADDED[layout], padded)
