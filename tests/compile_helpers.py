@@ -1,0 +1,108 @@
+"""Helpers of the per-block ``torch.compile`` tests (``strategy.compile``): each *cell* fits the same seeded model twice
+under one layout, eager then compiled, as a user runs it (``Trainer(accelerator="cpu", devices=N, strategy=...)``,
+Lightning's injected shuffling sampler), so each rank sees the same batches in both runs and their losses must agree.
+
+A cell is a picklable dict: ``"name"``, ``"strategy"`` (a registry name) and ``"options"`` (its keywords), ``"model"``
+(``"attn"``: a user's causal LM, ``tests.user_models.AttentionLM``; ``"moe"``: a user's mixture-of-experts LM;
+``"gpt"``: the reference GPT, 2 blocks; ``"gpt_moe"``: the GPT with experts), ``"optimizer"`` (``"sgd"``: SGD with
+momentum, ``"adamw"``), ``"backend"`` (default ``"aot_eager"``), ``"steps"`` (default 8).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from tests.helpers import LossRecorder, TokenDataset
+
+#: Samples per micro-batch and tokens per sample.
+MICRO, SEQ = 4, 16
+#: Relative tolerance of a compiled run's losses against the eager run's (the issue's criterion).
+RTOL = 1e-4
+
+
+class _GPTSGD(L.LightningModule):
+    """The reference GPT trained with SGD + momentum (its own LightningModule trains with AdamW)."""
+
+
+def make_model(kind: str, optimizer: str) -> L.LightningModule:
+    """The cell's model, seeded (every rank and both runs build the same one)."""
+    torch.manual_seed(0)
+    if kind == "attn":
+        from tests.user_models import AttentionLM
+
+        return AttentionLM(optimizer)
+    if kind == "moe":
+        from tests.user_models import make_moe_lm
+
+        return make_moe_lm(optimizer)
+    from lightning_par.models import GPTConfig, GPTLightningModule
+
+    extra = {"num_experts": 4, "moe_every": 2} if kind == "gpt_moe" else {}
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=SEQ, vocab_size=256, dropout=0.0, **extra)
+    module = GPTLightningModule(config, learning_rate=3e-3, adam_eps=1e-6)
+    if optimizer == "sgd":
+        module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)  # type: ignore[method-assign]
+    return module
+
+
+def _trainer(cell: dict[str, Any], world: int, compiled: bool, recorder: LossRecorder) -> L.Trainer:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    entry = StrategyRegistry[cell["strategy"]]
+    options = {**entry["init_params"], "timeout_s": 120, **cell.get("options", {})}
+    if compiled:
+        options["compile"] = {"enabled": True, "backend": cell.get("backend", "aot_eager"),
+                              **cell.get("compile", {})}
+    return L.Trainer(
+        accelerator="cpu", devices=world, strategy=entry["strategy"](**options), logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        max_steps=cell.get("steps", 8), limit_val_batches=0, callbacks=[recorder],
+        precision=cell.get("precision", "32-true"),
+    )
+
+
+def run_cell(cell: dict[str, Any], world: int) -> dict[str, Any]:
+    """Body of one rank: the eager fit, then the compiled fit, on fresh seeded models; losses and the summary."""
+    train = TokenDataset(n=cell.get("steps", 8) * MICRO * world, seq=SEQ)
+    out: dict[str, Any] = {}
+    for compiled in (False, True):
+        recorder = LossRecorder()
+        trainer = _trainer(cell, world, compiled, recorder)
+        module = make_model(cell["model"], cell["optimizer"])
+        trainer.fit(module, DataLoader(train, batch_size=MICRO, drop_last=True))
+        key = "compiled" if compiled else "eager"
+        out[key] = recorder.losses
+        out[f"{key}_summary"] = trainer.strategy.summary_extras() if hasattr(trainer.strategy, "summary_extras") \
+            else {}
+    return out
+
+
+def worker(cells: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every cell on this rank, one after the other (one launch for all)."""
+    world = int(os.environ["WORLD_SIZE"])  # Lightning deletes it at the end of a fit: read it once
+    torch._dynamo.reset()
+    return {cell["name"]: run_cell(cell, world) for cell in cells}
+
+
+def check_cells(cells: list[dict[str, Any]], runs: list[dict[str, dict[str, Any]]]) -> None:
+    """Every rank's compiled losses at its eager losses (rel :data:`RTOL`), all ``steps`` of them, and finite; the
+    summary names the compiled blocks and no recompilation after the second step."""
+    for cell in cells:
+        for rank, run in enumerate(runs):
+            got = run[cell["name"]]
+            steps = cell.get("steps", 8)
+            assert len(got["eager"]) == steps and len(got["compiled"]) == steps, (cell["name"], rank, got)
+            eager, compiled = torch.tensor(got["eager"]), torch.tensor(got["compiled"])
+            assert torch.isfinite(eager).all(), (cell["name"], rank, got)
+            torch.testing.assert_close(compiled, eager, rtol=RTOL, atol=0,
+                                       msg=lambda m: f"{cell['name']} rank {rank}: {m}")
+            summary = got["compiled_summary"]
+            assert summary["compiled_blocks"] >= 1, (cell["name"], rank, summary)
+            assert summary["compile_frames"] >= 1, (cell["name"], rank, summary)
+            assert summary["compile_recompiles_after_step_2"] == 0, (cell["name"], rank, summary)
+            assert "compiled_blocks" not in got["eager_summary"], (cell["name"], rank)
