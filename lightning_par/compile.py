@@ -30,8 +30,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_par import contract
+from lightning_par.activation_checkpointing import _Checkpointed, is_checkpointed
 from lightning_par.axis_registry import Axis, Build
 from lightning_par.validation import check_bool, check_choice
 
@@ -122,8 +124,11 @@ class _CompiledForward:
     """Mixin of the swapped-in classes: ``forward`` runs the class's compiled forward (the hooks stay outside)."""
 
     _lp_compile_options: CompileOptions
-    #: the class whose ``forward`` is compiled (set on each ``Compiled<Class>``; FSDP2 may subclass it again)
+    #: the class whose ``forward`` is compiled (set on each ``Compiled<Class>``; FSDP2 may subclass it again): the
+    #: block's own class, under activation checkpointing's ``Checkpointed<Class>``
     _lp_base: type
+    #: the block was checkpointed (activation_checkpointing="full"): recompute it around the compiled forward
+    _lp_recompute: bool
 
     def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the module's own signature
         base = self._lp_base
@@ -132,6 +137,11 @@ class _CompiledForward:
         if compiled is None:
             compiled = torch.compile(base.forward, **self._lp_compile_options.torch_compile_kwargs())
             _FORWARDS[key] = compiled
+        if self._lp_recompute and torch.is_grad_enabled():
+            # A checkpointed block: the recomputation runs eagerly around the compiled forward, so its graph holds
+            # no checkpoint (under tensor parallelism, torch 2.13's AOTAutograd fails to save a DTensor's mesh
+            # through a checkpoint inside a graph: "expected all tensors_saved_with_vc_check to be Tensors").
+            return checkpoint(compiled, self, *args, use_reentrant=False, **kwargs)
         return compiled(self, *args, **kwargs)
 
 
@@ -151,9 +161,12 @@ def compile_module(module: nn.Module, options: CompileOptions) -> nn.Module:
     if is_block_compiled(module):
         return module
     cls = type(module)
+    recompute = is_checkpointed(module)
     sub = _CLASSES.get(cls)
     if sub is None:
-        sub = type(f"Compiled{cls.__name__}", (_CompiledForward, cls), {"__module__": cls.__module__, "_lp_base": cls})
+        base = next(c for c in cls.__mro__ if not issubclass(c, _Checkpointed)) if recompute else cls
+        sub = type(f"Compiled{cls.__name__}", (_CompiledForward, cls),
+                   {"__module__": cls.__module__, "_lp_base": base, "_lp_recompute": recompute})
         _CLASSES[cls] = sub
     module.__class__ = sub
     module._lp_compile_options = options  # type: ignore[attr-defined]
@@ -271,6 +284,14 @@ def _check(module: nn.Module, network: nn.Module, dims: Any, options: Any) -> No
                "the expert all-to-all's split sizes are counted from the routing inside each MoE block")
             + ", which dynamo does not trace (a graph break there). Use compile.fullgraph=False (the breaks are "
             "counted in the run's summary)."
+        )
+    if options.activation_checkpointing == "selective" and dims.tp_enabled:
+        raise ValueError(
+            f"compile.enabled=True is not valid with activation_checkpointing='selective' and tp_size={dims.tp_size}: "
+            f"the attention's recomputation would sit inside the block's graph, and torch's AOTAutograd cannot save "
+            f"a tensor-parallel (DTensor) activation through a checkpoint inside a graph (measured on torch 2.13: "
+            f"'expected all tensors_saved_with_vc_check to be Tensors'). Use activation_checkpointing='full' (the "
+            f"block is recomputed around its compiled forward) or 'none'."
         )
     paths = _block_paths(network)
     for path in paths:
