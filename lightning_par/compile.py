@@ -57,7 +57,9 @@ _CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 def _backends(every: bool = True) -> list[str]:
     import torch._dynamo
 
-    return sorted(torch._dynamo.list_backends(exclude_tags=() if every else ("debug", "experimental")))
+    if every:
+        return sorted(torch._dynamo.list_backends(exclude_tags=()))
+    return sorted({*torch._dynamo.list_backends(), "aot_eager", "eager"})  # the two debug backends a user checks with
 
 
 @dataclass(frozen=True)
