@@ -139,3 +139,27 @@ def test_a_compiled_block_keeps_its_names_and_computes_the_same() -> None:
     assert len(calls) == 2
     assert type(compiled.model.layers["0"]).__name__ == "CompiledLayer"
     assert compile_module(compiled.model.layers["0"], CompileOptions()) is compiled.model.layers["0"]  # idempotent
+
+
+# ---------------------------------------------------------------------------------------------------- the recipe
+@pytest.mark.parametrize("strategy", ["zero3", "1f1b"])
+def test_the_recipe_sets_it_on_every_strategy(strategy) -> None:
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from lightning_par.config.build import build_strategy
+    from lightning_par.config.schema import register_configs
+
+    register_configs()
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    parallel = {"tensor_parallel": "tp2", "1f1b": "pp2"}.get(strategy, "dp2")
+    overrides = [f"strategy={strategy}", f"parallel={parallel}", "strategy.compile.enabled=true",
+                 "strategy.compile.backend=aot_eager", "strategy.compile.fullgraph=true"]
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+        bad = compose(config_name="config", overrides=[*overrides[:2], "strategy.compile.mode=reduce-overhead"])
+    built = build_strategy(cfg)
+    assert built.options.compile == CompileOptions(enabled=True, backend="aot_eager", fullgraph=True)
+    with pytest.raises(ValueError, match=r"compile.mode='reduce-overhead' is not valid here"):
+        build_strategy(bad)
