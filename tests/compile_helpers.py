@@ -17,16 +17,14 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from lightning_par.compile import is_block_compiled
+from lightning_par.parallelize import parallel_model_of
 from tests.helpers import LossRecorder, TokenDataset
 
 #: Samples per micro-batch and tokens per sample.
 MICRO, SEQ = 4, 16
 #: Relative tolerance of a compiled run's losses against the eager run's (the issue's criterion).
 RTOL = 1e-4
-
-
-class _GPTSGD(L.LightningModule):
-    """The reference GPT trained with SGD + momentum (its own LightningModule trains with AdamW)."""
 
 
 def make_model(kind: str, optimizer: str) -> L.LightningModule:
@@ -77,8 +75,11 @@ def run_cell(cell: dict[str, Any], world: int) -> dict[str, Any]:
         trainer.fit(module, DataLoader(train, batch_size=MICRO, drop_last=True))
         key = "compiled" if compiled else "eager"
         out[key] = recorder.losses
-        out[f"{key}_summary"] = trainer.strategy.summary_extras() if hasattr(trainer.strategy, "summary_extras") \
-            else {}
+        out[f"{key}_summary"] = trainer.strategy.summary_extras()
+        owner = parallel_model_of(module)
+        assert owner is not None
+        owner.unparallelize()  # what a second Trainer on the same module does first
+        out[f"{key}_plain_after"] = not any(is_block_compiled(m) for m in module.modules())
     return out
 
 
@@ -106,3 +107,4 @@ def check_cells(cells: list[dict[str, Any]], runs: list[dict[str, dict[str, Any]
             assert summary["compile_frames"] >= 1, (cell["name"], rank, summary)
             assert summary["compile_recompiles_after_step_2"] == 0, (cell["name"], rank, summary)
             assert "compiled_blocks" not in got["eager_summary"], (cell["name"], rank)
+            assert got["compiled_plain_after"] and got["eager_plain_after"], (cell["name"], rank)
