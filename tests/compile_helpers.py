@@ -69,6 +69,10 @@ def run_cell(cell: dict[str, Any], world: int) -> dict[str, Any]:
     train = TokenDataset(n=cell.get("steps", 8) * MICRO * world, seq=SEQ)
     out: dict[str, Any] = {}
     for compiled in (False, True):
+        # dynamo caches per code object across Trainers: each cell's compiled run starts from an empty cache, as a
+        # fresh process would (a block class compiled under many layouts in one process would reach dynamo's
+        # recompile limit and fall back to eager)
+        torch._dynamo.reset()
         recorder = LossRecorder()
         trainer = _trainer(cell, world, compiled, recorder)
         module = make_model(cell["model"], cell["optimizer"])
@@ -86,7 +90,6 @@ def run_cell(cell: dict[str, Any], world: int) -> dict[str, Any]:
 def worker(cells: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Every cell on this rank, one after the other (one launch for all)."""
     world = int(os.environ["WORLD_SIZE"])  # Lightning deletes it at the end of a fit: read it once
-    torch._dynamo.reset()
     return {cell["name"]: run_cell(cell, world) for cell in cells}
 
 
