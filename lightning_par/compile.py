@@ -225,6 +225,7 @@ class CompileStats:
 
         return {
             "frames": int(counters["frames"]["ok"]),
+            "attempts": int(counters["frames"]["total"]),
             "graphs": int(counters["stats"]["unique_graphs"]),
             "breaks": dict(counters["graph_break"]),
         }
@@ -244,6 +245,9 @@ class CompileStats:
             "compile_graphs": now["graphs"] - self._start["graphs"],
             "compile_graph_breaks": sum(breaks.values()),
             "compile_graph_break_reasons": [k[:200] for k in sorted(breaks, key=breaks.get, reverse=True)[:5]],
+            # frames dynamo gave up on (e.g. its recompile limit reached): they run eagerly
+            "compile_frames_not_compiled": (now["attempts"] - self._start["attempts"]) - (now["frames"]
+                                                                                            - self._start["frames"]),
             "compile_recompiles_after_step_2": (
                 None if self._after_warmup is None else now["frames"] - self._after_warmup["frames"]
             ),
@@ -317,6 +321,13 @@ def _compile(build: Build) -> None:
         return
     build.compiled = compile_blocks(build.network, build.compile_paths, build.options.compile,
                                     skip_absent=build.dims.pp_enabled)
+    # Blocks of one class share a compiled function; a block whose forward specialises on a per-layer Python value
+    # (a layer index) costs one entry each. Room for every block, so that none falls back to eager at dynamo's
+    # default limit (8) on a deep model.
+    import torch._dynamo.config
+
+    limit = max(torch._dynamo.config.recompile_limit, len(build.compiled) + 8)
+    torch._dynamo.config.recompile_limit = limit
     stats = CompileStats()
 
     def step_log() -> dict[str, float]:
