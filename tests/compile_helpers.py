@@ -3,7 +3,8 @@ under one layout, eager then compiled, as a user runs it (``Trainer(accelerator=
 Lightning's injected shuffling sampler), so each rank sees the same batches in both runs and their losses must agree.
 
 A cell is a picklable dict: ``"name"``, ``"strategy"`` (a registry name) and ``"options"`` (its keywords), ``"model"``
-(``"attn"``: a user's causal LM, ``tests.user_models.AttentionLM``; ``"moe"``: a user's mixture-of-experts LM;
+(``"attn"``: a user's causal LM, ``tests.user_models.AttentionLM``; ``"sp"``: a user's LM whose plan covers
+sequence parallelism; ``"moe"``: a user's mixture-of-experts LM;
 ``"gpt"``: the reference GPT, 2 blocks; ``"gpt_moe"``: the GPT with experts), ``"optimizer"`` (``"sgd"``: SGD with
 momentum, ``"adamw"``), ``"backend"`` (default ``"aot_eager"``), ``"steps"`` (default 8).
 """
@@ -27,6 +28,72 @@ MICRO, SEQ = 4, 16
 RTOL = 1e-4
 
 
+class SPBlock(torch.nn.Module):
+    """A user's pre-norm block: ``x + attn(ln1(x))``, then ``h + mlp(ln2(h))``."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        from tests.user_models import Attention
+
+        self.ln1, self.ln2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.attn = Attention(width, heads)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                                       torch.nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class SPNet(torch.nn.Module):
+    """A user's causal LM network whose tensor-parallel plan covers sequence parallelism (every norm on the residual
+    stream named), blocks named through ``checkpoint_modules``."""
+
+    def __init__(self, vocab: int = 256, width: int = 32, heads: int = 4, depth: int = 2) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.layers = torch.nn.ModuleList(SPBlock(width, heads) for _ in range(depth))
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def checkpoint_modules(self, mode: str) -> list[str]:
+        return [f"layers.{i}" + (".attn" if mode == "selective" else "") for i in range(len(self.layers))]
+
+    def tp_plan(self) -> dict[str, str]:
+        plan = {"embed": "vocab_embedding", "norm": "sequence_parallel", "head": "vocab_head"}
+        for i in range(len(self.layers)):
+            plan |= {f"layers.{i}.ln1": "sequence_parallel", f"layers.{i}.ln2": "sequence_parallel",
+                     f"layers.{i}.attn": "colwise_input", f"layers.{i}.mlp": "colwise_input",
+                     f"layers.{i}.attn.o": "rowwise", f"layers.{i}.mlp.0": "colwise", f"layers.{i}.mlp.2": "rowwise"}
+            plan |= {f"layers.{i}.attn.{p}": "colwise" for p in ("q", "k", "v")}
+        return plan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)  # (batch, seq, width), (batch, seq / tp, width) under sequence parallelism
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+class SPLM(L.LightningModule):
+    """The user's LightningModule around :class:`SPNet`: batches ``(x, y)``, SGD with momentum or AdamW."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__()
+        self.optimizer = optimizer
+        self.model = SPNet()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(x)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
 def make_model(kind: str, optimizer: str) -> L.LightningModule:
     """The cell's model, seeded (every rank and both runs build the same one)."""
     torch.manual_seed(0)
@@ -34,6 +101,8 @@ def make_model(kind: str, optimizer: str) -> L.LightningModule:
         from tests.user_models import AttentionLM
 
         return AttentionLM(optimizer)
+    if kind == "sp":
+        return SPLM(optimizer)
     if kind == "moe":
         from tests.user_models import make_moe_lm
 

@@ -25,15 +25,15 @@ LAYOUTS: dict[str, tuple[int, str, dict[str, Any], str]] = {
     "ddp_overlap": (2, "ddp_overlap", {}, "attn"),
     "zero2": (2, "zero2", {}, "attn"),
     "zero3": (2, "zero3", {}, "attn"),
-    "tp2_sp": (2, "tensor_parallel", {"tp_size": 2, "sequence_parallel": True}, "attn"),
+    "tp2_sp": (2, "tensor_parallel", {"tp_size": 2, "sequence_parallel": True}, "sp"),
     "pp2_1f1b": (2, "1f1b", {"pp_size": 2, "num_microbatches": 2}, "attn"),
     "cp2": (2, "parallel_3d", {"cp_size": 2}, "attn"),
     "ep2": (2, "parallel_3d", {"ep_size": 2}, "moe"),
     "hsdp2x2": (4, "parallel_3d", {"dp_replicate_size": 2, "dp_shard_size": 2, "dp_mode": "zero3"}, "attn"),
-    "dp2_tp2_pp2": (8, "parallel_3d", {"dp_size": 2, "tp_size": 2, "pp_size": 2, "sequence_parallel": True,
-                                       "schedule": "1f1b", "num_microbatches": 2}, "attn"),
+    "dp2_tp2_pp2": (8, "parallel_3d", {"dp_size": 2, "tp_size": 2, "pp_size": 2, "schedule": "1f1b",
+                                       "num_microbatches": 2}, "attn"),
 }
-_GPT_OF = {"attn": "gpt", "moe": "gpt_moe"}
+_GPT_OF = {"attn": "gpt", "sp": "gpt", "moe": "gpt_moe"}
 
 
 def _matrix(world: int) -> list[dict[str, Any]]:
@@ -41,7 +41,7 @@ def _matrix(world: int) -> list[dict[str, Any]]:
         {"name": f"{label}-{model}-{optimizer}", "strategy": strategy, "options": options, "model": model,
          "optimizer": optimizer}
         for label, (w, strategy, options, user) in LAYOUTS.items() if w == world
-        for model in (user, _GPT_OF[user]) for optimizer in ("sgd", "adamw")
+        for model in dict.fromkeys((user, _GPT_OF.get(user, user))) for optimizer in ("sgd", "adamw")
     ]
 
 
