@@ -79,8 +79,12 @@ def test_compiled_matches_eager_every_layout(world: int) -> None:
 
 
 @pytest.mark.slow
-def test_compiled_matches_eager_with_checkpointing_and_bf16() -> None:
+def test_compiled_matches_eager_with_checkpointing_bf16_fullgraph_inductor() -> None:
     cells = [
+        {"name": "zero3-fullgraph-gpt-sgd", "strategy": "zero3", "model": "gpt", "optimizer": "sgd", "options": {},
+         "compile": {"fullgraph": True}},
+        {"name": "tp2-fullgraph-sp-adamw", "strategy": "tensor_parallel", "model": "sp", "optimizer": "adamw",
+         "options": {"tp_size": 2, "sequence_parallel": True}, "compile": {"fullgraph": True}},
         {"name": "ddp-selective-gpt-adamw", "strategy": "ddp_overlap", "model": "gpt", "optimizer": "adamw",
          "options": {"activation_checkpointing": "selective"}},
         {"name": "zero3-full-attn-sgd", "strategy": "zero3", "model": "attn", "optimizer": "sgd",
