@@ -248,8 +248,10 @@ class CompileStats:
             # frames dynamo gave up on (e.g. its recompile limit reached): they run eagerly
             "compile_frames_not_compiled": (now["attempts"] - self._start["attempts"]) - (now["frames"]
                                                                                             - self._start["frames"]),
+            # frames or graphs compiled since the second step (with fullgraph=True dynamo counts graphs only)
             "compile_recompiles_after_step_2": (
-                None if self._after_warmup is None else now["frames"] - self._after_warmup["frames"]
+                None if self._after_warmup is None else max(now["frames"] - self._after_warmup["frames"],
+                                                            now["graphs"] - self._after_warmup["graphs"])
             ),
         }
         return out
