@@ -218,6 +218,21 @@ class CompileStats:
         self._start = self._read()
         self._after_warmup: dict[str, Any] | None = None
         self.steps = 0
+        #: graphs compiled by evaluation steps (no gradient: a graph of their own, once), apart from
+        #: training's, since the second training step
+        self.eval_compiled = 0
+
+    def eval_step(self, module: Any, batch: Any, run: Any) -> Any:
+        """A step wrapper (``Build.step_wrappers``): what a step without gradients (validation, test, predict)
+        compiles is counted apart, so that the steady state of training is judged on training steps alone."""
+        if torch.is_grad_enabled() or self._after_warmup is None:
+            return run(batch)
+        before = self._read()
+        try:
+            return run(batch)
+        finally:
+            after = self._read()
+            self.eval_compiled += after["graphs"] - before["graphs"]
 
     @staticmethod
     def _read() -> dict[str, Any]:
@@ -248,11 +263,13 @@ class CompileStats:
             # frames dynamo gave up on (e.g. its recompile limit reached): they run eagerly
             "compile_frames_not_compiled": (now["attempts"] - self._start["attempts"]) - (now["frames"]
                                                                                             - self._start["frames"]),
-            # frames or graphs compiled since the second step (with fullgraph=True dynamo counts graphs only)
+            # graphs compiled by training steps since the second one (an evaluation's own graph is counted apart;
+            # dynamo's frame count also moves for frames it looks at without making a graph)
             "compile_recompiles_after_step_2": (
-                None if self._after_warmup is None else max(now["frames"] - self._after_warmup["frames"],
-                                                            now["graphs"] - self._after_warmup["graphs"])
+                None if self._after_warmup is None
+                else now["graphs"] - self._after_warmup["graphs"] - self.eval_compiled
             ),
+            "compile_eval_compiles_after_step_2": self.eval_compiled,
         }
         return out
 
@@ -337,6 +354,7 @@ def _compile(build: Build) -> None:
         return {}
 
     build.step_logs.append(step_log)
+    build.step_wrappers.append(stats.eval_step)
     opts = build.options.compile
     build.summaries.append(lambda: {
         "compile_backend": opts.backend,
