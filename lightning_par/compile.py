@@ -45,6 +45,7 @@ __all__ = [
     "compile_blocks",
     "compile_module",
     "is_block_compiled",
+    "refuse_fullgraph",
 ]
 
 #: Valid ``compile.mode`` values (``torch.compile``'s modes; ``None`` is inductor's default).
@@ -74,8 +75,8 @@ class CompileOptions:
             right), ``"eager"``.
         mode: ``None`` (the backend's default), ``"default"`` or ``"max-autotune-no-cudagraphs"`` (inductor only).
             The CUDA-graph modes ``"reduce-overhead"`` and ``"max-autotune"`` are refused.
-        fullgraph: fail at the first graph break instead of splitting the block's graph (refused where a layout puts
-            a collective inside a block that dynamo cannot trace: context and expert parallelism).
+        fullgraph: fail at the first graph break instead of splitting the block's graph (refused by an axis that runs
+            a collective inside a block that dynamo cannot trace: see :func:`refuse_fullgraph`).
 
     Raises:
         ValueError: naming the field, the value and what would be valid.
@@ -274,6 +275,25 @@ class CompileStats:
         return out
 
 
+def refuse_fullgraph(options: Any, what: str, why: str) -> None:
+    """For an axis whose work inside a block runs eagerly between two graphs (a process-group call dynamo does not
+    trace): refuse ``compile.fullgraph=True``.
+
+    Args:
+        options: the :class:`~lightning_par.parallelize.ParallelOptions`.
+        what: the axis's setting (``"ep_size=2"``).
+        why: what it runs inside each block.
+
+    Raises:
+        ValueError: ``compile.enabled`` and ``compile.fullgraph``, naming ``what`` and ``why``.
+    """
+    if options.compile.enabled and options.compile.fullgraph:
+        raise ValueError(
+            f"compile.fullgraph=True is not valid with {what}: {why}, which dynamo does not trace (a graph break "
+            f"there). Use compile.fullgraph=False (the breaks are counted in the run's summary)."
+        )
+
+
 # ---------------------------------------------------------------------------------------------------- the registry entry
 def _block_paths(network: nn.Module) -> list[str]:
     try:
@@ -299,16 +319,6 @@ def _check(module: nn.Module, network: nn.Module, dims: Any, options: Any) -> No
             f"compile.enabled=True is not valid with {type(module).__name__}.{compiled[0]}, a torch.compile'd module "
             f"(torch.compile in configure_model or __init__): the strategy compiles every block itself. Remove "
             f"torch.compile from the LightningModule."
-        )
-    if opts.fullgraph and (dims.cp_enabled or dims.ep_enabled):
-        what = f"cp_size={dims.cp_size}" if dims.cp_enabled else f"ep_size={dims.ep_size}"
-        raise ValueError(
-            f"compile.fullgraph=True is not valid with {what}: "
-            + ("context-parallel attention sends K/V between the cp ranks inside each block's attention"
-               if dims.cp_enabled else
-               "the expert all-to-all's split sizes are counted from the routing inside each MoE block")
-            + ", which dynamo does not trace (a graph break there). Use compile.fullgraph=False (the breaks are "
-            "counted in the run's summary)."
         )
     if options.activation_checkpointing == "selective" and dims.tp_enabled:
         raise ValueError(
