@@ -199,7 +199,9 @@ def compile_blocks(network: nn.Module, paths: Sequence[str], options: CompileOpt
         except AttributeError as err:
             if skip_absent:
                 continue
-            raise ValueError(f"compile: block path {path!r} names no module of {type(network).__name__}: {err}") from err
+            raise ValueError(
+                f"compile: block path {path!r} names no module of {type(network).__name__}: {err}"
+            ) from err
         if module is None:
             continue
         compile_module(module, options)
@@ -294,11 +296,11 @@ def refuse_fullgraph(options: Any, what: str, why: str) -> None:
         )
 
 
-# ---------------------------------------------------------------------------------------------------- the registry entry
+# ------------------------------------------------------------------------------------------------- the registry entry
 def _block_paths(network: nn.Module) -> list[str]:
     try:
         return contract.checkpoint_modules(network, "full")
-    except ValueError as err:
+    except ValueError:
         raise ValueError(
             f"compile.enabled=True is not valid for a network of type {type(network).__name__}: it compiles every "
             f"block on its own, and the network names none. Keep the network at .model as an nn.Sequential/"

@@ -113,7 +113,8 @@ def make_model(kind: str, optimizer: str) -> L.LightningModule:
     config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=SEQ, vocab_size=256, dropout=0.0, **extra)
     module = GPTLightningModule(config, learning_rate=3e-3, adam_eps=1e-6)
     if optimizer == "sgd":
-        module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)  # type: ignore[method-assign]
+        sgd = lambda: torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)  # noqa: E731
+        module.configure_optimizers = sgd  # type: ignore[method-assign]
     return module
 
 
