@@ -163,3 +163,28 @@ def test_the_recipe_sets_it_on_every_strategy(strategy) -> None:
     assert built.options.compile == CompileOptions(enabled=True, backend="aot_eager", fullgraph=True)
     with pytest.raises(ValueError, match=r"compile.mode='reduce-overhead' is not valid here"):
         build_strategy(bad)
+
+
+def test_a_hugging_face_model_compiles_its_decoder_layers() -> None:
+    """The contract names a Hugging Face model's decoder layers; one graph serves them all (no per-layer recompile)."""
+    from torch._dynamo.utils import counters
+
+    from lightning_par import contract
+    from lightning_par.hf.module import HFCausalLM
+
+    torch._dynamo.reset()
+    config = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256, max_position_embeddings=32, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    eager = HFCausalLM(model_type="llama", config=config)
+    torch.manual_seed(0)
+    compiled = HFCausalLM(model_type="llama", config=config)
+    paths = contract.checkpoint_modules(compiled.model, "full")
+    assert paths == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    compile_blocks(compiled.model, paths, CompileOptions(enabled=True, backend="aot_eager"))
+    x = torch.randint(0, 256, (2, 12))
+    for module in (eager, compiled):
+        module.model(input_ids=x, use_cache=False).logits.square().mean().backward()  # as HFCausalLM trains
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert counters["stats"]["unique_graphs"] == 1
