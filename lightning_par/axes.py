@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_par.axis_registry import Axis
+from lightning_par.compile import COMPILE
 from lightning_par.context_parallel.axis import CONTEXT_PARALLEL
 from lightning_par.data_parallel.axis import DATA_PARALLEL
 from lightning_par.expert_parallel.axis import EXPERT_PARALLEL
@@ -25,7 +26,7 @@ __all__ = ["AXES", "axis_of_group", "axis_of_size", "check_sizes"]
 #: Every registered parallelism.
 AXES: tuple[Axis, ...] = (
     PIPELINE_PARALLEL, DATA_PARALLEL, CONTEXT_PARALLEL, EXPERT_PARALLEL, TENSOR_PARALLEL,
-    ACTIVATION_CHECKPOINTING_STEP,
+    ACTIVATION_CHECKPOINTING_STEP, COMPILE,
 )
 
 

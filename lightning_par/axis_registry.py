@@ -33,9 +33,12 @@ __all__ = ["PHASES", "Axis", "Build", "Check", "PlannerTerms", "StateTransform"]
 
 #: ``parallelize()``'s order: a step's phase places it (Megatron-LM's PTD-P order as torchtitan applies it: the pipeline
 #: cut, tensor parallelism, context parallelism, activation checkpointing inside the tp styles' hooks and outside the dp
-#: mode's, the dp mode, then the schedule over the stage modules).
+#: mode's, ``torch.compile`` of each block (its graph holds the tp styles and the recomputation, the dp mode's hooks stay
+#: outside), the dp mode, then the schedule over the stage modules).
 #: ``read`` comes first: a model's plans are read from the whole network, before any cut.
-PHASES: dict[str, int] = {"read": 0, "cut": 1, "split": 2, "context": 3, "recompute": 4, "data": 5, "schedule": 6}
+PHASES: dict[str, int] = {
+    "read": 0, "cut": 1, "split": 2, "context": 3, "recompute": 4, "compile": 5, "data": 6, "schedule": 7,
+}
 
 #: ``check(module, network, dims, options)``: raise ``ValueError`` naming the field and value if the layout cannot run.
 Check = Callable[["nn.Module", "nn.Module", "ParallelDims", "ParallelOptions"], None]
@@ -62,6 +65,8 @@ class Build:
         stage_modules: the modules a pipeline schedule runs, in chunk order.
         layer_counts: layers per virtual stage.
         checkpointed: paths of the modules whose activations are recomputed on this rank.
+        compile_paths: the blocks to compile (``strategy.compile``), read from the whole network before any cut.
+        compiled: paths of the blocks compiled on this rank.
         engine: the dp axis's engine (set by the dp step).
         pipeline: the pipeline schedule's engine (set by the pp step).
         steps: the class of the step hooks (:class:`~lightning_par.steps.StepHooks`; the pp step replaces it).
@@ -105,6 +110,8 @@ class Build:
     stage_modules: list[nn.Module] = field(default_factory=list)
     layer_counts: list[int] | None = None
     checkpointed: list[str] = field(default_factory=list)
+    compile_paths: list[str] = field(default_factory=list)
+    compiled: list[str] = field(default_factory=list)
     engine: DataParallelEngine | None = None
     pipeline: Any = None
     steps: type[StepHooks] | None = None

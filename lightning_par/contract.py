@@ -151,9 +151,10 @@ def check_not_compiled(module: nn.Module, technique: str, why: str) -> None:
         raise ValueError(
             f"{type(module).__name__}.{compiled[0]} is a torch.compile'd module (torch.compile in configure_model or "
             f"__init__), which {technique} cannot run: it {why}, and torch.compile hides the module's own structure "
-            f"behind '_orig_mod'. Remove torch.compile from the LightningModule for this layout: compiling belongs "
-            f"after the strategy has parallelised the model (a compile option of the strategy is planned); a "
-            f"data-parallel layout (ddp, zero1, zero2, zero3) accepts a compiled network."
+            f"behind '_orig_mod'. Remove torch.compile from the LightningModule and let the strategy compile every "
+            f"block after it has parallelised the model: compile={{'enabled': True}} (strategy.compile.enabled=true "
+            f"in a recipe; docs/compile.md). A data-parallel layout (ddp, zero1, zero2, zero3) also accepts a "
+            f"compiled network."
         )
 
 

@@ -41,6 +41,7 @@ from lightning_par import contract
 from lightning_par.activation_checkpointing import ACTIVATION_CHECKPOINTING
 from lightning_par.axes import AXES
 from lightning_par.axis_registry import PHASES, Build
+from lightning_par.compile import CompileOptions
 from lightning_par.context_parallel.options import ContextParallelOptions
 from lightning_par.data_parallel.engine import DataParallelEngine
 from lightning_par.data_parallel.options import DP_MODES, ReducerOptions, ZeroOptions, resolve_zero_options, zero_stage
@@ -70,12 +71,15 @@ PLAIN_GROUPS: dict[str, type] = {
     "pipeline": PipelineOptions,
     "context_parallel": ContextParallelOptions,
 }
+#: Groups given only nested (``compile={"enabled": True}``, ``strategy.compile.enabled=true``): their field names
+#: (``enabled``, ``mode``) would say nothing flat.
+NESTED_GROUPS: dict[str, type] = {"compile": CompileOptions}
 
 #: Option group name -> the flat keyword names it owns.
 OPTION_GROUPS: dict[str, tuple[str, ...]] = {
     "reducer": tuple(f.name for f in fields(ReducerOptions)),
     "zero": _ZERO_FIELDS,
-    **{group: tuple(f.name for f in fields(cls)) for group, cls in PLAIN_GROUPS.items()},
+    **{group: tuple(f.name for f in fields(cls)) for group, cls in {**PLAIN_GROUPS, **NESTED_GROUPS}.items()},
 }
 
 
@@ -90,6 +94,7 @@ class ParallelOptions:
         tensor_parallel: the tp axis's options.
         pipeline: the pp axis's options.
         context_parallel: the cp axis's options.
+        compile: ``torch.compile`` of every block (:mod:`lightning_par.compile`).
         module_attr: attribute of the LightningModule holding the network (see :mod:`lightning_par.contract`).
         activation_checkpointing: ``"none"``, ``"full"`` (every block) or ``"selective"`` (the attention of every
             block; :mod:`lightning_par.activation_checkpointing`).
@@ -104,6 +109,7 @@ class ParallelOptions:
     tensor_parallel: TensorParallelOptions = field(default_factory=TensorParallelOptions)
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
     context_parallel: ContextParallelOptions = field(default_factory=ContextParallelOptions)
+    compile: CompileOptions = field(default_factory=CompileOptions)
     module_attr: str | None = "model"
     activation_checkpointing: str = "none"
 
@@ -132,8 +138,10 @@ class ParallelOptions:
         """
         check_choice("dp_mode", dp_mode, DP_MODES)
         groups: dict[str, dict[str, Any]] = {g: {} for g in OPTION_GROUPS}
-        owner = {name: g for g, names in OPTION_GROUPS.items() for name in names}
+        owner = {name: g for g, names in OPTION_GROUPS.items() if g not in NESTED_GROUPS for name in names}
         for key, value in options.items():
+            if isinstance(value, CompileOptions) and key == "compile":
+                value = {f.name: getattr(value, f.name) for f in fields(value)}
             if key in OPTION_GROUPS:
                 if value is None:
                     continue
@@ -181,7 +189,7 @@ class ParallelOptions:
             dp_mode=dp_mode,
             reducer=reducer,
             zero=zero,
-            **{group: options_cls(**groups[group]) for group, options_cls in PLAIN_GROUPS.items()},
+            **{group: options_cls(**groups[group]) for group, options_cls in {**PLAIN_GROUPS, **NESTED_GROUPS}.items()},
             module_attr=module_attr,
             activation_checkpointing=activation_checkpointing,
         )

@@ -28,6 +28,7 @@ from omegaconf import II, MISSING, OmegaConf
 
 from hydra.core.config_store import ConfigStore
 
+from lightning_par.compile import CompileOptions
 from lightning_par.config.option_schema import options_schema, signature_defaults
 from lightning_par.context_parallel.options import ContextParallelOptions
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS, ReducerOptions, ZeroOptions
@@ -47,6 +48,7 @@ __all__ = [
     "DevicePreset",
     "FitCheckConfig",
     "LRScalingConfig",
+    "CompileGroup",
     "ContextParallelGroup",
     "PipelineGroup",
     "ReducerGroup",
@@ -132,6 +134,13 @@ ContextParallelGroup = options_schema(
     context_parallel.options.ContextParallelOptions`. ``method``: ring | all_to_all.""",
 )
 
+CompileGroup = options_schema(
+    "CompileGroup", CompileOptions, module=__name__,
+    doc="""``strategy.compile``: torch.compile of every block, in every strategy, generated from
+    :class:`lightning_par.compile.CompileOptions`. ``enabled``; ``backend``: inductor | aot_eager | eager | ...;
+    ``mode``: null | default | max-autotune-no-cudagraphs; ``fullgraph``.""",
+)
+
 #: ``MeshStrategy``'s own keywords, with their defaults (the constructor is their source).
 _STRATEGY_DEFAULTS: dict[str, Any] = signature_defaults(
     MeshStrategy.__init__, ("timeout_s", "module_attr", "activation_checkpointing", "prog_bar")
@@ -152,6 +161,8 @@ class StrategyConfig:
     activation_checkpointing: str = _STRATEGY_DEFAULTS["activation_checkpointing"]
     #: also show the strategy's own figures (parallel/...) in the progress bar.
     prog_bar: bool = _STRATEGY_DEFAULTS["prog_bar"]
+    #: torch.compile of every block (docs/compile.md), in every strategy.
+    compile: CompileGroup = field(default_factory=CompileGroup)
 
 
 @dataclass

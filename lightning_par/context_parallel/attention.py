@@ -636,6 +636,10 @@ class CPAttentionMode(TorchFunctionMode):
             return self._attention(*args, **kwargs)
         return func(*args, **kwargs)
 
+    # Run eagerly under a compiled block (strategy.compile, lightning_par/compile.py): the ring's K/V sends and the
+    # all-to-all are process-group calls dynamo does not trace, and their byte counters are Python globals a graph
+    # would guard on (measured: a recompilation every step until dynamo's recompile limit). One graph break per call.
+    @torch.compiler.disable
     def _attention(
         self,
         query: Tensor,

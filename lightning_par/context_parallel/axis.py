@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_par import contract
 from lightning_par.axis_registry import Axis, Build
+from lightning_par.compile import refuse_fullgraph
 from lightning_par.context_parallel.attention import CPAttentionMode, check_ulysses_heads
 from lightning_par.context_parallel.batch import SequenceSplit
 from lightning_par.context_parallel.contract import (
@@ -28,6 +29,8 @@ def _check(module: nn.Module, network: nn.Module, dims: ParallelDims, options: A
         return
     contract.check_not_compiled(module, f"context parallelism (cp_size={dims.cp_size})",
                                 "replaces each attention call by a context-parallel one while a step runs")
+    refuse_fullgraph(options, f"cp_size={dims.cp_size}", "context-parallel attention sends K/V between the cp ranks "
+                     "inside each block's attention (CPAttentionMode runs it eagerly)")
     context_parallel_positions(network)
     check_context_parallel(network, dims.cp_size)
     if options.context_parallel.method == "all_to_all":

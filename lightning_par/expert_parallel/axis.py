@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_par import contract
 from lightning_par.axis_registry import Axis, Build
+from lightning_par.compile import refuse_fullgraph
 from lightning_par.compat import local_tensor
 from lightning_par.data_parallel.meshes import DataParallelMeshes
 from lightning_par.expert_parallel.dispatch import ExpertDispatch
@@ -25,6 +26,8 @@ def _check(module: nn.Module, network: nn.Module, dims: ParallelDims, options: A
         return
     contract.check_not_compiled(module, f"expert parallelism (ep_size={dims.ep_size})",
                                 "splits the experts modules named by their paths and exchanges tokens around them")
+    refuse_fullgraph(options, f"ep_size={dims.ep_size}", "the expert all-to-all's split sizes are counted from the "
+                     "routing inside each MoE block (lightning_par/expert_parallel/dispatch.py runs it eagerly)")
     for path in contract.expert_modules(network):
         check_num_experts(path, contract.num_experts(network, path), dims.ep_size, dims.size("dp_shard_cp"))
 

@@ -94,6 +94,9 @@ class ExpertDispatch:
     def reset_bytes(self) -> None:
         self.bytes_sent, self.calls = 0, 0
 
+    # Eager under a compiled block (strategy.compile, lightning_par/compile.py): the split sizes are read from the
+    # routing (.tolist()) and the all-to-all is a process-group call, neither of which dynamo traces.
+    @torch.compiler.disable
     def dispatch(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Tensor, Tensor]:
         """``(x sorted by expert, counts (E,))`` -> ``(tokens of this rank's experts sorted by local expert,
         counts (E/ep,))``."""
@@ -115,6 +118,7 @@ class ExpertDispatch:
         self.calls += 1
         return _ScaleGrad.apply(tokens[order], float(self.ep_size)), received.sum(0)
 
+    @torch.compiler.disable  # eager under a compiled block (lightning_par/compile.py): see below
     def combine(self, module: nn.Module, args: tuple[Any, ...], out: Tensor) -> Tensor:
         """The experts' outputs, back on the ranks and in the order the tokens came from."""
         assert self._state is not None, "ExpertDispatch.combine without dispatch"

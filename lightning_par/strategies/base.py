@@ -102,7 +102,8 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
             ``powersgd_rank``, ``powersgd_start_iter``), ``zero`` (``cpu_offload``, ``mixed_precision``,
             ``reshard_after_forward``), ``tensor_parallel`` (``sequence_parallel``, ``plan``), ``pipeline``
             (``schedule``, ``num_microbatches``, ``virtual_stages``, ``split``, ``split_timeout_s``,
-            ``measure_bubble``).
+            ``measure_bubble``), ``compile`` (``enabled``, ``backend``, ``mode``, ``fullgraph``; given nested only,
+            ``compile={"enabled": True}``: ``torch.compile`` of every block, docs/compile.md).
 
     Raises:
         ValueError: here, an invalid size, option or combination, or a size or option of an axis this strategy does

@@ -17,9 +17,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lightning_par.config.schema import (
-    STRATEGY_SCHEMAS, ContextParallelGroup, PipelineGroup, ReducerGroup, StrategyConfig, TensorParallelGroup, ZeroGroup,
+    STRATEGY_SCHEMAS, CompileGroup, ContextParallelGroup, PipelineGroup, ReducerGroup, StrategyConfig, TensorParallelGroup, ZeroGroup,
     register_configs,
 )
+from lightning_par.compile import CompileOptions
 from lightning_par.context_parallel.options import ContextParallelOptions
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS, ReducerOptions, ZeroOptions, parse_mixed_precision
 from lightning_par.parallelize import ParallelOptions
@@ -36,6 +37,7 @@ GROUP_OPTIONS: dict[str, type] = {
     "tensor_parallel": TensorParallelOptions,
     "pipeline": PipelineOptions,
     "context_parallel": ContextParallelOptions,
+    "compile": CompileOptions,
 }
 #: Option group -> the schema generated from it.
 GROUP_SCHEMAS: dict[str, type] = {
@@ -44,6 +46,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "tensor_parallel": TensorParallelGroup,
     "pipeline": PipelineGroup,
     "context_parallel": ContextParallelGroup,
+    "compile": CompileGroup,
 }
 #: Schema fields left at None, which their options dataclass documents as its default.
 NONE_IS_DEFAULT: dict[str, tuple[str, ...]] = {"reducer": ("bucket_cap_mb",)}
@@ -143,8 +146,11 @@ def test_group_schema_defaults_are_the_options_defaults(group):
 
 def test_strategy_schema_defaults_are_the_constructor_defaults():
     """``StrategyConfig``'s fields (and ``Parallel3DConfig.dp_mode``) default to what the strategies do."""
-    fields = {f.name: f.default for f in dataclasses.fields(StrategyConfig)}
+    fields = {f.name: f.default for f in dataclasses.fields(StrategyConfig) if f.name not in GROUP_SCHEMAS}
     fields.pop("name")
+    # the groups every strategy has (strategy.compile) come from their options dataclass
+    assert {f.name: f.default_factory for f in dataclasses.fields(StrategyConfig) if f.name in GROUP_SCHEMAS} == {
+        "compile": CompileGroup}
     assert set(fields) | {"dp_mode"} == set(TOP_LEVEL_SOURCES)
     for key, value in fields.items():
         assert value == _top_level_default(key), f"StrategyConfig.{key}={value!r}"

@@ -35,7 +35,7 @@ def test_structural_layouts_refuse_a_compiled_module(sizes, options, what, build
     module = build()
     name = "model" if build is _compiled_network else "model.layers.1"
     with pytest.raises(ValueError, match=rf"AttentionLM\.{name} is a torch.compile'd module .*which {what} cannot "
-                                         rf"run.*_orig_mod.*Remove torch.compile.*compile option of the strategy"):
+                                         rf"run.*_orig_mod.*Remove torch.compile.*strategy.compile.enabled=true"):
         validate(module, ParallelDims(world_size=2, **sizes), ParallelOptions.build(**options))
 
 
