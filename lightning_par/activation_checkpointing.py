@@ -24,7 +24,8 @@ precision match the first forward.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -55,10 +56,25 @@ class _Checkpointed:
         forward = super().forward  # type: ignore[misc]
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        from lightning_par.data.doc_mask import recompute_contexts
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=_recompute_contexts, **kwargs)
 
-        # packed documents: the recomputation in backward attends under the forward's document masks
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=recompute_contexts, **kwargs)
+
+def _recompute_contexts() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+    """``(forward context, recomputation context)`` for ``torch.utils.checkpoint``'s ``context_fn``: the recomputation
+    in backward attends as the forward did (torch function modes are off while autograd recomputes), under the
+    context-parallel attention (outer, as each step enters it) and a packed block's document masks (inner)."""
+    from lightning_par.context_parallel.attention import recompute_context
+    from lightning_par.data.doc_mask import recompute_contexts
+
+    cp = recompute_context()
+    _, documents = recompute_contexts()
+
+    @contextmanager
+    def both() -> Generator[None, None, None]:
+        with cp, documents:
+            yield
+
+    return nullcontext(), both()
 
 
 def is_checkpointed(module: nn.Module) -> bool:

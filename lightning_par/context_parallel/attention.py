@@ -32,14 +32,15 @@ of what one process keeps (``lightning_par.benchmarks.context_parallel`` measure
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from lightning_par.compat import flash_attention_cpu, flash_attention_cpu_backward
 from lightning_par.context_parallel import sequence
@@ -596,6 +597,31 @@ def _ulysses_documents(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, group
 CP_ATTENTION_METHODS: dict[str, Callable[..., Tensor]] = {"ring": ring_attention, "all_to_all": ulysses_attention}
 
 
+#: The :class:`CPAttentionMode` instances entered and not yet left, innermost last.
+_ACTIVE_MODES: list[CPAttentionMode] = []
+
+
+@contextmanager
+def _reentered(method: str, group: dist.ProcessGroup | None, positions: Tensor) -> Generator[None, None, None]:
+    if any(isinstance(m, CPAttentionMode) for m in _get_current_function_mode_stack()):
+        yield  # the mode is on (a pipeline's backward inside the schedule's step): nothing to add
+        return
+    with CPAttentionMode(method, group, positions):
+        yield
+
+
+def recompute_context() -> AbstractContextManager[None]:
+    """Called at a checkpointed forward (``torch.utils.checkpoint``'s ``context_fn``): the context its recomputation in
+    backward must run in, the context-parallel attention active now (a no-op context when none is). Measured: torch
+    function modes are not active while autograd recomputes a checkpointed block, so without it the block's attention
+    is recomputed as one process's ``scaled_dot_product_attention`` on the local tokens, saves other tensors than the
+    forward did, and torch stops the backward (``CheckpointError``: recomputed values have different metadata)."""
+    if not _ACTIVE_MODES:
+        return nullcontext()
+    mode = _ACTIVE_MODES[-1]
+    return _reentered(mode.method, mode.group, mode.positions)
+
+
 class CPAttentionMode(TorchFunctionMode):
     """While active, ``F.scaled_dot_product_attention`` runs as context-parallel attention over ``group``.
 
@@ -624,9 +650,11 @@ class CPAttentionMode(TorchFunctionMode):
     def __enter__(self) -> CPAttentionMode:
         size = dist.get_world_size(self.group) if self.group is not None else 1
         sequence.push(sequence.SequenceShard(self.group, self.positions, size))
+        _ACTIVE_MODES.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
+        _ACTIVE_MODES.pop()
         sequence.pop()
         super().__exit__(*exc)
 

@@ -53,6 +53,7 @@ def _case(strategy: str, model: str, precision: str = "32-true", ac: str = "none
 
 _TP2 = dict(tp_size=2, dp_size=1)
 _PP2 = dict(pp_size=2, dp_size=1, num_microbatches=4)
+_CP2 = dict(cp_size=2, dp_size=1)
 _3D = dict(dp_size=2, tp_size=2, pp_size=2, num_microbatches=4)
 
 #: name: (registry name, model, precision, strategy options, tolerance)
@@ -74,6 +75,9 @@ WORLD2 = {
     **{f"ac-pp2-{s}-mlp-sgd-full": _case("pipeline", "mlp-sgd", ac="full", schedule=s, **_PP2) for s in SCHEDULES},
     "ac-pp2-1f1b-gpt-selective": _case("pipeline", "gpt", ac="selective", schedule="1f1b", **_PP2),
     "ac-pp2-zbv_zero_bubble-gpt-full": _case("pipeline", "gpt", ac="full", schedule="zbv_zero_bubble", **_PP2),
+    # cp: the recomputation attends over the cp ranks as the forward did
+    "ac-cp2-ring-gpt-full": _case("parallel_3d", "gpt", ac="full", **_CP2),
+    "ac-cp2-all_to_all-gpt-selective": _case("parallel_3d", "gpt", ac="selective", method="all_to_all", **_CP2),
     # bf16-mixed: every strategy
     **{f"bf16-{s}-{m}": _case(s, m, "bf16-mixed") for s in ("ddp_overlap", "zero1", "zero2", "zero3")
        for m in ("gpt", "mlp-sgd")},
