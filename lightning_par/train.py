@@ -11,7 +11,7 @@ When the processes are created by someone else (``torchrun``: ``RANK`` and ``WOR
 Hydra's submitit launcher: ``SLURM_PROCID`` and ``SLURM_NTASKS`` are set), the job runs :func:`train_worker` in place
 instead, so the same recipe runs on a cluster; each rank then watches its own progress (the heartbeat thread).
 
-Reliability (README "Reliability and resuming"): a non-finite loss or gradient stops the run before the optimizer step
+Reliability (docs/reliability.md): a non-finite loss or gradient stops the run before the optimizer step
 (or skips it, ``trainer.on_nonfinite=skip``); checkpoints every ``trainer.checkpoint_every_n_steps`` steps, the latest
 ``trainer.keep_last_k`` kept; ``ckpt_path`` null resumes from the latest complete checkpoint of the run directory
 (a restart or a requeue), with the data position restored; a rank that stops progressing for ``trainer.watchdog_s``
