@@ -20,9 +20,10 @@ train: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(ARGS)
 
-# The unit and configuration tests: no multi-process world, a few minutes at most.
+# The unit and configuration tests (tests/unit, tests/config) without the few end-to-end runs among them: no
+# multi-process world; under 3 minutes on an idle 2-core machine (README, "Set up and run").
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q tests/unit tests/config $(ARGS)
+	$(PY) -m pytest -q -m "not slow and not e2e and not distributed" tests/unit tests/config $(ARGS)
 
 # The matrix cells CI leaves out (marked `slow`).
 test-slow: $(VENV)/.installed
