@@ -1,4 +1,5 @@
-# Two entry points: `make train` (the main job on its embedded default) and `make test` (the test suite).
+# Two entry points: `make train` (the main job on its embedded default) and `make test` (the test suite); `make
+# test-fast` runs the unit and configuration tests only (no process group), `make docs` builds the docs site.
 # Each creates the virtual environment it needs on first use.
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,7 +11,7 @@ $(VENV)/.installed: pyproject.toml .ci/constraints.txt
 	$(PY) -m pip install -q -c .ci/constraints.txt -e '.[dev]' --config-settings editable_mode=compat
 	touch $@
 
-.PHONY: install train test test-slow benchmark
+.PHONY: install train test test-fast test-slow benchmark docs
 install: $(VENV)/.installed
 
 train: $(VENV)/.installed
@@ -19,9 +20,18 @@ train: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(ARGS)
 
+# The unit and configuration tests (tests/unit, tests/config) without the few end-to-end runs among them: no
+# multi-process world; under 3 minutes on an idle 2-core machine (README, "Set up and run").
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow and not e2e and not distributed" tests/unit tests/config $(ARGS)
+
 # The matrix cells CI leaves out (marked `slow`).
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow $(ARGS)
 
 benchmark: $(VENV)/.installed
 	$(PY) recipes/benchmark.py $(ARGS)
+
+# The documentation site (docs/ -> site/), strict: a broken link or anchor fails it (tests/unit/test_docs.py too).
+docs: $(VENV)/.installed
+	$(PY) -m mkdocs build --strict

@@ -3,7 +3,11 @@
 Importing the package registers its strategies with Lightning, so ``Trainer(strategy="ddp_overlap")`` works.
 """
 
-from lightning_par.parallel_dims import MESH_AXES, ParallelDims
+from lightning_par import quiet
+
+quiet.install()  # known third-party lines that say nothing to a user (lightning_par/quiet.py)
+
+from lightning_par.parallel_dims import MESH_AXES, ParallelDims  # noqa: E402
 from lightning_par.strategies import DDPOverlapStrategy, MeshStrategy, Parallel3DStrategy, PipelineStrategy, TensorParallelStrategy, ZeroStrategy, register_all
 
 __all__ = ["MESH_AXES", "DDPOverlapStrategy", "MeshStrategy", "Parallel3DStrategy", "ParallelDims", "PipelineStrategy", "TensorParallelStrategy", "ZeroStrategy"]

@@ -21,13 +21,16 @@ from lightning_par.parallel_dims import AXIS_OF_SIZE
 from lightning_par.pipeline_parallel.axis import PIPELINE_PARALLEL
 from lightning_par.tensor_parallel.axis import TENSOR_PARALLEL
 
-__all__ = ["AXES", "axis_of_group", "axis_of_size", "check_sizes"]
+__all__ = ["AXES", "EVERY_AXIS", "axis_of_group", "axis_of_size", "check_sizes"]
 
 #: Every registered parallelism.
 AXES: tuple[Axis, ...] = (
     PIPELINE_PARALLEL, DATA_PARALLEL, CONTEXT_PARALLEL, EXPERT_PARALLEL, TENSOR_PARALLEL,
     ACTIVATION_CHECKPOINTING_STEP, COMPILE,
 )
+
+#: Where every axis is: named in refusals of a size or option the chosen strategy lacks.
+EVERY_AXIS = "parallel_3d and MeshStrategy have every axis: " + ", ".join(a.name for a in AXES if a.size_fields)
 
 
 def axis_of_size(size_field: str) -> Axis | None:
@@ -69,5 +72,5 @@ def check_sizes(sizes: dict[str, Any], has_axis: Callable[[str], bool], prefix: 
         if not has_axis(axis.name):
             raise ValueError(
                 f"{prefix}{name}={value} is not valid for {label}, which has no {axis.name} axis: use "
-                f"{prefix}{name}=1 or a strategy that has it (parallel_3d has all three)."
+                f"{prefix}{name}=1 or a strategy that has it ({EVERY_AXIS})."
             )

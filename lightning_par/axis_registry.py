@@ -26,8 +26,11 @@ if TYPE_CHECKING:
 
     from lightning_par.data_parallel.engine import DataParallelEngine
     from lightning_par.parallel_dims import ParallelDims
-    from lightning_par.parallelize import ParallelOptions
     from lightning_par.steps import StepHooks
+
+# The registry sits below parallelize(): it never imports lightning_par.parallelize, not even for annotations, so the
+# options an axis reads are typed ``Any`` here (they are a ``lightning_par.parallelize.ParallelOptions``), and no import
+# circle runs through the registry (tests/unit/test_import_layers.py).
 
 __all__ = ["PHASES", "Axis", "Build", "Check", "PlannerTerms", "StateTransform"]
 
@@ -41,7 +44,7 @@ PHASES: dict[str, int] = {
 }
 
 #: ``check(module, network, dims, options)``: raise ``ValueError`` naming the field and value if the layout cannot run.
-Check = Callable[["nn.Module", "nn.Module", "ParallelDims", "ParallelOptions"], None]
+Check = Callable[["nn.Module", "nn.Module", "ParallelDims", Any], None]
 #: ``transform(model_state, optimizer_states)``: rewrite states in place into their one-process form (and the same
 #: function is used for the state a checkpoint is loaded into).
 StateTransform = Callable[[dict[str, Any], list[dict[str, Any]]], None]
@@ -99,7 +102,7 @@ class Build:
 
     module: nn.Module
     dims: ParallelDims
-    options: ParallelOptions
+    options: Any  # a lightning_par.parallelize.ParallelOptions
     device: torch.device
     training: bool = True
     step_context: Callable[[], AbstractContextManager[Any]] | None = None

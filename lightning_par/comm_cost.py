@@ -37,6 +37,7 @@ __all__ = [
     "ring_pass_bytes",
     "ring_steps",
     "send_bytes",
+    "zero_step_comm_bytes",
 ]
 
 
@@ -114,3 +115,29 @@ def megatron_layer_bytes(micro_batch_size: int, seq_len: int, hidden_size: int, 
     """
     count = 6 if recompute_forward else 4
     return count * all_reduce_bytes(micro_batch_size * seq_len * hidden_size * element_bytes, tp_size)
+
+
+def zero_step_comm_bytes(dp_mode: str, params: float, dp_size: int, param_bytes: int, grad_bytes: int,
+                         num_microbatches: int = 1) -> float:
+    """Bytes one rank sends per optimizer step on the dp axis, as lightning_par's dp modes run.
+
+    * ddp: all-reduce of the gradients, ``2 G Psi (d-1)/d`` (§7 of Rajbhandari et al. 2020: ``2 Psi``);
+    * zero1: the gradient all-reduce, then an all-gather of the updated parameter shards, ``(2 G + P) Psi (d-1)/d``
+      (lightning_par's stage 1 keeps torch DDP's all-reduce; the paper's stage 1 reduce-scatters, ``2 Psi``);
+    * zero2: reduce-scatter of the gradients plus all-gather of the parameters, ``(G + P) Psi (d-1)/d`` (``2 Psi``);
+    * zero3: per micro-batch, parameters all-gathered for forward and again for backward and gradients
+      reduce-scattered, ``m (2 P + G) Psi (d-1)/d`` (``3 Psi`` per micro-batch).
+
+    Raises:
+        ValueError: an unknown ``dp_mode``.
+    """
+    f = ring_fraction(dp_size)
+    volumes = {
+        "ddp": 2 * grad_bytes,
+        "zero1": 2 * grad_bytes + param_bytes,
+        "zero2": grad_bytes + param_bytes,
+        "zero3": num_microbatches * (2 * param_bytes + grad_bytes),
+    }
+    if dp_mode not in volumes:
+        raise ValueError(f"dp_mode={dp_mode!r} is not valid: expected one of {sorted(volumes)}.")
+    return volumes[dp_mode] * params * f

@@ -20,8 +20,6 @@ from lightning_par.aux_loss import set_aux_loss_scale
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from lightning_par.parallelize import ParallelModel
-
 __all__ = ["StepHooks"]
 
 
@@ -32,7 +30,7 @@ class StepHooks:
         parallel: the parallel model the steps run.
     """
 
-    def __init__(self, parallel: ParallelModel) -> None:
+    def __init__(self, parallel: Any) -> None:  # a lightning_par.parallelize.ParallelModel (not imported: below it)
         self.parallel = parallel
 
     def training_step(self, host: Any, call: Callable[[Any], Any], batch: Any, batch_idx: int) -> Any:

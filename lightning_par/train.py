@@ -11,7 +11,7 @@ When the processes are created by someone else (``torchrun``: ``RANK`` and ``WOR
 Hydra's submitit launcher: ``SLURM_PROCID`` and ``SLURM_NTASKS`` are set), the job runs :func:`train_worker` in place
 instead, so the same recipe runs on a cluster; each rank then watches its own progress (the heartbeat thread).
 
-Reliability (README "Reliability and resuming"): a non-finite loss or gradient stops the run before the optimizer step
+Reliability (docs/reliability.md): a non-finite loss or gradient stops the run before the optimizer step
 (or skips it, ``trainer.on_nonfinite=skip``); checkpoints every ``trainer.checkpoint_every_n_steps`` steps, the latest
 ``trainer.keep_last_k`` kept; ``ckpt_path`` null resumes from the latest complete checkpoint of the run directory
 (a restart or a requeue), with the data position restored; a rank that stops progressing for ``trainer.watchdog_s``
@@ -112,6 +112,7 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
     from lightning.pytorch.callbacks import LearningRateMonitor
 
     from lightning_par.callbacks import LRScalingCallback, ParallelMetricsCallback, RunSummaryCallback, TimelineCallback
+    from lightning_par.callbacks.progress import default_progress_bar
     from lightning_par.compat import disable_lightning_signal_handlers
     from lightning_par.fault.heartbeat import HeartbeatCallback
     from lightning_par.fault.no_progress import ProgressGuard
@@ -166,6 +167,8 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
         callbacks.append(preemption)
     # First, so that a run that trained no step fails before the summary is written.
     callbacks.insert(0, ProgressGuard())
+    if trainer_kwargs.get("enable_progress_bar", True) is not False and (bar := default_progress_bar()) is not None:
+        callbacks.append(bar)  # "Epoch 0", not Lightning's "Epoch 0/-2" for a run bounded by max_steps
     trainer = L.Trainer(
         **trainer_kwargs,
         strategy=strategy,
@@ -412,7 +415,12 @@ def launch_job(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any] | None:
     if _external_world_size() is not None:
         # A worker of torchrun/SLURM: it ends when its launcher dies (lightning_par.fault.orphan), from here on.
         guard_outside_launcher(clean_stop=bool(cfg.trainer.get("preemption_signal")))
-    plan = preflight(cfg, run_dir)
+    try:
+        plan = preflight(cfg, run_dir)
+    except ValueError as err:
+        if _raised_here(err):  # a refusal of a field, not the user's own code failing while it was checked
+            err.lightning_par_refusal = True  # type: ignore[attr-defined]
+        raise
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     ckpt = str(plan.ckpt_path) if plan.ckpt_path is not None else None
     if ckpt is not None:
@@ -427,6 +435,18 @@ def launch_job(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any] | None:
         return _launch_world(cfg, plan, cfg_dict, run_dir, ckpt)
     except Preempted as preempted:
         raise _with_resumability(preempted, run_dir) from None
+
+
+def _raised_here(err: BaseException) -> bool:
+    """Whether ``err`` was raised by lightning_par's own code (the innermost frame of its traceback lies in the package),
+    i.e. it is one of the recipe's refusals rather than an error of the user's model or data raised while checking."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    package = Path(__file__).resolve().parent
+    return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(package)
 
 
 def _launch_world(cfg: DictConfig, plan: Plan, cfg_dict: Any, run_dir: Path, ckpt: str | None) -> dict[str, Any] | None:
@@ -472,6 +492,17 @@ def run_recipe(cfg: DictConfig) -> float | None:
         sys.stderr.write(f"lightning_par: {preempted}\n")  # one write: ranks share the stream under torchrun
         sys.stderr.flush()
         raise
+    except ValueError as err:
+        # A refusal before any process started (a field, its value and what is valid): the message alone and exit
+        # status 1, with no traceback above it. In a multirun, Hydra reports each job's failure after the sweep
+        # (a SystemExit here would stop the other jobs), so there the error is raised as it is.
+        from hydra.types import RunMode
+
+        if not getattr(err, "lightning_par_refusal", False) or HydraConfig.get().mode != RunMode.RUN:
+            raise
+        sys.stderr.write(f"Error: {err}\n")
+        sys.stderr.flush()
+        raise SystemExit(1) from None
     if summary is None:
         return None
     print(json.dumps({k: summary.get(k) for k in _PRINTED}, indent=2))

@@ -131,6 +131,21 @@ def _peak_line(run: dict[str, Any], device: str, devices_per_node: int) -> str:
             f"GiB); fits: {pred['fits']}")
 
 
+#: Config keys whose override on the command line gives the plan a layout of its own (``parallel.world_size`` alone is
+#: the device count, not a layout).
+_LAYOUT_KEYS = ("parallel", "strategy")
+
+
+def _layout_given(overrides: list[str]) -> bool:
+    """Whether the command line chose a layout (``parallel=tp2``, ``parallel.tp_size=4``, ``strategy=zero3``,
+    ``strategy.dp_mode=zero1``, ...), whose predicted peak memory the plan then prints above the ranking."""
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key.split(".")[0] in _LAYOUT_KEYS and key != "parallel.world_size":
+            return True
+    return False
+
+
 def _global_batch(cfg: DictConfig) -> int:
     par = cfg.parallel
     split = math.prod(int(par.get(size, 1)) for size in WORLD_SIZE_FIELDS if size != "dp_size")  # tp, pp, cp
@@ -145,7 +160,11 @@ def main(cfg: DictConfig) -> None:
     if DRY_RUN:
         print(dry_run_report(cfg, DRY_RUN_RANK))
         return
-    gpt = model_from_run(run)
+    try:
+        gpt = model_from_run(run)
+    except ValueError as err:  # a model the planner cannot read from the config: the message alone, status 1
+        sys.stderr.write(f"Error: {err}\n")
+        raise SystemExit(1) from None
     num_devices = p.num_devices or cfg.parallel.world_size
     batch = p.global_batch_size or _global_batch(cfg)
     predictions = plan(
@@ -164,7 +183,8 @@ def main(cfg: DictConfig) -> None:
         f"sequences of {spec.seq_len} tokens; {len(predictions)} layouts, {fits} fit"
     )
     print(header)
-    print(_peak_line(run, p.device, p.devices_per_node))
+    if _layout_given(list(HydraConfig.get().overrides.task)):
+        print(_peak_line(run, p.device, p.devices_per_node))
     print(format_table(predictions, top=p.top))
     (out / "plan.md").write_text(f"# Plan\n\n{header}\n\n" + to_markdown(predictions))
     to_csv(predictions, out / "plan.csv")

@@ -16,7 +16,7 @@ batches, fp32), ``refused: <message>`` (a ``ValueError`` raised before the first
 differs, or crashed after start). The optimizers alternate over the cells: SGD with momentum, AdamW.
 
 All architectures of one layout run in ONE launch of 2 ranks (:func:`run_layout`); the one-process references are
-computed in the parent (:func:`reference`). ``python -m tests.hf_matrix_helpers --markdown`` prints the table.
+computed in the parent (:func:`reference`). ``python -m tests.hf_matrix_helpers --markdown`` prints the table; ``--docs`` writes it into docs/huggingface.md.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -579,8 +580,20 @@ def markdown(rows: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+#: The docs page holding the table, between these markers (``--docs``).
+DOCS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "huggingface.md"
+_BEGIN, _END = "<!-- hf-matrix:begin -->", "<!-- hf-matrix:end -->"
+
+
+def write_docs(table: str, path: Path = DOCS_PAGE) -> None:
+    """Put ``table`` (:func:`markdown`) between the markers of the docs page."""
+    text = path.read_text()
+    head, tail = text[: text.index(_BEGIN) + len(_BEGIN)], text[text.index(_END) :]
+    path.write_text(f"{head}\n{table}\n{tail}")
+
+
 def main(argv: list[str] | None = None) -> None:
-    """``python -m tests.hf_matrix_helpers [--markdown] [--json PATH] [--layouts zero3,tp2] [--probes PATH]
+    """``python -m tests.hf_matrix_helpers [--markdown] [--docs] [--json PATH] [--layouts zero3,tp2] [--probes PATH]
     [--merge A.json B.json ...] [MODEL_TYPE ...]``."""
     import argparse
     import json
@@ -591,6 +604,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("model_types", nargs="*", help="model types (default: the whole registry)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    parser.add_argument("--docs", action="store_true", help="write the table into docs/huggingface.md")
     parser.add_argument("--json", help="write the rows as JSON here")
     parser.add_argument("--probes", help="a JSON file caching each architecture's build (read if present)")
     parser.add_argument("--merge", nargs="+", help="JSON files of earlier runs to merge into one table (runs nothing)")
@@ -615,6 +629,8 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(rows, f, indent=1)
     if args.markdown:
         print(markdown(rows))
+    if args.docs:
+        write_docs(markdown(rows))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ anything is loaded: a file missing, of another size, or with another checksum na
 file, so a resume can skip it and take the newest intact one (:func:`lightning_par.fault.resume.latest_checkpoint`).
 
 CRC-32 detects truncation, emptied files and random corruption; it is not a defence against deliberate tampering
-(that would need a cryptographic hash, several times slower: see the README's checkpoint figures).
+(that would need a cryptographic hash, several times slower: see the checkpoint figures in docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -278,7 +278,7 @@ class CustomModelConfig:
 
     Open: every key added with ``+model.KEY=VALUE`` is passed to ``_target_`` as a keyword argument (nested entries
     with their own ``_target_`` are instantiated too). The module brings its tensor-parallel plan and pipeline split
-    through the model contract (``tp_plan()``, ``pipeline_layers()``; README "Bring your own model").
+    through the model contract (``tp_plan()``, ``pipeline_layers()``; docs/your-model.md).
     """
 
     _target_: str = MISSING

@@ -8,7 +8,7 @@ from torch import nn
 
 from lightning_par.axis_registry import Axis, Build
 from lightning_par.data_parallel.buffers import prepare_sync_batchnorm
-from lightning_par.data_parallel.engine import apply_data_parallel
+from lightning_par.data_parallel.apply import apply_data_parallel
 from lightning_par.data_parallel.meshes import DataParallelMeshes
 from lightning_par.data_parallel.planner import DATA_PARALLEL_TERMS
 from lightning_par.data_parallel.token_mean import dp_token_mean_step

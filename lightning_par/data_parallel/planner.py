@@ -16,9 +16,10 @@ import math
 from typing import Any
 
 from lightning_par.axis_registry import PlannerTerms
-from lightning_par.comm_cost import all_reduce_bytes, collective_time, ring_steps
+from lightning_par.comm_cost import all_reduce_bytes, collective_time, ring_steps, zero_step_comm_bytes
 from lightning_par.data_parallel.options import DP_MODES
 from lightning_par.parallel_dims import DERIVED_MESHES, SIZE_FIELDS
+from lightning_par.planner.state import model_state_bytes, rank_param_groups
 
 __all__ = ["DATA_PARALLEL_TERMS", "canonical", "check", "state_bytes", "step_comm_s"]
 
@@ -50,8 +51,6 @@ def canonical(layout: Any) -> bool:
 def _group_time(ctx: Any, params: float, shard: int, replicas: int) -> float:
     """Seconds of one optimizer step's dp collectives for ``params`` sharded over ``shard`` ranks (the ZeRO modes)
     with ``replicas`` HSDP replicas; ``ddp`` all-reduces over ``shard * replicas`` ranks."""
-    from lightning_par.planner.comm import zero_step_comm_bytes
-
     lay, prec = ctx.layout, ctx.precision
     m, mode = lay.num_microbatches, lay.dp_mode
     n = shard * replicas if mode == "ddp" else shard
@@ -82,13 +81,11 @@ def _group_time(ctx: Any, params: float, shard: int, replicas: int) -> float:
 
 
 def step_comm_s(ctx: Any, window_s: float) -> float:
-    """Exposed seconds of one optimizer step's dp collectives (:func:`~lightning_par.planner.comm.
+    """Exposed seconds of one optimizer step's dp collectives (:func:`~lightning_par.comm_cost.
     zero_step_comm_bytes` per group, the HSDP all-reduce of each shard over the replicas), for the dense parameters
     over ``dp_shard_cp`` (``dp_cp`` for ddp) and the experts over ``edp_shard`` (``edp``) — the experts' groups are
     taken at the dense groups' link, a subset of their ranks. ``device.comm_overlap`` of the part that fits in
     ``window_s`` (the compute it overlaps) is hidden."""
-    from lightning_par.planner.memory import rank_param_groups
-
     lay, dims = ctx.layout, ctx.dims
     first, last = (rank_param_groups(ctx.model, lay, r) for r in (0, lay.pp_size - 1))
     dense, experts = max(first, last, key=sum)
@@ -100,10 +97,8 @@ def step_comm_s(ctx: Any, window_s: float) -> float:
 
 def state_bytes(ctx: Any, pp_rank: int) -> float:
     """Bytes of the dense parameters' state on a rank of pipeline rank ``pp_rank``: the ZeRO formula
-    (:func:`~lightning_par.planner.memory.model_state_bytes`) with ``N`` the runtime's ``dp_shard_cp`` mesh (HSDP's
+    (:func:`~lightning_par.planner.state.model_state_bytes`) with ``N`` the runtime's ``dp_shard_cp`` mesh (HSDP's
     replicas each hold a whole sharded copy; ddp a whole copy on every rank)."""
-    from lightning_par.planner.memory import model_state_bytes, rank_param_groups
-
     dense = rank_param_groups(ctx.model, ctx.layout, pp_rank)[0]
     return model_state_bytes(dense, ctx.layout.dp_mode, ctx.dims.size("dp_shard_cp"), ctx.precision)
 

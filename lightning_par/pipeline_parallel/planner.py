@@ -5,6 +5,7 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from lightning_par.axis_registry import PlannerTerms
@@ -61,7 +62,7 @@ def check(layout: Any, model: Any) -> None:
         )
 
 
-def pp_message_time(message_bytes: float, layout: Any, device: Any, devices_per_node: int,
+def pp_message_time(message_bytes: float, layout: Any, link: Callable[..., tuple[float, float]],
                     scatter_gather: bool = False) -> float:
     """Seconds of one pipeline send between neighbouring stages (one micro-batch's activation or its gradient).
 
@@ -77,23 +78,20 @@ def pp_message_time(message_bytes: float, layout: Any, device: Any, devices_per_
 
     Args:
         message_bytes: ``b s h`` elements times the activation element size.
-        layout: the layout (``tp_size``, ``sequence_parallel``, the mesh for the link).
-        device: the device spec.
-        devices_per_node: devices per node.
+        layout: the layout (``tp_size``, ``sequence_parallel``).
+        link: ``link(axis, op=, payload_bytes=) -> (bytes/s, seconds per message)`` of a group of ``axis``
+            (``PlanContext.link``; :func:`lightning_par.planner.comm.pp_message_time` binds a device to it).
         scatter_gather: see above.
 
     Returns:
         Seconds.
     """
-    from lightning_par.planner.comm import group_link
-
     t = layout.tp_size
-    bw, lat = group_link(device, layout, "pp", devices_per_node, op="p2p")
+    bw, lat = link("pp", op="p2p")
     if layout.sequence_parallel:
         return collective_time(message_bytes / t, bw, lat, 1, ring_steps("p2p", 2))
     if scatter_gather and t > 1:
-        tp_bw, tp_lat = group_link(device, layout, "tp", devices_per_node, op="all_gather",
-                                   payload_bytes=message_bytes)
+        tp_bw, tp_lat = link("tp", op="all_gather", payload_bytes=message_bytes)
         gather = collective_time(all_gather_bytes(message_bytes, t), tp_bw, tp_lat, 1, ring_steps("all_gather", t))
         return collective_time(message_bytes / t, bw, lat, 1, ring_steps("p2p", 2)) + gather
     return collective_time(message_bytes, bw, lat, 1, ring_steps("p2p", 2))
@@ -106,8 +104,7 @@ def slot_comm_s(ctx: Any) -> float:
     if lay.pp_size == 1:
         return 0.0
     message = ctx.tokens * ctx.model.hidden_size * ctx.element_bytes
-    return 2 * lay.virtual_stages * pp_message_time(message, lay, ctx.device, ctx.devices_per_node,
-                                                    ctx.pp_scatter_gather)
+    return 2 * lay.virtual_stages * pp_message_time(message, lay, ctx.link, ctx.pp_scatter_gather)
 
 
 #: The pp axis's terms (declared on its registry entry).

@@ -31,6 +31,8 @@ from lightning_par.comm_cost import all_gather_bytes as allgather_bytes
 from lightning_par.comm_cost import all_reduce_bytes as allreduce_bytes
 from lightning_par.comm_cost import collective_time, reduce_scatter_bytes, ring_fraction, ring_steps
 from lightning_par.comm_cost import megatron_layer_bytes as tp_layer_comm_bytes
+from lightning_par.comm_cost import zero_step_comm_bytes
+from lightning_par.pipeline_parallel.planner import pp_message_time as pipeline_message_time
 from lightning_par.planner.calibration import calibration_for
 from lightning_par.planner.devices import DeviceSpec
 from lightning_par.planner.layouts import Layout, planner_terms
@@ -41,37 +43,12 @@ __all__ = [
     "collective_time",
     "group_link",
     "group_ranks_per_node",
+    "pp_message_time",
     "reduce_scatter_bytes",
     "ring_steps",
     "tp_layer_comm_bytes",
     "zero_step_comm_bytes",
 ]
-
-
-def zero_step_comm_bytes(dp_mode: str, params: float, dp_size: int, param_bytes: int, grad_bytes: int,
-                         num_microbatches: int = 1) -> float:
-    """Bytes one rank sends per optimizer step on the dp axis, as lightning_par's dp modes run.
-
-    * ddp: all-reduce of the gradients, ``2 G Psi (d-1)/d`` (§7 of Rajbhandari et al. 2020: ``2 Psi``);
-    * zero1: the gradient all-reduce, then an all-gather of the updated parameter shards, ``(2 G + P) Psi (d-1)/d``
-      (lightning_par's stage 1 keeps torch DDP's all-reduce; the paper's stage 1 reduce-scatters, ``2 Psi``);
-    * zero2: reduce-scatter of the gradients plus all-gather of the parameters, ``(G + P) Psi (d-1)/d`` (``2 Psi``);
-    * zero3: per micro-batch, parameters all-gathered for forward and again for backward and gradients
-      reduce-scattered, ``m (2 P + G) Psi (d-1)/d`` (``3 Psi`` per micro-batch).
-
-    Raises:
-        ValueError: an unknown ``dp_mode``.
-    """
-    f = ring_fraction(dp_size)
-    volumes = {
-        "ddp": 2 * grad_bytes,
-        "zero1": 2 * grad_bytes + param_bytes,
-        "zero2": grad_bytes + param_bytes,
-        "zero3": num_microbatches * (2 * param_bytes + grad_bytes),
-    }
-    if dp_mode not in volumes:
-        raise ValueError(f"dp_mode={dp_mode!r} is not valid: expected one of {sorted(volumes)}.")
-    return volumes[dp_mode] * params * f
 
 
 def _point_to_point(layout: Layout, axis: str) -> bool:
@@ -158,3 +135,13 @@ def group_link(device: DeviceSpec, layout: Layout, axis: str, devices_per_node: 
     adapters = group_ranks_per_node(layout, axis, devices_per_node)
     bandwidth = min(adapters * inter_bw, intra_bw)  # rings also cross NVLink
     return bandwidth, inter_lat
+
+
+def pp_message_time(message_bytes: float, layout: Layout, device: DeviceSpec, devices_per_node: int,
+                    scatter_gather: bool = False) -> float:
+    """Seconds of one pipeline send between neighbouring stages on ``device``
+    (:func:`lightning_par.pipeline_parallel.planner.pp_message_time` over :func:`group_link`)."""
+    def link(axis: str, op: str | None = None, payload_bytes: float | None = None) -> tuple[float, float]:
+        return group_link(device, layout, axis, devices_per_node, op=op, payload_bytes=payload_bytes)
+
+    return pipeline_message_time(message_bytes, layout, link, scatter_gather)

@@ -48,9 +48,12 @@ def model_from_run(cfg: Mapping[str, Any]) -> Any:
     """
     model = cfg.get("model") or {}
     if "preset" not in model:
+        target = model.get("_target_")
         raise ValueError(
-            f"model={dict(model)!r} is not valid for predict_run: expected the reference GPT's config (model.preset "
-            f"and overrides); plan a user's model with lightning_par.planner.plan(model=ModelSpec(...))."
+            f"model.preset is missing: the planner reads the reference GPT's config (model.preset and its overrides) "
+            f"and this model is {'model._target_=' + repr(target) if target else 'not one'}; plan any other model "
+            f"with lightning_par.planner.plan(model=ModelSpec(num_params=..., num_layers=..., hidden_size=..., "
+            f"num_heads=..., seq_len=..., vocab_size=...)) (docs/planner.md)."
         )
     from lightning_par.models.gpt import GPTConfig
 

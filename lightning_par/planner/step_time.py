@@ -60,8 +60,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_par.pipeline_parallel.planner import pp_message_time
 from lightning_par.planner.calibration import layer_matmul_rates
+from lightning_par.planner.comm import pp_message_time
 from lightning_par.planner.context import PlanContext
 from lightning_par.planner.devices import DeviceSpec
 from lightning_par.planner.elementwise import elementwise_bytes_per_layer

@@ -41,7 +41,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_par.axes import axis_of_group, check_sizes
+from lightning_par.axes import EVERY_AXIS, axis_of_group, check_sizes
 from lightning_par.checkpoint.strategy_io import ShardedCheckpointIO
 from lightning_par.callbacks.metrics import log_comm_stats
 from lightning_par.callbacks.model_summary import install as install_model_summary
@@ -161,7 +161,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
             if axis is not None and not self.has_axis(axis.name):
                 raise ValueError(
                     f"{key} is an option of the {axis.name} axis, which {type(self).__name__} does not have: "
-                    f"remove it, or use a strategy with that axis (parallel_3d has all three)."
+                    f"remove it, or use a strategy with that axis ({EVERY_AXIS})."
                 )
         self.options = ParallelOptions.build(dp_mode, module_attr, activation_checkpointing, **options)
         self.options.check_layout(pp_size)

@@ -11,7 +11,8 @@ from lightning_par.axis_registry import Axis, Build
 from lightning_par.memory import model_state_bytes
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.tensor_parallel.apply import apply_tensor_parallel, reduce_partial_grads
-from lightning_par.tensor_parallel.plan import uses_vocab_parallel_loss, validate_plan
+from lightning_par.tensor_parallel.local_heads import local_heads_hint, split_modules
+from lightning_par.tensor_parallel.plan import expand_plan, uses_vocab_parallel_loss, validate_plan
 from lightning_par.tensor_parallel.planner import TENSOR_PARALLEL_TERMS
 from lightning_par.tensor_parallel.state_dict import padded_parameters, unpad_vocab_state
 from lightning_par.tensor_parallel.styles import sync_tp_partial_grads
@@ -50,6 +51,9 @@ def _split(build: Build) -> None:
     )
     if uses_vocab_parallel_loss(build.plan):
         build.loss_context = vocab_parallel_loss
+    # A shape error from a split module (a reshape by the model's whole head count) names the local heads.
+    split = split_modules(network, expand_plan(network, build.plan, skip_absent=pipelined))
+    build.step_contexts.append(lambda: local_heads_hint(split, dims.tp_size))
     if pipelined:  # partial gradients of a user's DTensor SequenceParallel: once after the schedule
         build.after_schedule.append(lambda: reduce_partial_grads(network))
     tp_group = dims.group("tp")

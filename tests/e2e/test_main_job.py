@@ -24,6 +24,9 @@ def test_make_train_runs_and_writes_summary(tmp_path):
     args = f"model=tiny data=synthetic trainer=smoke profile=true lr_scaling.rule=linear hydra.run.dir={run_dir}"
     proc = subprocess.run(["make", "-s", "train", f"ARGS={args}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    printed = proc.stdout + proc.stderr  # quiet by default: no third-party deprecation line, tip or "Epoch 0/-2"
+    for noise in ("LeafSpec", "litlogger", "/-2", "Warning"):
+        assert noise not in printed, (noise, printed[-3000:])
     summary = json.loads((run_dir / "summary.json").read_text())
     for field in FIELDS:
         assert summary.get(field) is not None, field
@@ -50,6 +53,18 @@ def test_bad_layout_fails_fast_with_the_field_named(tmp_path):
     proc = subprocess.run(["make", "-s", "train", f"ARGS={args}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "does not equal world_size=3" in proc.stderr + proc.stdout
+
+
+@pytest.mark.e2e
+def test_a_bad_override_prints_one_message_and_no_traceback(tmp_path):
+    """A refusal of a field before any process starts: the message alone, exit status 1."""
+    args = f"trainer.max_steps=-1 hydra.run.dir={tmp_path}"
+    proc = subprocess.run(["make", "-s", "train", f"ARGS={args}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not line.startswith("make")]
+    assert lines == ["Error: trainer.max_steps=-1 is not valid: expected an integer >= 1 (-1, Lightning's \"no limit\", "
+                     "would never finish)."], proc.stderr
+    assert proc.returncode != 0  # 1 from the recipe (make reports it as its own status 2)
 
 
 def _smoke_run(tmp_path, overrides: str, model: str = "tiny") -> dict:

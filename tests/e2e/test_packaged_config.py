@@ -44,9 +44,13 @@ def _build_wheel(tmp_path: Path) -> Path:
         else:
             shutil.copy(path, src / name)
     isolation = ["--no-build-isolation"] if _can_build_here() else []  # else pip fetches setuptools for the build
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", str(tmp_path / "dist"), str(src)],
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", *isolation, "-w", str(tmp_path / "dist"), str(src)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, tail(proc)
+    # Quiet packaging: setuptools warns about neither the license's form nor undeclared package data.
+    warned = [line for line in (proc.stdout + proc.stderr).splitlines()
+              if "Warning" in line or "is absent from the `packages`" in line]
+    assert not warned, warned
     return next((tmp_path / "dist").glob("lightning_par-*.whl"))
 
 
@@ -57,6 +61,7 @@ def test_wheel_ships_conf_and_plugins_and_trains_from_another_directory(tmp_path
     for yaml in ROOT.glob("conf/**/*.yaml"):
         assert f"lightning_par/conf/{yaml.relative_to(ROOT / 'conf').as_posix()}" in names, yaml
     assert "hydra_plugins/lightning_par_hydra/launcher.py" in names
+    assert "lightning_par/planner/data/calibration.json" in names  # the planner's published measurements
     assert not any(n.startswith("hydra_plugins/__init__") for n in names)  # a namespace package
     site = tmp_path / "site"
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],

@@ -205,3 +205,11 @@ def test_the_fit_check_names_a_model_it_cannot_read():
     with pytest.raises(ValueError, match=r"planner.device='h100-80gb': the fit check cannot read this model .* Set "
                                          r"planner.device=null to start without the check"):
         check_fit(run, "h100-80gb")
+
+
+def test_the_given_layout_line_only_for_a_layout_on_the_command_line():
+    recipe = _plan_recipe()
+    assert not recipe._layout_given(["model=gpt2", "parallel.world_size=64", "planner.device=h100-80gb"])
+    for given in ("parallel=tp2_dp4", "parallel.tp_size=4", "strategy=zero3", "strategy.dp_mode=zero1",
+                  "+strategy.pipeline.schedule=1f1b"):
+        assert recipe._layout_given(["model=gpt2", given]), given

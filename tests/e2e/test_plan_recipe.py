@@ -26,3 +26,15 @@ def test_plan_recipe_writes_the_table_and_a_ready_multirun(tmp_path):
     recipes = sorted((out / "layouts" / "recipe").glob("plan_*.yaml"))
     assert [p.stem for p in recipes] == ["plan_1", "plan_2"]
     assert f"recipes/train.py -m --config-dir {out / 'layouts'} +recipe=plan_1,plan_2 model=small" in proc.stdout
+    assert "given layout" not in proc.stdout  # no layout on the command line: conf/plan.yaml's defaults are not one
+
+
+@pytest.mark.e2e
+def test_plan_recipe_refuses_a_model_it_cannot_read_with_one_message(tmp_path):
+    """A Hugging Face model: the field named (model.preset), not the config dict, and no traceback; status 1."""
+    cmd = [sys.executable, "recipes/plan.py", "model=hf", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "base_config" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "Error: model.preset is missing: the planner reads the reference GPT's config"), proc.stderr

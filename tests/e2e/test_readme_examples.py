@@ -1,5 +1,6 @@
-"""The README's "Bring your own model" examples, run as a user runs them (a script; Lightning's own launcher starts the
-other processes), and the errors its table quotes, raised before any process starts."""
+"""The examples of docs/your-model.md ("Four examples") and the README's quick start, run as a user runs them (a
+script; Lightning's own launcher starts the other processes), and the errors the page's table quotes, raised before any
+process starts."""
 
 from __future__ import annotations
 
@@ -13,14 +14,21 @@ import torch
 
 from lightning_par.parallel_dims import ParallelDims
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "your-model.md"
+
+
+def _section(path: Path, heading: str) -> str:
+    """The text under ``heading`` (a ``## `` line) up to the next ``## `` heading."""
+    text = path.read_text()
+    section = text[text.index(f"\n{heading}\n") + 1 :]
+    end = section.find("\n## ", 5)
+    return section if end < 0 else section[:end]
 
 
 def _blocks() -> list[str]:
-    text = README.read_text()
-    section = text[text.index("## Bring your own model") :]
-    section = section[: section.index("\n## ", 5)]
-    return re.findall(r"```python\n(.*?)```", section, re.S)
+    return re.findall(r"```python\n(.*?)```", _section(PAGE, "## Four examples"), re.S)
 
 
 MODEL, *USES = _blocks()
@@ -28,7 +36,7 @@ MODEL, *USES = _blocks()
 
 def _namespace() -> dict:
     namespace: dict = {"__name__": "readme_model"}
-    exec(compile(MODEL, "README model", "exec"), namespace)  # noqa: S102 - the README's own code
+    exec(compile(MODEL, "docs model", "exec"), namespace)  # noqa: S102 - the page's own code
     return namespace
 
 
@@ -41,7 +49,7 @@ def _untrained_val_loss() -> float:
         return float(module.loss_fn(module.model(x), y))
 
 
-def test_the_readme_has_the_four_examples():
+def test_the_page_has_the_four_examples():
     assert len(USES) == 4
     assert ['"zero3"', '"tensor_parallel"', "PipelineStrategy", "Parallel3DStrategy"] == [
         next(k for k in ('"zero3"', '"tensor_parallel"', "PipelineStrategy", "Parallel3DStrategy") if k in use)
@@ -51,7 +59,7 @@ def test_the_readme_has_the_four_examples():
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("index", range(4), ids=["zero3", "tensor_parallel", "1f1b", "parallel_3d"])
-def test_readme_example_trains(index, tmp_path):
+def test_page_example_trains(index, tmp_path):
     script = tmp_path / "example.py"
     script.write_text(MODEL + "\n\n" + USES[index])
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -67,7 +75,7 @@ def _message(strategy, module, dims: ParallelDims) -> str:
     return str(info.value)
 
 
-def test_the_errors_the_readme_quotes():
+def test_the_errors_the_page_quotes():
     from torch import nn
 
     from lightning_par import DDPOverlapStrategy, PipelineStrategy, TensorParallelStrategy
@@ -89,9 +97,27 @@ def test_the_errors_the_readme_quotes():
     no_experts = _message(DDPOverlapStrategy(ep_size=2), dense, ParallelDims(ep_size=2, world_size=2))
     six = GPTLightningModule(GPTConfig.from_preset("moe_tiny", num_experts=6))
     uneven = _message(DDPOverlapStrategy(ep_size=4), six, ParallelDims(ep_size=4, world_size=4))
-    section = README.read_text().split("## Bring your own model")[1]
+    section = _section(PAGE, "## What your module provides")
     quoted = re.findall(r"`ValueError: ([^`]*?)\.\.\.`", section)
     assert len(quoted) == 7
     for message, quote in zip((cp, no_experts, uneven, tp, pp, full, selective), quoted):
         assert message.startswith(quote), (quote, message)
     assert "training_step does not compute the loss" in pp
+
+
+@pytest.mark.e2e
+def test_readme_quick_start_trains(tmp_path):
+    """The README's "Quick start: your Trainer" script, as a user runs it: zero3 on 2 processes, loss going down."""
+    section = _section(README, "## Quick start: your Trainer")
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert 'strategy="zero3"' in code and "devices=2" in code
+    code = code.replace("    trainer.fit(Regressor(), data)\n", "    module = Regressor()\n    trainer.fit(module, data)\n"
+                        "    if trainer.global_rank == 0:\n"
+                        "        print('train_loss', float(trainer.callback_metrics['train_loss']))\n")
+    script = tmp_path / "quickstart.py"
+    script.write_text(code)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    loss = float(next(ln for ln in proc.stdout.splitlines() if ln.startswith("train_loss")).split()[1])
+    x = torch.randn(512, 8, generator=torch.Generator().manual_seed(0))
+    assert loss < 0.1 * float(x.sum(1).pow(2).mean())  # the untrained scale of the targets: sum of 8 unit normals

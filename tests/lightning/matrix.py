@@ -17,7 +17,7 @@ cell at one process's numbers or refused before training starts.
   today, issue 32, strict so that a fix flips it).
 
 All features of one column run in ONE process-group launch (:func:`column_worker`, several Trainers in sequence).
-``python -m tests.lightning.matrix --markdown`` prints the table (the README's "Lightning features").
+``python -m tests.lightning.matrix --markdown`` prints the table (docs/lightning-features.md); ``--docs`` writes it there.
 """
 
 from __future__ import annotations
@@ -821,17 +821,17 @@ def markdown() -> str:
     return "\n".join(rows)
 
 
-README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+PAGE = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "lightning-features.md")
 _BEGIN, _END = "<!-- lightning-matrix:begin -->", "<!-- lightning-matrix:end -->"
 
 
-def readme_table(text: str) -> str:
-    """The table between the README's markers."""
+def page_table(text: str) -> str:
+    """The table between the page's markers."""
     return text[text.index(_BEGIN) + len(_BEGIN):text.index(_END)].strip()
 
 
-def write_readme(path: str = README) -> None:
-    """Put :func:`markdown` between the README's markers."""
+def write_page(path: str = PAGE) -> None:
+    """Put :func:`markdown` between the markers of the docs page (docs/lightning-features.md)."""
     with open(path) as f:
         text = f.read()
     head, tail = text[:text.index(_BEGIN) + len(_BEGIN)], text[text.index(_END):]
@@ -842,7 +842,8 @@ def write_readme(path: str = README) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--markdown", action="store_true", help="print the declared table (what the tests assert)")
-    parser.add_argument("--readme", action="store_true", help="write the declared table into README.md")
+    parser.add_argument("--docs", "--readme", dest="docs", action="store_true",
+                        help="write the declared table into docs/lightning-features.md")
     parser.add_argument("--run", nargs="*", metavar="COLUMN", help="run these columns (all if none) and print each "
                         "cell's observed status against one process")
     parser.add_argument("--features", nargs="*", help="only these features (with --run)")
@@ -861,8 +862,8 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"{f:28s} {c.name:16s} {judge(f, c.name, runs, refs[c.model])}", flush=True)
     if args.markdown:
         print(markdown())
-    if args.readme:
-        write_readme()
+    if args.docs:
+        write_page()
 
 
 if __name__ == "__main__":

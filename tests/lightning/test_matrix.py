@@ -23,14 +23,14 @@ from tests.lightning.matrix import (
     FEATURES,
     KNOWN_FAILURES,
     REFERENCE,
-    README,
+    PAGE,
     ci_cells,
     check_refusal,
     compare,
     expected,
     markdown,
+    page_table,
     rank_outcome,
-    readme_table,
     run_column,
 )
 
@@ -116,8 +116,8 @@ def test_columns_are_the_registry() -> None:
     assert ours == {c.name for c in COLUMNS if not c.builtin and c.name == c.strategy}
 
 
-def test_readme_shows_the_declared_table() -> None:
-    """README's "Lightning features" table is the one the tests assert (regenerate: ``python -m
-    tests.lightning.matrix --readme``)."""
-    with open(README) as f:
-        assert readme_table(f.read()) == markdown().strip()
+def test_docs_show_the_declared_table() -> None:
+    """docs/lightning-features.md's table is the one the tests assert (regenerate: ``python -m
+    tests.lightning.matrix --docs``)."""
+    with open(PAGE) as f:
+        assert page_table(f.read()) == markdown().strip()

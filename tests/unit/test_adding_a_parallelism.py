@@ -1,5 +1,5 @@
-"""README "Adding a parallelism": the context-parallel axis, as the example of an axis added on the registry, is
-named in code only inside its own folder and in the files the README lists (at most 6).
+"""docs/architecture.md, "Adding a parallelism": the context-parallel axis, as the example of an axis added on the registry, is
+named in code only inside its own folder and in the files that page lists (at most 6).
 
 The check reads the code (not docstrings or comments) of every module of ``lightning_par`` with ``ast``: identifiers,
 attribute and keyword names, imports and string constants that name the cp axis, its sizes, options or formulas.
@@ -19,7 +19,7 @@ from lightning_par.parallel_dims import DERIVED_MESHES
 
 PACKAGE = Path(lightning_par.__file__).parent
 ROOT = PACKAGE.parent
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "architecture.md"
 
 #: What the axis's own work is made of, outside which nothing names it: its folder; the models that follow the
 #: contract (the reference GPT and the Hugging Face adapter are models, not the framework); its benchmark.
@@ -76,13 +76,13 @@ def cp_mentions(path: Path) -> list[tuple[int, str]]:
 
 
 def listed_files() -> list[str]:
-    """The numbered files of the README's "Adding a parallelism" list."""
-    text = README.read_text()
-    section = text.split("### Adding a parallelism", 1)[1].split("\n#", 1)[0]
+    """The numbered files of the "Adding a parallelism" list of docs/architecture.md."""
+    text = PAGE.read_text()
+    section = text.split("## Adding a parallelism", 1)[1].split("\n#", 1)[0]
     return re.findall(r"^\d+\. `(lightning_par/[^`]+)`", section, flags=re.MULTILINE)
 
 
-def test_the_readme_lists_at_most_six_files():
+def test_the_docs_list_at_most_six_files():
     files = listed_files()
     assert 0 < len(files) <= 6, files
     for f in files:

@@ -42,7 +42,7 @@ SMALL = GPTConfig.from_preset("small")  # 4 layers, 4 heads, 128 wide, 128 token
 A100 = DEVICE_PRESETS["a100-80gb"].replace(calibration=None)  # the link fields alone: hand-computable
 NVLINK, NIC = A100.intra_node_bandwidth, A100.inter_node_bandwidth
 BF16 = get_precision("mixed-bf16")
-#: A 7B-class GPT (README's worked example).
+#: A 7B-class GPT (docs/planner.md's worked example).
 GPT_7B = GPTConfig(n_layer=32, n_head=32, n_embd=4096, block_size=2048, vocab_size=50304)
 
 
@@ -51,7 +51,7 @@ def test_the_enumeration_without_cp_is_unchanged():
     spec = model_spec(GPT_7B)
     default = list(enumerate_layouts(spec, 64, 512, devices_per_node=8))
     assert list(enumerate_layouts(spec, 64, 512, devices_per_node=8, cp_sizes=(1,))) == default
-    assert len(default) == 7212  # README's worked example: "7212 layouts"
+    assert len(default) == 7212  # docs/planner.md's worked example: "7212 layouts"
     assert [lay.describe() for lay in (*default[:3], default[-1])] == [  # as before cp existed
         "dp64·tp1·pp1 ddp m=8 b=1 ckpt=none",
         "dp64·tp1·pp1 ddp m=8 b=1 ckpt=selective",
@@ -68,7 +68,7 @@ def test_the_enumeration_without_cp_is_unchanged():
 def test_the_ranking_without_cp_is_unchanged_and_shows_no_cp_columns():
     ranked = plan(GPT_7B, 64, devices_per_node=8, device="h100-80gb", global_batch_size=512, seq_len=2048)
     assert len(ranked) == 7212
-    assert ranked[0].layout.describe() == "dp64·tp1·pp1 zero3 m=4 b=2 ckpt=none"  # README's rank 1
+    assert ranked[0].layout.describe() == "dp64·tp1·pp1 zero3 m=4 b=2 ckpt=none"  # docs/planner.md's rank 1
     assert "cp method" not in format_table(ranked, top=3)
     assert to_rows(ranked[:1])[0]["cp_size"] == 1  # the rows and the CSV always carry the column
 

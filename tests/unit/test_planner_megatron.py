@@ -152,7 +152,7 @@ def test_published_layout_is_predicted_near_the_measured_utilisation(row):
     assert abs(100 * pub.hfu - pct) <= 10
 
 
-if __name__ == "__main__":  # the README's table: python tests/unit/test_planner_megatron.py
+if __name__ == "__main__":  # docs/planner.md's table: python tests/unit/test_planner_megatron.py
     for r, row in zip(megatron_report(), MEGATRON_TABLE_1):
         print(f"| {r['params_b']}B | {row[6]} | {row[7]} | {r['published']} | {r['rank']} of {r['pairs']} | "
               f"{r['planner_best']} | {100 * r['gap']:.1f}% | {100 * r['predicted_mfu']:.1f}% | "

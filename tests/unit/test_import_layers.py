@@ -1,0 +1,109 @@
+"""No import circle of more than 2 modules in ``lightning_par/``, read from the source with ``ast``.
+
+Every import statement counts (module level, inside functions, under ``if TYPE_CHECKING``): a lazy import inside a
+function still makes the lower module depend on the higher one. An edge ``a -> b`` is an explicit import of module
+``b`` by module ``a`` (``from lightning_par.x import y`` is an edge to ``lightning_par.x.y`` when that is a module, else
+to ``lightning_par.x``); the parent packages Python initialises on the way are not edges (every module would then
+depend on ``lightning_par/__init__.py``). Circles are the strongly connected components of that graph (Tarjan).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_par"
+#: The largest import circle allowed (a module and its helper importing each other back, lazily).
+MAX_CIRCLE = 2
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+                targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names)
+        graph[name] = {t for t in targets if t in mods and t != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (iterative Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_check_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [["a", "b", "c"]]
+
+
+def test_the_graph_sees_lazy_and_type_checking_imports():
+    graph = import_graph()
+    assert "lightning_par.parallelize" in graph["lightning_par.strategies.base"]
+    assert "lightning_par.data_parallel.engine" in graph["lightning_par.axis_registry"]  # under TYPE_CHECKING
+
+
+def test_no_import_circle_larger_than_two_modules():
+    big = [c for c in circles(import_graph()) if len(c) > MAX_CIRCLE]
+    assert not big, big
+
+
+def test_the_registry_sits_below_parallelize():
+    graph = import_graph()
+    assert "lightning_par.parallelize" not in graph["lightning_par.axis_registry"]
+    assert "lightning_par.parallelize" not in graph["lightning_par.steps"]
