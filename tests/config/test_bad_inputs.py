@@ -90,7 +90,7 @@ PREFLIGHT = [
      "HFCausalLM model_type='llama' is not valid: expected exactly one of model_type and pretrained"),
     ("model=hf model.pretrained={tmp}", "HFCausalLM pretrained='{tmp}' is not valid: expected a local directory "
                                         "written by save_pretrained (config.json and model.safetensors"),
-    ("model=hf model.optimizer=lamb", "HFCausalLM optimizer='lamb' is not valid: expected one of ('adamw', 'sgd')"),
+    ("model=hf model.optimizer=lamb", "HFCausalLM optimizer='lamb' is not valid: expected one of ('adamw', 'sgd', 'muon')"),
     ("model=hf strategy=tensor_parallel parallel=tp4",
      "LlamaForCausalLM.config.num_key_value_heads=2 is not divisible by tp_size=4"),
     ("model=hf strategy=tensor_parallel parallel=tp2 +model.config.tie_word_embeddings=true",
