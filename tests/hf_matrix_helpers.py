@@ -8,8 +8,9 @@ name the config class knows for it (its ``attribute_map`` and the common spellin
 refuses the tiny values, whose model does not build on CPU from its config alone (no remote code, no download) under
 :class:`lightning_par.hf.HFCausalLM`, or whose one-process training step fails is a ``cannot build: <reason>`` row.
 
-Layouts a model claims (:func:`claimed_layouts`), read from the model: zero3 (dp 2) always; tp2 and tp2+SP when its
-config has a tensor-parallel plan; pp2 (1F1B, 2 micro-batches) when it has a pipeline plan; cp2 (ring) when it
+Layouts a model claims (:func:`claimed_layouts`), read from the model: zero3 (dp 2), tp2, tp2+SP and pp2 (1F1B, 2
+micro-batches) always (with the model's own plan, the project's plan for its family, or a pipeline plan derived from
+its module tree; without one the cell is a refusal before start); cp2 (ring) when it
 attends through ``transformers``' attention interface (``_supports_attention_backend``); ep2 when it has an experts
 module. A cell is PASS (every step's loss and the final parameters within rel 1e-5 of one process on the same global
 batches, fp32), ``refused: <message>`` (a ``ValueError`` raised before the first optimizer step), or FAIL (trained and
@@ -222,12 +223,9 @@ def _reason(err: BaseException) -> str:
 def claimed_layouts(model: Any) -> list[str]:
     """The layouts the model claims (see the module docstring), from its config and modules."""
     network = model.model
-    config = network.config
-    claims = ["zero3"]
-    if getattr(config, "base_model_tp_plan", None):
-        claims += ["tp2", "tp2sp"]
-    if getattr(config, "base_model_pp_plan", None):
-        claims.append("pp2")
+    # tp and pp are offered to every model (a plan of its own, the project's plan for its family, or one derived from
+    # its module tree): without a plan a cell is a refusal before start or a PASS, never left out of the matrix
+    claims = ["zero3", "tp2", "tp2sp", "pp2"]
     if getattr(network, "_supports_attention_backend", False):
         claims.append("cp2")
     if any(name.rsplit(".", 1)[-1] == "experts" for name, _ in network.named_modules()):
