@@ -16,6 +16,7 @@ from lightning_par.axis_registry import Axis
 from lightning_par.context_parallel.axis import CONTEXT_PARALLEL
 from lightning_par.data_parallel.axis import DATA_PARALLEL
 from lightning_par.expert_parallel.axis import EXPERT_PARALLEL
+from lightning_par.float8 import FLOAT8
 from lightning_par.parallel_dims import AXIS_OF_SIZE
 from lightning_par.pipeline_parallel.axis import PIPELINE_PARALLEL
 from lightning_par.tensor_parallel.axis import TENSOR_PARALLEL
@@ -25,7 +26,7 @@ __all__ = ["AXES", "axis_of_group", "axis_of_size", "check_sizes"]
 #: Every registered parallelism.
 AXES: tuple[Axis, ...] = (
     PIPELINE_PARALLEL, DATA_PARALLEL, CONTEXT_PARALLEL, EXPERT_PARALLEL, TENSOR_PARALLEL,
-    ACTIVATION_CHECKPOINTING_STEP,
+    ACTIVATION_CHECKPOINTING_STEP, FLOAT8,
 )
 
 

@@ -87,6 +87,8 @@ class Build:
             (:mod:`~lightning_par.context_parallel.report`). Applied in order, the first outermost.
         token_groups: process groups whose ranks hold other tokens of the same samples (cp's pieces of a sequence):
             a pipeline weighs each micro-batch's token-mean loss by its share of the tokens counted over them.
+        optimizer_step_hooks: run after every optimizer step (each optimizer's step post-hook), on every rank, in
+            order (float8: the weights' scales for the next float8 all-gather).
         refused_stages: Trainer stages the layout cannot run (``"predict"``), each with the reason; the strategy
             raises it as a ``ValueError`` before the stage's first batch.
     """
@@ -122,6 +124,7 @@ class Build:
     step_wrappers: list[Callable[[Any, Any, Callable[[Any], Any]], Any]] = field(default_factory=list)
     token_groups: list[Any] = field(default_factory=list)
     refused_stages: dict[str, str] = field(default_factory=dict)
+    optimizer_step_hooks: list[Callable[[], None]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
