@@ -32,6 +32,7 @@ from lightning_par.config.option_schema import options_schema, signature_default
 from lightning_par.context_parallel.options import ContextParallelOptions
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS, ReducerOptions, ZeroOptions
 from lightning_par.fault.preemption import PREEMPTION_SIGNALS
+from lightning_par.float8 import Float8Options
 from lightning_par.pipeline_parallel.options import PipelineOptions
 from lightning_par.planner.devices import DEVICE_PRESETS
 from lightning_par.strategies import MeshStrategy, Parallel3DStrategy
@@ -48,6 +49,7 @@ __all__ = [
     "FitCheckConfig",
     "LRScalingConfig",
     "ContextParallelGroup",
+    "Float8Group",
     "PipelineGroup",
     "ReducerGroup",
     "TensorParallelGroup",
@@ -132,6 +134,15 @@ ContextParallelGroup = options_schema(
     context_parallel.options.ContextParallelOptions`. ``method``: ring | all_to_all.""",
 )
 
+Float8Group = options_schema(
+    "Float8Group", Float8Options, module=__name__,
+    defaults={f.name: list(f.default) if isinstance(f.default, tuple) else f.default
+              for f in __import__("dataclasses").fields(Float8Options)},
+    doc="""``strategy.float8``: float8 training through torchao (:mod:`lightning_par.float8`), generated from
+    :class:`lightning_par.float8.Float8Options`. ``recipe``: tensorwise | rowwise; ``include``/``exclude``: module path
+    patterns; ``fsdp_all_gather``: null (on under zero3 with tensorwise) | true | false.""",
+)
+
 #: ``MeshStrategy``'s own keywords, with their defaults (the constructor is their source).
 _STRATEGY_DEFAULTS: dict[str, Any] = signature_defaults(
     MeshStrategy.__init__, ("timeout_s", "module_attr", "activation_checkpointing", "prog_bar")
@@ -152,6 +163,8 @@ class StrategyConfig:
     activation_checkpointing: str = _STRATEGY_DEFAULTS["activation_checkpointing"]
     #: also show the strategy's own figures (parallel/...) in the progress bar.
     prog_bar: bool = _STRATEGY_DEFAULTS["prog_bar"]
+    #: float8 training of the selected nn.Linear layers (torchao; the ``float8`` extra).
+    float8: Float8Group = field(default_factory=Float8Group)
 
 
 @dataclass

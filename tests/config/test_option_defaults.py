@@ -17,10 +17,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lightning_par.config.schema import (
-    STRATEGY_SCHEMAS, ContextParallelGroup, PipelineGroup, ReducerGroup, StrategyConfig, TensorParallelGroup, ZeroGroup,
+    STRATEGY_SCHEMAS, ContextParallelGroup, Float8Group, PipelineGroup, ReducerGroup, StrategyConfig, TensorParallelGroup, ZeroGroup,
     register_configs,
 )
 from lightning_par.context_parallel.options import ContextParallelOptions
+from lightning_par.float8 import Float8Options
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS, ReducerOptions, ZeroOptions, parse_mixed_precision
 from lightning_par.parallelize import ParallelOptions
 from lightning_par.pipeline_parallel.options import PipelineOptions
@@ -36,6 +37,7 @@ GROUP_OPTIONS: dict[str, type] = {
     "tensor_parallel": TensorParallelOptions,
     "pipeline": PipelineOptions,
     "context_parallel": ContextParallelOptions,
+    "float8": Float8Options,
 }
 #: Option group -> the schema generated from it.
 GROUP_SCHEMAS: dict[str, type] = {
@@ -44,6 +46,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "tensor_parallel": TensorParallelGroup,
     "pipeline": PipelineGroup,
     "context_parallel": ContextParallelGroup,
+    "float8": Float8Group,
 }
 #: Schema fields left at None, which their options dataclass documents as its default.
 NONE_IS_DEFAULT: dict[str, tuple[str, ...]] = {"reducer": ("bucket_cap_mb",)}
@@ -100,6 +103,8 @@ def _assert_group_is_default(group: str, values: dict[str, Any], where: str, ski
             continue
         if value is None and key in NONE_IS_DEFAULT.get(group, ()):
             value = getattr(options(**{key: None}), key)  # what the options dataclass makes of None
+        if isinstance(defaults[key], tuple):  # a tuple field (float8.include) is a list in the config
+            value = tuple(value)
         assert value == defaults[key], f"{where}: {group}.{key}={value!r}, {options.__name__}.{key}={defaults[key]!r}"
 
 
@@ -133,7 +138,10 @@ def test_preset_yaml_sets_only_its_name_and_what_is_on_purpose(preset):
 @pytest.mark.parametrize("group", sorted(GROUP_SCHEMAS))
 def test_group_schema_defaults_are_the_options_defaults(group):
     """Field by field: ``strategy.<group>``'s schema default equals the options dataclass's."""
-    schema = {f.name: f.default for f in dataclasses.fields(GROUP_SCHEMAS[group])}
+    schema = {
+        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        for f in dataclasses.fields(GROUP_SCHEMAS[group])
+    }
     if group == "zero":
         assert schema == ZERO_GROUP_DEFAULTS
     for key in NONE_IS_DEFAULT.get(group, ()):
@@ -143,7 +151,7 @@ def test_group_schema_defaults_are_the_options_defaults(group):
 
 def test_strategy_schema_defaults_are_the_constructor_defaults():
     """``StrategyConfig``'s fields (and ``Parallel3DConfig.dp_mode``) default to what the strategies do."""
-    fields = {f.name: f.default for f in dataclasses.fields(StrategyConfig)}
+    fields = {f.name: f.default for f in dataclasses.fields(StrategyConfig) if f.name not in GROUP_SCHEMAS}
     fields.pop("name")
     assert set(fields) | {"dp_mode"} == set(TOP_LEVEL_SOURCES)
     for key, value in fields.items():
