@@ -53,6 +53,7 @@ __all__ = [
     "Float8Options",
     "MIN_CUDA_CAPABILITY",
     "check_float8_device",
+    "convert_float8",
     "float8_available",
     "float8_modules",
 ]
@@ -249,6 +250,32 @@ def _check(module: nn.Module, network: nn.Module, dims: Any, options: Any) -> No
                 )
 
 
+def convert_float8(network: nn.Module, options: Float8Options, dp_mode: str = "ddp") -> list[str]:
+    """Swap the layers ``options`` selects for torchao's ``Float8Linear`` in place (the step
+    :func:`~lightning_par.parallelize.parallelize` runs; also usable on a plain network with no strategy).
+
+    Args:
+        network: the network (its paths are what ``include``/``exclude`` match).
+        options: the float8 options (``enabled`` is not consulted).
+        dp_mode: the dp mode the network will run under (``"zero3"``: the weights become torchao's float8 all-gather
+            tensors, if :meth:`Float8Options.all_gather`).
+
+    Returns:
+        The converted paths, sorted.
+    """
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    selected = float8_modules(network, options)
+    config = Float8LinearConfig.from_recipe_name(options.recipe)
+    if options.all_gather(dp_mode):
+        from dataclasses import replace
+
+        config = replace(config, enable_fsdp_float8_all_gather=True)
+    ids = {id(m) for m in selected.values()}
+    convert_to_float8_training(network, module_filter_fn=lambda m, fqn: id(m) in ids, config=config)
+    return sorted(selected)
+
+
 def _convert(build: Build) -> None:
     """Swap the selected layers for ``Float8Linear`` on the whole network (after the tp step has read its plan,
     before the pipeline cut and the split), and give the tp plan torchao's float8 styles for them."""
@@ -256,26 +283,16 @@ def _convert(build: Build) -> None:
     if not f8.enabled:
         return
     check_float8_device(build.device)
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
     network = build.network
     assert network is not None
-    selected = float8_modules(network, f8)
     all_gather = f8.all_gather(build.options.dp_mode)
-    config = Float8LinearConfig.from_recipe_name(f8.recipe)
-    if all_gather:
-        from dataclasses import replace
-
-        config = replace(config, enable_fsdp_float8_all_gather=True)
-    ids = {id(m) for m in selected.values()}
-    convert_to_float8_training(network, module_filter_fn=lambda m, fqn: id(m) in ids, config=config)
+    converted = convert_float8(network, f8, build.options.dp_mode)
     if build.plan is not None:
-        build.plan = _float8_plan(network, build.plan, set(selected), build.options.tensor_parallel.sequence_parallel)
+        build.plan = _float8_plan(network, build.plan, set(converted), build.options.tensor_parallel.sequence_parallel)
     if all_gather and f8.precompute_scales:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         build.optimizer_step_hooks.append(lambda: precompute_float8_dynamic_scale_for_fsdp(network))
-    converted = sorted(selected)
 
     def summary() -> dict[str, Any]:
         return {

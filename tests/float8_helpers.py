@@ -48,12 +48,12 @@ def dataset(n: int = 64) -> TokenDataset:
 
 
 def reference_float8(steps: int, global_batch: int, recipe: str = "tensorwise", precision: str = "32-true",
-                     optimizer: str = "adamw", float8: bool = True) -> list[float]:
+                     optimizer: str = "adamw", float8: bool = True, device: str = "cpu") -> list[float]:
     """One process, plain torch: the GPT's ``nn.Linear`` layers but the LM head converted by torchao, ``steps`` AdamW
     steps on global batches. Returns the losses."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    module = make_gpt(optimizer)
+    module = make_gpt(optimizer).to(device)
     if float8:
         convert_to_float8_training(
             module.model, module_filter_fn=lambda m, fqn: fqn != "lm_head",
@@ -63,9 +63,9 @@ def reference_float8(steps: int, global_batch: int, recipe: str = "tensorwise", 
     opt = opt["optimizer"] if isinstance(opt, dict) else (opt[0] if isinstance(opt, (list, tuple)) else opt)
     loader = iter(DataLoader(dataset(), batch_size=global_batch, shuffle=False, drop_last=True))
     losses = []
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
     for _ in range(steps):
-        x, y = next(loader)
+        x, y = (t.to(device) for t in next(loader))
         with autocast:
             loss = module.training_step((x, y), 0)
         loss.backward()

@@ -32,6 +32,16 @@ CASES: dict[str, tuple[str, dict, int, str]] = {
 }
 
 
+#: Beyond CI: the rowwise recipe (no float8 all-gather), bf16, tp with sequence parallelism, zero1 (plain weights).
+SLOW_CASES: dict[str, tuple] = {
+    "zero3_dp2_rowwise": ("ZeroStrategy", {"stage": 3, "float8": {**F8, "recipe": "rowwise"}}, 4, "adamw"),
+    "ddp_dp2_rowwise": ("DDPOverlapStrategy", {"float8": {**F8, "recipe": "rowwise"}}, 4, "adamw"),
+    "zero1_dp2": ("ZeroStrategy", {"stage": 1, "float8": F8}, 4, "adamw"),
+    "tp2_sp": ("TensorParallelStrategy", {"tp_size": 2, "sequence_parallel": True, "float8": F8}, 8, "adamw"),
+    "zero3_dp2_bf16": ("ZeroStrategy", {"stage": 3, "float8": F8}, 4, "adamw", "bf16-mixed"),
+}
+
+
 def _cases(names: list[str], table: dict) -> list[dict]:
     return [
         {"name": n, "strategy": table[n][0], "options": table[n][1], "micro_batch": table[n][2],
@@ -93,3 +103,32 @@ def test_float8_one_process_under_the_strategy_matches_plain_torchao():
     plain = reference_float8(STEPS, GLOBAL_BATCH, float8=False)
     assert _rel(recorder.losses, plain) > 1e-5  # and float8 did change the numbers
     assert sum(type(m).__name__ == "Float8Linear" for m in module.modules()) == 12
+
+
+@pytest.fixture(scope="module")
+def world2_slow() -> dict[str, list[dict]]:
+    cases = _cases(list(SLOW_CASES), SLOW_CASES)
+    per_rank = run_distributed(cases_worker, 2, (cases,), timeout_s=TIMEOUT_S * 2)
+    return {c["name"]: [per_rank[r][i] for r in range(2)] for i, c in enumerate(cases)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW_CASES))
+def test_float8_more_layouts_match_one_process_float8(world2_slow, name):
+    case = SLOW_CASES[name]
+    recipe = case[1]["float8"].get("recipe", "tensorwise")
+    precision = case[4] if len(case) > 4 else "32-true"
+    expected = reference_float8(STEPS, GLOBAL_BATCH, recipe=recipe, precision=precision)
+    losses = global_losses(world2_slow[name])
+    assert _rel(losses, expected) < 1e-3, (losses, expected)
+    assert world2_slow[name][0]["summary"]["float8_linears"] == 12
+
+
+@pytest.mark.slow
+def test_float8_hsdp_2x2_matches_one_process_float8():
+    cases = _cases(["hsdp"], {"hsdp": ("ZeroStrategy", {"stage": 3, "dp_replicate_size": 2, "float8": F8}, 2, "adamw")})
+    per_rank = run_distributed(cases_worker, 4, (cases,), timeout_s=TIMEOUT_S * 2)
+    runs = [per_rank[r][0] for r in range(4)]
+    expected = reference_float8(STEPS, GLOBAL_BATCH)
+    assert _rel(global_losses(runs), expected) < 1e-3, (global_losses(runs), expected)
+    assert runs[0]["summary"]["float8_fsdp_all_gather"] is True and runs[0]["precomputed_scales"] == 12
