@@ -27,7 +27,7 @@ all-gather; the float8 all-gather without ``zero3``; pipeline, context or expert
 one process in this version); a selected layer whose dimensions are not multiples of 16 (``torch._scaled_mm``'s
 constraint on CUDA) or, under tp, planned with a style other than ``colwise``/``rowwise``/none; no layer selected; a
 CUDA device of compute capability below 8.9 (float8 matrix units start with Ada and Hopper) or any other device but
-the CPU.
+the CPU; sequence parallelism on the CPU (gloo has no float8 all-gather).
 
 On the CPU (this project's test machines) ``torch._scaled_mm`` runs with float8 inputs (torch 2.13): the numbers are
 float8's, so the tests here check float8 training for correctness against one process; its speed is a GPU question
@@ -53,6 +53,7 @@ __all__ = [
     "Float8Options",
     "MIN_CUDA_CAPABILITY",
     "check_float8_device",
+    "check_float8_run",
     "convert_float8",
     "float8_available",
     "float8_modules",
@@ -181,6 +182,25 @@ def check_float8_device(device: torch.device) -> None:
     )
 
 
+def check_float8_run(device: torch.device, tp_size: int, sequence_parallel: bool) -> None:
+    """Refuse what the device of a run cannot take (called by :func:`~lightning_par.parallelize.parallelize`, before
+    any step): :func:`check_float8_device`, and tensor parallelism with sequence parallelism on the CPU, whose
+    backward all-gathers float8 gradients over the sequence (gloo has no float8 collectives: "Invalid scalar type",
+    measured with torch 2.13).
+
+    Raises:
+        ValueError: naming the device or the option.
+    """
+    check_float8_device(device)
+    if device.type == "cpu" and tp_size > 1 and sequence_parallel:
+        raise ValueError(
+            f"float8.enabled=True is not valid with sequence_parallel=True on the CPU (tp_size={tp_size}): torchao's "
+            f"float8 tensor-parallel styles all-gather float8 tensors over the sequence, which gloo cannot send. Use "
+            f"sequence_parallel=False on the CPU (float8 tp without sequence parallelism runs), or a CUDA device "
+            f"(nccl)."
+        )
+
+
 def _plan_styles(network: nn.Module, plan: Any) -> dict[str, Any]:
     from lightning_par.tensor_parallel.plan import expand_plan
 
@@ -282,7 +302,7 @@ def _convert(build: Build) -> None:
     f8: Float8Options = build.options.float8
     if not f8.enabled:
         return
-    check_float8_device(build.device)
+    check_float8_run(build.device, build.dims.tp_size, build.options.tensor_parallel.sequence_parallel)
     network = build.network
     assert network is not None
     all_gather = f8.all_gather(build.options.dp_mode)

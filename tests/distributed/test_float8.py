@@ -32,12 +32,12 @@ CASES: dict[str, tuple[str, dict, int, str]] = {
 }
 
 
-#: Beyond CI: the rowwise recipe (no float8 all-gather), bf16, tp with sequence parallelism, zero1 (plain weights).
+#: Beyond CI: the rowwise recipe (no float8 all-gather), bf16, zero1 (plain weights). (tp with sequence parallelism
+#: is refused on the CPU: gloo has no float8 all-gather.)
 SLOW_CASES: dict[str, tuple] = {
     "zero3_dp2_rowwise": ("ZeroStrategy", {"stage": 3, "float8": {**F8, "recipe": "rowwise"}}, 4, "adamw"),
     "ddp_dp2_rowwise": ("DDPOverlapStrategy", {"float8": {**F8, "recipe": "rowwise"}}, 4, "adamw"),
     "zero1_dp2": ("ZeroStrategy", {"stage": 1, "float8": F8}, 4, "adamw"),
-    "tp2_sp": ("TensorParallelStrategy", {"tp_size": 2, "sequence_parallel": True, "float8": F8}, 8, "adamw"),
     "zero3_dp2_bf16": ("ZeroStrategy", {"stage": 3, "float8": F8}, 4, "adamw", "bf16-mixed"),
 }
 

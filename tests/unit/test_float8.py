@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_par.float8 import Float8Options, check_float8_device, float8_available, float8_modules
+from lightning_par.float8 import Float8Options, check_float8_device, check_float8_run, float8_available, float8_modules
 from lightning_par.models import GPT, GPTConfig, GPTLightningModule
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.parallelize import ParallelOptions, validate
@@ -146,3 +146,10 @@ def test_strategy_and_recipe_config_take_the_group():
 def test_a_plain_network_selects_its_linear_layers():
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
     assert sorted(float8_modules(net, Float8Options(enabled=True))) == ["0", "2"]
+
+
+def test_sequence_parallel_on_the_cpu_is_refused():
+    with pytest.raises(ValueError, match=r"sequence_parallel=True on the CPU \(tp_size=2\).*gloo cannot send"):
+        check_float8_run(torch.device("cpu"), 2, True)
+    check_float8_run(torch.device("cpu"), 2, False)
+    check_float8_run(torch.device("cpu"), 1, True)
