@@ -26,9 +26,11 @@ _FULL = dict(steps=300, window=50, batch=16, val_batches=16)
 _QUICK = dict(steps=40, window=10, batch=16, val_batches=4)
 
 
-def train(float8: bool, steps: int, batch: int, val_batches: int, preset: str = "small") -> dict[str, Any]:
+def train(float8: bool, steps: int, batch: int, val_batches: int, preset: str = "small",
+          progress: str | None = None) -> dict[str, Any]:
     """Train the GPT ``preset`` for ``steps`` steps (bf16-mixed, one process) and return ``losses`` (per step),
-    ``val_loss`` (after the last step) and ``seconds``."""
+    ``val_loss`` (after the last step) and ``seconds``; with ``progress`` (a file path), each step's loss is appended
+    to that file as it comes (a long CPU run can be read while it goes)."""
     import lightning as L
     import torch
 
@@ -43,6 +45,9 @@ def train(float8: bool, steps: int, batch: int, val_batches: int, preset: str = 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *args: Any) -> None:
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             self.losses.append(float(loss.detach()))
+            if progress:
+                with open(progress, "a") as f:
+                    f.write(f"{len(self.losses)} {self.losses[-1]:.5f} {time.perf_counter():.1f}\n")
 
     L.seed_everything(0, verbose=False)
     torch.manual_seed(0)
@@ -101,7 +106,23 @@ def run(quick: bool = False) -> str:
 
 if __name__ == "__main__":
     import argparse
+    import json
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="40 steps instead of 300")
-    print(run(quick=parser.parse_args().quick))
+    parser.add_argument("--one", choices=("bf16", "float8"), help="train only this one and write --json (to run the "
+                        "two in parallel processes); --table A.json B.json prints the table of two such runs")
+    parser.add_argument("--json", help="where --one writes its result")
+    parser.add_argument("--progress", help="with --one: a file each step's loss is appended to")
+    parser.add_argument("--table", nargs=2, metavar=("BF16_JSON", "FLOAT8_JSON"))
+    args = parser.parse_args()
+    cfg = _QUICK if args.quick else _FULL
+    if args.one:
+        result = train(args.one == "float8", cfg["steps"], cfg["batch"], cfg["val_batches"], progress=args.progress)
+        with open(args.json, "w") as f:
+            json.dump(result, f)
+    elif args.table:
+        runs = [json.load(open(p)) for p in args.table]
+        print(_table(runs[0], runs[1], cfg["steps"], cfg["window"]))
+    else:
+        print(run(quick=args.quick))
