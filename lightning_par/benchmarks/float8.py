@@ -70,9 +70,9 @@ def train(float8: bool, steps: int, batch: int, val_batches: int, preset: str = 
             "float8_layers": sum(type(m).__name__ == "Float8Linear" for m in module.modules())}
 
 
-def _table(bf16: dict[str, Any], f8: dict[str, Any], steps: int, window: int) -> str:
+def _table(bf16: dict[str, Any], f8: dict[str, Any], steps: int, window: int, preset: str = "small") -> str:
     lines = [
-        f"float8 vs bf16: GPT small, {steps} steps, one process on the CPU, bf16-mixed; float8 (tensorwise) on "
+        f"float8 vs bf16: GPT {preset}, {steps} steps, one process on the CPU, bf16-mixed; float8 (tensorwise) on "
         f"{f8['float8_layers']} linear layers. Training loss averaged over {window}-step windows, validation loss at "
         f"the end.",
         "",
@@ -115,14 +115,16 @@ if __name__ == "__main__":
     parser.add_argument("--json", help="where --one writes its result")
     parser.add_argument("--progress", help="with --one: a file each step's loss is appended to")
     parser.add_argument("--table", nargs=2, metavar=("BF16_JSON", "FLOAT8_JSON"))
+    parser.add_argument("--preset", default="small", help="GPT preset (lightning_par.models.GPT_PRESETS)")
     args = parser.parse_args()
     cfg = _QUICK if args.quick else _FULL
     if args.one:
-        result = train(args.one == "float8", cfg["steps"], cfg["batch"], cfg["val_batches"], progress=args.progress)
+        result = train(args.one == "float8", cfg["steps"], cfg["batch"], cfg["val_batches"], preset=args.preset,
+                       progress=args.progress)
         with open(args.json, "w") as f:
             json.dump(result, f)
     elif args.table:
         runs = [json.load(open(p)) for p in args.table]
-        print(_table(runs[0], runs[1], cfg["steps"], cfg["window"]))
+        print(_table(runs[0], runs[1], cfg["steps"], cfg["window"], args.preset))
     else:
         print(run(quick=args.quick))

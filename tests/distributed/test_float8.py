@@ -103,6 +103,14 @@ def test_float8_one_process_under_the_strategy_matches_plain_torchao():
     plain = reference_float8(STEPS, GLOBAL_BATCH, float8=False)
     assert _rel(recorder.losses, plain) > 1e-5  # and float8 did change the numbers
     assert sum(type(m).__name__ == "Float8Linear" for m in module.modules()) == 12
+    # a second Trainer without float8 takes the plain module back (nn.Linear again), with the trained values
+    trained = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    second = quiet_trainer(DDPOverlapStrategy(), 1, max_steps=1, limit_val_batches=0)
+    second.fit(module, loader)
+    assert not any(type(m).__name__ == "Float8Linear" for m in module.modules())
+    assert type(module.model.get_submodule("blocks.0.mlp.c_fc")) is torch.nn.Linear
+    moved = [k for k, v in module.state_dict().items() if not torch.equal(v, trained[k])]
+    assert moved and all(k in trained for k in moved)  # it trained one more step from the float8 run's weights
 
 
 @pytest.fixture(scope="module")
