@@ -23,8 +23,8 @@ styles support) and ``"rowwise"`` (one scale per row, power-of-two scales, e4m3 
 recipe, slower on H100).
 
 What is refused before training starts, naming the reason: torchao missing; ``rowwise`` under tp or with the float8
-all-gather; the float8 all-gather without ``zero3``; pipeline, context or expert parallelism (not verified against
-one process in this version); a selected layer whose dimensions are not multiples of 16 (``torch._scaled_mm``'s
+all-gather; the float8 all-gather without ``zero3``; any axis but dp and tp above size 1 (pipeline, context and expert
+parallelism are not verified against one process in this version); a selected layer whose dimensions are not multiples of 16 (``torch._scaled_mm``'s
 constraint on CUDA) or, under tp, planned with a style other than ``colwise``/``rowwise``/none; no layer selected; a
 CUDA device of compute capability below 8.9 (float8 matrix units start with Ada and Hopper) or any other device but
 the CPU; sequence parallelism on the CPU (gloo has no float8 all-gather).
@@ -69,6 +69,8 @@ MIN_CUDA_CAPABILITY: tuple[int, int] = (8, 9)
 _DIM_MULTIPLE = 16
 #: tp plan styles a float8 layer may have (torchao's float8 styles exist for these two).
 _FLOAT8_TP_STYLES = ("colwise", "rowwise")
+#: The layout sizes float8 is verified under (any other size above 1 is refused).
+_VERIFIED_SIZES = ("dp_size", "dp_replicate_size", "dp_shard_size", "tp_size")
 _INSTALL = "pip install 'lightning_par[float8]' (torchao>=0.18)"
 
 
@@ -218,13 +220,13 @@ def _check(module: nn.Module, network: nn.Module, dims: Any, options: Any) -> No
     from lightning_par import contract
 
     contract.check_not_compiled(module, "float8.enabled=True", "swaps the nn.Linear layers named by their paths")
-    for size in ("pp_size", "cp_size", "ep_size"):
-        value = getattr(dims, size, 1)
-        if value > 1:
+    for size in type(dims).size_names():
+        value = getattr(dims, size)
+        if size not in _VERIFIED_SIZES and value > 1:
             raise ValueError(
                 f"float8.enabled=True is not valid with {size}={value}: float8 training is verified against one "
-                f"process under dp (ddp, zero1/2/3, HSDP) and tp in this version, not under pipeline, context or "
-                f"expert parallelism. Use {size}=1, or float8.enabled=False."
+                f"process under dp (ddp, zero1/2/3, HSDP) and tp in this version, not on this axis. Use {size}=1, or "
+                f"float8.enabled=False."
             )
     if dims.tp_enabled and f8.recipe != "tensorwise":
         raise ValueError(

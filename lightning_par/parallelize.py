@@ -316,6 +316,11 @@ class ParallelModel:
         with self.steps.block_sync(), buffers.no_sync() if buffers is not None else nullcontext():
             yield
 
+    @property
+    def has_optimizer_step_hooks(self) -> bool:
+        """Whether an axis asked to run after every optimizer step (:meth:`after_optimizer_step`)."""
+        return bool(self._optimizer_step_hooks)
+
     def after_optimizer_step(self) -> None:
         """After every optimizer step, on every rank: every axis's optimizer-step hook (float8: the weights' scales
         for the next float8 all-gather, in one all-reduce over the dp shard ranks)."""

@@ -386,7 +386,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         for optimizer in self.optimizers:
             optimizer = getattr(optimizer, "_optimizer", optimizer)
             parallel.engine.shard_optimizer(optimizer)
-            if parallel._optimizer_step_hooks:  # after the engine's own post-hook (ZeRO's all-gather of the shards)
+            if parallel.has_optimizer_step_hooks:  # after the engine's own post-hook (ZeRO's all-gather of the shards)
                 optimizer.register_step_post_hook(lambda *_: parallel.after_optimizer_step())
 
     @override
