@@ -8,15 +8,16 @@ strategy refuses a size or an option of an axis it does not have from the entrie
 
 from __future__ import annotations
 
-from lightning_par.activation_checkpointing import ACTIVATION_CHECKPOINTING_STEP
 from collections.abc import Callable
 from typing import Any
 
+from lightning_par.activation_checkpointing import ACTIVATION_CHECKPOINTING_STEP
 from lightning_par.axis_registry import Axis
 from lightning_par.compile import COMPILE
 from lightning_par.context_parallel.axis import CONTEXT_PARALLEL
 from lightning_par.data_parallel.axis import DATA_PARALLEL
 from lightning_par.expert_parallel.axis import EXPERT_PARALLEL
+from lightning_par.float8 import FLOAT8
 from lightning_par.parallel_dims import AXIS_OF_SIZE
 from lightning_par.pipeline_parallel.axis import PIPELINE_PARALLEL
 from lightning_par.tensor_parallel.axis import TENSOR_PARALLEL
@@ -26,7 +27,7 @@ __all__ = ["AXES", "EVERY_AXIS", "axis_of_group", "axis_of_size", "check_sizes"]
 #: Every registered parallelism.
 AXES: tuple[Axis, ...] = (
     PIPELINE_PARALLEL, DATA_PARALLEL, CONTEXT_PARALLEL, EXPERT_PARALLEL, TENSOR_PARALLEL,
-    ACTIVATION_CHECKPOINTING_STEP, COMPILE,
+    ACTIVATION_CHECKPOINTING_STEP, COMPILE, FLOAT8,
 )
 
 #: Where every axis is: named in refusals of a size or option the chosen strategy lacks.

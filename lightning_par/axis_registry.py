@@ -96,6 +96,8 @@ class Build:
         token_groups: process groups whose ranks hold other tokens of the same batch (cp's pieces of a sequence, dp's
             other samples): a pipeline weighs each micro-batch's token-mean loss by its share of the tokens counted
             over them.
+        optimizer_step_hooks: run after every optimizer step (each optimizer's step post-hook), on every rank, in
+            order (float8: the weights' scales for the next float8 all-gather).
         refused_stages: Trainer stages the layout cannot run (``"predict"``), each with the reason; the strategy
             raises it as a ``ValueError`` before the stage's first batch.
     """
@@ -133,6 +135,7 @@ class Build:
     step_wrappers: list[Callable[[Any, Any, Callable[[Any], Any]], Any]] = field(default_factory=list)
     token_groups: list[Any] = field(default_factory=list)
     refused_stages: dict[str, str] = field(default_factory=dict)
+    optimizer_step_hooks: list[Callable[[], None]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

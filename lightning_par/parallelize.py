@@ -46,6 +46,7 @@ from lightning_par.context_parallel.options import ContextParallelOptions
 from lightning_par.data_parallel.engine import DataParallelEngine
 from lightning_par.data_parallel.options import DP_MODES, ReducerOptions, ZeroOptions, resolve_zero_options, zero_stage
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS
+from lightning_par.float8 import Float8Options
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.pipeline_parallel.options import PipelineOptions
 from lightning_par.restore import ModuleSnapshot
@@ -70,6 +71,7 @@ PLAIN_GROUPS: dict[str, type] = {
     "tensor_parallel": TensorParallelOptions,
     "pipeline": PipelineOptions,
     "context_parallel": ContextParallelOptions,
+    "float8": Float8Options,
 }
 #: Groups given only nested (``compile={"enabled": True}``, ``strategy.compile.enabled=true``): their field names
 #: (``enabled``, ``mode``) would say nothing flat.
@@ -95,6 +97,7 @@ class ParallelOptions:
         pipeline: the pp axis's options.
         context_parallel: the cp axis's options.
         compile: ``torch.compile`` of every block (:mod:`lightning_par.compile`).
+        float8: float8 training of the selected ``nn.Linear`` layers (:mod:`lightning_par.float8`).
         module_attr: attribute of the LightningModule holding the network (see :mod:`lightning_par.contract`).
         activation_checkpointing: ``"none"``, ``"full"`` (every block) or ``"selective"`` (the attention of every
             block; :mod:`lightning_par.activation_checkpointing`).
@@ -110,6 +113,7 @@ class ParallelOptions:
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
     context_parallel: ContextParallelOptions = field(default_factory=ContextParallelOptions)
     compile: CompileOptions = field(default_factory=CompileOptions)
+    float8: Float8Options = field(default_factory=Float8Options)
     module_attr: str | None = "model"
     activation_checkpointing: str = "none"
 
@@ -274,6 +278,7 @@ class ParallelModel:
         #: Trainer stage -> why this layout cannot run it (raised before the stage's first batch)
         self.refused_stages = dict(build.refused_stages)
         self._norm_groups = list(build.norm_groups)
+        self._optimizer_step_hooks = list(build.optimizer_step_hooks)
         self.steps: StepHooks = (build.steps or StepHooks)(self)
 
     @contextmanager
@@ -318,6 +323,17 @@ class ParallelModel:
         buffers = self.engine.buffers
         with self.steps.block_sync(), buffers.no_sync() if buffers is not None else nullcontext():
             yield
+
+    @property
+    def has_optimizer_step_hooks(self) -> bool:
+        """Whether an axis asked to run after every optimizer step (:meth:`after_optimizer_step`)."""
+        return bool(self._optimizer_step_hooks)
+
+    def after_optimizer_step(self) -> None:
+        """After every optimizer step, on every rank: every axis's optimizer-step hook (float8: the weights' scales
+        for the next float8 all-gather, in one all-reduce over the dp shard ranks)."""
+        for hook in self._optimizer_step_hooks:
+            hook()
 
     def finish_gradients(self) -> None:
         """Once per optimizer step, after the dp reduction and before clipping: every axis's gradient finisher (the

@@ -33,6 +33,7 @@ from lightning_par.config.option_schema import options_schema, signature_default
 from lightning_par.context_parallel.options import ContextParallelOptions
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS, ReducerOptions, ZeroOptions
 from lightning_par.fault.preemption import PREEMPTION_SIGNALS
+from lightning_par.float8 import Float8Options
 from lightning_par.pipeline_parallel.options import PipelineOptions
 from lightning_par.planner.devices import DEVICE_PRESETS
 from lightning_par.strategies import MeshStrategy, Parallel3DStrategy
@@ -50,6 +51,7 @@ __all__ = [
     "LRScalingConfig",
     "CompileGroup",
     "ContextParallelGroup",
+    "Float8Group",
     "PipelineGroup",
     "ReducerGroup",
     "TensorParallelGroup",
@@ -140,6 +142,14 @@ CompileGroup = options_schema(
     :class:`lightning_par.compile.CompileOptions`. ``enabled``; ``backend``: inductor | aot_eager | eager | ...;
     ``mode``: null | default | max-autotune-no-cudagraphs; ``fullgraph``.""",
 )
+Float8Group = options_schema(
+    "Float8Group", Float8Options, module=__name__,
+    defaults={f.name: list(f.default) if isinstance(f.default, tuple) else f.default
+              for f in __import__("dataclasses").fields(Float8Options)},
+    doc="""``strategy.float8``: float8 training through torchao (:mod:`lightning_par.float8`), generated from
+    :class:`lightning_par.float8.Float8Options`. ``recipe``: tensorwise | rowwise; ``include``/``exclude``: module path
+    patterns; ``fsdp_all_gather``: null (on under zero3 with tensorwise) | true | false.""",
+)
 
 #: ``MeshStrategy``'s own keywords, with their defaults (the constructor is their source).
 _STRATEGY_DEFAULTS: dict[str, Any] = signature_defaults(
@@ -163,6 +173,8 @@ class StrategyConfig:
     prog_bar: bool = _STRATEGY_DEFAULTS["prog_bar"]
     #: torch.compile of every block (docs/compile.md), in every strategy.
     compile: CompileGroup = field(default_factory=CompileGroup)
+    #: float8 training of the selected nn.Linear layers (torchao; the ``float8`` extra).
+    float8: Float8Group = field(default_factory=Float8Group)
 
 
 @dataclass

@@ -383,8 +383,12 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         assert self.parallel is not None
+        parallel = self.parallel
         for optimizer in self.optimizers:
-            self.parallel.engine.shard_optimizer(getattr(optimizer, "_optimizer", optimizer))
+            optimizer = getattr(optimizer, "_optimizer", optimizer)
+            parallel.engine.shard_optimizer(optimizer)
+            if parallel.has_optimizer_step_hooks:  # after the engine's own post-hook (ZeRO's all-gather of the shards)
+                optimizer.register_step_post_hook(lambda *_: parallel.after_optimizer_step())
 
     @override
     def model_to_device(self) -> None:

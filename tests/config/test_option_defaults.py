@@ -17,11 +17,12 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lightning_par.config.schema import (
-    STRATEGY_SCHEMAS, CompileGroup, ContextParallelGroup, PipelineGroup, ReducerGroup, StrategyConfig, TensorParallelGroup, ZeroGroup,
+    STRATEGY_SCHEMAS, CompileGroup, ContextParallelGroup, Float8Group, PipelineGroup, ReducerGroup, StrategyConfig, TensorParallelGroup, ZeroGroup,
     register_configs,
 )
 from lightning_par.compile import CompileOptions
 from lightning_par.context_parallel.options import ContextParallelOptions
+from lightning_par.float8 import Float8Options
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS, ReducerOptions, ZeroOptions, parse_mixed_precision
 from lightning_par.parallelize import ParallelOptions
 from lightning_par.pipeline_parallel.options import PipelineOptions
@@ -38,6 +39,7 @@ GROUP_OPTIONS: dict[str, type] = {
     "pipeline": PipelineOptions,
     "context_parallel": ContextParallelOptions,
     "compile": CompileOptions,
+    "float8": Float8Options,
 }
 #: Option group -> the schema generated from it.
 GROUP_SCHEMAS: dict[str, type] = {
@@ -47,6 +49,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "pipeline": PipelineGroup,
     "context_parallel": ContextParallelGroup,
     "compile": CompileGroup,
+    "float8": Float8Group,
 }
 #: Schema fields left at None, which their options dataclass documents as its default.
 NONE_IS_DEFAULT: dict[str, tuple[str, ...]] = {"reducer": ("bucket_cap_mb",)}
@@ -103,6 +106,8 @@ def _assert_group_is_default(group: str, values: dict[str, Any], where: str, ski
             continue
         if value is None and key in NONE_IS_DEFAULT.get(group, ()):
             value = getattr(options(**{key: None}), key)  # what the options dataclass makes of None
+        if isinstance(defaults[key], tuple):  # a tuple field (float8.include) is a list in the config
+            value = tuple(value)
         assert value == defaults[key], f"{where}: {group}.{key}={value!r}, {options.__name__}.{key}={defaults[key]!r}"
 
 
@@ -136,7 +141,10 @@ def test_preset_yaml_sets_only_its_name_and_what_is_on_purpose(preset):
 @pytest.mark.parametrize("group", sorted(GROUP_SCHEMAS))
 def test_group_schema_defaults_are_the_options_defaults(group):
     """Field by field: ``strategy.<group>``'s schema default equals the options dataclass's."""
-    schema = {f.name: f.default for f in dataclasses.fields(GROUP_SCHEMAS[group])}
+    schema = {
+        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        for f in dataclasses.fields(GROUP_SCHEMAS[group])
+    }
     if group == "zero":
         assert schema == ZERO_GROUP_DEFAULTS
     for key in NONE_IS_DEFAULT.get(group, ()):

@@ -1,0 +1,292 @@
+"""The GPU check: one call on a machine with one NVIDIA GPU (``scripts/gpu_check.sh``), under 8 minutes.
+
+It trains a ~1B-parameter Llama-shaped model (Hugging Face ``LlamaForCausalLM`` built from a config, random weights:
+16 layers x 2048, SwiGLU 8192, 32 heads with 8 key/value heads, vocabulary 32000; 1.1 B parameters) in bf16
+(``precision="bf16-mixed"``: bf16 autocast, fp32 master weights and AdamW state) at sequence length 2048, through
+Lightning's ``Trainer``, in six rows:
+
+=========  ==================================================================================================
+layout     ``plain``: Lightning's own single-device strategy; ``zero3``: lightning_par's ``ZeroStrategy(stage=3)`` at
+           world 1 (FSDP2 per decoder layer, nccl process group of one rank)
+mode       ``eager``; ``compiled``: every decoder layer compiled on its own (:func:`compile_blocks`);
+           ``compiled+float8``: the same after torchao float8 (tensorwise) on every linear layer but the LM head
+           (``strategy.float8`` under zero3, with the float8 all-gather; :func:`lightning_par.float8.convert_float8`
+           on the plain network)
+=========  ==================================================================================================
+
+and reports, for each, **tokens/s** (``batch * seq * steps`` over the timed steps' wall time, the GPU synchronised at
+both ends), **MFU** (``flops_per_token * tokens/s`` over the GPU's bf16 dense peak from Lightning's table;
+``flops_per_token = 6 N + 12 n_layer hidden seq``, PaLM, Chowdhery et al. 2022, App. B; float8 rows are counted
+against the same bf16 peak, as torchtitan reports them) and **peak memory** (``torch.cuda.max_memory_allocated``
+over the timed steps), with the graphs dynamo compiled (one per distinct layer class and mode: the layers share
+theirs) and the float8 layers, so a row that silently did not compile or convert shows it. Each row runs in its own process (a clean allocator and process group), with a time limit.
+
+``--dry-run`` runs every piece on the CPU with a tiny Llama (2 layers x 64, sequence 64, 2 timed steps, compiled with
+``backend="aot_eager"``), in this process: the tests run it, so the GPU path is the same code with other sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LLAMA_1B", "LLAMA_TINY", "ROWS", "RowResult", "compile_blocks", "flops_per_token", "main", "markdown",
+           "measure_row"]
+
+#: ~1B Llama shape (Llama 3.2 1B's layers with a 32000-token vocabulary and an untied head): 1.10e9 parameters.
+LLAMA_1B: dict[str, Any] = dict(
+    hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+    vocab_size=32000, max_position_embeddings=2048, rope_theta=500000.0, tie_word_embeddings=False,
+)
+#: The dry run's shape (every dimension a multiple of 16 for float8).
+LLAMA_TINY: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False,
+)
+#: (layout, mode) in table order.
+ROWS: tuple[tuple[str, str], ...] = tuple(
+    (layout, mode) for layout in ("plain", "zero3") for mode in ("eager", "compiled", "compiled+float8")
+)
+
+
+@dataclass
+class RowResult:
+    """One row's figures (``None`` where the device has none: MFU and memory on the CPU)."""
+
+    layout: str
+    mode: str
+    params: int
+    tokens_per_s: float
+    step_s: float
+    mfu: float | None
+    peak_mem_gib: float | None
+    loss: float
+    compiled_graphs: int = 0
+    float8_layers: int = 0
+    error: str | None = None
+
+
+def flops_per_token(config: dict[str, Any], seq: int, params_no_embedding: int) -> float:
+    """Training FLOPs per token: ``6 N + 12 n_layer hidden seq`` (PaLM, App. B), ``N`` without the embedding."""
+    return float(6 * params_no_embedding + 12 * config["num_hidden_layers"] * config["hidden_size"] * seq)
+
+
+def compile_blocks(network: Any, backend: str = "inductor") -> int:
+    """Compile each decoder layer of ``network`` on its own: the layer's ``forward`` becomes one compiled function
+    shared by every layer (the layer passed as an argument, so dynamo traces one graph for all of them, its
+    parameters inputs), while the module hooks of FSDP2 or a reducer stay outside the graph (they run in
+    ``nn.Module.__call__``, around ``forward``). Lazy: the graph is traced at the first call, after any float8
+    conversion or sharding.
+
+    Returns:
+        The number of layers compiled.
+    """
+    import torch
+
+    from lightning_par import contract
+
+    paths = contract.checkpoint_modules(network, "full")
+    compiled: dict[type, Any] = {}
+    for path in paths:
+        layer = network.get_submodule(path)
+        cls = type(layer)
+        fn = compiled.setdefault(cls, torch.compile(cls.forward, backend=backend))
+        layer.forward = functools.partial(fn, layer)
+    return len(paths)
+
+
+def _module(config: dict[str, Any]) -> Any:
+    from lightning_par.hf import HFCausalLM
+
+    return HFCausalLM(model_type="llama", config=config, learning_rate=3e-4)
+
+
+class _Timer:
+    """A Lightning callback timing the optimizer steps after ``warmup``, the device synchronised at both ends."""
+
+    def __new__(cls, warmup: int, device: Any) -> Any:
+        import lightning as L
+        import torch
+
+        class Timer(L.Callback):
+            def __init__(self) -> None:
+                self.start = None
+                self.end = None
+                self.loss = float("nan")
+
+            def _sync(self) -> None:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+
+            def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+                if trainer.global_step == warmup and self.start is None:
+                    self._sync()
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(device)
+                    self.start = time.perf_counter()
+
+            def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, *args: Any) -> None:
+                loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+                self.loss = float(loss.detach())
+                self._sync()
+                self.end = time.perf_counter()
+
+        return Timer()
+
+
+def measure_row(layout: str, mode: str, *, config: dict[str, Any], seq: int, batch: int, steps: int, warmup: int,
+                device: str, backend: str = "inductor") -> RowResult:
+    """Train ``warmup + steps`` steps of one row and return its figures (see the module docstring)."""
+    import lightning as L
+    import torch
+    from lightning.fabric.utilities.throughput import get_available_flops
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_par.float8 import Float8Options, convert_float8
+
+    if (layout, mode) not in ROWS:
+        raise ValueError(f"row {layout}:{mode} is not valid: expected one of {[f'{a}:{b}' for a, b in ROWS]}.")
+    torch.manual_seed(0)
+    dev = torch.device(device)
+    module = _module(config)
+    network = module.model
+    float8 = mode.endswith("float8")
+    params = sum(p.numel() for p in network.parameters())
+    embedding = network.get_input_embeddings().weight.numel()
+    if layout == "plain":
+        strategy: Any = "auto"
+        if float8:
+            convert_float8(network, Float8Options(enabled=True))
+    else:
+        from lightning_par.strategies import ZeroStrategy
+
+        strategy = ZeroStrategy(stage=3, float8={"enabled": float8}, timeout_s=600)
+    if mode != "eager":
+        compile_blocks(network, backend)
+    g = torch.Generator().manual_seed(0)
+    total = warmup + steps
+    tokens = torch.randint(0, config["vocab_size"], (batch * total, seq + 1), generator=g)
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch, shuffle=False)
+    timer = _Timer(warmup, dev)
+    trainer = L.Trainer(
+        accelerator=dev.type, devices=1, strategy=strategy, precision="bf16-mixed", max_steps=total,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer], use_distributed_sampler=False,
+    )
+    from torch._dynamo.utils import counters
+
+    graphs_before = counters["stats"]["unique_graphs"]
+    trainer.fit(module, loader)
+    elapsed = timer.end - timer.start
+    tokens_per_s = batch * seq * steps / elapsed
+    peak = get_available_flops(dev, torch.bfloat16) if dev.type == "cuda" else None
+    fpt = flops_per_token(config, seq, params - embedding)
+    return RowResult(
+        layout=layout, mode=mode, params=params, tokens_per_s=tokens_per_s, step_s=elapsed / steps,
+        mfu=fpt * tokens_per_s / peak if peak else None,
+        peak_mem_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
+        loss=timer.loss,
+        compiled_graphs=counters["stats"]["unique_graphs"] - graphs_before,
+        float8_layers=sum(type(m).__name__ == "Float8Linear" for m in module.modules()),
+    )
+
+
+def markdown(results: list[RowResult], header: str) -> str:
+    """The table: one line per row, tokens/s also as a ratio to the same layout's eager row."""
+    lines = [header, "", "| layout | mode | params | tokens/s | / eager | MFU | step (s) | peak memory (GiB) | loss | "
+             "graphs | float8 layers |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    eager = {r.layout: r.tokens_per_s for r in results if r.mode == "eager" and r.error is None}
+    for r in results:
+        if r.error is not None:
+            lines.append(f"| {r.layout} | {r.mode} | - | FAILED | - | - | - | - | - | - | {r.error} |")
+            continue
+        ratio = f"{r.tokens_per_s / eager[r.layout]:.2f}" if r.layout in eager else "-"
+        mfu = f"{r.mfu:.1%}" if r.mfu is not None else "-"
+        mem = f"{r.peak_mem_gib:.1f}" if r.peak_mem_gib is not None else "-"
+        lines.append(f"| {r.layout} | {r.mode} | {r.params / 1e9:.2f}B | {r.tokens_per_s:.0f} | {ratio} | {mfu} | "
+                     f"{r.step_s:.3f} | {mem} | {r.loss:.4f} | {r.compiled_graphs} | {r.float8_layers} |")
+    return "\n".join(lines)
+
+
+def _settings(dry_run: bool) -> dict[str, Any]:
+    if dry_run:
+        return dict(config=LLAMA_TINY, seq=64, batch=2, steps=2, warmup=1, device="cpu", backend="aot_eager")
+    return dict(config=LLAMA_1B, seq=2048, batch=4, steps=10, warmup=3, device="cuda", backend="inductor")
+
+
+def _row_in_subprocess(row: str, json_path: Path, timeout_s: float) -> RowResult:
+    layout, mode = row.split(":")
+    cmd = [sys.executable, "-m", "lightning_par.benchmarks.gpu_check", "--row", row, "--json", str(json_path)]
+    try:
+        proc = subprocess.run(cmd, timeout=timeout_s, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return RowResult(layout, mode, 0, 0.0, 0.0, None, None, float("nan"), error=f"timed out after {timeout_s:.0f} s")
+    if proc.returncode != 0 or not json_path.exists():
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        return RowResult(layout, mode, 0, 0.0, 0.0, None, None, float("nan"), error=f"exit {proc.returncode}: {last}")
+    return RowResult(**json.loads(json_path.read_text()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the rows and write the table. Returns the exit status (non-zero: no CUDA device without ``--dry-run``,
+    or a row failed)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU, every row in this process")
+    parser.add_argument("--out", default="gpu_check.md", help="where the Markdown table is written")
+    parser.add_argument("--rows", default=",".join(f"{a}:{b}" for a, b in ROWS),
+                        help="comma-separated layout:mode rows")
+    parser.add_argument("--row-timeout-s", type=float, default=150.0, help="time limit of one row (GPU run)")
+    parser.add_argument("--row", help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    settings = _settings(args.dry_run)
+    if args.row:  # one row, in its own process (the GPU run)
+        layout, mode = args.row.split(":")
+        result = measure_row(layout, mode, **settings)
+        Path(args.json).write_text(json.dumps(asdict(result)))
+        return 0
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: FAILED: no CUDA device is visible to torch (torch.cuda.is_available() is False). This check "
+              "measures a GPU; run it on a machine with one NVIDIA GPU, or pass --dry-run to test it on the CPU.",
+              file=sys.stderr)
+        return 2
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    for row in rows:
+        if tuple(row.split(":")) not in ROWS:
+            parser.error(f"--rows: {row!r} is not valid: expected some of {[f'{a}:{b}' for a, b in ROWS]}")
+    start = time.perf_counter()
+    results = []
+    for row in rows:
+        if args.dry_run:
+            layout, mode = row.split(":")
+            results.append(measure_row(layout, mode, **settings))
+            continue
+        json_path = Path(args.out).with_suffix(f".{row.replace(':', '_').replace('+', '_')}.json")
+        json_path.unlink(missing_ok=True)
+        results.append(_row_in_subprocess(row, json_path, args.row_timeout_s))
+        print(markdown(results[-1:], f"row {row}:"), flush=True)
+    where = "CPU (dry run: tiny Llama, figures mean nothing)" if args.dry_run else torch.cuda.get_device_name(0)
+    cfg = settings["config"]
+    header = (f"GPU check on {where}: Llama-shaped {cfg['num_hidden_layers']} x {cfg['hidden_size']}, bf16-mixed, "
+              f"seq {settings['seq']}, batch {settings['batch']}, {settings['steps']} timed steps after "
+              f"{settings['warmup']}; {time.perf_counter() - start:.0f} s.")
+    table = markdown(results, header)
+    Path(args.out).write_text(table + "\n")
+    print(table)
+    return 1 if any(r.error for r in results) else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

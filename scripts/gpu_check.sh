@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU check (docs/float8.md, "The GPU check"): on a machine with one NVIDIA GPU, in under 8 minutes,
+#   1. the throughput table: tokens/s, MFU and peak memory of a ~1B Llama-shaped model, bf16, seq 2048, eager /
+#      per-block compiled / compiled + float8, under Lightning's plain single-device strategy and lightning_par's zero3
+#      at world 1 (lightning_par/benchmarks/gpu_check.py), written to $OUT (default gpu_check.md);
+#   2. the tests with a CUDA path (tests/gpu: nccl at world 1, float8 on CUDA), with
+#      LP_REQUIRE_CUDA=1 so that a test skipped for want of CUDA fails instead.
+# On a machine without a CUDA device it fails at once (exit 2). `scripts/gpu_check.sh --dry-run` runs every piece of
+# step 1 on the CPU with a tiny model and only collects the tests of step 2 (what CI checks).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python}"
+OUT="${OUT:-gpu_check.md}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+DRY=0
+for arg in "$@"; do [[ "$arg" == "--dry-run" ]] && DRY=1; done
+if [[ $DRY == 0 ]]; then
+  if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check: FAILED: no CUDA device is visible to torch on $(hostname) (torch.cuda.is_available() is False)." >&2
+    echo "gpu_check: run it on a machine with one NVIDIA GPU, or use --dry-run to check the script on the CPU." >&2
+    exit 2
+  fi
+fi
+start=$(date +%s)
+status=0
+"$PY" -m lightning_par.benchmarks.gpu_check --out "$OUT" "$@" || status=$?
+if [[ $DRY == 1 ]]; then
+  "$PY" -m pytest -q --collect-only -p no:cacheprovider tests/gpu >/dev/null || status=$?
+else
+  LP_REQUIRE_CUDA=1 timeout 180 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests/gpu \
+    || status=$?
+fi
+echo "gpu_check: table in $OUT; $(( $(date +%s) - start )) s; exit status $status"
+exit $status

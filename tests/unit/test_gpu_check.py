@@ -1,0 +1,69 @@
+"""The GPU check (``scripts/gpu_check.sh``) runs its every piece on the CPU in ``--dry-run``, and fails loudly on a
+machine without a CUDA device."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_par.benchmarks import gpu_check
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_rows_and_shapes():
+    assert gpu_check.ROWS == (
+        ("plain", "eager"), ("plain", "compiled"), ("plain", "compiled+float8"),
+        ("zero3", "eager"), ("zero3", "compiled"), ("zero3", "compiled+float8"),
+    )
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        net = LlamaForCausalLM(LlamaConfig(**gpu_check.LLAMA_1B))
+    params = sum(p.numel() for p in net.parameters())
+    assert 1.0e9 < params < 1.2e9  # "~1B"
+    # the MFU numerator: 6 N (without the input embedding) + the attention term, about 7.0 GFLOP per token at seq 2048
+    fpt = gpu_check.flops_per_token(gpu_check.LLAMA_1B, 2048, params - 32000 * 2048)
+    assert 6.8e9 < fpt < 7.2e9
+
+
+def test_dry_run_rows_compile_and_convert(tmp_path):
+    """Two rows of the dry run (the zero3 row with compile and float8, and the plain eager row) through ``main``:
+    the table is written, the compiled row compiled one graph shared by both decoder layers, float8 converted the
+    7 linear layers of each of the 2 layers."""
+    out = tmp_path / "table.md"
+    status = gpu_check.main(["--dry-run", "--out", str(out), "--rows", "plain:eager,zero3:compiled+float8"])
+    assert status == 0
+    table = out.read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| plain") or line.startswith("| zero3")]
+    assert len(rows) == 2, table
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    assert cells[0][:2] == ["plain", "eager"] and cells[0][-2:] == ["0", "0"]
+    assert cells[1][:2] == ["zero3", "compiled+float8"]
+    assert int(cells[1][-2]) >= 1 and int(cells[1][-1]) == 14, table
+    assert float(cells[1][3]) > 0  # tokens/s
+    assert "CPU (dry run" in table
+
+
+@pytest.mark.slow
+def test_dry_run_every_row(tmp_path):
+    out = tmp_path / "table.md"
+    assert gpu_check.main(["--dry-run", "--out", str(out)]) == 0
+    assert sum(line.startswith(("| plain", "| zero3")) for line in out.read_text().splitlines()) == 6
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_the_script_fails_loudly_without_a_gpu(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "t.md")}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "gpu_check: FAILED: no CUDA device" in proc.stderr and "--dry-run" in proc.stderr
+    assert not (tmp_path / "t.md").exists()
+    # the Python entry point refuses the same way
+    assert gpu_check.main(["--out", str(tmp_path / "u.md")]) == 2
