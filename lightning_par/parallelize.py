@@ -71,11 +71,10 @@ PLAIN_GROUPS: dict[str, type] = {
     "tensor_parallel": TensorParallelOptions,
     "pipeline": PipelineOptions,
     "context_parallel": ContextParallelOptions,
-    "float8": Float8Options,
 }
-#: Groups given only nested (``compile={"enabled": True}``, ``strategy.compile.enabled=true``): their field names
-#: (``enabled``, ``mode``) would say nothing flat.
-NESTED_GROUPS: dict[str, type] = {"compile": CompileOptions}
+#: Groups given only nested (``compile={"enabled": True}``, ``strategy.float8.recipe=rowwise``): their field names
+#: (``enabled``, ``mode``, ``recipe``) would say nothing flat, and two groups share ``enabled``.
+NESTED_GROUPS: dict[str, type] = {"compile": CompileOptions, "float8": Float8Options}
 
 #: Option group name -> the flat keyword names it owns.
 OPTION_GROUPS: dict[str, tuple[str, ...]] = {

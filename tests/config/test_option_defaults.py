@@ -156,9 +156,9 @@ def test_strategy_schema_defaults_are_the_constructor_defaults():
     """``StrategyConfig``'s fields (and ``Parallel3DConfig.dp_mode``) default to what the strategies do."""
     fields = {f.name: f.default for f in dataclasses.fields(StrategyConfig) if f.name not in GROUP_SCHEMAS}
     fields.pop("name")
-    # the groups every strategy has (strategy.compile) come from their options dataclass
+    # the groups every strategy has (strategy.compile, strategy.float8) come from their options dataclass
     assert {f.name: f.default_factory for f in dataclasses.fields(StrategyConfig) if f.name in GROUP_SCHEMAS} == {
-        "compile": CompileGroup}
+        "compile": CompileGroup, "float8": Float8Group}
     assert set(fields) | {"dp_mode"} == set(TOP_LEVEL_SOURCES)
     for key, value in fields.items():
         assert value == _top_level_default(key), f"StrategyConfig.{key}={value!r}"

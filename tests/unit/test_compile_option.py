@@ -173,6 +173,7 @@ def test_a_hugging_face_model_compiles_its_decoder_layers() -> None:
     from lightning_par.hf.module import HFCausalLM
 
     torch._dynamo.reset()
+    counters.clear()  # dynamo's counters outlive reset(): an earlier test's graphs (torchao's, say) would count here
     config = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=32, tie_word_embeddings=False)
     torch.manual_seed(0)
