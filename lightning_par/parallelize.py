@@ -45,6 +45,7 @@ from lightning_par.context_parallel.options import ContextParallelOptions
 from lightning_par.data_parallel.engine import DataParallelEngine
 from lightning_par.data_parallel.options import DP_MODES, ReducerOptions, ZeroOptions, resolve_zero_options, zero_stage
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS
+from lightning_par.data_parallel.fault_tolerance import FaultToleranceOptions
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.pipeline_parallel.options import PipelineOptions
 from lightning_par.restore import ModuleSnapshot
@@ -69,6 +70,7 @@ PLAIN_GROUPS: dict[str, type] = {
     "tensor_parallel": TensorParallelOptions,
     "pipeline": PipelineOptions,
     "context_parallel": ContextParallelOptions,
+    "fault_tolerance": FaultToleranceOptions,
 }
 
 #: Option group name -> the flat keyword names it owns.
@@ -90,6 +92,8 @@ class ParallelOptions:
         tensor_parallel: the tp axis's options.
         pipeline: the pp axis's options.
         context_parallel: the cp axis's options.
+        fault_tolerance: the fault-tolerant replicate axis across replica groups (torchft;
+            :mod:`lightning_par.data_parallel.fault_tolerance`).
         module_attr: attribute of the LightningModule holding the network (see :mod:`lightning_par.contract`).
         activation_checkpointing: ``"none"``, ``"full"`` (every block) or ``"selective"`` (the attention of every
             block; :mod:`lightning_par.activation_checkpointing`).
@@ -104,6 +108,7 @@ class ParallelOptions:
     tensor_parallel: TensorParallelOptions = field(default_factory=TensorParallelOptions)
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
     context_parallel: ContextParallelOptions = field(default_factory=ContextParallelOptions)
+    fault_tolerance: FaultToleranceOptions = field(default_factory=FaultToleranceOptions)
     module_attr: str | None = "model"
     activation_checkpointing: str = "none"
 
