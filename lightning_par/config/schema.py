@@ -30,6 +30,7 @@ from hydra.core.config_store import ConfigStore
 
 from lightning_par.config.option_schema import options_schema, signature_defaults
 from lightning_par.context_parallel.options import ContextParallelOptions
+from lightning_par.data_parallel.fault_tolerance import FaultToleranceOptions
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS, ReducerOptions, ZeroOptions
 from lightning_par.fault.preemption import PREEMPTION_SIGNALS
 from lightning_par.pipeline_parallel.options import PipelineOptions
@@ -132,6 +133,12 @@ ContextParallelGroup = options_schema(
     context_parallel.options.ContextParallelOptions`. ``method``: ring | all_to_all.""",
 )
 
+FaultToleranceGroup = options_schema(
+    "FaultToleranceGroup", FaultToleranceOptions, module=__name__,
+    doc="""``strategy.fault_tolerance``: the fault-tolerant replicate axis across replica groups (torchft), generated
+    from :class:`lightning_par.data_parallel.fault_tolerance.FaultToleranceOptions`; docs/fault-tolerance.md.""",
+)
+
 #: ``MeshStrategy``'s own keywords, with their defaults (the constructor is their source).
 _STRATEGY_DEFAULTS: dict[str, Any] = signature_defaults(
     MeshStrategy.__init__, ("timeout_s", "module_attr", "activation_checkpointing", "prog_bar")
@@ -160,6 +167,7 @@ class DDPOverlapConfig(StrategyConfig):
 
     name: str = "ddp_overlap"
     reducer: ReducerGroup = field(default_factory=ReducerGroup)
+    fault_tolerance: FaultToleranceGroup = field(default_factory=FaultToleranceGroup)
 
 
 @dataclass
@@ -169,6 +177,7 @@ class ZeroConfig(StrategyConfig):
     name: str = "zero3"
     zero: ZeroGroup = field(default_factory=ZeroGroup)
     reducer: ReducerGroup = field(default_factory=ReducerGroup)
+    fault_tolerance: FaultToleranceGroup = field(default_factory=FaultToleranceGroup)
 
 
 @dataclass
@@ -198,6 +207,7 @@ class Parallel3DConfig(StrategyConfig):
     #: ddp | zero1 | zero2 | zero3
     dp_mode: str = signature_defaults(Parallel3DStrategy.__init__, ("dp_mode",))["dp_mode"]
     reducer: ReducerGroup = field(default_factory=ReducerGroup)
+    fault_tolerance: FaultToleranceGroup = field(default_factory=FaultToleranceGroup)
     zero: ZeroGroup = field(default_factory=ZeroGroup)
     tensor_parallel: TensorParallelGroup = field(default_factory=TensorParallelGroup)
     pipeline: PipelineGroup = field(default_factory=PipelineGroup)

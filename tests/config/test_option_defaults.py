@@ -17,10 +17,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lightning_par.config.schema import (
-    STRATEGY_SCHEMAS, ContextParallelGroup, PipelineGroup, ReducerGroup, StrategyConfig, TensorParallelGroup, ZeroGroup,
+    STRATEGY_SCHEMAS, ContextParallelGroup, FaultToleranceGroup, PipelineGroup, ReducerGroup, StrategyConfig, TensorParallelGroup, ZeroGroup,
     register_configs,
 )
 from lightning_par.context_parallel.options import ContextParallelOptions
+from lightning_par.data_parallel.fault_tolerance import FaultToleranceOptions
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS, ReducerOptions, ZeroOptions, parse_mixed_precision
 from lightning_par.parallelize import ParallelOptions
 from lightning_par.pipeline_parallel.options import PipelineOptions
@@ -36,6 +37,7 @@ GROUP_OPTIONS: dict[str, type] = {
     "tensor_parallel": TensorParallelOptions,
     "pipeline": PipelineOptions,
     "context_parallel": ContextParallelOptions,
+    "fault_tolerance": FaultToleranceOptions,
 }
 #: Option group -> the schema generated from it.
 GROUP_SCHEMAS: dict[str, type] = {
@@ -44,6 +46,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "tensor_parallel": TensorParallelGroup,
     "pipeline": PipelineGroup,
     "context_parallel": ContextParallelGroup,
+    "fault_tolerance": FaultToleranceGroup,
 }
 #: Schema fields left at None, which their options dataclass documents as its default.
 NONE_IS_DEFAULT: dict[str, tuple[str, ...]] = {"reducer": ("bucket_cap_mb",)}
