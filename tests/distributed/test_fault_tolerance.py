@@ -102,11 +102,22 @@ def _bitwise_equal(a, b, where: str = "") -> None:
 KILL_AT = 3
 
 
-def test_killed_group_rejoins_with_live_state(tmp_path: Path) -> None:
-    """SIGKILL both ranks of group 1 (zero2 dp2, AdamW) at committed step >= 3: group 0 keeps stepping with 1 live
-    group (same processes, its committed step advancing), group 1 restarted joins at a step boundary with the state
-    streamed from group 0 (no checkpoint exists), and after that first step both groups' parameters and optimizer
-    state are bitwise equal rank by rank."""
+HANG_XFAIL = pytest.mark.xfail(
+    strict=False,
+    reason="measured 2026-11-27 (torchft 0.2.0, gloo): with group 1 SIGSTOPped, group 0 stopped stepping for over "
+           "60 s (no progress line after the stop) although step_timeout_s=5 and the lighthouse's heartbeat timeout "
+           "is 2 s; not diagnosed yet",
+)
+
+
+@pytest.mark.parametrize("fault", ["kill", pytest.param("hang", marks=[pytest.mark.slow, HANG_XFAIL])])
+def test_failed_group_rejoins_with_live_state(tmp_path: Path, fault: str) -> None:
+    """``kill``: SIGKILL both ranks of group 1 (zero2 dp2, AdamW) at committed step >= 3, then start it again;
+    ``hang``: SIGSTOP them (group 0's all-reduce times out after step_timeout_s, the lighthouse drops group 1 when its
+    heartbeats stop), then SIGCONT (the same processes resume, behind). Either way group 0 keeps stepping with 1 live
+    group (same processes, its committed step advancing), group 1 joins at a step boundary with the state streamed
+    from group 0 (no checkpoint exists), and after that first step both groups' parameters and optimizer state are
+    bitwise equal rank by rank."""
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=5000, heartbeat_timeout_ms=2000)
     stop = tmp_path / "stop"
     cfg = dict(lighthouse=lighthouse.address(), groups=2, world=2, dp_mode="zero2", optimizer="adamw",
@@ -116,17 +127,24 @@ def test_killed_group_rejoins_with_live_state(tmp_path: Path) -> None:
     try:
         _wait_for(lambda: any(l["ft_step"] >= KILL_AT and l["live"] == 2 for l in progress(tmp_path, 1)), 200,
                   "group 1 to commit with 2 live groups", tmp_path)
-        os.killpg(procs[1].pid, signal.SIGKILL)
+        os.killpg(procs[1].pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         t_kill = time.time()
-        procs[1].wait()
+        if fault == "kill":
+            procs[1].wait()
         _wait_for(lambda: sum(l["t"] > t_kill and l["live"] == 1 for l in progress(tmp_path, 0)) >= 3, 60,
                   "group 0 to step alone", tmp_path)
         t_restart = time.time()
         old_pids = {l["pid"] for l in progress(tmp_path, 1)}
-        procs[1] = start_group({**cfg, "group": 1})
+        recoveries_before = max(l["recoveries"] for l in progress(tmp_path, 1))
+        if fault == "kill":
+            procs[1] = start_group({**cfg, "group": 1})
+        else:
+            os.killpg(procs[1].pid, signal.SIGCONT)
 
         def rejoined() -> list[dict]:
-            return [l for l in progress(tmp_path, 1) if l["pid"] not in old_pids]
+            if fault == "kill":
+                return [l for l in progress(tmp_path, 1) if l["pid"] not in old_pids]
+            return [l for l in progress(tmp_path, 1) if l["t"] > t_restart and l["recoveries"] > recoveries_before]
 
         _wait_for(lambda: len(rejoined()) >= 3, 200, "group 1 to rejoin", tmp_path)
         stop.touch()
@@ -147,8 +165,10 @@ def test_killed_group_rejoins_with_live_state(tmp_path: Path) -> None:
         assert len(outage) >= 3 and all(l["live"] == 1 for l in outage[1:]), outage
         assert outage[-1]["ft_step"] > outage[0]["ft_step"]
     # Group 1 rejoined: its first step after the restart received the live state, then stepped with 2 live groups.
-    first = [l for l in progress(tmp_path, 1) if l["pid"] not in old_pids][0]
-    assert first["recoveries"] >= 1 and first["live"] == 2, first
+    first = rejoined()[0]
+    assert first["recoveries"] > (0 if fault == "kill" else recoveries_before) and first["live"] == 2, first
+    if fault == "hang":  # the same processes resumed
+        assert {l["pid"] for l in progress(tmp_path, 1)} == old_pids
     assert first["ft_step"] > KILL_AT
     for rank in (0, 1):
         s = first["ft_step"]
@@ -161,7 +181,7 @@ def test_killed_group_rejoins_with_live_state(tmp_path: Path) -> None:
     assert summary["ft_recoveries"] >= 1 and summary["ft_recovery_bytes"] > 0, summary
     assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("*.distcp")), "no checkpoint exists"
     rejoin_s = first["t"] - t_restart
-    print(f"\nrejoin: {rejoin_s:.1f} s from restart to the first committed step (process start included), "
+    print(f"\n{fault}: rejoin {rejoin_s:.1f} s from restart/SIGCONT to the first committed step (process start included), "
           f"state transfer + apply {first['recovery_s']:.3f} s, {summary['ft_recovery_bytes']} bytes per rank; "
           f"group 0 committed {sum(1 for l in progress(tmp_path, 0) if t_kill < l['t'] < t_restart)} steps alone")
     assert rejoin_s < 120
