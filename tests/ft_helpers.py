@@ -68,6 +68,10 @@ class Progress(L.Callback):
 
 def ft_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     """One rank of replica group ``cfg["group"]``: fit the residual MLP for ``cfg["steps"]`` steps."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test can ask a stuck rank where it is
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     groups = cfg["groups"]
     ft = dict(enabled=True, lighthouse=cfg["lighthouse"], replica_group_id=cfg["group"], num_replica_groups=groups,

@@ -102,15 +102,7 @@ def _bitwise_equal(a, b, where: str = "") -> None:
 KILL_AT = 3
 
 
-HANG_XFAIL = pytest.mark.xfail(
-    strict=False,
-    reason="measured 2026-11-27 (torchft 0.2.0, gloo): with group 1 SIGSTOPped, group 0 stopped stepping for over "
-           "60 s (no progress line after the stop) although step_timeout_s=5 and the lighthouse's heartbeat timeout "
-           "is 2 s; not diagnosed yet",
-)
-
-
-@pytest.mark.parametrize("fault", ["kill", pytest.param("hang", marks=[pytest.mark.slow, HANG_XFAIL])])
+@pytest.mark.parametrize("fault", ["kill", pytest.param("hang", marks=pytest.mark.slow)])
 def test_failed_group_rejoins_with_live_state(tmp_path: Path, fault: str) -> None:
     """``kill``: SIGKILL both ranks of group 1 (zero2 dp2, AdamW) at committed step >= 3, then start it again;
     ``hang``: SIGSTOP them (group 0's all-reduce times out after step_timeout_s, the lighthouse drops group 1 when its
@@ -127,7 +119,12 @@ def test_failed_group_rejoins_with_live_state(tmp_path: Path, fault: str) -> Non
     try:
         _wait_for(lambda: any(l["ft_step"] >= KILL_AT and l["live"] == 2 for l in progress(tmp_path, 1)), 200,
                   "group 1 to commit with 2 live groups", tmp_path)
-        os.killpg(procs[1].pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        # every rank of group 1 (the launcher starts each rank as its own process group) and its launcher
+        rank_pids = {l["pid"] for r in (0, 1) for l in progress(tmp_path, 1, r)}
+        sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
+        for pid in rank_pids:
+            os.killpg(pid, sig)
+        os.killpg(procs[1].pid, sig)
         t_kill = time.time()
         if fault == "kill":
             procs[1].wait()
@@ -139,7 +136,8 @@ def test_failed_group_rejoins_with_live_state(tmp_path: Path, fault: str) -> Non
         if fault == "kill":
             procs[1] = start_group({**cfg, "group": 1})
         else:
-            os.killpg(procs[1].pid, signal.SIGCONT)
+            for pid in (*rank_pids, procs[1].pid):
+                os.killpg(pid, signal.SIGCONT)
 
         def rejoined() -> list[dict]:
             if fault == "kill":
