@@ -17,7 +17,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lightning_par.config.schema import (
-    STRATEGY_SCHEMAS, ContextParallelGroup, FaultToleranceGroup, PipelineGroup, ReducerGroup, StrategyConfig, TensorParallelGroup, ZeroGroup,
+    STRATEGY_SCHEMAS, ContextParallelGroup, FaultToleranceGroup, PipelineGroup, ReducerGroup, StrategyConfig,
+    TensorParallelGroup, ZeroGroup,
     register_configs,
 )
 from lightning_par.context_parallel.options import ContextParallelOptions

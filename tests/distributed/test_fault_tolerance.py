@@ -179,7 +179,8 @@ def test_failed_group_rejoins_with_live_state(tmp_path: Path, fault: str) -> Non
     assert summary["ft_recoveries"] >= 1 and summary["ft_recovery_bytes"] > 0, summary
     assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("*.distcp")), "no checkpoint exists"
     rejoin_s = first["t"] - t_restart
-    print(f"\n{fault}: rejoin {rejoin_s:.1f} s from restart/SIGCONT to the first committed step (process start included), "
+    print(f"\n{fault}: rejoin {rejoin_s:.1f} s from restart/SIGCONT to the first committed step (process start "
+          f"included), "
           f"state transfer + apply {first['recovery_s']:.3f} s, {summary['ft_recovery_bytes']} bytes per rank; "
           f"group 0 committed {sum(1 for l in progress(tmp_path, 0) if t_kill < l['t'] < t_restart)} steps alone")
     assert rejoin_s < 120
