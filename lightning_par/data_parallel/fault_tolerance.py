@@ -142,14 +142,13 @@ def check_fault_tolerance(options: Any, sizes: dict[str, Any]) -> None:
             f"receives its peer's state as plain local tensors, which {options.dp_mode} (FSDP2 DTensor shards) does "
             f"not keep in this version. Use dp_mode in {list(FT_DP_MODES)}."
         )
-    for name in ("dp_replicate_size", "tp_size", "pp_size", "cp_size", "ep_size"):
-        value = sizes.get(name, 1)
-        if value not in (1, -1):
-            what = ("the replica groups are the replicate axis: use dp_shard_size (or dp_size) inside each group and "
-                    "fault_tolerance.num_replica_groups across them" if name == "dp_replicate_size" else
-                    "only data parallelism (ddp, zero1, zero2) runs inside a fault-tolerant replica group in this "
-                    "version")
-            raise ValueError(f"{name}={value} is not valid with fault_tolerance.enabled=True: {what}. Use {name}=1.")
+    for name, value in sizes.items():  # every size but the group's own dp ranks
+        if name in ("dp_size", "dp_shard_size") or value in (1, -1):
+            continue
+        what = ("the replica groups are the replicate axis: use dp_shard_size (or dp_size) inside each group and "
+                "fault_tolerance.num_replica_groups across them" if name == "dp_replicate_size" else
+                "only data parallelism (ddp, zero1, zero2) runs inside a fault-tolerant replica group in this version")
+        raise ValueError(f"{name}={value} is not valid with fault_tolerance.enabled=True: {what}. Use {name}=1.")
 
 
 def _host_port(address: str) -> tuple[str, int] | None:

@@ -96,3 +96,14 @@ def test_no_lighthouse_address_is_named(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     with pytest.raises(ValueError, match=r"fault_tolerance.lighthouse=None and \$TORCHFT_LIGHTHOUSE is unset"):
         FaultToleranceOptions(enabled=True).lighthouse_address()
+
+
+def test_every_further_axis_is_refused() -> None:
+    """Sizes of the axes registered besides dp (cp, ep, the next one) are refused the same way."""
+    from lightning_par.parallel_dims import ParallelDims
+
+    for name in ParallelDims.size_names():
+        if name in ("dp_size", "dp_shard_size", "tp_size", "pp_size", "dp_replicate_size"):
+            continue
+        with pytest.raises(ValueError, match=f"{name}=2 is not valid with fault_tolerance.enabled=True"):
+            MeshStrategy(fault_tolerance=ON, **{name: 2})
