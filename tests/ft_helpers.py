@@ -53,7 +53,8 @@ class Progress(L.Callback):
         if self.cfg.get("dump"):
             tmp = self.dir / f".tmp_g{self.cfg['group']}_r{self.rank}.pt"
             torch.save(ft._state_dict(), tmp)
-            os.replace(tmp, self.dir / f"state_g{self.cfg['group']}_r{self.rank}_s{step}.pt")
+            key = trainer.global_step if self.cfg.get("dump_by") == "global_step" else step
+            os.replace(tmp, self.dir / f"state_g{self.cfg['group']}_r{self.rank}_s{key}.pt")
         line = {"pid": os.getpid(), "t": time.time(), "global_step": trainer.global_step, "ft_step": step,
                 "live": ft.live_replicas, "committed": ft.steps_committed, "recoveries": ft.recoveries,
                 "recovery_s": ft.recovery_s}
@@ -76,7 +77,9 @@ def ft_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     groups = cfg["groups"]
     ft = dict(enabled=True, lighthouse=cfg["lighthouse"], replica_group_id=cfg["group"], num_replica_groups=groups,
               min_replicas=cfg.get("min_replicas", groups), step_timeout_s=cfg.get("step_timeout_s", 20.0),
-              quorum_timeout_s=cfg.get("quorum_timeout_s", 60.0), connect_timeout_s=cfg.get("connect_timeout_s", 10.0))
+              quorum_timeout_s=cfg.get("quorum_timeout_s", 60.0), connect_timeout_s=cfg.get("connect_timeout_s", 10.0),
+              **{k: cfg[k] for k in ("init_sync", "diloco_sync_every", "diloco_outer_lr", "diloco_outer_momentum")
+                 if k in cfg})
     strategy = MeshStrategy(dp_size=world, dp_mode=cfg["dp_mode"], timeout_s=120.0, fault_tolerance=ft)
     dataset = regression_dataset()
     sampler = DistributedSampler(dataset, num_replicas=world * groups, rank=cfg["group"] * world + rank, shuffle=False)
@@ -95,7 +98,7 @@ def start_group(cfg: dict[str, Any]) -> subprocess.Popen:
     ``{dir}/result_g{group}.pt``."""
     path = Path(cfg["dir"]) / f"cfg_g{cfg['group']}_{time.time_ns()}.json"
     path.write_text(json.dumps(cfg))
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     log = open(Path(cfg["dir"]) / f"log_g{cfg['group']}.txt", "a")
     return subprocess.Popen([sys.executable, "-m", "tests.ft_helpers", str(path)], cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -54,6 +54,11 @@ class FaultToleranceOptions:
             time.
         init_sync: at the first step, every group takes the weights of one (as at a rejoin); ``False`` when every
             group initialises identically from the seed.
+        diloco_sync_every: ``0``: synchronous (gradients averaged every step); ``H > 0``: torchft's DiLoCo: each group
+            steps its own (inner) optimizer, and every ``H`` steps the groups average their pseudo-gradients
+            (global weights minus local weights) and step an outer SGD on them.
+        diloco_outer_lr: the outer SGD's learning rate.
+        diloco_outer_momentum: the outer SGD's momentum (Nesterov when ``> 0``, as in the DiLoCo paper).
 
     Raises:
         ValueError: a field of the wrong type or range, named in the message.
@@ -68,6 +73,9 @@ class FaultToleranceOptions:
     quorum_timeout_s: float = 60.0
     connect_timeout_s: float = 10.0
     init_sync: bool = True
+    diloco_sync_every: int = 0
+    diloco_outer_lr: float = 0.7
+    diloco_outer_momentum: float = 0.9
 
     def __post_init__(self) -> None:
         p = "fault_tolerance."
@@ -76,6 +84,9 @@ class FaultToleranceOptions:
         check_int(p + "num_replica_groups", self.num_replica_groups, 1)
         check_int(p + "replica_group_id", self.replica_group_id, 0)
         check_int(p + "min_replicas", self.min_replicas, 1)
+        check_int(p + "diloco_sync_every", self.diloco_sync_every, 0)
+        check_number(p + "diloco_outer_lr", self.diloco_outer_lr, unit="")
+        check_number(p + "diloco_outer_momentum", self.diloco_outer_momentum, inclusive=True, maximum=1.0)
         if self.replica_group_id >= self.num_replica_groups:
             raise ValueError(
                 f"{p}replica_group_id={self.replica_group_id} is not valid with {p}num_replica_groups="
@@ -141,6 +152,12 @@ def check_fault_tolerance(options: Any, sizes: dict[str, Any]) -> None:
             f"dp_mode={options.dp_mode!r} is not valid with fault_tolerance.enabled=True: a joining replica group "
             f"receives its peer's state as plain local tensors, which {options.dp_mode} (FSDP2 DTensor shards) does "
             f"not keep in this version. Use dp_mode in {list(FT_DP_MODES)}."
+        )
+    if ft.diloco_sync_every and options.dp_mode != "ddp":
+        raise ValueError(
+            f"fault_tolerance.diloco_sync_every={ft.diloco_sync_every} is not valid with dp_mode={options.dp_mode!r}: "
+            f"torchft's DiLoCo keeps the module's own parameters as the global copy, which ZeRO's sharded optimizer "
+            f"does not step. Use dp_mode='ddp' or fault_tolerance.diloco_sync_every=0."
         )
     for name, value in sizes.items():  # every size but the group's own dp ranks
         if name in ("dp_size", "dp_shard_size") or value in (1, -1):
@@ -252,7 +269,19 @@ class FaultTolerantReplicas:
         self.recovery_bytes = 0
         self.recoveries = 0
         self.joined_at_step: int | None = None
-        self._load_t0: float | None = None
+        self.diloco: Any = None
+
+    def enter_diloco(self, inner_optimizer: torch.optim.Optimizer) -> None:
+        """Hand the step protocol to torchft's DiLoCo (``diloco_sync_every > 0``): its hooks on ``inner_optimizer``
+        run the quorum and the pseudo-gradient sync every ``H`` inner steps; :meth:`begin_step`,
+        :meth:`average_gradients` and :meth:`commit` are then not used."""
+        from torchft.local_sgd import DiLoCo
+
+        o = self.options
+        outer = torch.optim.SGD(self.module.parameters(), lr=o.diloco_outer_lr, momentum=o.diloco_outer_momentum,
+                                nesterov=o.diloco_outer_momentum > 0)
+        self.diloco = DiLoCo(self.manager, [self.module], inner_optimizer, outer, sync_every=o.diloco_sync_every)
+        self.diloco.__enter__()
 
     # ------------------------------------------------------------------ state streamed to a joining group
     def _state_dict(self) -> dict[str, Any]:
@@ -333,4 +362,6 @@ class FaultTolerantReplicas:
         }
 
     def shutdown(self) -> None:
+        if self.diloco is not None:
+            self.diloco.__exit__(None, None, None)
         self.manager.shutdown(wait=False)

@@ -372,6 +372,13 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
                     lambda: [getattr(o, "_optimizer", o) for o in self.optimizers],
                     dist.get_rank(), dist.get_world_size(),
                 )
+                if self.options.fault_tolerance.diloco_sync_every:
+                    if len(self.optimizers) != 1:
+                        raise ValueError(
+                            f"fault_tolerance.diloco_sync_every needs exactly one optimizer (the inner one); "
+                            f"configure_optimizers returned {len(self.optimizers)}."
+                        )
+                    self.ft.enter_diloco(getattr(self.optimizers[0], "_optimizer", self.optimizers[0]))
         # Norm clipping must see the whole model's norm: every shard, every stage.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         # Value clipping clamps each rank's gradient shards (torch's clip_grad_value_ refuses DTensor gradients).
@@ -468,7 +475,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         assert self.parallel is not None
         batch, rest, kwargs = _split_batch(args, kwargs)
         batch_idx = rest[0] if rest else kwargs.get("batch_idx", 0)
-        if self.ft is not None:  # quorum of the live replica groups; a joining group takes a live peer's state here
+        if self.ft is not None and self.ft.diloco is None:  # quorum of the live replica groups; a joining group takes a live peer's state here
             self.ft.begin_step()
             for name, value in self.ft.figures().items():
                 self.lightning_module.log(f"parallel/{name}", value, on_step=True, on_epoch=False)
@@ -505,7 +512,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
             return out
 
         ft = self.ft
-        if ft is None:
+        if ft is None or ft.diloco is not None:  # DiLoCo: its hooks on the optimizer sync every H steps
             return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
         # Across replica groups: this rank's gradients (its shard under ZeRO) averaged over the live groups, then the
         # commit vote; a step some live group could not finish is skipped by every group (no update, no state).

@@ -184,3 +184,42 @@ def test_failed_group_rejoins_with_live_state(tmp_path: Path, fault: str) -> Non
           f"state transfer + apply {first['recovery_s']:.3f} s, {summary['ft_recovery_bytes']} bytes per rank; "
           f"group 0 committed {sum(1 for l in progress(tmp_path, 0) if t_kill < l['t'] < t_restart)} steps alone")
     assert rejoin_s < 120
+
+
+def test_diloco_h1_is_plain_dp_and_groups_agree_at_every_sync(tmp_path: Path) -> None:
+    """torchft's DiLoCo on the replicate axis, 2 groups x ddp dp1, side by side with their own lighthouses:
+    ``H=1``, inner SGD+momentum, outer SGD lr 1 without momentum == one process on the global batch (plain dp) at
+    rel 1e-5 over 8 steps; ``H=2`` (outer Nesterov SGD): after every sync both groups hold bitwise the same
+    parameters, and between syncs they differ (each group stepped on its own data)."""
+    lighthouses, procs, dirs = [], [], {}
+    runs = {"h1": dict(diloco_sync_every=1, diloco_outer_lr=1.0, diloco_outer_momentum=0.0),
+            "h2": dict(diloco_sync_every=2, diloco_outer_lr=0.7, diloco_outer_momentum=0.9, dump=True,
+                       dump_by="global_step")}
+    try:
+        for name, extra in runs.items():
+            lighthouses.append(LighthouseServer(bind="[::]:0", min_replicas=2))
+            dirs[name] = tmp_path / name
+            dirs[name].mkdir()
+            cfg = dict(lighthouse=lighthouses[-1].address(), groups=2, world=1, dp_mode="ddp", optimizer="sgd",
+                       micro_batch=MICRO, steps=STEPS, dir=str(dirs[name]), min_replicas=2, init_sync=False, **extra)
+            procs += [start_group({**cfg, "group": g}) for g in range(2)]
+        try:
+            _wait(procs, 240)
+        except AssertionError:
+            raise AssertionError("\n".join(_logs(d) for d in dirs.values()))
+    finally:
+        for lighthouse in lighthouses:
+            lighthouse.shutdown()
+    ranks = [torch.load(dirs["h1"] / f"result_g{g}.pt", weights_only=False)[0] for g in range(2)]
+    ref_losses, ref_state = reference_fit(lambda: make_mlp("sgd"), regression_dataset(), MICRO * 2, STEPS)
+    losses = [sum(r["losses"][i] for r in ranks) / 2 for i in range(STEPS)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for r in ranks:
+        assert_params_close(r["state"], ref_state)
+        assert r["summary"]["ft_manager_step"] == STEPS, r["summary"]
+    for step in range(1, STEPS + 1):
+        a, b = (torch.load(dirs["h2"] / f"state_g{g}_r0_s{step}.pt", weights_only=False)["module"] for g in (0, 1))
+        same = all(torch.equal(a[k], b[k]) for k in a)
+        assert same == (step % 2 == 0), (step, same)
+    summary = torch.load(dirs["h2"] / "result_g0.pt", weights_only=False)[0]["summary"]
+    assert summary["ft_manager_step"] == STEPS // 2, summary
