@@ -45,6 +45,7 @@ from lightning_par.compile import CompileOptions
 from lightning_par.context_parallel.options import ContextParallelOptions
 from lightning_par.data_parallel.engine import DataParallelEngine
 from lightning_par.data_parallel.options import DP_MODES, ReducerOptions, ZeroOptions, resolve_zero_options, zero_stage
+from lightning_par.data_parallel.fault_tolerance import FaultToleranceOptions
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS
 from lightning_par.float8 import Float8Options
 from lightning_par.parallel_dims import ParallelDims
@@ -72,9 +73,12 @@ PLAIN_GROUPS: dict[str, type] = {
     "pipeline": PipelineOptions,
     "context_parallel": ContextParallelOptions,
 }
-#: Groups given only nested (``compile={"enabled": True}``, ``strategy.float8.recipe=rowwise``): their field names
-#: (``enabled``, ``mode``, ``recipe``) would say nothing flat, and two groups share ``enabled``.
-NESTED_GROUPS: dict[str, type] = {"compile": CompileOptions, "float8": Float8Options}
+#: Groups given only nested (``compile={"enabled": True}``, ``strategy.float8.recipe=rowwise``,
+#: ``fault_tolerance={...}``): their field names (``enabled``, ``mode``, ``recipe``) would say nothing flat, and three
+#: groups share ``enabled``.
+NESTED_GROUPS: dict[str, type] = {
+    "compile": CompileOptions, "float8": Float8Options, "fault_tolerance": FaultToleranceOptions,
+}
 
 #: Option group name -> the flat keyword names it owns.
 OPTION_GROUPS: dict[str, tuple[str, ...]] = {
@@ -97,6 +101,8 @@ class ParallelOptions:
         context_parallel: the cp axis's options.
         compile: ``torch.compile`` of every block (:mod:`lightning_par.compile`).
         float8: float8 training of the selected ``nn.Linear`` layers (:mod:`lightning_par.float8`).
+        fault_tolerance: the fault-tolerant replicate axis across replica groups (torchft;
+            :mod:`lightning_par.data_parallel.fault_tolerance`).
         module_attr: attribute of the LightningModule holding the network (see :mod:`lightning_par.contract`).
         activation_checkpointing: ``"none"``, ``"full"`` (every block) or ``"selective"`` (the attention of every
             block; :mod:`lightning_par.activation_checkpointing`).
@@ -113,6 +119,7 @@ class ParallelOptions:
     context_parallel: ContextParallelOptions = field(default_factory=ContextParallelOptions)
     compile: CompileOptions = field(default_factory=CompileOptions)
     float8: Float8Options = field(default_factory=Float8Options)
+    fault_tolerance: FaultToleranceOptions = field(default_factory=FaultToleranceOptions)
     module_attr: str | None = "model"
     activation_checkpointing: str = "none"
 

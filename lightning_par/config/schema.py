@@ -31,6 +31,7 @@ from hydra.core.config_store import ConfigStore
 from lightning_par.compile import CompileOptions
 from lightning_par.config.option_schema import options_schema, signature_defaults
 from lightning_par.context_parallel.options import ContextParallelOptions
+from lightning_par.data_parallel.fault_tolerance import FaultToleranceOptions
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS, ReducerOptions, ZeroOptions
 from lightning_par.fault.preemption import PREEMPTION_SIGNALS
 from lightning_par.float8 import Float8Options
@@ -150,6 +151,11 @@ Float8Group = options_schema(
     :class:`lightning_par.float8.Float8Options`. ``recipe``: tensorwise | rowwise; ``include``/``exclude``: module path
     patterns; ``fsdp_all_gather``: null (on under zero3 with tensorwise) | true | false.""",
 )
+FaultToleranceGroup = options_schema(
+    "FaultToleranceGroup", FaultToleranceOptions, module=__name__,
+    doc="""``strategy.fault_tolerance``: the fault-tolerant replicate axis across replica groups (torchft), generated
+    from :class:`lightning_par.data_parallel.fault_tolerance.FaultToleranceOptions`; docs/fault-tolerance.md.""",
+)
 
 #: ``MeshStrategy``'s own keywords, with their defaults (the constructor is their source).
 _STRATEGY_DEFAULTS: dict[str, Any] = signature_defaults(
@@ -183,6 +189,7 @@ class DDPOverlapConfig(StrategyConfig):
 
     name: str = "ddp_overlap"
     reducer: ReducerGroup = field(default_factory=ReducerGroup)
+    fault_tolerance: FaultToleranceGroup = field(default_factory=FaultToleranceGroup)
 
 
 @dataclass
@@ -192,6 +199,7 @@ class ZeroConfig(StrategyConfig):
     name: str = "zero3"
     zero: ZeroGroup = field(default_factory=ZeroGroup)
     reducer: ReducerGroup = field(default_factory=ReducerGroup)
+    fault_tolerance: FaultToleranceGroup = field(default_factory=FaultToleranceGroup)
 
 
 @dataclass
@@ -221,6 +229,7 @@ class Parallel3DConfig(StrategyConfig):
     #: ddp | zero1 | zero2 | zero3
     dp_mode: str = signature_defaults(Parallel3DStrategy.__init__, ("dp_mode",))["dp_mode"]
     reducer: ReducerGroup = field(default_factory=ReducerGroup)
+    fault_tolerance: FaultToleranceGroup = field(default_factory=FaultToleranceGroup)
     zero: ZeroGroup = field(default_factory=ZeroGroup)
     tensor_parallel: TensorParallelGroup = field(default_factory=TensorParallelGroup)
     pipeline: PipelineGroup = field(default_factory=PipelineGroup)

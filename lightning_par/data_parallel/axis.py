@@ -54,7 +54,7 @@ def _apply(build: Build) -> None:
 DATA_PARALLEL = Axis(
     name="dp",
     size_fields=("dp_size", "dp_replicate_size", "dp_shard_size"),
-    option_groups=("reducer", "zero"),
+    option_groups=("reducer", "zero", "fault_tolerance"),
     check=_check,
     steps=(("data", _apply),),
     planner=DATA_PARALLEL_TERMS,

@@ -43,6 +43,7 @@ from typing_extensions import override
 
 from lightning_par.axes import EVERY_AXIS, axis_of_group, check_sizes
 from lightning_par.checkpoint.strategy_io import ShardedCheckpointIO
+from lightning_par.data_parallel.fault_tolerance import FaultTolerantReplicas, check_fault_tolerance, check_lighthouse
 from lightning_par.callbacks.metrics import log_comm_stats
 from lightning_par.callbacks.model_summary import install as install_model_summary
 from lightning_par.fault.elastic import init_process_group_per_attempt
@@ -166,6 +167,8 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         self.options = ParallelOptions.build(dp_mode, module_attr, activation_checkpointing, **options)
         self.options.check_layout(pp_size)
         self._sizes = sizes
+        check_fault_tolerance(self.options, sizes)
+        self.ft: Any = None  # the FaultTolerantReplicas of this rank (fault_tolerance.enabled), from setup()
         self._timeout_s = check_number("timeout_s", timeout_s, unit="seconds", maximum=MAX_TIMEOUT_S)
         self.prog_bar = bool(prog_bar)
         self._process_group_backend = process_group_backend
@@ -234,6 +237,10 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         """Shard batches over the dp ranks only: every tp, cp and pp rank of a replica reads the same samples."""
         dims = self.parallel_dims
         assert dims is not None
+        ft = self.options.fault_tolerance
+        if ft.enabled:  # every replica group's dp ranks, in group order: a group that is down leaves its share out
+            return {"num_replicas": dims.dp_size * ft.num_replica_groups,
+                    "rank": ft.replica_group_id * dims.dp_size + dims.coordinates(self.global_rank)["dp"]}
         return {"num_replicas": dims.dp_size, "rank": dims.coordinates(self.global_rank)["dp"]}
 
     @property
@@ -264,6 +271,9 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         # Validate the layout, and the model against it, before any process group starts.
         dims = self.resolve_parallel_dims(self.num_nodes * self.num_processes)
         self.validate_model(dims)
+        ft = self.options.fault_tolerance
+        if ft.enabled:  # an unreachable lighthouse is named now, within connect_timeout_s, before any process group
+            check_lighthouse(ft.lighthouse_address(), ft.connect_timeout_s)
         reset_seed()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
@@ -357,6 +367,19 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
             self.precision_plugin.scaler = distributed_scaler(scaler)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            if self.options.fault_tolerance.enabled and self.ft is None:
+                self.ft = FaultTolerantReplicas(
+                    self.options.fault_tolerance, self.lightning_module,
+                    lambda: [getattr(o, "_optimizer", o) for o in self.optimizers],
+                    dist.get_rank(), dist.get_world_size(),
+                )
+                if self.options.fault_tolerance.diloco_sync_every:
+                    if len(self.optimizers) != 1:
+                        raise ValueError(
+                            f"fault_tolerance.diloco_sync_every needs exactly one optimizer (the inner one); "
+                            f"configure_optimizers returned {len(self.optimizers)}."
+                        )
+                    self.ft.enter_diloco(getattr(self.optimizers[0], "_optimizer", self.optimizers[0]))
         # Norm clipping must see the whole model's norm: every shard, every stage.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         # Value clipping clamps each rank's gradient shards (torch's clip_grad_value_ refuses DTensor gradients).
@@ -421,6 +444,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         failed = self._exception is not None
         keep = module is not None and self.parallel is not None and parallel_model_of(module) is self.parallel
         parts: list[tuple[str, Any]] = [
+            ("fault tolerance manager", self.ft.shutdown if self.ft is not None else None),
             ("reshard", (lambda: self.parallel.engine.reshard()) if failed and self.parallel is not None else None),
             ("cluster environment", self.cluster_environment.teardown if self.cluster_environment else None),
             ("optimizers to CPU", lambda: _optimizers_to_device(self.optimizers, torch.device("cpu"))),
@@ -456,6 +480,10 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         assert self.parallel is not None
         batch, rest, kwargs = _split_batch(args, kwargs)
         batch_idx = rest[0] if rest else kwargs.get("batch_idx", 0)
+        if self.ft is not None and self.ft.diloco is None:  # quorum of the live replica groups; a joining group takes a live peer's state here
+            self.ft.begin_step()
+            for name, value in self.ft.figures().items():
+                self.lightning_module.log(f"parallel/{name}", value, on_step=True, on_epoch=False)
         out = self.parallel.steps.training_step(
             self, lambda b: super(MeshStrategy, self).training_step(b, *rest, **kwargs), batch, batch_idx
         )
@@ -488,7 +516,17 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
             parallel.finish_gradients()
             return out
 
-        return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
+        ft = self.ft
+        if ft is None or ft.diloco is not None:  # DiLoCo: its hooks on the optimizer sync every H steps
+            return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
+        # Across replica groups: this rank's gradients (its shard under ZeRO) averaged over the live groups, then the
+        # commit vote; a step some live group could not finish is skipped by every group (no update, no state).
+        out = closure_then_finish()
+        ft.average_gradients([p for g in optimizer.param_groups for p in g["params"]])
+        if not ft.commit():
+            optimizer.zero_grad(set_to_none=True)
+            return out
+        return super().optimizer_step(optimizer, lambda: out, model, **kwargs)
 
     @contextmanager
     @override
@@ -645,6 +683,8 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
             extras["zero_reduce_dtype"] = str(zero.reduce_dtype) if zero.reduce_dtype else None
         if self.parallel is not None:
             extras.update(self.parallel.summary())
+        if self.ft is not None:
+            extras.update(self.ft.summary())
         return extras
 
     @classmethod

@@ -17,12 +17,14 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lightning_par.config.schema import (
-    STRATEGY_SCHEMAS, CompileGroup, ContextParallelGroup, Float8Group, PipelineGroup, ReducerGroup, StrategyConfig, TensorParallelGroup, ZeroGroup,
+    STRATEGY_SCHEMAS, CompileGroup, ContextParallelGroup, FaultToleranceGroup, Float8Group, PipelineGroup, ReducerGroup,
+    StrategyConfig, TensorParallelGroup, ZeroGroup,
     register_configs,
 )
 from lightning_par.compile import CompileOptions
 from lightning_par.context_parallel.options import ContextParallelOptions
 from lightning_par.float8 import Float8Options
+from lightning_par.data_parallel.fault_tolerance import FaultToleranceOptions
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS, ReducerOptions, ZeroOptions, parse_mixed_precision
 from lightning_par.parallelize import ParallelOptions
 from lightning_par.pipeline_parallel.options import PipelineOptions
@@ -40,6 +42,7 @@ GROUP_OPTIONS: dict[str, type] = {
     "context_parallel": ContextParallelOptions,
     "compile": CompileOptions,
     "float8": Float8Options,
+    "fault_tolerance": FaultToleranceOptions,
 }
 #: Option group -> the schema generated from it.
 GROUP_SCHEMAS: dict[str, type] = {
@@ -50,6 +53,7 @@ GROUP_SCHEMAS: dict[str, type] = {
     "context_parallel": ContextParallelGroup,
     "compile": CompileGroup,
     "float8": Float8Group,
+    "fault_tolerance": FaultToleranceGroup,
 }
 #: Schema fields left at None, which their options dataclass documents as its default.
 NONE_IS_DEFAULT: dict[str, tuple[str, ...]] = {"reducer": ("bucket_cap_mb",)}

@@ -1,0 +1,367 @@
+"""Fault-tolerant replicate axis: replica groups, each its own world, averaging gradients through torchft.
+
+Each replica group is a whole world of its own (its own launcher: ``torchrun`` job, Lightning launcher) running the
+dp mode inside it (``ddp``, ``zero1``, ``zero2`` over the group's dp ranks). Across groups nothing is a process group
+of ours: torchft's :class:`torchft.Manager` (one per rank) asks the lighthouse (the server that holds membership)
+for a quorum of live groups every step, and all-reduces the gradients the optimizer will step (this rank's full
+gradients under ``ddp``, this rank's shard under ``zero1``/``zero2``) with the rank of the same position in every
+other live group. A group that dies or hangs drops out of the next quorum; the others finish with the groups that
+remain (the gradient mean over the live groups) and keep stepping. A restarted group joins at a step boundary: its
+manager receives the parameters and optimizer state of a live peer over HTTP (torchft's checkpoint transport), not
+from disk, and applies them before its forward.
+
+torchft is an optional dependency (the ``ft`` extra); it is imported only when ``fault_tolerance.enabled``.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+from torch import Tensor, nn
+
+from lightning_par.validation import check_bool, check_int, check_number
+
+__all__ = ["FaultToleranceOptions", "FaultTolerantReplicas", "check_fault_tolerance", "check_lighthouse"]
+
+#: dp modes the fault-tolerant axis runs inside a replica group (their optimizer steps plain local tensors, whose
+#: state travels as it is to a joining group).
+FT_DP_MODES: tuple[str, ...] = ("ddp", "zero1", "zero2")
+
+
+@dataclass(frozen=True)
+class FaultToleranceOptions:
+    """``strategy.fault_tolerance.*``.
+
+    Attributes:
+        enabled: average gradients across replica groups through torchft (each group its own world).
+        lighthouse: the lighthouse address, ``"http://host:port"``; ``None``: ``$TORCHFT_LIGHTHOUSE``.
+        replica_group_id: this group's index, ``0 <= replica_group_id < num_replica_groups``.
+        num_replica_groups: how many groups the job has at full strength; the data is split over
+            ``num_replica_groups * dp_size`` ranks, so a group that is down leaves its samples out (the global batch
+            shrinks by one group's share while it is down).
+        min_replicas: the fewest live groups a step may commit with (fewer: the step is skipped, not applied).
+        step_timeout_s: seconds a cross-group all-reduce, a commit vote or a state transfer may take before the step is
+            skipped (a hung peer group is dropped at the next quorum).
+        quorum_timeout_s: seconds to wait for a quorum of ``min_replicas`` groups before the run raises.
+        connect_timeout_s: seconds to reach the lighthouse; an unreachable one is named in the error within this
+            time.
+        init_sync: at the first step, every group takes the weights of one (as at a rejoin); ``False`` when every
+            group initialises identically from the seed.
+        diloco_sync_every: ``0``: synchronous (gradients averaged every step); ``H > 0``: torchft's DiLoCo: each group
+            steps its own (inner) optimizer, and every ``H`` steps the groups average their pseudo-gradients
+            (global weights minus local weights) and step an outer SGD on them.
+        diloco_outer_lr: the outer SGD's learning rate.
+        diloco_outer_momentum: the outer SGD's momentum (Nesterov when ``> 0``, as in the DiLoCo paper).
+
+    Raises:
+        ValueError: a field of the wrong type or range, named in the message.
+    """
+
+    enabled: bool = False
+    lighthouse: str | None = None
+    replica_group_id: int = 0
+    num_replica_groups: int = 1
+    min_replicas: int = 1
+    step_timeout_s: float = 30.0
+    quorum_timeout_s: float = 60.0
+    connect_timeout_s: float = 10.0
+    init_sync: bool = True
+    diloco_sync_every: int = 0
+    diloco_outer_lr: float = 0.7
+    diloco_outer_momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        p = "fault_tolerance."
+        check_bool(p + "enabled", self.enabled)
+        check_bool(p + "init_sync", self.init_sync)
+        check_int(p + "num_replica_groups", self.num_replica_groups, 1)
+        check_int(p + "replica_group_id", self.replica_group_id, 0)
+        check_int(p + "min_replicas", self.min_replicas, 1)
+        check_int(p + "diloco_sync_every", self.diloco_sync_every, 0)
+        check_number(p + "diloco_outer_lr", self.diloco_outer_lr, unit="")
+        check_number(p + "diloco_outer_momentum", self.diloco_outer_momentum, inclusive=True, maximum=1.0)
+        if self.replica_group_id >= self.num_replica_groups:
+            raise ValueError(
+                f"{p}replica_group_id={self.replica_group_id} is not valid with {p}num_replica_groups="
+                f"{self.num_replica_groups}: expected 0 <= replica_group_id < num_replica_groups."
+            )
+        if self.min_replicas > self.num_replica_groups:
+            raise ValueError(
+                f"{p}min_replicas={self.min_replicas} is not valid with {p}num_replica_groups="
+                f"{self.num_replica_groups}: expected at most num_replica_groups."
+            )
+        for name in ("step_timeout_s", "quorum_timeout_s", "connect_timeout_s"):
+            check_number(p + name, getattr(self, name), unit="seconds")
+        if self.lighthouse is not None and (not isinstance(self.lighthouse, str) or not _host_port(self.lighthouse)):
+            raise ValueError(
+                f"{p}lighthouse={self.lighthouse!r} is not valid: expected 'http://host:port' or None "
+                f"($TORCHFT_LIGHTHOUSE)."
+            )
+
+    def lighthouse_address(self) -> str:
+        """The lighthouse to use.
+
+        Raises:
+            ValueError: none given and ``$TORCHFT_LIGHTHOUSE`` unset.
+        """
+        import os
+
+        address = self.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+        if not address:
+            raise ValueError(
+                "fault_tolerance.lighthouse=None and $TORCHFT_LIGHTHOUSE is unset: give the lighthouse address "
+                "('http://host:port'; start one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510`)."
+            )
+        return address
+
+
+def check_fault_tolerance(options: Any, sizes: dict[str, Any]) -> None:
+    """Refuse, before any process starts, what the fault-tolerant replicate axis does not compose with.
+
+    Args:
+        options: the :class:`~lightning_par.parallelize.ParallelOptions`.
+        sizes: the strategy's size fields and values.
+
+    Raises:
+        ValueError: naming the field, the value, and what would be valid.
+    """
+    ft: FaultToleranceOptions = options.fault_tolerance
+    if not ft.enabled:
+        given = sorted(k for k, v in vars(ft).items() if k != "enabled" and v != getattr(FaultToleranceOptions, k))
+        if given:
+            raise ValueError(
+                f"fault_tolerance options {given} are given but fault_tolerance.enabled=False: set "
+                f"fault_tolerance.enabled=True, or remove them."
+            )
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("torchft") is None:
+        raise ValueError(
+            "fault_tolerance.enabled=True needs torchft: pip install 'lightning_par[ft]' (torchft>=0.2)."
+        )
+    if options.dp_mode not in FT_DP_MODES:
+        raise ValueError(
+            f"dp_mode={options.dp_mode!r} is not valid with fault_tolerance.enabled=True: a joining replica group "
+            f"receives its peer's state as plain local tensors, which {options.dp_mode} (FSDP2 DTensor shards) does "
+            f"not keep in this version. Use dp_mode in {list(FT_DP_MODES)}."
+        )
+    if ft.diloco_sync_every and options.dp_mode != "ddp":
+        raise ValueError(
+            f"fault_tolerance.diloco_sync_every={ft.diloco_sync_every} is not valid with dp_mode={options.dp_mode!r}: "
+            f"torchft's DiLoCo keeps the module's own parameters as the global copy, which ZeRO's sharded optimizer "
+            f"does not step. Use dp_mode='ddp' or fault_tolerance.diloco_sync_every=0."
+        )
+    for name, value in sizes.items():  # every size but the group's own dp ranks
+        if name in ("dp_size", "dp_shard_size") or value in (1, -1):
+            continue
+        what = ("the replica groups are the replicate axis: use dp_shard_size (or dp_size) inside each group and "
+                "fault_tolerance.num_replica_groups across them" if name == "dp_replicate_size" else
+                "only data parallelism (ddp, zero1, zero2) runs inside a fault-tolerant replica group in this version")
+        raise ValueError(f"{name}={value} is not valid with fault_tolerance.enabled=True: {what}. Use {name}=1.")
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    parsed = urlparse(address if "://" in address else f"http://{address}")
+    try:
+        port = parsed.port
+    except ValueError:
+        return None
+    if not parsed.hostname or port is None:
+        return None
+    return parsed.hostname, port
+
+
+def check_lighthouse(address: str, timeout_s: float) -> None:
+    """Refuse an unreachable lighthouse within ``timeout_s`` (a TCP connect; torchft's own client would retry).
+
+    Raises:
+        ConnectionError: naming the address and the option to fix.
+    """
+    host_port = _host_port(address)
+    if host_port is None:
+        raise ValueError(f"fault_tolerance.lighthouse={address!r} is not valid: expected 'http://host:port'.")
+    deadline = time.monotonic() + timeout_s
+    last: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(host_port, timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return
+        except OSError as err:
+            last = err
+            time.sleep(0.2)
+    raise ConnectionError(
+        f"No torchft lighthouse answers at fault_tolerance.lighthouse={address!r} within "
+        f"fault_tolerance.connect_timeout_s={timeout_s:g} s ({last!r}): start it first "
+        f"(`torchft_lighthouse --min_replicas N --bind [::]:PORT`) or fix the address."
+    )
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+class FaultTolerantReplicas:
+    """This rank's torchft manager and the per-step protocol the strategy drives.
+
+    Per optimizer step: :meth:`begin_step` (quorum; a joining group applies the live peer's state here, before its
+    forward), the step's backward and the dp reduction inside the group, :meth:`average_gradients` (mean over the
+    live groups), then :meth:`commit` (``False``: skip the optimizer step).
+
+    Args:
+        options: the validated options (``enabled``).
+        module: the LightningModule (its whole state, local tensors, is what a joining group receives).
+        optimizers: returns the run's (unwrapped) optimizers; their state and parameters travel too.
+        group_rank: this rank within its replica group's world.
+        group_world_size: the replica group's world size.
+    """
+
+    def __init__(self, options: FaultToleranceOptions, module: nn.Module,
+                 optimizers: Callable[[], list[torch.optim.Optimizer]], group_rank: int, group_world_size: int) -> None:
+        from torchft import Manager, ProcessGroupGloo
+
+        self.options = options
+        self.module = module
+        self._optimizers = optimizers
+        address = options.lighthouse_address()
+        check_lighthouse(address, options.connect_timeout_s)
+        timeout = timedelta(seconds=options.step_timeout_s)
+        self.pg = ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=self.pg,
+            load_state_dict=self._load_state_dict,
+            state_dict=self._state_dict,
+            min_replica_size=options.min_replicas,
+            use_async_quorum=False,  # a joining group applies the peer's state before its forward, then takes part
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=options.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=options.connect_timeout_s),
+            rank=group_rank,
+            world_size=group_world_size,
+            lighthouse_addr=address,
+            replica_id=f"lightning_par_group_{options.replica_group_id}",
+            init_sync=options.init_sync,
+        )
+        self._in_step = False
+        self._quorum_id: Any = None
+        self.live_replicas = 0
+        self.quorum_changes = 0
+        self.steps_committed = 0
+        self.steps_skipped = 0
+        self.recovery_s: float | None = None
+        self.recovery_bytes = 0
+        self.recoveries = 0
+        self.joined_at_step: int | None = None
+        self.diloco: Any = None
+
+    def enter_diloco(self, inner_optimizer: torch.optim.Optimizer) -> None:
+        """Hand the step protocol to torchft's DiLoCo (``diloco_sync_every > 0``): its hooks on ``inner_optimizer``
+        run the quorum and the pseudo-gradient sync every ``H`` inner steps; :meth:`begin_step`,
+        :meth:`average_gradients` and :meth:`commit` are then not used."""
+        from torchft.local_sgd import DiLoCo
+
+        o = self.options
+        outer = torch.optim.SGD(self.module.parameters(), lr=o.diloco_outer_lr, momentum=o.diloco_outer_momentum,
+                                nesterov=o.diloco_outer_momentum > 0)
+        self.diloco = DiLoCo(self.manager, [self.module], inner_optimizer, outer, sync_every=o.diloco_sync_every)
+        self.diloco.__enter__()
+
+    # ------------------------------------------------------------------ state streamed to a joining group
+    def _state_dict(self) -> dict[str, Any]:
+        optimizers = self._optimizers()
+        return {
+            "module": {k: _local(v) for k, v in self.module.state_dict().items()},
+            "params": [[_local(p.data) for g in o.param_groups for p in g["params"]] for o in optimizers],
+            "optimizers": [o.state_dict() for o in optimizers],
+        }
+
+    @torch.no_grad()
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        own = self.module.state_dict()
+        for k, v in state["module"].items():
+            if k in own:
+                _local(own[k]).copy_(v)
+        for o, params, sd in zip(self._optimizers(), state["params"], state["optimizers"]):
+            for p, v in zip((p for g in o.param_groups for p in g["params"]), params):
+                _local(p.data).copy_(v)
+            o.load_state_dict(sd)
+        self.recovery_bytes += _nbytes(state)
+        self.recoveries += 1
+
+    # ------------------------------------------------------------------ the step protocol
+    def begin_step(self) -> None:
+        """Quorum for the next optimizer step (once per accumulation window); a joining group receives and applies
+        the live peer's state here (``use_async_quorum=False``). Raises after ``quorum_timeout_s`` without a quorum."""
+        if self._in_step:
+            return
+        t0 = time.perf_counter()
+        before = self.recoveries
+        self.manager.start_quorum()
+        self._in_step = True
+        if self.recoveries > before:
+            self.recovery_s = time.perf_counter() - t0
+            self.joined_at_step = self.manager.current_step()
+        quorum_id = self.manager._quorum_id
+        if quorum_id != self._quorum_id:
+            self.quorum_changes += self._quorum_id is not None
+            self._quorum_id = quorum_id
+        self.live_replicas = self.manager.num_participants()
+
+    @torch.no_grad()
+    def average_gradients(self, params: list[Tensor]) -> None:
+        """Mean of each gradient over the live replica groups (``params``: what the optimizers step on this rank)."""
+        works = [self.manager.allreduce(_local(p.grad)) for p in params if p.grad is not None]
+        for work in works:
+            work.wait()
+
+    def commit(self) -> bool:
+        """Whether every live group finished the step's all-reduce (vote among this group's ranks and the manager):
+        step the optimizer only then."""
+        ok = self.manager.should_commit()
+        self._in_step = False
+        if ok:
+            self.steps_committed += 1
+        else:
+            self.steps_skipped += 1
+        return ok
+
+    def figures(self) -> dict[str, float]:
+        """Per-step figures for the logger."""
+        return {"ft_live_replicas": float(self.live_replicas), "ft_step": float(self.manager.current_step())}
+
+    def summary(self) -> dict[str, Any]:
+        """Figures for ``summary.json``."""
+        return {
+            "ft_replica_group_id": self.options.replica_group_id,
+            "ft_live_replicas": self.live_replicas,
+            "ft_quorum_changes": self.quorum_changes,
+            "ft_steps_committed": self.steps_committed,
+            "ft_steps_skipped": self.steps_skipped,
+            "ft_manager_step": self.manager.current_step(),
+            "ft_batches_committed": self.manager.batches_committed(),
+            "ft_recoveries": self.recoveries,
+            "ft_recovery_s": self.recovery_s,
+            "ft_recovery_bytes": self.recovery_bytes,
+        }
+
+    def shutdown(self) -> None:
+        if self.diloco is not None:
+            self.diloco.__exit__(None, None, None)
+        self.manager.shutdown(wait=False)

@@ -1,0 +1,225 @@
+"""The fault-tolerant replicate axis (torchft) on gloo: replica groups, each its own world, the lighthouse started by
+the test. Parity with one process without failures; a group SIGKILLed mid-run while the other keeps stepping, then
+restarted and joined with the live group's state streamed over HTTP (bitwise equal at the first step after it joins).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.ft_helpers import progress, regression_dataset, start_group
+from tests.helpers import assert_params_close, reference_fit
+from tests.user_models import make_mlp
+
+torchft = pytest.importorskip("torchft")  # in the dev extra: CI runs these
+from torchft.coordination import LighthouseServer  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+MICRO, STEPS = 4, 8
+
+
+def _wait(procs: list, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            assert rc == 0, f"replica group exited with {rc}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def _logs(dir: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(dir.glob("log_g*.txt")))
+
+
+def test_two_groups_zero2_match_one_process(tmp_path: Path) -> None:
+    """2 replica groups x zero2 dp2 (4 ranks, two worlds) == one process on the global batch of 16 (= plain HSDP
+    dp_replicate 2 x dp_shard 2, which the HSDP tests hold to the same reference), 8 steps, SGD+momentum and AdamW
+    (the two runs side by side, each with its own lighthouse)."""
+    lighthouses, procs, dirs = [], [], {}
+    try:
+        for optimizer in ("sgd", "adamw"):
+            lighthouses.append(LighthouseServer(bind="[::]:0", min_replicas=2))
+            dirs[optimizer] = tmp_path / optimizer
+            dirs[optimizer].mkdir()
+            cfg = dict(lighthouse=lighthouses[-1].address(), groups=2, world=2, dp_mode="zero2", optimizer=optimizer,
+                       micro_batch=MICRO, steps=STEPS, dir=str(dirs[optimizer]), min_replicas=2)
+            procs += [start_group({**cfg, "group": g}) for g in range(2)]
+        try:
+            _wait(procs, 240)
+        except AssertionError:
+            raise AssertionError("\n".join(_logs(d) for d in dirs.values()))
+    finally:
+        for lighthouse in lighthouses:
+            lighthouse.shutdown()
+    for optimizer, d in dirs.items():
+        results = [torch.load(d / f"result_g{g}.pt", weights_only=False) for g in range(2)]
+        ref_losses, ref_state = reference_fit(lambda: make_mlp(optimizer), regression_dataset(), MICRO * 4, STEPS)
+        ranks = [r for res in results for r in res]
+        losses = [sum(r["losses"][i] for r in ranks) / len(ranks) for i in range(STEPS)]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for r in ranks:
+            assert_params_close(r["state"], ref_state)
+            s = r["summary"]
+            assert s["ft_steps_committed"] == STEPS and s["ft_steps_skipped"] == 0, s
+            assert s["ft_live_replicas"] == 2 and s["ft_manager_step"] == STEPS, s
+            assert s["ft_batches_committed"] == 2 * STEPS, s
+
+
+def _wait_for(cond, timeout_s: float, what: str, dir: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}\n{_logs(dir)}")
+        time.sleep(0.1)
+
+
+def _bitwise_equal(a, b, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _bitwise_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+KILL_AT = 3
+
+
+@pytest.mark.parametrize("fault", ["kill", pytest.param("hang", marks=pytest.mark.slow)])
+def test_failed_group_rejoins_with_live_state(tmp_path: Path, fault: str) -> None:
+    """``kill``: SIGKILL both ranks of group 1 (zero2 dp2, AdamW) at committed step >= 3, then start it again;
+    ``hang``: SIGSTOP them (group 0's all-reduce times out after step_timeout_s, the lighthouse drops group 1 when its
+    heartbeats stop), then SIGCONT (the same processes resume, behind). Either way group 0 keeps stepping with 1 live
+    group (same processes, its committed step advancing), group 1 joins at a step boundary with the state streamed
+    from group 0 (no checkpoint exists), and after that first step both groups' parameters and optimizer state are
+    bitwise equal rank by rank."""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=5000, heartbeat_timeout_ms=2000)
+    stop = tmp_path / "stop"
+    cfg = dict(lighthouse=lighthouse.address(), groups=2, world=2, dp_mode="zero2", optimizer="adamw",
+               micro_batch=MICRO, steps=400, dir=str(tmp_path), min_replicas=1, step_timeout_s=5.0, dump=True,
+               sleep_s=0.05, stop_file=str(stop))
+    procs = [start_group({**cfg, "group": g}) for g in range(2)]
+    try:
+        _wait_for(lambda: any(l["ft_step"] >= KILL_AT and l["live"] == 2 for l in progress(tmp_path, 1)), 200,
+                  "group 1 to commit with 2 live groups", tmp_path)
+        # every rank of group 1 (the launcher starts each rank as its own process group) and its launcher
+        rank_pids = {l["pid"] for r in (0, 1) for l in progress(tmp_path, 1, r)}
+        sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
+        for pid in rank_pids:
+            os.killpg(pid, sig)
+        os.killpg(procs[1].pid, sig)
+        t_kill = time.time()
+        if fault == "kill":
+            procs[1].wait()
+        _wait_for(lambda: sum(l["t"] > t_kill and l["live"] == 1 for l in progress(tmp_path, 0)) >= 3, 60,
+                  "group 0 to step alone", tmp_path)
+        t_restart = time.time()
+        old_pids = {l["pid"] for l in progress(tmp_path, 1)}
+        recoveries_before = max(l["recoveries"] for l in progress(tmp_path, 1))
+        if fault == "kill":
+            procs[1] = start_group({**cfg, "group": 1})
+        else:
+            for pid in (*rank_pids, procs[1].pid):
+                os.killpg(pid, signal.SIGCONT)
+
+        def rejoined() -> list[dict]:
+            if fault == "kill":
+                return [l for l in progress(tmp_path, 1) if l["pid"] not in old_pids]
+            return [l for l in progress(tmp_path, 1) if l["t"] > t_restart and l["recoveries"] > recoveries_before]
+
+        _wait_for(lambda: len(rejoined()) >= 3, 200, "group 1 to rejoin", tmp_path)
+        stop.touch()
+        _wait(procs, 120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        lighthouse.shutdown()
+
+    # Group 0 never stopped: the same processes from start to end, its committed step advancing through the outage.
+    for rank in (0, 1):
+        lines = progress(tmp_path, 0, rank)
+        assert len({l["pid"] for l in lines}) == 1
+        steps = [l["ft_step"] for l in lines]
+        assert steps == sorted(steps)
+        outage = [l for l in lines if t_kill < l["t"] < t_restart]
+        assert len(outage) >= 3 and all(l["live"] == 1 for l in outage[1:]), outage
+        assert outage[-1]["ft_step"] > outage[0]["ft_step"]
+    # Group 1 rejoined: its first step after the restart received the live state, then stepped with 2 live groups.
+    first = rejoined()[0]
+    assert first["recoveries"] > (0 if fault == "kill" else recoveries_before) and first["live"] == 2, first
+    if fault == "hang":  # the same processes resumed
+        assert {l["pid"] for l in progress(tmp_path, 1)} == old_pids
+    assert first["ft_step"] > KILL_AT
+    for rank in (0, 1):
+        s = first["ft_step"]
+        live = torch.load(tmp_path / f"state_g0_r{rank}_s{s}.pt", weights_only=False)
+        joined = torch.load(tmp_path / f"state_g1_r{rank}_s{s}.pt", weights_only=False)
+        _bitwise_equal(joined, live, f"rank {rank} step {s}")
+        assert joined["optimizers"][0]["state"], "AdamW state travelled"
+    result = torch.load(tmp_path / "result_g1.pt", weights_only=False)
+    summary = result[0]["summary"]
+    assert summary["ft_recoveries"] >= 1 and summary["ft_recovery_bytes"] > 0, summary
+    assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("*.distcp")), "no checkpoint exists"
+    rejoin_s = first["t"] - t_restart
+    print(f"\n{fault}: rejoin {rejoin_s:.1f} s from restart/SIGCONT to the first committed step (process start "
+          f"included), "
+          f"state transfer + apply {first['recovery_s']:.3f} s, {summary['ft_recovery_bytes']} bytes per rank; "
+          f"group 0 committed {sum(1 for l in progress(tmp_path, 0) if t_kill < l['t'] < t_restart)} steps alone")
+    assert rejoin_s < 120
+
+
+def test_diloco_h1_is_plain_dp_and_groups_agree_at_every_sync(tmp_path: Path) -> None:
+    """torchft's DiLoCo on the replicate axis, 2 groups x ddp dp1, side by side with their own lighthouses:
+    ``H=1``, inner SGD+momentum, outer SGD lr 1 without momentum == one process on the global batch (plain dp) at
+    rel 1e-5 over 8 steps; ``H=2`` (outer Nesterov SGD): after every sync both groups hold bitwise the same
+    parameters, and between syncs they differ (each group stepped on its own data)."""
+    lighthouses, procs, dirs = [], [], {}
+    runs = {"h1": dict(diloco_sync_every=1, diloco_outer_lr=1.0, diloco_outer_momentum=0.0),
+            "h2": dict(diloco_sync_every=2, diloco_outer_lr=0.7, diloco_outer_momentum=0.9, dump=True,
+                       dump_by="global_step")}
+    try:
+        for name, extra in runs.items():
+            lighthouses.append(LighthouseServer(bind="[::]:0", min_replicas=2))
+            dirs[name] = tmp_path / name
+            dirs[name].mkdir()
+            cfg = dict(lighthouse=lighthouses[-1].address(), groups=2, world=1, dp_mode="ddp", optimizer="sgd",
+                       micro_batch=MICRO, steps=STEPS, dir=str(dirs[name]), min_replicas=2, init_sync=False, **extra)
+            procs += [start_group({**cfg, "group": g}) for g in range(2)]
+        try:
+            _wait(procs, 240)
+        except AssertionError:
+            raise AssertionError("\n".join(_logs(d) for d in dirs.values()))
+    finally:
+        for lighthouse in lighthouses:
+            lighthouse.shutdown()
+    ranks = [torch.load(dirs["h1"] / f"result_g{g}.pt", weights_only=False)[0] for g in range(2)]
+    ref_losses, ref_state = reference_fit(lambda: make_mlp("sgd"), regression_dataset(), MICRO * 2, STEPS)
+    losses = [sum(r["losses"][i] for r in ranks) / 2 for i in range(STEPS)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    for r in ranks:
+        assert_params_close(r["state"], ref_state)
+        assert r["summary"]["ft_manager_step"] == STEPS, r["summary"]
+    for step in range(1, STEPS + 1):
+        a, b = (torch.load(dirs["h2"] / f"state_g{g}_r0_s{step}.pt", weights_only=False)["module"] for g in (0, 1))
+        same = all(torch.equal(a[k], b[k]) for k in a)
+        assert same == (step % 2 == 0), (step, same)
+    summary = torch.load(dirs["h2"] / "result_g0.pt", weights_only=False)[0]["summary"]
+    assert summary["ft_manager_step"] == STEPS // 2, summary

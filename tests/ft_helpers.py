@@ -1,0 +1,122 @@
+"""Replica groups under the fault-tolerant replicate axis, each its own world, for the torchft tests.
+
+A test starts torchft's lighthouse in its own process (``LighthouseServer(bind="[::]:0", ...)``), then each replica
+group as its own OS process (``python -m tests.ft_helpers CONFIG.json``, a new session so that the test can SIGKILL or
+SIGSTOP every rank of a group at once), which launches the group's ranks with the project's launcher
+(:func:`lightning_par.launcher.run_distributed`, its own ``MASTER_PORT``: its own world).
+
+Each rank appends one JSON line per training step to ``{dir}/progress_g{group}_r{rank}.jsonl`` (pid, Lightning's
+global step, torchft's committed step, live groups) and, with ``dump``, saves its whole streamed state (module,
+optimizer parameters, optimizer state: local tensors) after each step to ``{dir}/state_g{group}_r{rank}_s{step}.pt``,
+keyed by the committed step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_par.launcher import run_distributed
+from lightning_par.strategies.base import MeshStrategy
+from tests.helpers import LossRecorder, full_state_dict, quiet_trainer
+from tests.user_models import make_mlp
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def regression_dataset(n: int = 256, seed: int = 0) -> TensorDataset:
+    """``n`` fixed samples ``(x (8,), y (4,))`` for :class:`tests.user_models.ResidualMLP`."""
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g))
+
+
+class Progress(L.Callback):
+    """One JSON line per step; the state dump; stop when ``stop_file`` exists; ``sleep_s`` per step."""
+
+    def __init__(self, cfg: dict[str, Any], rank: int) -> None:
+        self.cfg, self.rank = cfg, rank
+        self.dir = Path(cfg["dir"])
+        self.path = self.dir / f"progress_g{cfg['group']}_r{rank}.jsonl"
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        ft = trainer.strategy.ft
+        step = ft.manager.current_step()
+        if self.cfg.get("dump"):
+            tmp = self.dir / f".tmp_g{self.cfg['group']}_r{self.rank}.pt"
+            torch.save(ft._state_dict(), tmp)
+            key = trainer.global_step if self.cfg.get("dump_by") == "global_step" else step
+            os.replace(tmp, self.dir / f"state_g{self.cfg['group']}_r{self.rank}_s{key}.pt")
+        line = {"pid": os.getpid(), "t": time.time(), "global_step": trainer.global_step, "ft_step": step,
+                "live": ft.live_replicas, "committed": ft.steps_committed, "recoveries": ft.recoveries,
+                "recovery_s": ft.recovery_s}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        stop = self.cfg.get("stop_file")
+        if stop and os.path.exists(stop):
+            trainer.should_stop = True
+        if self.cfg.get("sleep_s"):
+            time.sleep(self.cfg["sleep_s"])
+
+
+def ft_worker(cfg: dict[str, Any]) -> dict[str, Any]:
+    """One rank of replica group ``cfg["group"]``: fit the residual MLP for ``cfg["steps"]`` steps."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test can ask a stuck rank where it is
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    groups = cfg["groups"]
+    ft = dict(enabled=True, lighthouse=cfg["lighthouse"], replica_group_id=cfg["group"], num_replica_groups=groups,
+              min_replicas=cfg.get("min_replicas", groups), step_timeout_s=cfg.get("step_timeout_s", 20.0),
+              quorum_timeout_s=cfg.get("quorum_timeout_s", 60.0), connect_timeout_s=cfg.get("connect_timeout_s", 10.0),
+              **{k: cfg[k] for k in ("init_sync", "diloco_sync_every", "diloco_outer_lr", "diloco_outer_momentum")
+                 if k in cfg})
+    strategy = MeshStrategy(dp_size=world, dp_mode=cfg["dp_mode"], timeout_s=120.0, fault_tolerance=ft)
+    dataset = regression_dataset()
+    sampler = DistributedSampler(dataset, num_replicas=world * groups, rank=cfg["group"] * world + rank, shuffle=False)
+    loader = DataLoader(dataset, batch_size=cfg["micro_batch"], sampler=sampler, drop_last=True)
+    recorder = LossRecorder()
+    module = make_mlp(cfg["optimizer"])
+    trainer = quiet_trainer(strategy, world, max_steps=cfg["steps"], limit_val_batches=0,
+                            callbacks=[recorder, Progress(cfg, rank)])
+    trainer.fit(module, loader)
+    return {"rank": rank, "losses": recorder.losses, "state": full_state_dict(module),
+            "summary": strategy.summary_extras()}
+
+
+def start_group(cfg: dict[str, Any]) -> subprocess.Popen:
+    """Start replica group ``cfg["group"]`` (its ``cfg["world"]`` ranks) in a new session; results go to
+    ``{dir}/result_g{group}.pt``."""
+    path = Path(cfg["dir"]) / f"cfg_g{cfg['group']}_{time.time_ns()}.json"
+    path.write_text(json.dumps(cfg))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    log = open(Path(cfg["dir"]) / f"log_g{cfg['group']}.txt", "a")
+    return subprocess.Popen([sys.executable, "-m", "tests.ft_helpers", str(path)], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def progress(dir: str | Path, group: int, rank: int = 0) -> list[dict[str, Any]]:
+    """The progress lines of one rank so far."""
+    p = Path(dir) / f"progress_g{group}_r{rank}.jsonl"
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def main(path: str) -> None:
+    cfg = json.loads(Path(path).read_text())
+    results = run_distributed(ft_worker, cfg["world"], (cfg,), timeout_s=cfg.get("timeout_s", 240.0))
+    torch.save(results, Path(cfg["dir"]) / f"result_g{cfg['group']}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
