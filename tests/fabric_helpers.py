@@ -24,7 +24,7 @@ from tests.helpers import TokenDataset
 
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=3e-3, eps=1e-6, weight_decay=0.01)
+        return torch.optim.AdamW(params, lr=3e-3, eps=1e-6, weight_decay=float(os.environ.get("WD", "0.01")))
     return torch.optim.SGD(params, lr=0.3, momentum=0.9)
 
 
@@ -101,3 +101,32 @@ def fabric_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
         )
         out.append({"losses": losses, "state": fabric.strategy.parallel.full_state_dict()})
     return out
+
+
+def save_load_worker(path: str, make_model: Callable[[], nn.Module], make_other: Callable[[], nn.Module]) -> dict:
+    """Train 2 steps under zero3 dp2 and ``fabric.save``; then a fresh model (other initial values) under tp2
+    ``fabric.load``s it and trains step 3 (its batch: the reference's global batch 2). Returns the states."""
+    world = int(os.environ["WORLD_SIZE"])
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy="zero3")
+    fabric.launch()
+    _, model, opt = fabric_loop(fabric, make_model, "sgd", 4, 2)
+    fabric.save(path, {"model": model, "optimizer": opt, "step": 2, "note": "zero3"})
+    saved = fabric.strategy.parallel.full_state_dict()
+
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy="tensor_parallel")
+    fabric.launch()
+    model = make_other()
+    opt = make_optimizer("sgd", model.parameters())
+    model, opt = fabric.setup(model, opt)
+    state = {"model": model, "optimizer": opt, "step": 0}
+    remainder = fabric.load(path, state)
+    loaded = fabric.strategy.parallel.full_state_dict()
+    batches = iter(fabric.setup_dataloaders(DataLoader(TokenDataset(), batch_size=8, shuffle=False)))
+    for _ in range(state["step"]):
+        next(batches)
+    x, y = next(batches)
+    fabric.backward(lm_loss(model(x), y))
+    opt.step()
+    opt.zero_grad()
+    return {"saved": saved, "loaded": loaded, "step": state["step"], "remainder": remainder,
+            "after": fabric.strategy.parallel.full_state_dict()}
