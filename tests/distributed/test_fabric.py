@@ -109,5 +109,8 @@ def test_fabric_save_zero3_loads_under_tp2_and_in_one_process(tmp_path) -> None:
     plain = make_net(1)
     load_model_weights(path, plain)
     assert_params_close({n: p.detach() for n, p in plain.named_parameters()}, got["saved"], rtol=0, atol=0)
+    whole = MeshStrategy(dp_mode="zero3").load_checkpoint(path)  # fabric.load(path): every entry, weights in full
+    assert whole["step"] == 2 and whole["note"] == "zero3"
+    assert_params_close({k: v for k, v in whole["model"].items() if k in got["saved"]}, got["saved"], rtol=0, atol=0)
     record = read_record(path)
     assert record["dp_mode"] == "zero3" and record["fabric"] is True
