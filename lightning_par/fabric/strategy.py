@@ -13,8 +13,9 @@ What differs from the Trainer (each refused before any process starts, with the 
 
 * ``pp_size > 1``: a pipeline schedule runs forward and backward itself, micro-batch by micro-batch; Fabric's
   ``model(x)`` then ``fabric.backward(loss)`` has no place for it. Use the Trainer's ``pipeline`` / ``parallel_3d``.
-* ``cp_size > 1``: context parallelism splits every tensor of the batch along the sequence (inputs *and* targets)
-  and averages the step's loss over the cp ranks; in a Fabric loop the targets never pass through the strategy.
+* an axis with a batch transform (one that splits every tensor of the batch, inputs *and* targets, and averages the
+  step's loss over its ranks): refused at ``fabric.setup``, before any step; in a Fabric loop the targets never pass
+  through the strategy.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class MeshStrategy(ParallelStrategy):
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: filled in by Fabric.
 
     Raises:
-        ValueError: what the Trainer strategy raises for these keywords; ``pp_size > 1`` or ``cp_size > 1`` (see the
+        ValueError: what the Trainer strategy raises for these keywords; ``pp_size > 1`` (see the
             module docstring); at ``fabric.setup``, a model the layout cannot run
             (:func:`lightning_par.parallelize.validate`).
     """
@@ -95,16 +96,13 @@ class MeshStrategy(ParallelStrategy):
         )
         self.core: TrainerMeshStrategy = _preset(*args, **kwargs)
         sizes = self.core._sizes
-        for name, why in (
-            ("pp_size", "a pipeline schedule runs forward and backward itself, which a Fabric loop's model(x) then "
-                        "fabric.backward(loss) cannot; use the Trainer (strategy='pipeline' or 'parallel_3d')"),
-            ("cp_size", "context parallelism splits the targets with the inputs and averages the loss over the cp "
-                        "ranks, and in a Fabric loop the targets never pass through the strategy; use the Trainer"),
-        ):
-            if sizes.get(name, 1) != 1:
-                raise ValueError(
-                    f"{name}={sizes[name]} is not supported in a Fabric loop: {why}. Valid here: {name}=1."
-                )
+        pp_size = self.core._sizes.get("pp_size", 1)
+        if pp_size != 1:
+            raise ValueError(
+                f"pp_size={pp_size} is not supported in a Fabric loop: a pipeline schedule runs forward and backward "
+                f"itself, which a Fabric loop's model(x) then fabric.backward(loss) cannot; use the Trainer "
+                f"(strategy='pipeline' or 'parallel_3d'). Valid here: pp_size=1."
+            )
         self._num_nodes = 1
         self._backward_sync_control = _MeshBackwardSyncControl(self)
         self.parallel_dims: ParallelDims | None = None
@@ -205,6 +203,14 @@ class MeshStrategy(ParallelStrategy):
                 module, self.parallel_dims, self.core.precision_options(self.precision_name),
                 device=self.root_device, check=False,
             )
+            if self.parallel._batch_transforms or self.parallel._step_wrappers:
+                sizes = {k: v for k, v in self.parallel_dims.sizes().items() if v > 1}
+                raise ValueError(
+                    f"this layout ({sizes}) has an axis that splits every tensor of the batch and averages the step's "
+                    f"loss over its ranks (a batch transform of the axis registry), and in a Fabric loop the targets "
+                    f"and the loss never pass through the strategy: use the Trainer for it, or set that axis's size "
+                    f"to 1."
+                )
             buffers = self.parallel.engine.buffers
             if buffers is not None:  # torch DDP's buffer broadcast before each forward (not inside no_backward_sync)
                 module.register_forward_pre_hook(lambda *_: buffers.before_forward())

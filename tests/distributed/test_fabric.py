@@ -114,3 +114,16 @@ def test_fabric_save_zero3_loads_under_tp2_and_in_one_process(tmp_path) -> None:
     assert_params_close({k: v for k, v in whole["model"].items() if k in got["saved"]}, got["saved"], rtol=0, atol=0)
     record = read_record(path)
     assert record["dp_mode"] == "zero3" and record["fabric"] is True
+
+
+def cp2() -> MeshStrategy:
+    return MeshStrategy(cp_size=2)
+
+
+def test_fabric_refuses_a_batch_splitting_axis_at_setup() -> None:
+    """cp2: refused at fabric.setup, before any step, naming the layout and the way out."""
+    from lightning_par.launcher import DistributedRunError
+
+    case = dict(strategy=cp2, model=make_net, optimizer="sgd", micro_batch=4, steps=1)
+    with pytest.raises(DistributedRunError, match=r"this layout \(\{'cp_size': 2\}\).*use the Trainer"):
+        run_distributed(fabric_worker, 2, ([case],), timeout_s=TIMEOUT_S)
