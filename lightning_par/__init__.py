@@ -15,6 +15,10 @@ __version__ = "0.1.0.dev0"
 
 register_all()
 
+from lightning_par.fabric import register_all as _register_fabric  # noqa: E402
+
+_register_fabric()  # Fabric(strategy="zero3") and the other names
+
 from lightning_par.checkpoint.loading import install_directory_loading  # noqa: E402
 
 install_directory_loading()  # MyModule.load_from_checkpoint(DIR) reads a lightning_par checkpoint directory

@@ -18,7 +18,42 @@ from torch import Tensor
 from lightning_par.checkpoint.async_save import PendingSave, start_async_save
 from lightning_par.checkpoint.sharded import load_sharded, save_sharded
 
-__all__ = ["ShardedCheckpointIO"]
+__all__ = ["ShardedCheckpointIO", "load_parallel_state"]
+
+
+def load_parallel_state(
+    parallel: Any, path: Path, optimizers: list[Any], before_load: Any = None
+) -> dict[str, Any]:
+    """Load a sharded checkpoint of any layout, dp mode or strategy into this rank's part of ``parallel`` (a
+    :class:`~lightning_par.parallelize.ParallelModel`) and of ``optimizers`` (plain torch optimizers over its
+    parameters, in the saved order). Collective. The Trainer strategies and the Fabric strategies load through it.
+
+    Returns:
+        The metadata (``meta.pt``): everything else the checkpoint holds.
+
+    Raises:
+        FileNotFoundError, ValueError: see :func:`lightning_par.checkpoint.load_sharded`; an optimizer with another
+            number of param groups than the saved one.
+    """
+    engine = parallel.engine
+    model_state = engine.model_state_dict()
+    optimizer_states = [engine.optimizer_state_dict(o) for o in optimizers]
+    parallel.to_one_process(model_state, optimizer_states)
+    # DCP keeps one copy of a non-tensor entry such as ``param_groups`` (the coordinator's): under pipelining its
+    # parameter names are those of one stage. Keep the saved hyper-parameters and this rank's own names.
+    own_names = [[list(g["params"]) for g in state["param_groups"]] for state in optimizer_states]
+    meta = load_sharded(path, model_state, optimizer_states, before_load=before_load)
+    for state, names in zip(optimizer_states, own_names):
+        if len(state["param_groups"]) != len(names):
+            raise ValueError(
+                f"checkpoint {str(path)!r} has an optimizer with {len(state['param_groups'])} param groups, this "
+                f"one has {len(names)}: build the optimizer with the same groups."
+            )
+        state["param_groups"] = [{**g, "params": n} for g, n in zip(state["param_groups"], names)]
+    engine.load_model_state_dict(model_state)
+    for optimizer, state in zip(optimizers, optimizer_states):
+        engine.load_optimizer_state_dict(optimizer, state)
+    return meta
 
 
 class ShardedCheckpointIO:
@@ -159,26 +194,10 @@ class ShardedCheckpointIO:
         """
         assert self.parallel is not None
         path = Path(self.broadcast(str(checkpoint_path)))
-        engine = self.parallel.engine
-        model_state = engine.model_state_dict()
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        optimizer_states = [engine.optimizer_state_dict(o) for o in optimizers]
-        self.parallel.to_one_process(model_state, optimizer_states)
-        # DCP keeps one copy of a non-tensor entry such as ``param_groups`` (the coordinator's): under pipelining its
-        # parameter names are those of one stage. Keep the saved hyper-parameters and this rank's own names.
-        own_names = [[list(g["params"]) for g in state["param_groups"]] for state in optimizer_states]
-        meta = load_sharded(path, model_state, optimizer_states, before_load=lambda m: self._check_resume(path, m))
-        for state, names in zip(optimizer_states, own_names):
-            if len(state["param_groups"]) != len(names):
-                raise ValueError(
-                    f"checkpoint {str(path)!r} has an optimizer with {len(state['param_groups'])} param groups, this "
-                    f"one has {len(names)}: configure_optimizers must build the same groups."
-                )
-            state["param_groups"] = [{**g, "params": n} for g, n in zip(state["param_groups"], names)]
-        engine.load_model_state_dict(model_state)
-        for optimizer, state in zip(optimizers, optimizer_states):
-            engine.load_optimizer_state_dict(optimizer, state)
-        return meta
+        return load_parallel_state(
+            self.parallel, path, [getattr(o, "_optimizer", o) for o in self.optimizers],
+            before_load=lambda m: self._check_resume(path, m),
+        )
 
     def _check_resume(self, path: Path, meta: dict[str, Any]) -> None:
         """Before any tensor is loaded, on every rank alike: refuse a checkpoint of other hyper-parameters (the

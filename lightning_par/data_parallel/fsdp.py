@@ -49,13 +49,17 @@ _STEP_METHODS: tuple[str, ...] = ("training_step", "validation_step", "test_step
 
 def find_shard_units(module: nn.Module) -> list[nn.Module]:
     """The children of every ``nn.ModuleList`` / ``nn.ModuleDict`` under ``module`` that hold parameters, outermost
-    first, in registration order (for a GPT: its blocks)."""
+    first, in registration order (for a GPT: its blocks). A container inside a container (LitGPT's
+    ``transformer = ModuleDict(h=ModuleList(blocks), ...)``) is not a unit: its own children are (``fully_shard``
+    refuses a module without ``forward``)."""
     units: list[nn.Module] = []
     covered: set[int] = set()
     for sub in module.modules():
         if id(sub) in covered or not isinstance(sub, (nn.ModuleList, nn.ModuleDict)):
             continue
         for child in sub.children():
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                continue
             if any(True for _ in child.parameters()) and id(child) not in covered:
                 units.append(child)
                 covered.update(id(m) for m in child.modules())

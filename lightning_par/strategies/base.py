@@ -391,13 +391,14 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         """Lightning's precision of this run (``"32-true"`` before the Trainer attaches its plugin)."""
         return str(getattr(self.precision_plugin, "precision", "32-true"))
 
-    def precision_options(self) -> ParallelOptions:
+    def precision_options(self, precision: str | None = None) -> ParallelOptions:
         """The options :func:`~lightning_par.parallelize.parallelize` runs with under this run's precision: with
         ``dp_mode="zero3"`` and no ``zero.mixed_precision`` of the user's, FSDP2's mixed precision policy of
         :func:`lightning_par.precision.fsdp_mixed_precision` (half-precision parameters for compute, fp32 gradient
-        reduction) under ``"bf16-mixed"`` / ``"16-mixed"``; the options as given otherwise."""
+        reduction) under ``"bf16-mixed"`` / ``"16-mixed"``; the options as given otherwise. ``precision``: another
+        precision string than the Trainer's (the Fabric strategies pass Fabric's)."""
         zero = self.options.zero
-        policy = fsdp_mixed_precision(self.precision)
+        policy = fsdp_mixed_precision(precision or self.precision)
         if zero is None or zero.stage != 3 or policy is None or (zero.param_dtype, zero.reduce_dtype) != (None, None):
             return self.options
         return replace(self.options, zero=replace(zero, param_dtype=policy[0], reduce_dtype=policy[1]))

@@ -1,0 +1,129 @@
+"""Lightning Fabric with lightning_par's strategies: a user's own loop matches one process, checkpoints reshard.
+
+Each test launches its ranks once (the project's fork launcher; Fabric then finds the processes it runs in) and runs
+its cases in turn on that process group.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from lightning_par.fabric import MeshStrategy
+from lightning_par.launcher import run_distributed
+from tests.fabric_helpers import fabric_worker, reference_loop, save_load_worker
+from tests.helpers import TIMEOUT_S, TokenDataset, assert_params_close
+from tests.user_models import AttentionNet, MoENet
+
+pytestmark = pytest.mark.distributed
+
+
+def make_net(seed: int = 0) -> AttentionNet:
+    torch.manual_seed(seed)
+    return AttentionNet()
+
+
+def make_moe() -> MoENet:
+    torch.manual_seed(0)
+    return MoENet()
+
+
+def hsdp_2x2() -> MeshStrategy:
+    return MeshStrategy(dp_mode="zero3", dp_replicate_size=2)
+
+
+def dp2_tp2() -> MeshStrategy:
+    return MeshStrategy(tp_size=2, dp_mode="zero2")
+
+
+def ep2() -> MeshStrategy:
+    return MeshStrategy(dp_mode="zero3", ep_size=2)
+
+
+def _check(world: int, cases: list[tuple[str, object, int, dict]], micro_batch: int, steps: int) -> None:
+    """Run ``cases`` (label, strategy, dp_size, loop options) on ``world`` ranks; each against one process."""
+    runs = [
+        dict(strategy=s, model=kw.pop("model", make_net), micro_batch=micro_batch, steps=steps, **kw)
+        for _, s, _, kw in [(c[0], c[1], c[2], dict(c[3])) for c in cases]
+    ]
+    results = run_distributed(fabric_worker, world, (runs,), timeout_s=TIMEOUT_S)
+    for (label, _, dp, kw), run, got in zip(cases, runs, results[0]):
+        losses, state = reference_loop(
+            run["model"], run["optimizer"], micro_batch * dp, steps, run.get("accumulate", 1), run.get("clip_norm")
+        )
+        torch.testing.assert_close(got["losses"], losses, rtol=1e-5, atol=0, msg=lambda m, l=label: f"{l}: {m}")
+        try:
+            assert_params_close(got["state"], state)
+        except AssertionError as err:
+            raise AssertionError(f"{label}: {err}") from None
+
+
+#: (label, strategy, dp_size, loop options): SGD with momentum and AdamW under every layout; accumulation through
+#: fabric.no_backward_sync and global norm clipping through fabric.clip_gradients where they apply.
+WORLD2 = [
+    ("ddp_overlap sgd acc2 clip", "ddp_overlap", 2, {"optimizer": "sgd", "accumulate": 2, "clip_norm": 1.0}),
+    ("ddp_overlap adamw clip", "ddp_overlap", 2, {"optimizer": "adamw", "clip_norm": 1.0}),
+    ("zero1 sgd acc2", "zero1", 2, {"optimizer": "sgd", "accumulate": 2}),
+    ("zero1 adamw", "zero1", 2, {"optimizer": "adamw"}),
+    ("zero2 sgd acc2 clip", "zero2", 2, {"optimizer": "sgd", "accumulate": 2, "clip_norm": 1.0}),
+    ("zero2 adamw acc2", "zero2", 2, {"optimizer": "adamw", "accumulate": 2}),
+    ("zero3 sgd acc2", "zero3", 2, {"optimizer": "sgd", "accumulate": 2}),
+    ("zero3 adamw acc2 clip", "zero3", 2, {"optimizer": "adamw", "accumulate": 2, "clip_norm": 1.0}),
+    ("tp2 sgd acc2 clip", "tensor_parallel", 1, {"optimizer": "sgd", "accumulate": 2, "clip_norm": 1.0}),
+    ("tp2 adamw acc2", "tensor_parallel", 1, {"optimizer": "adamw", "accumulate": 2}),
+    ("ep2 sgd", ep2, 2, {"optimizer": "sgd", "model": make_moe}),
+]
+
+
+def test_fabric_loop_matches_one_process_world2() -> None:
+    """ddp_overlap, zero1, zero2, zero3, tp2 and ep2 (a user's MoE) by their registry names and MeshStrategy."""
+    _check(2, WORLD2, micro_batch=4, steps=3)
+
+
+@pytest.mark.slow
+def test_fabric_loop_matches_one_process_world4() -> None:
+    """HSDP 2x2 (zero3 sharded over 2, replicated over 2) and dp2 x tp2."""
+    _check(4, [
+        ("hsdp 2x2 sgd acc2", hsdp_2x2, 4, {"optimizer": "sgd", "accumulate": 2}),
+        ("hsdp 2x2 adamw", hsdp_2x2, 4, {"optimizer": "adamw", "clip_norm": 1.0}),
+        ("dp2 tp2 sgd acc2 clip", dp2_tp2, 2, {"optimizer": "sgd", "accumulate": 2, "clip_norm": 1.0}),
+        ("dp2 tp2 adamw", dp2_tp2, 2, {"optimizer": "adamw"}),
+    ], micro_batch=2, steps=3)
+
+
+def test_fabric_save_zero3_loads_under_tp2_and_in_one_process(tmp_path) -> None:
+    """fabric.save under zero3 dp2; fabric.load under tp2 (a fresh model of other values) gives the saved model and
+    optimizer (its next step matches one process's third step); load_model_weights reads it in one process."""
+    from lightning_par.checkpoint import load_model_weights, read_record
+
+    path = str(tmp_path / "ckpt")
+    got = run_distributed(
+        save_load_worker, 2, (path, make_net, functools.partial(make_net, 1)), timeout_s=TIMEOUT_S
+    )[0]
+    assert_params_close(got["loaded"], got["saved"], rtol=0, atol=0)
+    assert got["step"] == 2 and got["remainder"] == {"note": "zero3"}
+    _, reference = reference_loop(make_net, "sgd", 8, 3)
+    assert_params_close(got["after"], reference)  # the momentum buffers came back too
+    plain = make_net(1)
+    load_model_weights(path, plain)
+    assert_params_close({n: p.detach() for n, p in plain.named_parameters()}, got["saved"], rtol=0, atol=0)
+    whole = MeshStrategy(dp_mode="zero3").load_checkpoint(path)  # fabric.load(path): every entry, weights in full
+    assert whole["step"] == 2 and whole["note"] == "zero3"
+    assert_params_close({k: v for k, v in whole["model"].items() if k in got["saved"]}, got["saved"], rtol=0, atol=0)
+    record = read_record(path)
+    assert record["dp_mode"] == "zero3" and record["fabric"] is True
+
+
+def cp2() -> MeshStrategy:
+    return MeshStrategy(cp_size=2)
+
+
+def test_fabric_refuses_a_batch_splitting_axis_at_setup() -> None:
+    """cp2: refused at fabric.setup, before any step, naming the layout and the way out."""
+    from lightning_par.launcher import DistributedRunError
+
+    case = dict(strategy=cp2, model=make_net, optimizer="sgd", micro_batch=4, steps=1)
+    with pytest.raises(DistributedRunError, match=r"this layout \(\{'cp_size': 2\}\).*use the Trainer"):
+        run_distributed(fabric_worker, 2, ([case],), timeout_s=TIMEOUT_S)

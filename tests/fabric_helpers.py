@@ -1,0 +1,135 @@
+"""A user's Fabric training loop on several gloo ranks, and the one-process reference on the same global batches.
+
+The loop is written as a Fabric user writes it: ``fabric.launch()``, ``fabric.setup(model, optimizer)``,
+``fabric.setup_dataloaders`` (Fabric's own ``DistributedSampler``, here over the dp ranks), ``fabric.backward``,
+``fabric.no_backward_sync`` for accumulation, ``fabric.clip_gradients``, ``optimizer.step()``. Parity is judged on the
+global batch as in :mod:`tests.helpers`: Fabric's sampler over a sequential loader gives dp rank ``r`` the samples
+``r, r + dp, ...``, so the replicas' step ``k`` together hold the reference's global batch ``k``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from tests.helpers import TokenDataset
+
+
+def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "adamw":
+        # weight_decay=0: with AdamW's default 0.01 and accumulation over 2 micro-batches, the ONE-process reference
+        # itself moves by 4.2e-4 between torch.set_num_threads(1) and (2) (3 steps, this model; 2.4e-7 without
+        # accumulation): a comparison at 1e-5 there judges rounding, not the strategy.
+        return torch.optim.AdamW(params, lr=3e-3, eps=1e-6, weight_decay=0.0)
+    return torch.optim.SGD(params, lr=0.3, momentum=0.9)
+
+
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
+def fabric_loop(
+    fabric: L.Fabric,
+    make_model: Callable[[], nn.Module],
+    optimizer: str,
+    micro_batch: int,
+    steps: int,
+    accumulate: int = 1,
+    clip_norm: float | None = None,
+    dataset: Any = None,
+) -> tuple[list[float], nn.Module, Any]:
+    """``steps`` optimizer steps of a user's loop; returns the per-micro-step global losses (mean over the world),
+    the set-up model and optimizer."""
+    model = make_model()
+    opt = make_optimizer(optimizer, model.parameters())
+    model, opt = fabric.setup(model, opt)
+    loader = fabric.setup_dataloaders(DataLoader(dataset or TokenDataset(), batch_size=micro_batch, shuffle=False))
+    batches = iter(loader)
+    losses = []
+    for _ in range(steps):
+        for i in range(accumulate):
+            x, y = next(batches)
+            with fabric.no_backward_sync(model, enabled=i < accumulate - 1):
+                loss = lm_loss(model(x), y)
+                fabric.backward(loss / accumulate)
+            losses.append(float(fabric.all_reduce(loss.detach())))
+        if clip_norm is not None:
+            fabric.clip_gradients(model, opt, max_norm=clip_norm)
+        opt.step()
+        opt.zero_grad()
+    return losses, model, opt
+
+
+def reference_loop(
+    make_model: Callable[[], nn.Module], optimizer: str, global_batch: int, steps: int, accumulate: int = 1,
+    clip_norm: float | None = None, dataset: Any = None,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, plain torch, the same loop on global batches."""
+    model = make_model()
+    opt = make_optimizer(optimizer, model.parameters())
+    batches = iter(DataLoader(dataset or TokenDataset(), batch_size=global_batch, shuffle=False))
+    losses = []
+    for _ in range(steps):
+        for _ in range(accumulate):
+            x, y = next(batches)
+            loss = lm_loss(model(x), y)
+            (loss / accumulate).backward()
+            losses.append(float(loss.detach()))
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+        opt.step()
+        opt.zero_grad()
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def fabric_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Body of one rank: every case (``strategy``: a registry name or a ``lightning_par.fabric.MeshStrategy``
+    factory, ``model``, ``optimizer``, ``micro_batch``, ``steps``, ...) in turn, on one process group."""
+    world = int(os.environ["WORLD_SIZE"])
+    out = []
+    for case in cases:
+        strategy = case["strategy"]
+        fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy() if callable(strategy) else strategy)
+        fabric.launch()
+        losses, model, _ = fabric_loop(
+            fabric, case["model"], case["optimizer"], case["micro_batch"], case["steps"],
+            case.get("accumulate", 1), case.get("clip_norm"), case.get("dataset"),
+        )
+        out.append({"losses": losses, "state": fabric.strategy.parallel.full_state_dict()})
+    return out
+
+
+def save_load_worker(path: str, make_model: Callable[[], nn.Module], make_other: Callable[[], nn.Module]) -> dict:
+    """Train 2 steps under zero3 dp2 and ``fabric.save``; then a fresh model (other initial values) under tp2
+    ``fabric.load``s it and trains step 3 (its batch: the reference's global batch 2). Returns the states."""
+    world = int(os.environ["WORLD_SIZE"])
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy="zero3")
+    fabric.launch()
+    _, model, opt = fabric_loop(fabric, make_model, "sgd", 4, 2)
+    fabric.save(path, {"model": model, "optimizer": opt, "step": 2, "note": "zero3"})
+    saved = fabric.strategy.parallel.full_state_dict()
+
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy="tensor_parallel")
+    fabric.launch()
+    model = make_other()
+    opt = make_optimizer("sgd", model.parameters())
+    model, opt = fabric.setup(model, opt)
+    state = {"model": model, "optimizer": opt, "step": 0}
+    remainder = fabric.load(path, state)
+    loaded = fabric.strategy.parallel.full_state_dict()
+    batches = iter(fabric.setup_dataloaders(DataLoader(TokenDataset(), batch_size=8, shuffle=False)))
+    for _ in range(state["step"]):
+        next(batches)
+    x, y = next(batches)
+    fabric.backward(lm_loss(model(x), y))
+    opt.step()
+    opt.zero_grad()
+    return {"saved": saved, "loaded": loaded, "step": state["step"], "remainder": remainder,
+            "after": fabric.strategy.parallel.full_state_dict()}
