@@ -8,6 +8,9 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml .ci/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	# compat: the editable install that keeps conf/ -> lightning_par.conf and the hydra_plugins namespace working (the
+	# default mode does not map conf/); setuptools' notice that the mode is transitional is silenced, nothing else
+	PYTHONWARNINGS="ignore::Warning:setuptools.command.editable_wheel" \
 	$(PY) -m pip install -q -c .ci/constraints.txt -e '.[dev]' --config-settings editable_mode=compat
 	# LitGPT, the Fabric tests' second client: without its dependencies (it pins huggingface-hub<1.4, transformers 5
 	# needs >=1.31; its model code runs with either), so it is not in the dev extra
