@@ -15,6 +15,9 @@ $(VENV)/.installed: pyproject.toml .ci/constraints.txt
 	# LitGPT, the Fabric tests' second client: without its dependencies (it pins huggingface-hub<1.4, transformers 5
 	# needs >=1.31; its model code runs with either), so it is not in the dev extra
 	$(PY) -m pip install -q --no-deps 'litgpt==0.5.13' 'jsonargparse>=4.30'
+	# litdata (data=litdata) without torchvision, which it requires but its streaming dataset does not use: the
+	# registry's torchvision does not load with this CPU build of torch ("operator torchvision::nms does not exist")
+	$(PY) -m pip install -q --no-deps 'litdata>=0.2.50' boto3 botocore s3transfer jmespath obstore tifffile
 	touch $@
 
 .PHONY: install train test test-fast test-slow benchmark docs
