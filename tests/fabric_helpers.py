@@ -133,3 +133,69 @@ def save_load_worker(path: str, make_model: Callable[[], nn.Module], make_other:
     opt.zero_grad()
     return {"saved": saved, "loaded": loaded, "step": state["step"], "remainder": remainder,
             "after": fabric.strategy.parallel.full_state_dict()}
+
+
+class PipelinedLM(nn.Module):
+    """A user's model for pipelining in a Fabric loop: the network at ``.model`` (it speaks the contract's
+    ``pipeline_layers`` / ``pipeline_stage``) and the micro-batch loss as ``loss_fn``; ``forward`` for the one-process
+    reference."""
+
+    def __init__(self, network: nn.Module) -> None:
+        super().__init__()
+        self.model = network
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, y)
+
+
+def fabric_pipelined_loop(
+    fabric: L.Fabric, make_model: Callable[[], nn.Module], optimizer: str, micro_batch: int, steps: int,
+    accumulate: int = 1, clip_norm: float | None = None,
+) -> tuple[list[float], nn.Module, Any]:
+    """:func:`fabric_loop` as a user writes it under pipelining: ``loss = train_step(model, batch)`` in place of the
+    forward and ``fabric.backward``."""
+    from lightning_par.fabric import train_step
+
+    model = make_model()
+    opt = make_optimizer(optimizer, model.parameters())
+    model, opt = fabric.setup(model, opt)
+    loader = fabric.setup_dataloaders(DataLoader(TokenDataset(), batch_size=micro_batch, shuffle=False))
+    batches = iter(loader)
+    losses = []
+    for _ in range(steps):
+        for i in range(accumulate):
+            with fabric.no_backward_sync(model, enabled=i < accumulate - 1):
+                loss = train_step(model, next(batches), loss_scale=1.0 / accumulate)
+            losses.append(float(fabric.all_reduce(loss)))
+        if clip_norm is not None:
+            fabric.clip_gradients(model, opt, max_norm=clip_norm)
+        opt.step()
+        opt.zero_grad()
+    return losses, model, opt
+
+
+def fabric_pipelined_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`fabric_worker` for the pipelined loop; each case also checks that ``model(x)`` and ``fabric.backward``
+    are refused, naming ``train_step``."""
+    world = int(os.environ["WORLD_SIZE"])
+    out = []
+    for case in cases:
+        fabric = L.Fabric(accelerator="cpu", devices=world, strategy=case["strategy"]())
+        fabric.launch()
+        losses, model, _ = fabric_pipelined_loop(
+            fabric, case["model"], case["optimizer"], case["micro_batch"], case["steps"], case.get("accumulate", 1),
+            case.get("clip_norm"),
+        )
+        refused = []
+        x, y = next(iter(DataLoader(TokenDataset(), batch_size=case["micro_batch"])))
+        for attempt in (lambda: model(x), lambda: fabric.backward(torch.zeros((), requires_grad=True))):
+            try:
+                attempt()
+            except RuntimeError as err:
+                refused.append(str(err))
+        out.append({"losses": losses, "state": fabric.strategy.parallel.full_state_dict(), "refused": refused})
+    return out

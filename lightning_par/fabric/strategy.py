@@ -11,8 +11,12 @@ checkpoints through the same :mod:`lightning_par.checkpoint` code; this module o
 
 What differs from the Trainer (each refused before any process starts, with the reason):
 
-* ``pp_size > 1``: a pipeline schedule runs forward and backward itself, micro-batch by micro-batch; Fabric's
-  ``model(x)`` then ``fabric.backward(loss)`` has no place for it. Use the Trainer's ``pipeline`` / ``parallel_3d``.
+* ``pp_size > 1``: a pipeline schedule runs forward and backward itself, micro-batch by micro-batch, so Fabric's
+  ``model(x)`` then ``fabric.backward(loss)`` has no place for it. The step is one call instead,
+  :func:`lightning_par.fabric.train_step` (``loss = train_step(model, batch)``): it runs the schedule and returns the
+  batch's mean loss on every rank; ``model(x)`` and ``fabric.backward`` raise a ``RuntimeError`` naming it. The
+  model given to ``fabric.setup`` keeps its network at ``module_attr`` (``.model``) and defines
+  ``loss_fn(outputs, targets)`` (the model contract's pipeline loss, :mod:`lightning_par.contract`).
 * an axis with a batch transform (one that splits every tensor of the batch, inputs *and* targets, and averages the
   step's loss over its ranks): refused at ``fabric.setup``, before any step; in a Fabric loop the targets never pass
   through the strategy.
@@ -59,7 +63,7 @@ FABRIC_KEYS = "fabric_keys"
 
 
 class MeshStrategy(ParallelStrategy):
-    """Every registered axis but pp and cp on one mesh, for ``lightning.fabric.Fabric`` and any ``nn.Module`` meeting
+    """Every registered axis but cp on one mesh (pp through :meth:`train_step`), for ``lightning.fabric.Fabric`` and any ``nn.Module`` meeting
     :mod:`lightning_par.contract` (the network is the module itself, or its ``module_attr`` attribute).
 
     Args:
@@ -71,8 +75,8 @@ class MeshStrategy(ParallelStrategy):
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: filled in by Fabric.
 
     Raises:
-        ValueError: what the Trainer strategy raises for these keywords; ``pp_size > 1`` (see the
-            module docstring); at ``fabric.setup``, a model the layout cannot run
+        ValueError: what the Trainer strategy raises for these keywords; at ``fabric.setup``, a model the layout
+            cannot run
             (:func:`lightning_par.parallelize.validate`).
     """
 
@@ -95,14 +99,6 @@ class MeshStrategy(ParallelStrategy):
             precision=precision,
         )
         self.core: TrainerMeshStrategy = _preset(*args, **kwargs)
-        sizes = self.core._sizes
-        pp_size = self.core._sizes.get("pp_size", 1)
-        if pp_size != 1:
-            raise ValueError(
-                f"pp_size={pp_size} is not supported in a Fabric loop: a pipeline schedule runs forward and backward "
-                f"itself, which a Fabric loop's model(x) then fabric.backward(loss) cannot; use the Trainer "
-                f"(strategy='pipeline' or 'parallel_3d'). Valid here: pp_size=1."
-            )
         self._num_nodes = 1
         self._backward_sync_control = _MeshBackwardSyncControl(self)
         self.parallel_dims: ParallelDims | None = None
@@ -211,6 +207,8 @@ class MeshStrategy(ParallelStrategy):
                     f"and the loss never pass through the strategy: use the Trainer for it, or set that axis's size "
                     f"to 1."
                 )
+            if self.parallel.pipeline is not None:
+                module.register_forward_pre_hook(_refuse_pipelined_forward)
             buffers = self.parallel.engine.buffers
             if buffers is not None:  # torch DDP's buffer broadcast before each forward (not inside no_backward_sync)
                 module.register_forward_pre_hook(lambda *_: buffers.before_forward())
@@ -245,6 +243,8 @@ class MeshStrategy(ParallelStrategy):
                             "up the model first and build the optimizer over model.parameters()."
                         )
                     new.append(params[self._names[id(p)]])
+                elif id(p) in self._names and self.parallel.pipeline is not None:
+                    continue  # another pipeline stage's parameter: that stage's rank steps it
                 else:
                     raise ValueError(
                         f"optimizer holds a parameter of shape {tuple(p.shape)} that is not one of the model's: "
@@ -267,6 +267,8 @@ class MeshStrategy(ParallelStrategy):
         ``fabric.no_backward_sync``)."""
         if self.parallel is None:
             return super().backward(tensor, module, *args, **kwargs)
+        if self.parallel.pipeline is not None:
+            raise RuntimeError(_PIPELINED_STEP)
         engine = self.parallel.engine
         with self.parallel.loss_context():
             engine.pre_backward()
@@ -276,6 +278,33 @@ class MeshStrategy(ParallelStrategy):
             self.precision.post_backward(tensor, module)
         if not self._sync_blocked:
             self._grads_pending = True
+
+    def train_step(self, batch: Any, loss_scale: float = 1.0) -> Tensor:
+        """One pipelined forward and backward over ``batch`` (see :func:`lightning_par.fabric.train_step`)."""
+        parallel = self.parallel
+        if parallel is None:
+            raise RuntimeError("train_step before fabric.setup(model, ...): set up the model first.")
+        if parallel.pipeline is None:
+            raise RuntimeError(
+                f"train_step runs a pipeline schedule, and this layout has none (pp_size={parallel.dims.pp_size}): "
+                f"use loss = loss_fn(model(x), y); fabric.backward(loss)."
+            )
+        from lightning_par import contract
+
+        module = parallel.module
+        prepared = parallel.prepare_batch(batch)
+        inputs, targets = contract.pipeline_batch(module, prepared)
+        for m in parallel.stage_modules:
+            m.train(module.training)
+        with parallel.engine.defer_sync():
+            loss = parallel.pipeline.train_step(inputs, targets, loss_scale=float(loss_scale))
+        for after in parallel.after_schedule:  # e.g. tp's partial gradients, deferred out of the schedule
+            after()
+        loss = parallel.steps._share_step(loss, self.root_device)
+        if not self._sync_blocked:  # the end of an accumulation window: one dp reduction of what accumulated
+            parallel.engine.reduce_now()
+            self._grads_pending = True
+        return loss
 
     def finish_gradients(self) -> None:
         """The gradient finishers (tp: the replicated parameters' partial gradients summed over tp), once per
@@ -476,6 +505,18 @@ class MeshStrategy(ParallelStrategy):
                         name, cls, description=f"{preset.description} (lightning_par, Fabric)", _preset=preset,
                         **preset.registry_presets.get(name, {}),
                     )
+
+
+_PIPELINED_STEP = (
+    "under pipelining (pp_size > 1) the schedule runs forward and backward itself, micro-batch by micro-batch: "
+    "replace `loss = loss_fn(model(x), y); fabric.backward(loss)` by `loss = lightning_par.fabric.train_step(model, "
+    "batch)` (the model's loss_fn makes each micro-batch's loss; inside fabric.no_backward_sync for accumulation, "
+    "with loss_scale=1/accumulate), then fabric.clip_gradients / optimizer.step() as usual."
+)
+
+
+def _refuse_pipelined_forward(module: nn.Module, args: Any) -> None:
+    raise RuntimeError(f"{type(module).__name__}(...) was called: {_PIPELINED_STEP}")
 
 
 class _MeshBackwardSyncControl(_BackwardSyncControl):

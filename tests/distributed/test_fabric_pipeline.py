@@ -1,0 +1,61 @@
+"""Pipelining in a Fabric loop: ``loss = lightning_par.fabric.train_step(model, batch)`` runs the schedule and matches
+one process (fp32, SGD with momentum and AdamW); ``model(x)`` and ``fabric.backward`` are refused, naming it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_par.fabric import MeshStrategy
+from lightning_par.launcher import run_distributed
+from tests.fabric_helpers import PipelinedLM, fabric_pipelined_worker, reference_loop
+from tests.helpers import TIMEOUT_S, assert_params_close
+from tests.user_models import AttentionNet
+
+pytestmark = pytest.mark.distributed
+
+
+def make_lm() -> PipelinedLM:
+    torch.manual_seed(0)
+    return PipelinedLM(AttentionNet())
+
+
+def pp2_1f1b() -> MeshStrategy:
+    return MeshStrategy(pp_size=2, schedule="1f1b", num_microbatches=2)
+
+
+def dp2_tp2_pp2() -> MeshStrategy:
+    return MeshStrategy(dp_size=2, tp_size=2, pp_size=2, schedule="1f1b", num_microbatches=2, dp_mode="zero1")
+
+
+def _check(world: int, cases: list[tuple[str, object, int, dict]], micro_batch: int, steps: int) -> None:
+    runs = [dict(strategy=s, model=make_lm, micro_batch=micro_batch, steps=steps, **kw) for _, s, _, kw in cases]
+    results = run_distributed(fabric_pipelined_worker, world, (runs,), timeout_s=TIMEOUT_S)
+    for (label, _, dp, _), run, got in zip(cases, runs, results[0]):
+        losses, state = reference_loop(
+            make_lm, run["optimizer"], micro_batch * dp, steps, run.get("accumulate", 1), run.get("clip_norm")
+        )
+        torch.testing.assert_close(got["losses"], losses, rtol=1e-5, atol=0, msg=lambda m, l=label: f"{l}: {m}")
+        try:
+            assert_params_close(got["state"], state)
+        except AssertionError as err:
+            raise AssertionError(f"{label}: {err}") from None
+        assert len(got["refused"]) == 2 and all("train_step(model" in r for r in got["refused"]), got["refused"]
+
+
+def test_fabric_pipeline_1f1b_pp2_matches_one_process() -> None:
+    """1f1b pp2 through train_step: SGD with momentum (accumulation over 2 batches through fabric.no_backward_sync,
+    global norm clipping) and AdamW."""
+    _check(2, [
+        ("pp2 1f1b sgd acc2 clip", pp2_1f1b, 1, {"optimizer": "sgd", "accumulate": 2, "clip_norm": 1.0}),
+        ("pp2 1f1b adamw", pp2_1f1b, 1, {"optimizer": "adamw"}),
+    ], micro_batch=4, steps=3)
+
+
+@pytest.mark.slow
+def test_fabric_pipeline_dp2_tp2_pp2_matches_one_process() -> None:
+    """dp2 x tp2 x pp2 (world 8) through train_step, SGD with momentum and AdamW."""
+    _check(8, [
+        ("dp2 tp2 pp2 sgd clip", dp2_tp2_pp2, 2, {"optimizer": "sgd", "clip_norm": 1.0}),
+        ("dp2 tp2 pp2 adamw", dp2_tp2_pp2, 2, {"optimizer": "adamw"}),
+    ], micro_batch=4, steps=2)
