@@ -199,7 +199,7 @@ class MeshStrategy(ParallelStrategy):
                 module, self.parallel_dims, self.core.precision_options(self.precision_name),
                 device=self.root_device, check=False,
             )
-            if self.parallel._batch_transforms or self.parallel._step_wrappers:
+            if self.parallel._batch_transforms:  # cp; the step wrappers (dp token-mean weights) need no targets here
                 sizes = {k: v for k, v in self.parallel_dims.sizes().items() if v > 1}
                 raise ValueError(
                     f"this layout ({sizes}) has an axis that splits every tensor of the batch and averages the step's "
