@@ -59,3 +59,26 @@ def test_fabric_pipeline_dp2_tp2_pp2_matches_one_process() -> None:
         ("dp2 tp2 pp2 sgd clip", dp2_tp2_pp2, 2, {"optimizer": "sgd", "clip_norm": 1.0}),
         ("dp2 tp2 pp2 adamw", dp2_tp2_pp2, 2, {"optimizer": "adamw"}),
     ], micro_batch=4, steps=2)
+
+
+def _train_step_without_pipeline() -> str:
+    import lightning as L
+
+    from lightning_par.fabric import train_step
+    from tests.helpers import TokenDataset
+
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp_overlap")
+    fabric.launch()
+    model = fabric.setup(make_lm())
+    x, y = TokenDataset()[0]
+    try:
+        train_step(model, (x[None], y[None]))
+    except RuntimeError as err:
+        return str(err)
+    return "not refused"
+
+
+def test_fabric_train_step_without_a_pipeline_is_refused() -> None:
+    """train_step on a layout with pp_size=1 names the plain loop instead."""
+    got = run_distributed(_train_step_without_pipeline, 2, timeout_s=TIMEOUT_S)
+    assert all("has none (pp_size=1)" in g and "fabric.backward(loss)" in g for g in got), got

@@ -35,11 +35,20 @@ def test_same_keywords_and_errors_as_the_trainer() -> None:
         MeshStrategy(dp_mode="zero3", bucket_cap_mb=5)
 
 
-def test_pipeline_is_refused_before_start() -> None:
-    with pytest.raises(ValueError, match="pp_size=2 is not supported in a Fabric loop.*Trainer"):
-        MeshStrategy(pp_size=2)
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "pipeline"])
+def test_pipeline_names_build_the_fabric_strategy(name: str) -> None:
+    """Pipelining runs in a Fabric loop through lightning_par.fabric.train_step (tests/distributed/
+    test_fabric_pipeline.py)."""
+    strategy = L.Fabric(strategy=name, accelerator="cpu", devices=2).strategy
+    assert isinstance(strategy, MeshStrategy) and strategy.core._sizes.get("pp_size", 1) > 1
 
 
-def test_pipeline_names_are_refused_before_start() -> None:
-    with pytest.raises(ValueError, match="pp_size=2 is not supported in a Fabric loop"):
-        L.Fabric(strategy="1f1b", accelerator="cpu", devices=2)
+def test_train_step_misuse_is_refused() -> None:
+    import torch
+
+    from lightning_par.fabric import train_step
+
+    with pytest.raises(RuntimeError, match="takes what fabric.setup returned"):
+        train_step(torch.nn.Linear(2, 2), (torch.zeros(4, 2), torch.zeros(4, 2)))
+    with pytest.raises(RuntimeError, match="before fabric.setup"):
+        MeshStrategy(pp_size=2).train_step((torch.zeros(4, 2), torch.zeros(4, 2)))
