@@ -186,10 +186,12 @@ def fabric_pipelined_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]
     for case in cases:
         fabric = L.Fabric(accelerator="cpu", devices=world, strategy=case["strategy"]())
         fabric.launch()
-        losses, model, _ = fabric_pipelined_loop(
+        losses, model, opt = fabric_pipelined_loop(
             fabric, case["model"], case["optimizer"], case["micro_batch"], case["steps"], case.get("accumulate", 1),
             case.get("clip_norm"),
         )
+        if case.get("save"):
+            fabric.save(case["save"], {"model": model, "optimizer": opt, "step": case["steps"]})
         refused = []
         x, y = next(iter(DataLoader(TokenDataset(), batch_size=case["micro_batch"])))
         for attempt in (lambda: model(x), lambda: fabric.backward(torch.zeros((), requires_grad=True))):

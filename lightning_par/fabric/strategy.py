@@ -516,7 +516,11 @@ _PIPELINED_STEP = (
 
 
 def _refuse_pipelined_forward(module: nn.Module, args: Any) -> None:
-    raise RuntimeError(f"{type(module).__name__}(...) was called: {_PIPELINED_STEP}")
+    raise RuntimeError(
+        f"{type(module).__name__}(...) was called: {_PIPELINED_STEP} Evaluation is not supported in a Fabric loop "
+        f"under pipelining (this rank holds only its stages): evaluate with the Trainer, or load the checkpoint into "
+        f"one process (lightning_par.checkpoint.load_model_weights)."
+    )
 
 
 class _MeshBackwardSyncControl(_BackwardSyncControl):

@@ -28,7 +28,7 @@ def dp2_tp2_pp2() -> MeshStrategy:
     return MeshStrategy(dp_size=2, tp_size=2, pp_size=2, schedule="1f1b", num_microbatches=2, dp_mode="zero1")
 
 
-def _check(world: int, cases: list[tuple[str, object, int, dict]], micro_batch: int, steps: int) -> None:
+def _check(world: int, cases: list[tuple[str, object, int, dict]], micro_batch: int, steps: int) -> list[dict]:
     runs = [dict(strategy=s, model=make_lm, micro_batch=micro_batch, steps=steps, **kw) for _, s, _, kw in cases]
     results = run_distributed(fabric_pipelined_worker, world, (runs,), timeout_s=TIMEOUT_S)
     for (label, _, dp, _), run, got in zip(cases, runs, results[0]):
@@ -41,15 +41,22 @@ def _check(world: int, cases: list[tuple[str, object, int, dict]], micro_batch: 
         except AssertionError as err:
             raise AssertionError(f"{label}: {err}") from None
         assert len(got["refused"]) == 2 and all("train_step(model" in r for r in got["refused"]), got["refused"]
+    return results[0]
 
 
-def test_fabric_pipeline_1f1b_pp2_matches_one_process() -> None:
+def test_fabric_pipeline_1f1b_pp2_matches_one_process(tmp_path) -> None:
     """1f1b pp2 through train_step: SGD with momentum (accumulation over 2 batches through fabric.no_backward_sync,
-    global norm clipping) and AdamW."""
-    _check(2, [
+    global norm clipping) and AdamW; the AdamW run's fabric.save (each stage its shards) loads into one process."""
+    from lightning_par.checkpoint import load_model_weights
+
+    path = str(tmp_path / "ckpt")
+    got = _check(2, [
         ("pp2 1f1b sgd acc2 clip", pp2_1f1b, 1, {"optimizer": "sgd", "accumulate": 2, "clip_norm": 1.0}),
-        ("pp2 1f1b adamw", pp2_1f1b, 1, {"optimizer": "adamw"}),
+        ("pp2 1f1b adamw", pp2_1f1b, 1, {"optimizer": "adamw", "save": path}),
     ], micro_batch=4, steps=3)
+    plain = PipelinedLM(AttentionNet())
+    load_model_weights(path, plain)
+    assert_params_close({n: p.detach() for n, p in plain.named_parameters()}, got[1]["state"], rtol=0, atol=0)
 
 
 @pytest.mark.slow
