@@ -197,7 +197,7 @@ class MeshStrategy(ParallelStrategy):
             self._names = {id(p): n for n, p in module.named_parameters()}
             self.parallel = parallelize(
                 module, self.parallel_dims, self.core.precision_options(self.precision_name),
-                device=self.root_device, check=False,
+                device=self.root_device, step_context=self._step_context, check=False,
             )
             if self.parallel._batch_transforms:  # cp; the step wrappers (dp token-mean weights) need no targets here
                 sizes = {k: v for k, v in self.parallel_dims.sizes().items() if v > 1}
@@ -278,6 +278,13 @@ class MeshStrategy(ParallelStrategy):
             self.precision.post_backward(tensor, module)
         if not self._sync_blocked:
             self._grads_pending = True
+
+    @contextmanager
+    def _step_context(self) -> Generator[None, None, None]:
+        """Around each pipeline schedule run: Fabric's precision (autocast under ``"bf16-mixed"``), as its
+        ``model(x)`` would enter, and the loss context."""
+        with self.precision.forward_context(), self.loss_context():
+            yield
 
     def train_step(self, batch: Any, loss_scale: float = 1.0) -> Tensor:
         """One pipelined forward and backward over ``batch`` (see :func:`lightning_par.fabric.train_step`)."""
