@@ -89,3 +89,16 @@ def test_fabric_train_step_without_a_pipeline_is_refused() -> None:
     """train_step on a layout with pp_size=1 names the plain loop instead."""
     got = run_distributed(_train_step_without_pipeline, 2, timeout_s=TIMEOUT_S)
     assert all("has none (pp_size=1)" in g and "fabric.backward(loss)" in g for g in got), got
+
+
+def pp2_gpipe() -> MeshStrategy:
+    return MeshStrategy(pp_size=2, schedule="gpipe", num_microbatches=4)
+
+
+@pytest.mark.slow
+def test_fabric_pipeline_gpipe_pp2_matches_one_process() -> None:
+    """GPipe pp2 (4 micro-batches) through train_step, SGD with momentum with accumulation and AdamW."""
+    _check(2, [
+        ("pp2 gpipe sgd acc2", pp2_gpipe, 1, {"optimizer": "sgd", "accumulate": 2}),
+        ("pp2 gpipe adamw clip", pp2_gpipe, 1, {"optimizer": "adamw", "clip_norm": 1.0}),
+    ], micro_batch=4, steps=2)
