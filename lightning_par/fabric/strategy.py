@@ -63,8 +63,9 @@ FABRIC_KEYS = "fabric_keys"
 
 
 class MeshStrategy(ParallelStrategy):
-    """Every registered axis but cp on one mesh (pp through :meth:`train_step`), for ``lightning.fabric.Fabric`` and any ``nn.Module`` meeting
-    :mod:`lightning_par.contract` (the network is the module itself, or its ``module_attr`` attribute).
+    """Every registered axis but cp on one mesh (pp through :meth:`train_step`), for ``lightning.fabric.Fabric`` and
+    any ``nn.Module`` meeting :mod:`lightning_par.contract` (the network is the module itself, or its ``module_attr``
+    attribute; under pipelining the network must be at ``module_attr``).
 
     Args:
         *args, **kwargs: the keywords of the Trainer strategy (:class:`lightning_par.strategies.MeshStrategy`:
