@@ -9,7 +9,7 @@ checkpoints through the same :mod:`lightning_par.checkpoint` code; this module o
 (``fabric.setup``, ``fabric.backward``, ``fabric.clip_gradients``, ``fabric.no_backward_sync``, ``fabric.save`` /
 ``fabric.load``, the collectives) onto the :class:`~lightning_par.parallelize.ParallelModel`.
 
-What differs from the Trainer (each refused before any process starts, with the reason):
+What differs from the Trainer:
 
 * ``pp_size > 1``: a pipeline schedule runs forward and backward itself, micro-batch by micro-batch, so Fabric's
   ``model(x)`` then ``fabric.backward(loss)`` has no place for it. The step is one call instead,
