@@ -5,8 +5,9 @@
 
 (installed without this repository: ``python -m lightning_par.train_ft ...``). The launcher
 
-1. starts torchft's lighthouse in its own process (:class:`torchft.coordination.LighthouseServer`, on a free port,
-   ``min_replicas`` = ``strategy.fault_tolerance.min_replicas``);
+1. starts torchft's lighthouse server (the ``torchft_lighthouse`` program of torchft's wheel) as a child process on a
+   free port, with ``--min_replicas`` = ``strategy.fault_tolerance.min_replicas`` (its log: ``<run_dir>/lighthouse.log``),
+   and waits until it answers;
 2. starts one recipe world per replica group, ``python -m lightning_par.train`` with the same overrides plus
    ``strategy.fault_tolerance.replica_group_id=g``, the lighthouse's address and the run directory
    ``<run_dir>/group<g>``. Each group's launcher picks its own free ``MASTER_PORT``: its own world;
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,11 +33,17 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from lightning_par.data_parallel.fault_tolerance import check_lighthouse
+from lightning_par.launcher import find_free_port
+
 __all__ = ["launch_ft_job", "main", "run_ft_recipe"]
 
 #: Lighthouse timings for one machine: a group that stops heartbeating is dropped after 2 s; a quorum waits 5 s for
 #: late groups to join (``torchft_lighthouse``'s ``--heartbeat_timeout_ms`` / ``--join_timeout_ms``).
 _HEARTBEAT_TIMEOUT_MS, _JOIN_TIMEOUT_MS = 2000, 5000
+
+#: The longest the lighthouse may take to answer after its start.
+_LIGHTHOUSE_START_S = 30.0
 
 #: Overrides the launcher sets itself for each group.
 _OWN = ("strategy.fault_tolerance.replica_group_id", "strategy.fault_tolerance.lighthouse", "hydra.run.dir")
@@ -53,10 +61,24 @@ def _group_overrides(overrides: list[str], group: int, lighthouse: str, run_dir:
             f"strategy.fault_tolerance.lighthouse={lighthouse}", f"hydra.run.dir={run_dir / f'group{group}'}"]
 
 
-def _preexec() -> None:  # in each group's launcher, before exec: die with this process
+def _lighthouse_program() -> str:
+    """The ``torchft_lighthouse`` program: beside this Python, else on ``PATH``."""
+    beside = Path(sys.executable).parent / "torchft_lighthouse"
+    found = str(beside) if beside.exists() else shutil.which("torchft_lighthouse")
+    if found is None:
+        raise _refuse("strategy.fault_tolerance needs torchft and its torchft_lighthouse program (not found beside "
+                      f"{sys.executable} nor on PATH): pip install 'lightning_par[ft]'.")
+    return found
+
+
+def _preexec() -> None:
+    # In the lighthouse and each group's launcher, before exec: die with this process, even one killed by SIGKILL.
+    # SIGKILL, not SIGTERM: a group's ranks may sit in torchft's quorum wait (native code, up to quorum_timeout_s)
+    # where a Python handler does not run, and its launcher would wait for them; its ranks die with it (their own
+    # PR_SET_PDEATHSIG).
     from lightning_par.fault.process import die_with_parent
 
-    die_with_parent(signal.SIGTERM)
+    die_with_parent(signal.SIGKILL)
 
 
 def launch_ft_job(cfg: DictConfig, overrides: list[str], run_dir: str | Path,
@@ -86,19 +108,14 @@ def launch_ft_job(cfg: DictConfig, overrides: list[str], run_dir: str | Path,
     if ft.get("lighthouse"):
         raise _refuse(f"strategy.fault_tolerance.lighthouse={ft.lighthouse!r}: train_ft starts its own lighthouse; "
                       "leave it unset (to join an existing lighthouse, run recipes/train.py once per group).")
-    try:
-        from torchft.coordination import LighthouseServer
-    except ImportError as err:
-        raise _refuse("strategy.fault_tolerance needs torchft: pip install 'lightning_par[ft]'.") from err
+    server = _lighthouse_program()
     groups, min_replicas = int(ft.num_replica_groups), int(ft.min_replicas)
     if timeout_s is None:
         timeout_s = cfg.trainer.get("job_timeout_s")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=_JOIN_TIMEOUT_MS,
-                                  heartbeat_timeout_ms=_HEARTBEAT_TIMEOUT_MS)
-    address = lighthouse.address()
     procs: list[subprocess.Popen] = []
+    lighthouse: subprocess.Popen | None = None
     logs = [run_dir / f"group{g}.log" for g in range(groups)]
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
 
@@ -108,6 +125,18 @@ def launch_ft_job(cfg: DictConfig, overrides: list[str], run_dir: str | Path,
     try:
         for s in previous:
             signal.signal(s, _stop)
+        port = find_free_port()
+        address = f"http://localhost:{port}"
+        with open(run_dir / "lighthouse.log", "ab") as log:
+            lighthouse = subprocess.Popen(
+                [server, "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}",
+                 "--join_timeout_ms", str(_JOIN_TIMEOUT_MS), "--heartbeat_timeout_ms", str(_HEARTBEAT_TIMEOUT_MS)],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_preexec)
+        try:
+            check_lighthouse(address, _LIGHTHOUSE_START_S)
+        except ConnectionError as err:
+            raise RuntimeError(f"train_ft: the lighthouse ({server}) did not start: "
+                               f"{(run_dir / 'lighthouse.log').read_text(errors='replace')[-2000:]}") from err
         for g in range(groups):
             cmd = [sys.executable, "-m", "lightning_par.train", *_group_overrides(overrides, g, address, run_dir)]
             with open(logs[g], "ab") as log:
@@ -129,7 +158,9 @@ def launch_ft_job(cfg: DictConfig, overrides: list[str], run_dir: str | Path,
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-        lighthouse.shutdown()
+        if lighthouse is not None:
+            lighthouse.kill()
+            lighthouse.wait()
         for s, h in previous.items():
             signal.signal(s, h)
     summaries = []

@@ -5,6 +5,7 @@ without it (fault tolerance off, one group), with the same losses as an uninterr
 
 from __future__ import annotations
 
+import csv
 import json
 import sys
 from pathlib import Path
@@ -94,6 +95,9 @@ def test_checkpoint_under_ft_resumes_with_the_lighthouse(uninterrupted: Path, tm
     for g, s in enumerate(resumed["groups"]):
         assert Path(s["resumed_from"]).name == "step-3.ckpt", s
         assert s["ft_steps_committed"] == STEPS - 3 and s["ft_live_replicas"] == 2, s
+        resumed_steps = {int(r["step"]) for r in csv.DictReader((tmp_path / f"group{g}/logs/metrics.csv").open())
+                         if r.get("train_loss")}
+        assert resumed_steps == {3, 4, 5}, resumed_steps  # the second attempt trained the last 3 steps only
         torch.testing.assert_close(torch.tensor(_by_step(tmp_path / f"group{g}")),
                                    torch.tensor(_by_step(uninterrupted / f"group{g}")), rtol=1e-5, atol=1e-6)
 
@@ -111,3 +115,52 @@ def test_checkpoint_under_ft_resumes_without_the_lighthouse(tmp_path: Path) -> N
     torch.testing.assert_close(torch.tensor(_by_step(tmp_path / "group0")), torch.tensor(_by_step(tmp_path / "plain")),
                                rtol=1e-5, atol=1e-6)
     assert reference is not None and reference["steps"] == STEPS
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def test_nothing_outlives_a_killed_train_ft(tmp_path: Path) -> None:
+    """SIGKILL of the launcher (no clean-up can run): the lighthouse, both groups' launchers and their ranks die."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.e2e.test_faults import _assert_all_gone
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "recipes" / "train_ft.py"), *TINY, *FT,
+                             "trainer.max_steps=1000", f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        # the lighthouse, 2 group launchers and their 2 ranks, once both groups are training
+        while time.monotonic() < deadline and not all(
+                (tmp_path / f"group{g}" / "logs" / "metrics.csv").exists() for g in range(2)):
+            assert proc.poll() is None, "train_ft ended early"
+            time.sleep(0.5)
+        pids = _descendants(proc.pid)
+        assert len(pids) >= 5, pids
+    finally:
+        proc.kill()
+        proc.wait()
+    try:
+        _assert_all_gone(pids, within_s=30.0)
+    except AssertionError as err:
+        cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:300] for p in pids
+                    if Path(f"/proc/{p}/cmdline").exists()}
+        raise AssertionError(f"{err}; {cmdlines}") from None
