@@ -102,6 +102,14 @@ def test_checkpoint_under_ft_resumes_with_the_lighthouse(uninterrupted: Path, tm
                                    torch.tensor(_by_step(uninterrupted / f"group{g}")), rtol=1e-5, atol=1e-6)
 
 
+def test_a_group_of_two_resumed_alone_mid_epoch_is_refused(uninterrupted: Path) -> None:
+    """Group 0's checkpoint of the 2-group run, mid-epoch, resumed without fault tolerance: alone it would read other
+    samples (its position counts 2 data-parallel ranks), so the resume is refused before any process starts."""
+    with pytest.raises(ValueError, match=r"data-parallel replicas \(dp_size\): 2 -> 1 \(the checkpoint is 6 batches "
+                                         r"into an epoch"):
+        launch_job(_cfg(*TINY, "trainer.max_steps=9"), uninterrupted / "group0")
+
+
 def test_checkpoint_under_ft_resumes_without_the_lighthouse(tmp_path: Path) -> None:
     """One replica group under fault tolerance, stopped after step 3; its checkpoint resumed with fault tolerance off
     (plain recipe, no lighthouse) continues with the losses of an uninterrupted run without fault tolerance."""
@@ -136,7 +144,6 @@ def _descendants(pid: int) -> list[int]:
 def test_nothing_outlives_a_killed_train_ft(tmp_path: Path) -> None:
     """SIGKILL of the launcher (no clean-up can run): the lighthouse, both groups' launchers and their ranks die."""
     import os
-    import signal
     import subprocess
     import time
 
