@@ -370,9 +370,17 @@ def _check_resume(cfg: DictConfig, ckpt: Path, dims: ParallelDims) -> None:
         module = build_module(cfg)
     datamodule = build_datamodule(cfg, module)
     applied = check_resume(ckpt, load_metadata_file(ckpt / METADATA_FILENAME), getattr(module, "hparams", None),
-                           getattr(datamodule, "hparams", None), replicas=dims.dp_size)
+                           getattr(datamodule, "hparams", None), replicas=_data_replicas(cfg, dims))
     for change in applied:
         log.info("Resuming from %s with %s", ckpt, change)
+
+
+def _data_replicas(cfg: DictConfig, dims: ParallelDims) -> int:
+    """The data-parallel ranks the data is split over: ``dp_size``, times ``num_replica_groups`` under fault tolerance
+    (every replica group's dp ranks share one sample order; see ``MeshStrategy.distributed_sampler_kwargs``)."""
+    ft = cfg.strategy.get("fault_tolerance")
+    groups = int(ft.get("num_replica_groups", 1)) if ft is not None and ft.get("enabled") else 1
+    return int(dims.dp_size) * groups
 
 
 def _claim(run_dir: Path) -> contextlib.AbstractContextManager[None]:
