@@ -41,6 +41,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "checkpoint_module",
     "is_checkpointed",
+    "modules_at",
 ]
 
 #: Valid values of the ``activation_checkpointing`` option.
@@ -114,21 +115,30 @@ def apply_activation_checkpointing(network: nn.Module, paths: Sequence[str], ski
     Raises:
         ValueError: a path that names no module (unless ``skip_absent``).
     """
-    done = []
+    found = modules_at(network, paths, skip_absent, "activation checkpointing path")
+    for module in found.values():
+        checkpoint_module(module)
+    return list(found)
+
+
+def modules_at(network: nn.Module, paths: Sequence[str], skip_absent: bool, what: str) -> dict[str, nn.Module]:
+    """``{path: module}`` for the block ``paths`` of ``network`` present on this rank (the per-block techniques:
+    activation checkpointing, compile).
+
+    Raises:
+        ValueError: a path that names no module (unless ``skip_absent``), named as ``what``.
+    """
+    found = {}
     for path in paths:
         try:
             module = network.get_submodule(path)
         except AttributeError as err:
             if skip_absent:
                 continue
-            raise ValueError(
-                f"activation checkpointing path {path!r} names no module of {type(network).__name__}: {err}"
-            ) from err
-        if module is None:
-            continue
-        checkpoint_module(module)
-        done.append(path)
-    return done
+            raise ValueError(f"{what} {path!r} names no module of {type(network).__name__}: {err}") from err
+        if module is not None:
+            found[path] = module
+    return found
 
 
 def _paths(network: nn.Module, mode: str) -> list[str]:

@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_par import contract
-from lightning_par.activation_checkpointing import _Checkpointed, is_checkpointed
+from lightning_par.activation_checkpointing import _Checkpointed, is_checkpointed, modules_at
 from lightning_par.axis_registry import Axis, Build
 from lightning_par.validation import check_bool, check_choice
 
@@ -192,21 +192,10 @@ def compile_blocks(network: nn.Module, paths: Sequence[str], options: CompileOpt
     Raises:
         ValueError: a path that names no module (unless ``skip_absent``).
     """
-    done = []
-    for path in paths:
-        try:
-            module = network.get_submodule(path)
-        except AttributeError as err:
-            if skip_absent:
-                continue
-            raise ValueError(
-                f"compile: block path {path!r} names no module of {type(network).__name__}: {err}"
-            ) from err
-        if module is None:
-            continue
+    found = modules_at(network, paths, skip_absent, "compile: block path")
+    for module in found.values():
         compile_module(module, options)
-        done.append(path)
-    return done
+    return list(found)
 
 
 # ---------------------------------------------------------------------------------------------------- dynamo's counters
