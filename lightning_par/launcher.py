@@ -30,6 +30,7 @@ All of these but preemption raise :class:`DistributedRunError` in the parent.
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -164,6 +165,12 @@ def _child(
     results: mp.Queue,
     parent_pid: int,
 ) -> None:
+    # Never collect what was inherited: a gloo process group the launcher's process had dropped (a Trainer run in it
+    # before) may still wait in its garbage, and destroying it here joins worker threads that a forked process does
+    # not have: the rank hangs in ~ProcessGroupGloo (seen in the test suite: ranks idle in a futex from a
+    # garbage collection inside a model's __init__, until the launch's timeout). Objects made from here on are
+    # collected as usual.
+    gc.freeze()
     # Die with the launcher, even one killed with SIGKILL; lead a process group the launcher can signal as a whole.
     die_with_parent(signal.SIGKILL, expected_parent=parent_pid)
     with contextlib.suppress(OSError):

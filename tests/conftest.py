@@ -1,5 +1,7 @@
 """Session-wide test settings and shared fixtures."""
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,3 +23,6 @@ def no_process_group_left_behind():
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        # and free the group's objects here, where its threads are: a world forked while they wait in this process's
+        # garbage inherits them (the launcher's ranks freeze what they inherit, see lightning_par.launcher._child)
+        gc.collect()

@@ -164,3 +164,29 @@ def assert_params_close(actual: dict, expected: dict, rtol: float = 1e-5, atol: 
     assert actual.keys() == expected.keys(), (sorted(actual), sorted(expected))
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# ----------------------------------------------------------------------------------- matrices run in one launch
+def ci_params(names: Any, ci: Any) -> list[Any]:
+    """``names`` as ``pytest.param`` values for ``parametrize``, those outside ``ci`` marked ``slow``: CI (``make
+    test``, ``-m "not slow"``) runs the ``ci`` cells, ``make test-slow`` the rest. A cell named in ``ci`` that is not
+    in ``names`` is an error (a renamed case must not silently leave CI)."""
+    import pytest
+
+    names, ci = list(names), set(ci)
+    unknown = ci - set(names)
+    if unknown:
+        raise ValueError(f"ci cells {sorted(unknown)} are not cases of this matrix: {names}")
+    return [pytest.param(n, marks=() if n in ci else pytest.mark.slow) for n in names]
+
+
+def running(request: Any, argname: str = "name", test: str | None = None) -> set[Any]:
+    """The values of parameter ``argname`` of this module's tests (of test function ``test`` only, if given) that
+    this session runs (after ``-m``/``-k`` deselection): a module fixture that launches every case of a matrix in one
+    world launches only these, so a cell marked ``slow`` costs CI nothing."""
+    return {
+        item.callspec.params[argname]
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec") and argname in item.callspec.params
+        and (test is None or getattr(item, "originalname", None) == test)
+    }

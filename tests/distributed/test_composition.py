@@ -22,7 +22,7 @@ from lightning_par.checkpoint import load_model_weights
 from lightning_par.parallel_dims import MESH_AXES
 from lightning_par.pipeline_parallel.options import SCHEDULES
 from lightning_par.strategies import PipelineStrategy
-from tests.helpers import assert_params_close, global_losses, run_fit
+from tests.helpers import assert_params_close, ci_params, global_losses, run_fit, running
 from tests.p3d_helpers import make_gpt, run_plan, token_data
 from tests.pp_helpers import RegressionDataset, one_thread, reference_fit_microbatched
 from tests.user_models import DictDataset, TwoStreamModule, TwoStreamNet, make_mlp
@@ -87,24 +87,39 @@ def _samples(cases: dict[str, tuple[str, dict]]) -> int:
     return max(MICRO * o.get("dp_size", 1) for _, o in cases.values()) * STEPS
 
 
-def _launch(world: int, cases: dict[str, tuple[str, dict]]) -> dict:
-    plan = [_fit(name, model, options) for name, (model, options) in cases.items()]
+_S = list(SCHEDULES)
+#: The cells CI runs (the rest are ``slow``): every schedule once per world with the models alternating, every dp mode
+#: at dp2·pp2 (schedule i with dp mode i mod 4), at dp2·tp2·pp2 the user's model under ddp and zero3 (zero1 with
+#: AdamW, zero2 in the schedule cells) and every schedule once (MLP on even, GPT on odd positions).
+CI_WORLD2 = [f"pp2-{s}-{'gpt' if i % 2 == 0 else 'mlp-sgd'}" for i, s in enumerate(_S)]
+CI_WORLD4 = [f"pp4-{s}-{'mlp-deep-sgd' if i % 2 == 0 else 'gpt8'}" for i, s in enumerate(_S)] + [
+    f"dp2pp2-{s}-{_dp_modes(s)[i % 4][0]}" for i, s in enumerate(_S)
+]
+CI_WORLD8 = ["3d-user-ddp-sgd", "3d-user-zero3-sgd", "3d-user-zero1-adamw"] + [
+    f"3d-{s}-{'mlp' if i % 2 == 0 else 'gpt'}" for i, s in enumerate(_S)
+]
+
+
+def _launch(request: pytest.FixtureRequest, world: int, cases: dict[str, tuple[str, dict]]) -> dict:
+    """One launch of the cases this session runs (a ``slow`` cell deselected is not trained)."""
+    wanted = running(request)
+    plan = [_fit(name, model, options) for name, (model, options) in cases.items() if name in wanted]
     return run_plan(world, plan, token_data(_samples(cases)), token_data(16, seed=1), timeout_s=900)
 
 
 @pytest.fixture(scope="module")
-def world2() -> dict:
-    return _launch(2, WORLD2)
+def world2(request: pytest.FixtureRequest) -> dict:
+    return _launch(request, 2, WORLD2)
 
 
 @pytest.fixture(scope="module")
-def world4() -> dict:
-    return _launch(4, WORLD4)
+def world4(request: pytest.FixtureRequest) -> dict:
+    return _launch(request, 4, WORLD4)
 
 
 @pytest.fixture(scope="module")
-def world8() -> dict:
-    return _launch(8, WORLD8)
+def world8(request: pytest.FixtureRequest) -> dict:
+    return _launch(request, 8, WORLD8)
 
 
 def _check(runs: list[dict], model: str, options: dict, samples: int) -> None:
@@ -119,17 +134,17 @@ def _check(runs: list[dict], model: str, options: dict, samples: int) -> None:
         assert_params_close(r["state"], ref_params)
 
 
-@pytest.mark.parametrize("name", list(WORLD2))
+@pytest.mark.parametrize("name", ci_params(WORLD2, CI_WORLD2))
 def test_every_schedule_at_pp2(world2, name):
     _check(world2[name], *WORLD2[name], _samples(WORLD2))
 
 
-@pytest.mark.parametrize("name", list(WORLD4))
+@pytest.mark.parametrize("name", ci_params(WORLD4, CI_WORLD4))
 def test_every_schedule_at_pp4_and_every_dp_mode_at_dp2_pp2(world4, name):
     _check(world4[name], *WORLD4[name], _samples(WORLD4))
 
 
-@pytest.mark.parametrize("name", list(WORLD8))
+@pytest.mark.parametrize("name", ci_params(WORLD8, CI_WORLD8))
 def test_user_model_and_every_schedule_at_dp2_tp2_pp2(world8, name):
     _check(world8[name], *WORLD8[name], _samples(WORLD8))
 
@@ -147,27 +162,34 @@ CHECKPOINT_STRATEGIES = {
 }
 
 
+def _next(saved: str) -> str:
+    """The strategy after ``saved`` in CHECKPOINT_STRATEGIES (cyclic): CI loads each checkpoint into that one, so every
+    strategy saves once and loads once, each in another layout; ``make test-slow`` loads each into every other."""
+    names = list(CHECKPOINT_STRATEGIES)
+    return names[(names.index(saved) + 1) % len(names)]
+
+
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[str, str]]:
+def checkpoints(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict[str, str]]:
     root = tmp_path_factory.mktemp("matrix")
     paths = {name: str(root / f"{name}.ckpt") for name in CHECKPOINT_STRATEGIES}
+    every = running(request, "saved", "test_a_checkpoint_of_each_strategy_loads_into_every_other")
     plan = []
     for name, (registry, options) in CHECKPOINT_STRATEGIES.items():
         plan.append({"kind": "fit", "name": f"save-{name}", "model": "mlp-sgd", "strategy": registry,
                      "options": options, "steps": STEPS, "micro_batch": 4, "val": True, "save": paths[name]})
     for saved in CHECKPOINT_STRATEGIES:
         for name, (registry, options) in CHECKPOINT_STRATEGIES.items():
-            plan.append({"kind": "validate", "name": f"{saved}->{name}", "model": "mlp-sgd", "strategy": registry,
-                         "options": options, "micro_batch": 4, "ckpt": paths[saved]})
+            if saved in every or name == _next(saved):
+                plan.append({"kind": "validate", "name": f"{saved}->{name}", "model": "mlp-sgd", "strategy": registry,
+                             "options": options, "micro_batch": 4, "ckpt": paths[saved]})
     return run_plan(4, plan, token_data(4 * 4 * STEPS), token_data(16, seed=1), timeout_s=900), paths
 
 
-@pytest.mark.parametrize("saved", list(CHECKPOINT_STRATEGIES))
-def test_a_checkpoint_of_each_strategy_loads_into_every_other(checkpoints, saved):
+def _check_loads(checkpoints: tuple[dict, dict[str, str]], saved: str, into: list[str]) -> None:
     out, paths = checkpoints
     reference = out[f"save-{saved}"][0]["val_loss"]
-    untrained = None
-    for name in CHECKPOINT_STRATEGIES:
+    for name in into:
         losses = [r["val_loss"] for r in out[f"{saved}->{name}"]]
         assert losses == pytest.approx([reference] * len(losses), rel=1e-5), name
     module = make_mlp()
@@ -179,6 +201,17 @@ def test_a_checkpoint_of_each_strategy_loads_into_every_other(checkpoints, saved
         one_process = float(module.loss_fn(module.model(x), y))
     assert one_process == pytest.approx(reference, rel=1e-5)
     assert abs(untrained - reference) > 1e-3  # the trained weights were really loaded
+
+
+@pytest.mark.parametrize("saved", list(CHECKPOINT_STRATEGIES))
+def test_a_checkpoint_of_each_strategy_loads_into_the_next_and_one_process(checkpoints, saved):
+    _check_loads(checkpoints, saved, [_next(saved)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved", list(CHECKPOINT_STRATEGIES))
+def test_a_checkpoint_of_each_strategy_loads_into_every_other(checkpoints, saved):
+    _check_loads(checkpoints, saved, list(CHECKPOINT_STRATEGIES))
 
 
 # ------------------------------------------------------------------------------------------------ the contract
