@@ -1,6 +1,7 @@
 """Session-wide test settings and shared fixtures."""
 
 import gc
+import os
 
 import pytest
 import torch
@@ -12,6 +13,11 @@ import torch.distributed as dist
 # attention). With one intra-op thread here this process never starts an OpenMP thread pool; the ranks set their own
 # thread count (threads_per_rank).
 torch.set_num_threads(1)
+# Lightning's launchers raise the thread count of the process they run in (``_set_num_threads_if_needed``: cpu count
+# over processes, unless OMP_NUM_THREADS is set): after an in-process Trainer run, this process would run OpenMP
+# regions on 2 threads, and a world forked after that hangs in libgomp (seen in the full suite: a rank idle in
+# libgomp inside Adam's sqrt, forked by an in-process recipe run). The ranks' own counts are set by the launcher.
+os.environ["OMP_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(autouse=True)
@@ -21,6 +27,8 @@ def no_process_group_left_behind():
     from a process holding a gloo group fails (measured: one in-process float8 Trainer run left its group, and every
     forked world after it in the suite errored or timed out)."""
     yield
+    if torch.get_num_threads() != 1:  # a test raised it: back to one before anything here runs multi-threaded
+        torch.set_num_threads(1)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
         # and free the group's objects here, where its threads are: a world forked while they wait in this process's
