@@ -36,7 +36,6 @@ def test_invalid_fields_are_named(fields: dict, match: str) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(dp_mode="zero3"), "dp_mode='zero3' is not valid with fault_tolerance.enabled=True"),
         (dict(tp_size=2), "tp_size=2 is not valid with fault_tolerance"),
         (dict(pp_size=2), "pp_size=2 is not valid with fault_tolerance"),
         (dict(dp_replicate_size=2), "dp_replicate_size=2 is not valid with fault_tolerance.*num_replica_groups"),
