@@ -103,9 +103,11 @@ def ft_worker(cfg: dict[str, Any]) -> dict[str, Any]:
               quorum_timeout_s=cfg.get("quorum_timeout_s", 60.0), connect_timeout_s=cfg.get("connect_timeout_s", 10.0),
               **{k: cfg[k] for k in ("init_sync", "diloco_sync_every", "diloco_outer_lr", "diloco_outer_momentum")
                  if k in cfg})
-    strategy = MeshStrategy(dp_size=world, dp_mode=cfg["dp_mode"], timeout_s=120.0, fault_tolerance=ft)
+    tp = cfg.get("tp", 1)
+    dp = world // tp  # tp is the innermost mesh axis: dp rank = rank // tp
+    strategy = MeshStrategy(dp_size=dp, tp_size=tp, dp_mode=cfg["dp_mode"], timeout_s=120.0, fault_tolerance=ft)
     dataset = regression_dataset()
-    sampler = DistributedSampler(dataset, num_replicas=world * groups, rank=cfg["group"] * world + rank, shuffle=False)
+    sampler = DistributedSampler(dataset, num_replicas=dp * groups, rank=cfg["group"] * dp + rank // tp, shuffle=False)
     loader = DataLoader(dataset, batch_size=cfg["micro_batch"], sampler=sampler, drop_last=True)
     recorder = LossRecorder()
     module = make_module(cfg)
@@ -116,20 +118,25 @@ def ft_worker(cfg: dict[str, Any]) -> dict[str, Any]:
             "summary": strategy.summary_extras()}
 
 
-def hsdp_worker(cfg: dict[str, Any]) -> dict[str, Any]:
-    """One rank of plain HSDP (``dp_replicate_size=cfg["groups"]`` x ``dp_shard_size=cfg["world"]``, one world, no
-    torchft) on the same global batches as the replica groups: dp rank ``d`` reads what rank ``d % world`` of group
-    ``d // world`` reads."""
+def hsdp_worker(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """One rank of plain HSDP, one world without torchft: ``dp_replicate_size=cfg["groups"]`` x the groups' layout
+    (``cfg["world"] // tp`` dp ranks, ``cfg["tp"]`` tp ranks), on the same global batches as the replica groups (dp rank
+    ``d`` reads what dp rank ``d % dp`` of group ``d // dp`` reads), one fit per optimizer in ``cfg["optimizers"]``."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    strategy = MeshStrategy(dp_replicate_size=cfg["groups"], dp_mode=cfg["dp_mode"], timeout_s=120.0)
-    dataset = regression_dataset()
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
-    loader = DataLoader(dataset, batch_size=cfg["micro_batch"], sampler=sampler, drop_last=True)
-    recorder = LossRecorder()
-    module = make_module(cfg)
-    trainer = quiet_trainer(strategy, world, max_steps=cfg["steps"], limit_val_batches=0, callbacks=[recorder])
-    trainer.fit(module, loader)
-    return {"rank": rank, "losses": recorder.losses, "state": full_state_dict(module)}
+    tp = cfg.get("tp", 1)
+    out = {}
+    for optimizer in cfg["optimizers"]:
+        strategy = MeshStrategy(dp_replicate_size=cfg["groups"], dp_size=world // tp, tp_size=tp,
+                                dp_mode=cfg["dp_mode"], timeout_s=120.0)
+        dataset = regression_dataset()
+        sampler = DistributedSampler(dataset, num_replicas=world // tp, rank=rank // tp, shuffle=False)
+        loader = DataLoader(dataset, batch_size=cfg["micro_batch"], sampler=sampler, drop_last=True)
+        recorder = LossRecorder()
+        module = make_module({**cfg, "optimizer": optimizer})
+        trainer = quiet_trainer(strategy, world, max_steps=cfg["steps"], limit_val_batches=0, callbacks=[recorder])
+        trainer.fit(module, loader)
+        out[optimizer] = {"rank": rank, "losses": recorder.losses, "state": full_state_dict(module)}
+    return out
 
 
 def start_group(cfg: dict[str, Any]) -> subprocess.Popen:

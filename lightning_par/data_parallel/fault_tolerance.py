@@ -37,6 +37,10 @@ __all__ = ["FaultToleranceOptions", "FaultTolerantReplicas", "check_fault_tolera
 #: rank r of a joining group receives rank r's shards of a live peer) and what is averaged across groups.
 FT_DP_MODES: tuple[str, ...] = ("ddp", "zero1", "zero2", "zero3")
 
+#: sizes a replica group may set above 1: its dp ranks and its tensor-parallel ranks (DTensor shards of the same
+#: positions in every group, averaged and streamed as local tensors like zero3's).
+FT_GROUP_SIZES: tuple[str, ...] = ("dp_size", "dp_shard_size", "tp_size")
+
 
 @dataclass(frozen=True)
 class FaultToleranceOptions:
@@ -161,12 +165,14 @@ def check_fault_tolerance(options: Any, sizes: dict[str, Any]) -> None:
             f"torchft's DiLoCo keeps the module's own parameters as the global copy, which ZeRO's sharded optimizer "
             f"does not step. Use dp_mode='ddp' or fault_tolerance.diloco_sync_every=0."
         )
-    for name, value in sizes.items():  # every size but the group's own dp ranks
-        if name in ("dp_size", "dp_shard_size") or value in (1, -1):
+    for name, value in sizes.items():  # every size but the group's own dp and tp ranks
+        if name in FT_GROUP_SIZES or value in (1, -1):
             continue
         what = ("the replica groups are the replicate axis: use dp_shard_size (or dp_size) inside each group and "
                 "fault_tolerance.num_replica_groups across them" if name == "dp_replicate_size" else
-                "only data parallelism (ddp, zero1, zero2) runs inside a fault-tolerant replica group in this version")
+                "only data parallelism (dp_size/dp_shard_size, any dp_mode) and tensor parallelism (tp_size) run "
+                "inside a fault-tolerant replica group in this version; pipeline, context and expert parallelism "
+                "inside a group have no parity or rejoin proof under torchft yet")
         raise ValueError(f"{name}={value} is not valid with fault_tolerance.enabled=True: {what}. Use {name}=1.")
 
 

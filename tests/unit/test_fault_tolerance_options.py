@@ -36,8 +36,8 @@ def test_invalid_fields_are_named(fields: dict, match: str) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(tp_size=2), "tp_size=2 is not valid with fault_tolerance"),
-        (dict(pp_size=2), "pp_size=2 is not valid with fault_tolerance"),
+        (dict(pp_size=2), "pp_size=2 is not valid with fault_tolerance.*tensor parallelism \\(tp_size\\) run"),
+        (dict(cp_size=2), "cp_size=2 is not valid with fault_tolerance"),
         (dict(dp_replicate_size=2), "dp_replicate_size=2 is not valid with fault_tolerance.*num_replica_groups"),
     ],
 )
