@@ -353,7 +353,9 @@ class FaultTolerantReplicas:
             counter = loop.automatic_optimization.optim_progress.optimizer.step.total
         else:
             counter = loop.manual_optimization.optim_step_progress.total
-        counter.ready = counter.completed = step
+        # automatic optimization runs training_step inside the optimizer step, after Lightning marked it ready: keep
+        # that offset (ready - completed) so the step still completes once
+        counter.ready, counter.completed = step + counter.ready - counter.completed, step
         loop._batches_that_stepped = step  # the loggers' step axis
         for config, state in zip(trainer.lr_scheduler_configs, progress["schedulers"]):
             config.scheduler.load_state_dict(state)
