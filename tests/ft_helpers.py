@@ -79,7 +79,8 @@ class Progress(L.Callback):
             key = trainer.global_step if self.cfg.get("dump_by") == "global_step" else step
             os.replace(tmp, self.dir / f"state_g{self.cfg['group']}_r{self.rank}_s{key}.pt")
         line = {"pid": os.getpid(), "t": time.time(), "global_step": trainer.global_step, "ft_step": step,
-                "lr": _lr(trainer), "live": ft.live_replicas, "committed": ft.steps_committed, "recoveries": ft.recoveries,
+                "lr": _lr(trainer), "live": ft.live_replicas, "committed": ft.steps_committed,
+                "recoveries": ft.recoveries,
                 "recovery_s": ft.recovery_s}
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")

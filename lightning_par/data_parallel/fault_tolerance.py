@@ -1,16 +1,17 @@
 """Fault-tolerant replicate axis: replica groups, each its own world, averaging gradients through torchft.
 
 Each replica group is a whole world of its own (its own launcher: ``torchrun`` job, Lightning launcher) running the
-dp mode inside it (``ddp``, ``zero1``, ``zero2``, ``zero3`` over the group's dp ranks). Across groups nothing is a
-process group of ours: torchft's :class:`torchft.Manager` (one per rank) asks the lighthouse (the server that holds
-membership) for a quorum of live groups every step, and all-reduces the gradients the optimizer will step (this rank's
-full gradients under ``ddp``, this rank's shard under ``zero1``/``zero2``, the local tensor of each DTensor gradient
-shard after FSDP2's reduce-scatter under ``zero3``) with the rank of the same position in every other live group
-(every group has the same layout, so the same rank holds the same shards). A group that dies or hangs drops out of the next quorum; the others finish with the groups that
-remain (the gradient mean over the live groups) and keep stepping. A restarted group joins at a step boundary: its
-manager receives the parameters, the optimizer state (local shards, copied in place into its own), Lightning's step
-counter and the lr schedulers' states of a live peer over HTTP (torchft's checkpoint transport), not from disk, and
-applies them before its forward.
+dp mode inside it (``ddp``, ``zero1``, ``zero2``, ``zero3`` over the group's dp ranks), optionally with tensor
+parallelism. Across groups nothing is a process group of ours: torchft's :class:`torchft.Manager` (one per rank) asks
+the lighthouse (the server that holds membership) for a quorum of live groups every step, and all-reduces the
+gradients the optimizer will step (this rank's full gradients under ``ddp``, this rank's shard under
+``zero1``/``zero2``, the local tensor of each DTensor gradient shard after FSDP2's reduce-scatter under ``zero3`` or
+tp) with the rank of the same position in every other live group (every group has the same layout, so that rank
+holds the same shards). A group that dies or hangs drops out of the next quorum; the others finish with the groups
+that remain (the gradient mean over the live groups) and keep stepping. A restarted group joins at a step boundary:
+its manager receives the parameters, the optimizer state (local shards, copied in place into its own), Lightning's
+step counter and the lr schedulers' states of a live peer over HTTP (torchft's checkpoint transport), not from disk,
+and applies them before its forward.
 
 torchft is an optional dependency (the ``ft`` extra); it is imported only when ``fault_tolerance.enabled``.
 """

@@ -131,7 +131,8 @@ def _bitwise_equal(a, b, where: str = "") -> None:
 KILL_AT = 3
 
 
-@pytest.mark.parametrize(("fault", "dp_mode"), [("kill", "zero2"), pytest.param("hang", "zero2", marks=pytest.mark.slow),
+@pytest.mark.parametrize(("fault", "dp_mode"), [("kill", "zero2"),
+                                               pytest.param("hang", "zero2", marks=pytest.mark.slow),
                                                pytest.param("kill", "zero3", marks=pytest.mark.slow)])
 def test_failed_group_rejoins_with_live_state(tmp_path: Path, fault: str, dp_mode: str) -> None:
     """``kill``: SIGKILL both ranks of group 1 (dp_mode dp2, AdamW, lr decayed every step) at committed step >= 3,
