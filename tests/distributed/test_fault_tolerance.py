@@ -102,7 +102,10 @@ def test_two_groups_match_plain_hsdp_and_one_process(tmp_path: Path, layout: str
             float(((r["state"][k] - hsdp_state[k]).abs().max() / hsdp_state[k].abs().max().clamp_min(1e-12)))
             for r in ranks for k in hsdp_state)
         worst[optimizer + "_loss"] = max(abs(a - b) / abs(b) for a, b in zip(losses, hsdp_losses))
-    print(f"\n{layout}: fault-tolerant vs plain HSDP, max rel: {worst}")
+        worst[optimizer + "_vs_one_process"] = max(
+            float(((r["state"][k] - ref_state[k]).abs().max() / ref_state[k].abs().max().clamp_min(1e-12)))
+            for r in ranks for k in ref_state)
+    print(f"\n{layout}: fault-tolerant vs plain HSDP (and vs one process), max rel: {worst}")
 
 
 def _wait_for(cond, timeout_s: float, what: str, dir: Path) -> None:
