@@ -85,7 +85,8 @@ class Progress(L.Callback):
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
         stop = self.cfg.get("stop_file")
-        if stop and os.path.exists(stop):
+        # every rank of the group decides the same (one rank stopping alone leaves its peers' quorum waiting)
+        if stop and trainer.strategy.reduce_boolean_decision(os.path.exists(stop), all=False):
             trainer.should_stop = True
         if self.cfg.get("sleep_s"):
             time.sleep(self.cfg["sleep_s"])
