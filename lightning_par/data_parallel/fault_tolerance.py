@@ -166,6 +166,12 @@ def check_fault_tolerance(options: Any, sizes: dict[str, Any]) -> None:
             f"torchft's DiLoCo keeps the module's own parameters as the global copy, which ZeRO's sharded optimizer "
             f"does not step. Use dp_mode='ddp' or fault_tolerance.diloco_sync_every=0."
         )
+    if ft.diloco_sync_every and sizes.get("tp_size", 1) not in (1, -1):
+        raise ValueError(
+            f"fault_tolerance.diloco_sync_every={ft.diloco_sync_every} is not valid with tp_size={sizes['tp_size']}: "
+            f"DiLoCo's outer step on tensor-parallel (DTensor) parameters has no parity proof in this version. Use "
+            f"tp_size=1 or fault_tolerance.diloco_sync_every=0."
+        )
     for name, value in sizes.items():  # every size but the group's own dp and tp ranks
         if name in FT_GROUP_SIZES or value in (1, -1):
             continue

@@ -112,5 +112,7 @@ def test_every_further_axis_is_refused() -> None:
 def test_diloco_needs_ddp_inside_the_group() -> None:
     with pytest.raises(ValueError, match="diloco_sync_every=4 is not valid with dp_mode='zero2'.*dp_mode='ddp'"):
         MeshStrategy(dp_mode="zero2", fault_tolerance={**ON, "diloco_sync_every": 4})
+    with pytest.raises(ValueError, match="diloco_sync_every=4 is not valid with tp_size=2.*tp_size=1"):
+        MeshStrategy(dp_mode="ddp", tp_size=2, fault_tolerance={**ON, "diloco_sync_every": 4})
     with pytest.raises(ValueError, match="fault_tolerance.diloco_outer_momentum"):
         FaultToleranceOptions(diloco_outer_momentum=1.5)
