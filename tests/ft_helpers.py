@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from lightning_par.launcher import run_distributed
 from lightning_par.strategies.base import MeshStrategy
 from tests.helpers import LossRecorder, full_state_dict, quiet_trainer
-from tests.user_models import make_mlp
+from tests.user_models import ResidualMLP, make_mlp
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,6 +37,29 @@ def regression_dataset(n: int = 256, seed: int = 0) -> TensorDataset:
     """``n`` fixed samples ``(x (8,), y (4,))`` for :class:`tests.user_models.ResidualMLP`."""
     g = torch.Generator().manual_seed(seed)
     return TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g))
+
+
+class ScheduledMLP(ResidualMLP):
+    """:class:`ResidualMLP` with an lr decaying every optimizer step (``lr_0 / (1 + step / 10)``): its lr names the
+    scheduler's step."""
+
+    def configure_optimizers(self) -> Any:
+        opt = super().configure_optimizers()
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + step / 10))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def make_module(cfg: dict[str, Any]) -> ResidualMLP:
+    """The seeded MLP of ``cfg["optimizer"]``, with the lr schedule when ``cfg["scheduler"]``."""
+    if not cfg.get("scheduler"):
+        return make_mlp(cfg["optimizer"])
+    torch.manual_seed(0)
+    return ScheduledMLP(optimizer=cfg["optimizer"])
+
+
+def _lr(trainer: L.Trainer) -> float:
+    configs = trainer.lr_scheduler_configs
+    return float(configs[0].scheduler.get_last_lr()[0]) if configs else float("nan")
 
 
 class Progress(L.Callback):
@@ -56,12 +79,14 @@ class Progress(L.Callback):
             key = trainer.global_step if self.cfg.get("dump_by") == "global_step" else step
             os.replace(tmp, self.dir / f"state_g{self.cfg['group']}_r{self.rank}_s{key}.pt")
         line = {"pid": os.getpid(), "t": time.time(), "global_step": trainer.global_step, "ft_step": step,
-                "live": ft.live_replicas, "committed": ft.steps_committed, "recoveries": ft.recoveries,
+                "lr": _lr(trainer), "live": ft.live_replicas, "committed": ft.steps_committed,
+                "recoveries": ft.recoveries,
                 "recovery_s": ft.recovery_s}
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
         stop = self.cfg.get("stop_file")
-        if stop and os.path.exists(stop):
+        # every rank of the group decides the same (one rank stopping alone leaves its peers' quorum waiting)
+        if stop and trainer.strategy.reduce_boolean_decision(os.path.exists(stop), all=False):
             trainer.should_stop = True
         if self.cfg.get("sleep_s"):
             time.sleep(self.cfg["sleep_s"])
@@ -80,17 +105,40 @@ def ft_worker(cfg: dict[str, Any]) -> dict[str, Any]:
               quorum_timeout_s=cfg.get("quorum_timeout_s", 60.0), connect_timeout_s=cfg.get("connect_timeout_s", 10.0),
               **{k: cfg[k] for k in ("init_sync", "diloco_sync_every", "diloco_outer_lr", "diloco_outer_momentum")
                  if k in cfg})
-    strategy = MeshStrategy(dp_size=world, dp_mode=cfg["dp_mode"], timeout_s=120.0, fault_tolerance=ft)
+    tp = cfg.get("tp", 1)
+    dp = world // tp  # tp is the innermost mesh axis: dp rank = rank // tp
+    strategy = MeshStrategy(dp_size=dp, tp_size=tp, dp_mode=cfg["dp_mode"], timeout_s=120.0, fault_tolerance=ft)
     dataset = regression_dataset()
-    sampler = DistributedSampler(dataset, num_replicas=world * groups, rank=cfg["group"] * world + rank, shuffle=False)
+    sampler = DistributedSampler(dataset, num_replicas=dp * groups, rank=cfg["group"] * dp + rank // tp, shuffle=False)
     loader = DataLoader(dataset, batch_size=cfg["micro_batch"], sampler=sampler, drop_last=True)
     recorder = LossRecorder()
-    module = make_mlp(cfg["optimizer"])
+    module = make_module(cfg)
     trainer = quiet_trainer(strategy, world, max_steps=cfg["steps"], limit_val_batches=0,
                             callbacks=[recorder, Progress(cfg, rank)])
     trainer.fit(module, loader)
     return {"rank": rank, "losses": recorder.losses, "state": full_state_dict(module),
             "summary": strategy.summary_extras()}
+
+
+def hsdp_worker(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """One rank of plain HSDP, one world without torchft: ``dp_replicate_size=cfg["groups"]`` x the groups' layout
+    (``cfg["world"] // tp`` dp ranks, ``cfg["tp"]`` tp ranks), on the same global batches as the replica groups (dp rank
+    ``d`` reads what dp rank ``d % dp`` of group ``d // dp`` reads), one fit per optimizer in ``cfg["optimizers"]``."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    tp = cfg.get("tp", 1)
+    out = {}
+    for optimizer in cfg["optimizers"]:
+        strategy = MeshStrategy(dp_replicate_size=cfg["groups"], dp_size=world // tp, tp_size=tp,
+                                dp_mode=cfg["dp_mode"], timeout_s=120.0)
+        dataset = regression_dataset()
+        sampler = DistributedSampler(dataset, num_replicas=world // tp, rank=rank // tp, shuffle=False)
+        loader = DataLoader(dataset, batch_size=cfg["micro_batch"], sampler=sampler, drop_last=True)
+        recorder = LossRecorder()
+        module = make_module({**cfg, "optimizer": optimizer})
+        trainer = quiet_trainer(strategy, world, max_steps=cfg["steps"], limit_val_batches=0, callbacks=[recorder])
+        trainer.fit(module, loader)
+        out[optimizer] = {"rank": rank, "losses": recorder.losses, "state": full_state_dict(module)}
+    return out
 
 
 def start_group(cfg: dict[str, Any]) -> subprocess.Popen:

@@ -1,14 +1,17 @@
 """Fault-tolerant replicate axis: replica groups, each its own world, averaging gradients through torchft.
 
 Each replica group is a whole world of its own (its own launcher: ``torchrun`` job, Lightning launcher) running the
-dp mode inside it (``ddp``, ``zero1``, ``zero2`` over the group's dp ranks). Across groups nothing is a process group
-of ours: torchft's :class:`torchft.Manager` (one per rank) asks the lighthouse (the server that holds membership)
-for a quorum of live groups every step, and all-reduces the gradients the optimizer will step (this rank's full
-gradients under ``ddp``, this rank's shard under ``zero1``/``zero2``) with the rank of the same position in every
-other live group. A group that dies or hangs drops out of the next quorum; the others finish with the groups that
-remain (the gradient mean over the live groups) and keep stepping. A restarted group joins at a step boundary: its
-manager receives the parameters and optimizer state of a live peer over HTTP (torchft's checkpoint transport), not
-from disk, and applies them before its forward.
+dp mode inside it (``ddp``, ``zero1``, ``zero2``, ``zero3`` over the group's dp ranks), optionally with tensor
+parallelism. Across groups nothing is a process group of ours: torchft's :class:`torchft.Manager` (one per rank) asks
+the lighthouse (the server that holds membership) for a quorum of live groups every step, and all-reduces the
+gradients the optimizer will step (this rank's full gradients under ``ddp``, this rank's shard under
+``zero1``/``zero2``, the local tensor of each DTensor gradient shard after FSDP2's reduce-scatter under ``zero3`` or
+tp) with the rank of the same position in every other live group (every group has the same layout, so that rank
+holds the same shards). A group that dies or hangs drops out of the next quorum; the others finish with the groups
+that remain (the gradient mean over the live groups) and keep stepping. A restarted group joins at a step boundary:
+its manager receives the parameters, the optimizer state (local shards, copied in place into its own), Lightning's
+step counter and the lr schedulers' states of a live peer over HTTP (torchft's checkpoint transport), not from disk,
+and applies them before its forward.
 
 torchft is an optional dependency (the ``ft`` extra); it is imported only when ``fault_tolerance.enabled``.
 """
@@ -30,9 +33,14 @@ from lightning_par.validation import check_bool, check_int, check_number
 
 __all__ = ["FaultToleranceOptions", "FaultTolerantReplicas", "check_fault_tolerance", "check_lighthouse"]
 
-#: dp modes the fault-tolerant axis runs inside a replica group (their optimizer steps plain local tensors, whose
-#: state travels as it is to a joining group).
-FT_DP_MODES: tuple[str, ...] = ("ddp", "zero1", "zero2")
+#: dp modes the fault-tolerant axis runs inside a replica group. ``ddp``/``zero1``/``zero2`` step plain local tensors;
+#: ``zero3`` (FSDP2) steps DTensor shards, whose local tensors are what travels (every group has the same layout, so
+#: rank r of a joining group receives rank r's shards of a live peer) and what is averaged across groups.
+FT_DP_MODES: tuple[str, ...] = ("ddp", "zero1", "zero2", "zero3")
+
+#: sizes a replica group may set above 1: its dp ranks and its tensor-parallel ranks (DTensor shards of the same
+#: positions in every group, averaged and streamed as local tensors like zero3's).
+FT_GROUP_SIZES: tuple[str, ...] = ("dp_size", "dp_shard_size", "tp_size")
 
 
 @dataclass(frozen=True)
@@ -149,9 +157,8 @@ def check_fault_tolerance(options: Any, sizes: dict[str, Any]) -> None:
         )
     if options.dp_mode not in FT_DP_MODES:
         raise ValueError(
-            f"dp_mode={options.dp_mode!r} is not valid with fault_tolerance.enabled=True: a joining replica group "
-            f"receives its peer's state as plain local tensors, which {options.dp_mode} (FSDP2 DTensor shards) does "
-            f"not keep in this version. Use dp_mode in {list(FT_DP_MODES)}."
+            f"dp_mode={options.dp_mode!r} is not valid with fault_tolerance.enabled=True: the replica groups average "
+            f"data-parallel gradients and stream data-parallel state. Use dp_mode in {list(FT_DP_MODES)}."
         )
     if ft.diloco_sync_every and options.dp_mode != "ddp":
         raise ValueError(
@@ -159,12 +166,20 @@ def check_fault_tolerance(options: Any, sizes: dict[str, Any]) -> None:
             f"torchft's DiLoCo keeps the module's own parameters as the global copy, which ZeRO's sharded optimizer "
             f"does not step. Use dp_mode='ddp' or fault_tolerance.diloco_sync_every=0."
         )
-    for name, value in sizes.items():  # every size but the group's own dp ranks
-        if name in ("dp_size", "dp_shard_size") or value in (1, -1):
+    if ft.diloco_sync_every and sizes.get("tp_size", 1) not in (1, -1):
+        raise ValueError(
+            f"fault_tolerance.diloco_sync_every={ft.diloco_sync_every} is not valid with tp_size={sizes['tp_size']}: "
+            f"DiLoCo's outer step on tensor-parallel (DTensor) parameters has no parity proof in this version. Use "
+            f"tp_size=1 or fault_tolerance.diloco_sync_every=0."
+        )
+    for name, value in sizes.items():  # every size but the group's own dp and tp ranks
+        if name in FT_GROUP_SIZES or value in (1, -1):
             continue
         what = ("the replica groups are the replicate axis: use dp_shard_size (or dp_size) inside each group and "
                 "fault_tolerance.num_replica_groups across them" if name == "dp_replicate_size" else
-                "only data parallelism (ddp, zero1, zero2) runs inside a fault-tolerant replica group in this version")
+                "only data parallelism (dp_size/dp_shard_size, any dp_mode) and tensor parallelism (tp_size) run "
+                "inside a fault-tolerant replica group in this version; pipeline, context and expert parallelism "
+                "inside a group have no parity or rejoin proof under torchft yet")
         raise ValueError(f"{name}={value} is not valid with fault_tolerance.enabled=True: {what}. Use {name}=1.")
 
 
@@ -206,6 +221,36 @@ def check_lighthouse(address: str, timeout_s: float) -> None:
 
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _local_tree(obj: Any) -> Any:
+    """``obj`` (an optimizer state dict, nested dicts/lists) with every DTensor replaced by its local shard."""
+    if isinstance(obj, Tensor):
+        return _local(obj)
+    if isinstance(obj, dict):
+        return {k: _local_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_local_tree(v) for v in obj)
+    return obj
+
+
+def _redistribute_state(optimizer: torch.optim.Optimizer) -> None:
+    """After ``optimizer.load_state_dict`` of local shards: each per-parameter state tensor of a DTensor parameter
+    (``exp_avg``, ``momentum_buffer``, ...: the shape of the parameter's local shard) becomes a DTensor on the
+    parameter's mesh and placements again, as the optimizer made it (a step would mix Tensor and DTensor otherwise).
+    Scalars (``step``) stay as they are."""
+    from torch.distributed.tensor import DTensor
+
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not isinstance(p, DTensor) or p not in optimizer.state:
+                continue
+            shard = p.to_local()
+            state = optimizer.state[p]
+            for k, v in state.items():
+                if isinstance(v, Tensor) and not isinstance(v, DTensor) and v.dim() > 0 and v.shape == shard.shape:
+                    state[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                                  stride=p.stride())
 
 
 def _nbytes(obj: Any) -> int:
@@ -289,8 +334,38 @@ class FaultTolerantReplicas:
         return {
             "module": {k: _local(v) for k, v in self.module.state_dict().items()},
             "params": [[_local(p.data) for g in o.param_groups for p in g["params"]] for o in optimizers],
-            "optimizers": [o.state_dict() for o in optimizers],
+            "optimizers": [_local_tree(o.state_dict()) for o in optimizers],
+            "progress": self._progress_state(),
         }
+
+    def _trainer(self) -> Any:
+        return getattr(self.module, "_trainer", None)
+
+    def _progress_state(self) -> dict[str, Any]:
+        """Lightning's optimizer-step counter (``global_step``) and the lr schedulers' states: a joining group continues
+        at the live group's step and learning rate, not at 0."""
+        trainer = self._trainer()
+        if trainer is None:
+            return {}
+        return {"global_step": trainer.global_step,
+                "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]}
+
+    def _load_progress(self, progress: dict[str, Any]) -> None:
+        trainer = self._trainer()
+        if trainer is None or not progress:
+            return
+        loop = trainer.fit_loop.epoch_loop
+        step = int(progress["global_step"])
+        if self.module.automatic_optimization:
+            counter = loop.automatic_optimization.optim_progress.optimizer.step.total
+        else:
+            counter = loop.manual_optimization.optim_step_progress.total
+        # automatic optimization runs training_step inside the optimizer step, after Lightning marked it ready: keep
+        # that offset (ready - completed) so the step still completes once
+        counter.ready, counter.completed = step + counter.ready - counter.completed, step
+        loop._batches_that_stepped = step  # the loggers' step axis
+        for config, state in zip(trainer.lr_scheduler_configs, progress["schedulers"]):
+            config.scheduler.load_state_dict(state)
 
     @torch.no_grad()
     def _load_state_dict(self, state: dict[str, Any]) -> None:
@@ -302,6 +377,8 @@ class FaultTolerantReplicas:
             for p, v in zip((p for g in o.param_groups for p in g["params"]), params):
                 _local(p.data).copy_(v)
             o.load_state_dict(sd)
+            _redistribute_state(o)
+        self._load_progress(state.get("progress", {}))
         self.recovery_bytes += _nbytes(state)
         self.recoveries += 1
 

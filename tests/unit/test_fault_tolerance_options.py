@@ -36,9 +36,8 @@ def test_invalid_fields_are_named(fields: dict, match: str) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(dp_mode="zero3"), "dp_mode='zero3' is not valid with fault_tolerance.enabled=True"),
-        (dict(tp_size=2), "tp_size=2 is not valid with fault_tolerance"),
-        (dict(pp_size=2), "pp_size=2 is not valid with fault_tolerance"),
+        (dict(pp_size=2), "pp_size=2 is not valid with fault_tolerance.*tensor parallelism \\(tp_size\\) run"),
+        (dict(cp_size=2), "cp_size=2 is not valid with fault_tolerance"),
         (dict(dp_replicate_size=2), "dp_replicate_size=2 is not valid with fault_tolerance.*num_replica_groups"),
     ],
 )
@@ -113,5 +112,7 @@ def test_every_further_axis_is_refused() -> None:
 def test_diloco_needs_ddp_inside_the_group() -> None:
     with pytest.raises(ValueError, match="diloco_sync_every=4 is not valid with dp_mode='zero2'.*dp_mode='ddp'"):
         MeshStrategy(dp_mode="zero2", fault_tolerance={**ON, "diloco_sync_every": 4})
+    with pytest.raises(ValueError, match="diloco_sync_every=4 is not valid with tp_size=2.*tp_size=1"):
+        MeshStrategy(dp_mode="ddp", tp_size=2, fault_tolerance={**ON, "diloco_sync_every": 4})
     with pytest.raises(ValueError, match="fault_tolerance.diloco_outer_momentum"):
         FaultToleranceOptions(diloco_outer_momentum=1.5)
