@@ -44,9 +44,15 @@ def fabric_loop(
     accumulate: int = 1,
     clip_norm: float | None = None,
     dataset: Any = None,
+    step: bool = False,
+    token_mean: bool = False,
 ) -> tuple[list[float], nn.Module, Any]:
     """``steps`` optimizer steps of a user's loop; returns the per-micro-step global losses (mean over the world),
-    the set-up model and optimizer."""
+    the set-up model and optimizer. ``step``: the forward and backward through ``lightning_par.fabric.train_step``
+    (the step call context parallelism needs) in place of ``model(x)`` and ``fabric.backward``. ``token_mean``: the
+    loss as a per-rank sum made the global token mean by ``lightning_par.fabric.token_mean_loss``."""
+    from lightning_par.fabric import token_mean_loss, train_step
+
     model = make_model()
     opt = make_optimizer(optimizer, model.parameters())
     model, opt = fabric.setup(model, opt)
@@ -57,8 +63,17 @@ def fabric_loop(
         for i in range(accumulate):
             x, y = next(batches)
             with fabric.no_backward_sync(model, enabled=i < accumulate - 1):
-                loss = lm_loss(model(x), y)
-                fabric.backward(loss / accumulate)
+                if step:
+                    loss = train_step(model, (x, y), loss_fn=lm_loss, loss_scale=1.0 / accumulate)
+                elif token_mean:
+                    logits = model(x)
+                    loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1),
+                                               reduction="sum")
+                    loss = token_mean_loss(model, loss_sum, (y != -100).sum())
+                    fabric.backward(loss / accumulate)
+                else:
+                    loss = lm_loss(model(x), y)
+                    fabric.backward(loss / accumulate)
             losses.append(float(fabric.all_reduce(loss.detach())))
         if clip_norm is not None:
             fabric.clip_gradients(model, opt, max_norm=clip_norm)
@@ -100,9 +115,22 @@ def fabric_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
         fabric.launch()
         losses, model, _ = fabric_loop(
             fabric, case["model"], case["optimizer"], case["micro_batch"], case["steps"],
-            case.get("accumulate", 1), case.get("clip_norm"), case.get("dataset"),
+            case.get("accumulate", 1), case.get("clip_norm"), case.get("dataset"), case.get("step", False),
+            case.get("token_mean", False),
         )
-        out.append({"losses": losses, "state": fabric.strategy.parallel.full_state_dict()})
+        refused = []
+        if case.get("refusals"):  # a training forward and fabric.backward outside train_step are refused under cp
+            x, y = next(iter(DataLoader(TokenDataset(), batch_size=case["micro_batch"])))
+            for attempt in (lambda: model(x), lambda: fabric.backward(torch.zeros((), requires_grad=True))):
+                try:
+                    attempt()
+                except RuntimeError as err:
+                    refused.append(str(err))
+            with torch.no_grad():  # evaluation runs on whole sequences: one process's logits
+                refused.append(model(x[:1]))
+        summary = fabric.strategy.parallel.summary()
+        out.append({"losses": losses, "state": fabric.strategy.parallel.full_state_dict(), "refused": refused,
+                    "cp_tokens": summary.get("cp_tokens_per_sequence")})
     return out
 
 
@@ -180,7 +208,9 @@ def fabric_pipelined_loop(
 
 def fabric_pipelined_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """:func:`fabric_worker` for the pipelined loop; each case also checks that ``model(x)`` and ``fabric.backward``
-    are refused, naming ``train_step``."""
+    are refused, naming ``train_step``, and ``train_step(..., loss_fn=...)``."""
+    from lightning_par.fabric import train_step
+
     world = int(os.environ["WORLD_SIZE"])
     out = []
     for case in cases:
@@ -199,5 +229,11 @@ def fabric_pipelined_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]
                 attempt()
             except RuntimeError as err:
                 refused.append(str(err))
-        out.append({"losses": losses, "state": fabric.strategy.parallel.full_state_dict(), "refused": refused})
+        loss_fn_refused = ""
+        try:  # the schedule's loss is the module's
+            train_step(model, next(iter(DataLoader(TokenDataset(), batch_size=case["micro_batch"]))), loss_fn=lm_loss)
+        except ValueError as err:
+            loss_fn_refused = str(err)
+        out.append({"losses": losses, "state": fabric.strategy.parallel.full_state_dict(), "refused": refused,
+                    "loss_fn_refused": loss_fn_refused})
     return out

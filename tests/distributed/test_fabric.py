@@ -15,6 +15,7 @@ from lightning_par.fabric import MeshStrategy
 from lightning_par.launcher import run_distributed
 from tests.fabric_helpers import fabric_worker, reference_loop, save_load_worker
 from tests.helpers import TIMEOUT_S, TokenDataset, assert_params_close
+from tests.label_helpers import ChatRecords
 from tests.user_models import AttentionNet, MoENet
 
 pytestmark = pytest.mark.distributed
@@ -42,7 +43,11 @@ def ep2() -> MeshStrategy:
     return MeshStrategy(dp_mode="zero3", ep_size=2)
 
 
-def _check(world: int, cases: list[tuple[str, object, int, dict]], micro_batch: int, steps: int) -> None:
+def cp2() -> MeshStrategy:
+    return MeshStrategy(cp_size=2)
+
+
+def _check(world: int, cases: list[tuple[str, object, int, dict]], micro_batch: int, steps: int) -> list[dict]:
     """Run ``cases`` (label, strategy, dp_size, loop options) on ``world`` ranks; each against one process."""
     runs = [
         dict(strategy=s, model=kw.pop("model", make_net), micro_batch=micro_batch, steps=steps, **kw)
@@ -51,13 +56,15 @@ def _check(world: int, cases: list[tuple[str, object, int, dict]], micro_batch: 
     results = run_distributed(fabric_worker, world, (runs,), timeout_s=TIMEOUT_S)
     for (label, _, dp, kw), run, got in zip(cases, runs, results[0]):
         losses, state = reference_loop(
-            run["model"], run["optimizer"], micro_batch * dp, steps, run.get("accumulate", 1), run.get("clip_norm")
+            run["model"], run["optimizer"], micro_batch * dp, steps, run.get("accumulate", 1), run.get("clip_norm"),
+            run.get("dataset"),
         )
         torch.testing.assert_close(got["losses"], losses, rtol=1e-5, atol=0, msg=lambda m, l=label: f"{l}: {m}")
         try:
             assert_params_close(got["state"], state)
         except AssertionError as err:
             raise AssertionError(f"{label}: {err}") from None
+    return results[0]
 
 
 #: (label, strategy, dp_size, loop options): SGD with momentum and AdamW under every layout; accumulation through
@@ -74,12 +81,33 @@ WORLD2 = [
     ("tp2 sgd acc2 clip", "tensor_parallel", 1, {"optimizer": "sgd", "accumulate": 2, "clip_norm": 1.0}),
     ("tp2 adamw acc2", "tensor_parallel", 1, {"optimizer": "adamw", "accumulate": 2}),
     ("ep2 sgd", ep2, 2, {"optimizer": "sgd", "model": make_moe}),
+    ("ep2 adamw acc2", ep2, 2, {"optimizer": "adamw", "model": make_moe, "accumulate": 2}),
+    ("cp2 sgd acc2 clip", cp2, 1, {"optimizer": "sgd", "accumulate": 2, "clip_norm": 1.0, "step": True,
+                                    "refusals": True}),
+    ("cp2 adamw", cp2, 1, {"optimizer": "adamw", "step": True}),
+    # answer-only label masks (every rank and cp piece counts other numbers of tokens): the global token mean
+    ("cp2 sgd label mask", cp2, 1, {"optimizer": "sgd", "step": True, "dataset": ChatRecords(64)}),
+    ("zero2 adamw acc2 label mask train_step", "zero2", 2,
+     {"optimizer": "adamw", "accumulate": 2, "step": True, "dataset": ChatRecords(64)}),
+    ("ddp_overlap sgd acc2 label mask token_mean_loss", "ddp_overlap", 2,
+     {"optimizer": "sgd", "accumulate": 2, "token_mean": True, "dataset": ChatRecords(64)}),
 ]
 
 
 def test_fabric_loop_matches_one_process_world2() -> None:
-    """ddp_overlap, zero1, zero2, zero3, tp2 and ep2 (a user's MoE) by their registry names and MeshStrategy."""
-    _check(2, WORLD2, micro_batch=4, steps=3)
+    """ddp_overlap, zero1, zero2, zero3, tp2, ep2 (a user's MoE) and cp2 (the user's AttentionNet through
+    train_step) by their registry names and MeshStrategy. Under cp2 a training model(x) and fabric.backward are
+    refused, naming train_step; a forward under no_grad gives one process's logits."""
+    results = _check(2, WORLD2, micro_batch=4, steps=3)
+    for (*_, options), got in zip(WORLD2, results):
+        if options.get("refusals"):
+            assert got["cp_tokens"] == 8, got["cp_tokens"]  # each rank held half of every 16-token sequence
+            *refused, logits = got["refused"]
+            assert len(refused) == 2 and all("train_step(model, (x, y), loss_fn" in r for r in refused), refused
+            x, _ = TokenDataset()[0]
+            plain = make_net()
+            plain.load_state_dict(got["state"], strict=False)
+            torch.testing.assert_close(logits, plain(x[None]).detach(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -91,6 +119,21 @@ def test_fabric_loop_matches_one_process_world4() -> None:
         ("dp2 tp2 sgd acc2 clip", dp2_tp2, 2, {"optimizer": "sgd", "accumulate": 2, "clip_norm": 1.0}),
         ("dp2 tp2 adamw", dp2_tp2, 2, {"optimizer": "adamw"}),
     ], micro_batch=2, steps=3)
+
+
+def test_label_mask_makes_a_mean_of_replica_means_wrong() -> None:
+    """The label-mask cases above can fail: on ChatRecords' first global batch (dp2 x 4) the mean of the two replicas'
+    token means is not the batch's token mean."""
+    from tests.fabric_helpers import lm_loss
+
+    data = ChatRecords(64)
+    net = make_net()
+    x, y = (torch.stack(t) for t in zip(*(data[i] for i in range(8))))
+    with torch.no_grad():
+        logits = net(x)
+        whole = lm_loss(logits, y)
+        halves = (lm_loss(logits[0::2], y[0::2]) + lm_loss(logits[1::2], y[1::2])) / 2
+    assert abs(float(halves - whole)) > 1e-3 * float(whole), (float(halves), float(whole))
 
 
 def test_fabric_save_zero3_loads_under_tp2_and_in_one_process(tmp_path) -> None:
@@ -114,16 +157,3 @@ def test_fabric_save_zero3_loads_under_tp2_and_in_one_process(tmp_path) -> None:
     assert_params_close({k: v for k, v in whole["model"].items() if k in got["saved"]}, got["saved"], rtol=0, atol=0)
     record = read_record(path)
     assert record["dp_mode"] == "zero3" and record["fabric"] is True
-
-
-def cp2() -> MeshStrategy:
-    return MeshStrategy(cp_size=2)
-
-
-def test_fabric_refuses_a_batch_splitting_axis_at_setup() -> None:
-    """cp2: refused at fabric.setup, before any step, naming the layout and the way out."""
-    from lightning_par.launcher import DistributedRunError
-
-    case = dict(strategy=cp2, model=make_net, optimizer="sgd", micro_batch=4, steps=1)
-    with pytest.raises(DistributedRunError, match=r"this layout \(\{'cp_size': 2\}\).*use the Trainer"):
-        run_distributed(fabric_worker, 2, ([case],), timeout_s=TIMEOUT_S)
