@@ -84,24 +84,32 @@ def fabric_loop(
 
 def reference_loop(
     make_model: Callable[[], nn.Module], optimizer: str, global_batch: int, steps: int, accumulate: int = 1,
-    clip_norm: float | None = None, dataset: Any = None,
+    clip_norm: float | None = None, dataset: Any = None, precision: str = "32-true",
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, plain torch, the same loop on global batches."""
-    model = make_model()
+    """One process, plain torch, the same loop on global batches; under another ``precision`` than fp32, one
+    process's Fabric (``devices=1``) with that precision, the loop written the same way."""
+    fabric = None
+    model = plain = make_model()
     opt = make_optimizer(optimizer, model.parameters())
+    if precision != "32-true":
+        fabric = L.Fabric(accelerator="cpu", devices=1, precision=precision)
+        model, opt = fabric.setup(model, opt)
     batches = iter(DataLoader(dataset or TokenDataset(), batch_size=global_batch, shuffle=False))
     losses = []
     for _ in range(steps):
         for _ in range(accumulate):
             x, y = next(batches)
             loss = lm_loss(model(x), y)
-            (loss / accumulate).backward()
+            if fabric is not None:
+                fabric.backward(loss / accumulate)
+            else:
+                (loss / accumulate).backward()
             losses.append(float(loss.detach()))
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         opt.step()
         opt.zero_grad()
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, {n: p.detach().float().clone() for n, p in plain.named_parameters()}
 
 
 def fabric_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -111,7 +119,8 @@ def fabric_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for case in cases:
         strategy = case["strategy"]
-        fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy() if callable(strategy) else strategy)
+        fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy() if callable(strategy) else strategy,
+                          precision=case.get("precision", "32-true"))
         fabric.launch()
         losses, model, _ = fabric_loop(
             fabric, case["model"], case["optimizer"], case["micro_batch"], case["steps"],
