@@ -39,10 +39,10 @@ def train_step(model: Any, batch: Any, *, loss_scale: float = 1.0, loss_fn: Any 
             or ``loss_fn``. Under pipelining only the module's (fixed at ``fabric.setup``).
 
     Returns:
-        A detached scalar, the same on every rank of a pipeline or cp group. Under pipelining, the replica's batch
-        mean loss. Otherwise the replica's token mean weighed by its share of the global batch's counted tokens
-        (``dp_size * N_r / N``; exactly its mean without a label mask), so that ``fabric.all_reduce(loss)`` (the mean
-        over the world) is one process's token mean of the global batch, label masks included.
+        A detached fp32 scalar. Under pipelining, the replica's batch mean loss (the same on every rank of its
+        pipeline; ``fabric.all_reduce(loss)`` is the mean over the replicas). Otherwise the global batch's token mean
+        (the ranks' losses weighed by their counted tokens over every dp and cp rank: one process's value on the same
+        global batch, label masks included), the same on every rank.
 
     Raises:
         RuntimeError: ``model`` is not set up by a lightning_par Fabric strategy.

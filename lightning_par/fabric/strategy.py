@@ -206,9 +206,9 @@ class MeshStrategy(ParallelStrategy):
             if self.parallel._batch_transforms and self.parallel.pipeline is not None:  # cp with pp
                 sizes = {k: v for k, v in self.parallel_dims.sizes().items() if v > 1}
                 raise ValueError(
-                    f"this layout ({sizes}) splits every sequence over the cp ranks inside a pipeline schedule, "
-                    f"which lightning_par.fabric.train_step does not run: use the Trainer for it, or set cp_size=1 "
-                    f"(or pp_size=1: cp alone runs through train_step)."
+                    f"this layout ({sizes}) splits every sequence over ranks (context parallelism) inside a pipeline "
+                    f"schedule, which lightning_par.fabric.train_step does not run: use the Trainer for it, or a "
+                    f"layout without one of the two (either alone runs through train_step)."
                 )
             if self.parallel.pipeline is not None:
                 module.register_forward_pre_hook(_refuse_pipelined_forward)
@@ -276,7 +276,7 @@ class MeshStrategy(ParallelStrategy):
         if self.parallel.pipeline is not None:
             raise RuntimeError(_PIPELINED_STEP)
         if self.parallel._batch_transforms:
-            raise RuntimeError(_SPLIT_STEP.format(cp_size=self.parallel.dims.cp_size))
+            raise RuntimeError(_SPLIT_STEP.format(layout=self._layout()))
         self._backward(tensor, module, *args, **kwargs)
 
     def _backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
@@ -337,7 +337,7 @@ class MeshStrategy(ParallelStrategy):
         piece of each sequence, and its global ``position_ids``), ``loss_fn(model(*inputs), targets)`` in Fabric's
         precision and the loss context, through every axis's step wrapper (cp: the value becomes the token mean over
         the cp ranks; cp and dp: the gradient is weighed by each rank's share of the counted tokens), then backward."""
-        from lightning_par import aux_loss
+        from lightning_par import aux_loss, contract
         from lightning_par.data.doc_mask import batch_document_ids
 
         parallel = self.parallel
@@ -353,12 +353,16 @@ class MeshStrategy(ParallelStrategy):
             )
         precision = self.precision
 
+        own: list[Tensor] = []  # this rank's loss, before the step wrappers
+
         def call(piece: Any) -> Any:
             args, kwargs, targets = _step_inputs(module, piece, split=bool(parallel._batch_transforms))
             args, kwargs = precision.convert_input((args, kwargs))
             with precision.forward_context():
                 outputs = module(*args, **kwargs)
-            return loss_fn(precision.convert_output(outputs), targets)
+            loss = loss_fn(precision.convert_output(outputs), targets)
+            own.append(loss)
+            return loss
 
         prepared = parallel.transform_batch(batch)  # the buffer broadcast runs in the module's forward pre-hook
         previous_scale = aux_loss.aux_loss_scale()
@@ -376,16 +380,21 @@ class MeshStrategy(ParallelStrategy):
         finally:
             self._in_step = False
             aux_loss.set_aux_loss_scale(previous_scale)
-        value = loss.detach()
-        dims = parallel.dims
-        if dims.dp_size > 1:  # the replica's share of the global batch's counted tokens: dp_size * N_r / N
-            from lightning_par import contract
-            from lightning_par.data_parallel.token_mean import replica_weight
+        return self._global_mean(own[-1] if own else loss, contract.batch_counted_tokens(module, prepared))
 
-            tokens = contract.batch_counted_tokens(module, prepared)
-            weight = replica_weight(tokens, dims.group("dp"), dims.group("cp") if dims.cp_enabled else None)
-            value = value * weight if weight != 1.0 else value
-        return value
+    def _global_mean(self, local: Tensor, tokens: float) -> Tensor:
+        """``sum_r(L_r n_r) / sum_r(n_r)`` over the ranks holding other tokens of the global batch (the derived mesh
+        ``dp_cp``; the tp and pp ranks of a replica hold the same): the global batch's token mean, on every rank.
+        Collective over that mesh when it has more than one rank."""
+        assert self.parallel is not None
+        value = local.detach().float().reshape(())
+        mesh = self.parallel.dims.get_mesh("dp_cp")
+        if mesh.size() == 1:
+            return value
+        both = torch.stack([value * tokens if tokens > 0 else torch.zeros_like(value), value.new_tensor(tokens)])
+        both = both.to(torch.float64)
+        dist.all_reduce(both, group=mesh.get_group())
+        return (both[0] / both[1]).float() if float(both[1]) > 0 else torch.zeros_like(value)
 
     def token_mean(self, loss_sum: Tensor, tokens: Tensor | float) -> Tensor:
         """``loss_sum * dp_size / N`` where ``N`` is ``tokens`` summed over the dp ranks (see
@@ -394,11 +403,11 @@ class MeshStrategy(ParallelStrategy):
         if parallel is None:
             raise RuntimeError("token_mean_loss before fabric.setup(model, ...): set up the model first.")
         dims = parallel.dims
-        if dims.cp_enabled:
+        if parallel._batch_transforms:
             raise RuntimeError(
-                f"token_mean_loss is for a loop of model(x) and fabric.backward, which context parallelism "
-                f"(cp_size={dims.cp_size}) does not run: train_step(model, (x, y), loss_fn=loss_fn) already returns "
-                f"and differentiates the token mean."
+                f"token_mean_loss is for a loop of model(x) and fabric.backward, which this layout "
+                f"({self._layout()}, context parallelism) does not run: train_step(model, (x, y), loss_fn=loss_fn) "
+                f"already returns and differentiates the token mean."
             )
         count = torch.as_tensor(tokens, dtype=torch.float64).detach().reshape(()).cpu().clone()
         if dims.dp_size > 1:
@@ -415,8 +424,13 @@ class MeshStrategy(ParallelStrategy):
             assert self.parallel is not None
             raise RuntimeError(
                 f"{type(module).__name__}(...) was called for training: "
-                + _SPLIT_STEP.format(cp_size=self.parallel.dims.cp_size)
+                + _SPLIT_STEP.format(layout=self._layout())
             )
+
+    def _layout(self) -> dict[str, int]:
+        """The sizes above 1 of the layout, for messages."""
+        assert self.parallel_dims is not None
+        return {k: v for k, v in self.parallel_dims.sizes().items() if v > 1}
 
     def finish_gradients(self) -> None:
         """The gradient finishers (tp: the replicated parameters' partial gradients summed over tp), once per
@@ -628,10 +642,10 @@ _PIPELINED_STEP = (
 
 
 _SPLIT_STEP = (
-    "under context parallelism (cp_size={cp_size}) each rank holds a piece of every sequence, inputs and targets "
+    "under context parallelism (this layout: {layout}) each rank holds a piece of every sequence, inputs and targets "
     "alike, so the step is one call: replace `loss = loss_fn(model(x), y); fabric.backward(loss)` by `loss = "
     "lightning_par.fabric.train_step(model, (x, y), loss_fn=loss_fn)` (it splits the batch, passes position_ids to "
-    "the model, returns the token mean over the cp ranks; loss_scale=1/accumulate inside fabric.no_backward_sync), "
+    "the model, returns the global batch's token mean; loss_scale=1/accumulate inside fabric.no_backward_sync), "
     "then fabric.clip_gradients / optimizer.step() as usual. Evaluation (model(x) under torch.no_grad() or "
     "model.eval()) runs on whole sequences."
 )
@@ -653,7 +667,7 @@ def _check_positions(module: nn.Module) -> None:
             f"context parallelism in a Fabric loop is not valid for {type(module).__name__}: train_step passes each "
             f"rank's global token positions as position_ids=, and its forward takes no position_ids. Add a "
             f"position_ids argument to forward (hand it to the network), or define pipeline_batch(batch) -> "
-            f"(inputs, targets) on it (the batch then ends with the positions, (seq / cp_size,))."
+            f"(inputs, targets) on it (the batch then ends with the positions, (seq / ranks,))."
         )
 
 
