@@ -47,6 +47,14 @@ def cp2() -> MeshStrategy:
     return MeshStrategy(cp_size=2)
 
 
+def dp2_cp2() -> MeshStrategy:
+    return MeshStrategy(dp_size=2, cp_size=2, dp_mode="zero3")
+
+
+def cp2_tp2() -> MeshStrategy:
+    return MeshStrategy(cp_size=2, tp_size=2)
+
+
 def _check(world: int, cases: list[tuple[str, object, int, dict]], micro_batch: int, steps: int) -> list[dict]:
     """Run ``cases`` (label, strategy, dp_size, loop options) on ``world`` ranks; each against one process."""
     runs = [
@@ -142,13 +150,37 @@ def test_fabric_loop_matches_one_process_world2() -> None:
 
 @pytest.mark.slow
 def test_fabric_loop_matches_one_process_world4() -> None:
-    """HSDP 2x2 (zero3 sharded over 2, replicated over 2) and dp2 x tp2."""
+    """HSDP 2x2 (zero3 sharded over 2, replicated over 2), dp2 x tp2, and cp2 composed through train_step: with
+    zero3 over dp2 (answer-only label masks: weighed over dp and cp) and with tp2."""
     _check(4, [
+        ("dp2 cp2 zero3 sgd label mask", dp2_cp2, 2, {"optimizer": "sgd", "step": True, "dataset": ChatRecords(64)}),
+        ("cp2 tp2 adamw", cp2_tp2, 1, {"optimizer": "adamw", "step": True, "accumulate": 2}),
         ("hsdp 2x2 sgd acc2", hsdp_2x2, 4, {"optimizer": "sgd", "accumulate": 2}),
         ("hsdp 2x2 adamw", hsdp_2x2, 4, {"optimizer": "adamw", "clip_norm": 1.0}),
         ("dp2 tp2 sgd acc2 clip", dp2_tp2, 2, {"optimizer": "sgd", "accumulate": 2, "clip_norm": 1.0}),
         ("dp2 tp2 adamw", dp2_tp2, 2, {"optimizer": "adamw"}),
     ], micro_batch=2, steps=3)
+
+
+def _cp_with_pp() -> str:
+    import lightning as L
+
+    from tests.fabric_helpers import PipelinedLM
+
+    fabric = L.Fabric(accelerator="cpu", devices=4, strategy=MeshStrategy(cp_size=2, pp_size=2, num_microbatches=2))
+    fabric.launch()
+    try:
+        fabric.setup(PipelinedLM(make_net()))
+    except ValueError as err:
+        return str(err)
+    return "not refused"
+
+
+@pytest.mark.slow
+def test_fabric_refuses_cp_with_pp_at_setup() -> None:
+    """cp2 x pp2: refused at fabric.setup, naming the layout and the way out."""
+    got = run_distributed(_cp_with_pp, 4, timeout_s=TIMEOUT_S)
+    assert all("'cp_size': 2" in g and "'pp_size': 2" in g and "use the Trainer" in g for g in got), got
 
 
 @pytest.mark.slow
