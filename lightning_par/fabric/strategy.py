@@ -19,9 +19,12 @@ What differs from the Trainer:
   ``loss_fn(outputs, targets)`` (the model contract's pipeline loss, :mod:`lightning_par.contract`).
 * ``cp_size > 1``: each rank holds a piece of every sequence, targets included, so the step is the same one call,
   ``loss = train_step(model, (x, y), loss_fn=loss_fn)``: it splits inputs and targets along dim 1, passes the kept
-  tokens' global ``position_ids`` to the model, and returns the token mean over the cp ranks (the cp axis's step
-  wrapper, as under the Trainer); a training ``model(x)`` and ``fabric.backward`` raise a ``RuntimeError`` naming it.
-  cp together with pp is refused at ``fabric.setup``.
+  tokens' global ``position_ids`` to the model, weighs the ranks' gradients by their counted tokens (the axes' step
+  wrappers, as under the Trainer) and returns the global batch's token mean; a training ``model(x)`` and
+  ``fabric.backward`` raise a ``RuntimeError`` naming it. cp together with pp is refused at ``fabric.setup``.
+* the loss: in a plain loop the strategy never sees the targets, so a label mask makes the dp average the mean of
+  the replicas' means; ``train_step`` weighs the ranks as the Trainer does, and
+  :func:`lightning_par.fabric.token_mean_loss` does it for a plain loop.
 """
 
 from __future__ import annotations
