@@ -122,11 +122,13 @@ def fabric_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
         fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy() if callable(strategy) else strategy,
                           precision=case.get("precision", "32-true"))
         fabric.launch()
-        losses, model, _ = fabric_loop(
+        losses, model, opt = fabric_loop(
             fabric, case["model"], case["optimizer"], case["micro_batch"], case["steps"],
             case.get("accumulate", 1), case.get("clip_norm"), case.get("dataset"), case.get("step", False),
             case.get("token_mean", False),
         )
+        if case.get("save"):
+            fabric.save(case["save"], {"model": model, "optimizer": opt, "step": case["steps"]})
         refused = []
         if case.get("refusals"):  # a training forward and fabric.backward outside train_step are refused under cp
             x, y = next(iter(DataLoader(TokenDataset(), batch_size=case["micro_batch"])))

@@ -132,11 +132,21 @@ WORLD2 = [
 ]
 
 
-def test_fabric_loop_matches_one_process_world2() -> None:
+def test_fabric_loop_matches_one_process_world2(tmp_path) -> None:
     """ddp_overlap, zero1, zero2, zero3, tp2, ep2 (a user's MoE) and cp2 (the user's AttentionNet through
     train_step) by their registry names and MeshStrategy. Under cp2 a training model(x) and fabric.backward are
-    refused, naming train_step; a forward under no_grad gives one process's logits."""
-    results = _check(2, WORLD2, micro_batch=4, steps=3)
+    refused, naming train_step; a forward under no_grad gives one process's logits; fabric.save under cp2 loads into
+    one process. Label masks (train_step under cp2 and zero2, token_mean_loss under ddp_overlap) give one process's
+    token mean; bf16-mixed and bf16-true under zero3 and tp2 match one process's Fabric at the same precision."""
+    from lightning_par.checkpoint import load_model_weights
+
+    path = str(tmp_path / "cp2")  # the cp2 AdamW run's fabric.save loads into one process
+    cases = [(c[0], c[1], c[2], {**c[3], "save": path} if c[0] == "cp2 adamw" else c[3]) for c in WORLD2]
+    results = _check(2, cases, micro_batch=4, steps=3)
+    plain = make_net(1)
+    load_model_weights(path, plain)
+    saved = results[[c[0] for c in WORLD2].index("cp2 adamw")]["state"]
+    assert_params_close({n: p.detach() for n, p in plain.named_parameters()}, saved, rtol=0, atol=0)
     for (*_, options), got in zip(WORLD2, results):
         if options.get("refusals"):
             assert got["cp_tokens"] == 8, got["cp_tokens"]  # each rank held half of every 16-token sequence
