@@ -199,10 +199,16 @@ def test_fabric_refuses_cp_with_pp_at_setup() -> None:
     assert all("'cp_size': 2" in g and "'pp_size': 2" in g and "use the Trainer" in g for g in got), got
 
 
+def cp2_all_to_all() -> MeshStrategy:
+    return MeshStrategy(cp_size=2, method="all_to_all")
+
+
 @pytest.mark.slow
-def test_fabric_bf16_other_cells() -> None:
-    """The other optimizer of each bf16 cell of WORLD2."""
+def test_fabric_world2_other_cells() -> None:
+    """The other optimizer of each bf16 cell of WORLD2; cp2 with all-to-all (Ulysses) attention."""
     _check(2, [
+        ("cp2 all_to_all sgd acc2", cp2_all_to_all, 1, {"optimizer": "sgd", "step": True, "accumulate": 2}),
+        ("cp2 all_to_all adamw", cp2_all_to_all, 1, {"optimizer": "adamw", "step": True}),
         ("zero3 bf16-mixed adamw", "zero3", 2, {"optimizer": "adamw", "precision": "bf16-mixed"}),
         ("zero3 bf16-true sgd", "zero3", 2, {"optimizer": "sgd", "precision": "bf16-true"}),
         ("tp2 bf16-mixed sgd", "tensor_parallel", 1, {"optimizer": "sgd", "precision": "bf16-mixed"}),
