@@ -193,7 +193,7 @@ class PipelinedLM(nn.Module):
 
 def fabric_pipelined_loop(
     fabric: L.Fabric, make_model: Callable[[], nn.Module], optimizer: str, micro_batch: int, steps: int,
-    accumulate: int = 1, clip_norm: float | None = None,
+    accumulate: int = 1, clip_norm: float | None = None, dataset: Any = None,
 ) -> tuple[list[float], nn.Module, Any]:
     """:func:`fabric_loop` as a user writes it under pipelining: ``loss = train_step(model, batch)`` in place of the
     forward and ``fabric.backward``."""
@@ -202,7 +202,7 @@ def fabric_pipelined_loop(
     model = make_model()
     opt = make_optimizer(optimizer, model.parameters())
     model, opt = fabric.setup(model, opt)
-    loader = fabric.setup_dataloaders(DataLoader(TokenDataset(), batch_size=micro_batch, shuffle=False))
+    loader = fabric.setup_dataloaders(DataLoader(dataset or TokenDataset(), batch_size=micro_batch, shuffle=False))
     batches = iter(loader)
     losses = []
     for _ in range(steps):
@@ -229,7 +229,7 @@ def fabric_pipelined_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]
         fabric.launch()
         losses, model, opt = fabric_pipelined_loop(
             fabric, case["model"], case["optimizer"], case["micro_batch"], case["steps"], case.get("accumulate", 1),
-            case.get("clip_norm"),
+            case.get("clip_norm"), case.get("dataset"),
         )
         if case.get("save"):
             fabric.save(case["save"], {"model": model, "optimizer": opt, "step": case["steps"]})

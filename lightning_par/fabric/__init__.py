@@ -39,10 +39,9 @@ def train_step(model: Any, batch: Any, *, loss_scale: float = 1.0, loss_fn: Any 
             or ``loss_fn``. Under pipelining only the module's (fixed at ``fabric.setup``).
 
     Returns:
-        A detached fp32 scalar. Under pipelining, the replica's batch mean loss (the same on every rank of its
-        pipeline; ``fabric.all_reduce(loss)`` is the mean over the replicas). Otherwise the global batch's token mean
-        (the ranks' losses weighed by their counted tokens over every dp and cp rank: one process's value on the same
-        global batch, label masks included), the same on every rank.
+        The global batch's token mean (a detached fp32 scalar, the same on every rank): the ranks' losses weighed by
+        their counted tokens over every dp and cp rank (under pipelining, the replicas' token means over their
+        micro-batches weighed over dp), one process's value on the same global batch, label masks included.
 
     Raises:
         RuntimeError: ``model`` is not set up by a lightning_par Fabric strategy.

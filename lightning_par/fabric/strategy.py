@@ -14,7 +14,7 @@ What differs from the Trainer:
 * ``pp_size > 1``: a pipeline schedule runs forward and backward itself, micro-batch by micro-batch, so Fabric's
   ``model(x)`` then ``fabric.backward(loss)`` has no place for it. The step is one call instead,
   :func:`lightning_par.fabric.train_step` (``loss = train_step(model, batch)``): it runs the schedule and returns the
-  batch's mean loss on every rank; ``model(x)`` and ``fabric.backward`` raise a ``RuntimeError`` naming it. The
+  global batch's token mean on every rank; ``model(x)`` and ``fabric.backward`` raise a ``RuntimeError`` naming it. The
   model given to ``fabric.setup`` keeps its network at ``module_attr`` (``.model``) and defines
   ``loss_fn(outputs, targets)`` (the model contract's pipeline loss, :mod:`lightning_par.contract`).
 * ``cp_size > 1``: each rank holds a piece of every sequence, targets included, so the step is the same one call,
@@ -333,7 +333,8 @@ class MeshStrategy(ParallelStrategy):
         if not self._sync_blocked:  # the end of an accumulation window: one dp reduction of what accumulated
             parallel.engine.reduce_now()
             self._grads_pending = True
-        return loss
+        # the replica's token mean (the schedule weighs its micro-batches by their counted tokens) -> the global one
+        return self._global_mean(loss, contract.batch_counted_tokens(module, prepared))
 
     def _step(self, batch: Any, loss_scale: float, loss_fn: Any) -> Tensor:
         """:meth:`train_step` without a pipeline: the batch through every axis's batch transform (cp: this rank's

@@ -34,7 +34,8 @@ def _check(world: int, cases: list[tuple[str, object, int, dict]], micro_batch: 
     results = run_distributed(fabric_pipelined_worker, world, (runs,), timeout_s=TIMEOUT_S)
     for (label, _, dp, _), run, got in zip(cases, runs, results[0]):
         losses, state = reference_loop(
-            make_lm, run["optimizer"], micro_batch * dp, steps, run.get("accumulate", 1), run.get("clip_norm")
+            make_lm, run["optimizer"], micro_batch * dp, steps, run.get("accumulate", 1), run.get("clip_norm"),
+            run.get("dataset"),
         )
         torch.testing.assert_close(got["losses"], losses, rtol=1e-5, atol=0, msg=lambda m, l=label: f"{l}: {m}")
         try:
@@ -97,6 +98,23 @@ def test_fabric_train_step_misuse_is_refused() -> None:
         assert len(errors) == 2, errors
         assert "needs the loss: pass loss_fn=" in errors[0] and "AttentionNet" in errors[0], errors
         assert "expected (inputs, targets)" in errors[1] and "AttentionNet.pipeline_batch" in errors[1], errors
+
+
+def dp2_pp2() -> MeshStrategy:
+    return MeshStrategy(dp_size=2, pp_size=2, schedule="1f1b", num_microbatches=2)
+
+
+@pytest.mark.slow
+def test_fabric_pipeline_dp2_pp2_label_masks_match_one_process() -> None:
+    """dp2 x pp2 on answer-only label masks (every replica and micro-batch counts other numbers of tokens): the
+    gradients and the loss train_step returns are one process's token mean of the global batch."""
+    from tests.label_helpers import ChatRecords
+
+    _check(4, [
+        ("dp2 pp2 sgd label mask", dp2_pp2, 2, {"optimizer": "sgd", "dataset": ChatRecords(64)}),
+        ("dp2 pp2 adamw acc2 label mask", dp2_pp2, 2, {"optimizer": "adamw", "accumulate": 2,
+                                                        "dataset": ChatRecords(64)}),
+    ], micro_batch=4, steps=2)
 
 
 def pp2_gpipe() -> MeshStrategy:
