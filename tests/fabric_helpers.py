@@ -44,9 +44,15 @@ def fabric_loop(
     accumulate: int = 1,
     clip_norm: float | None = None,
     dataset: Any = None,
+    step: bool = False,
+    token_mean: bool = False,
 ) -> tuple[list[float], nn.Module, Any]:
     """``steps`` optimizer steps of a user's loop; returns the per-micro-step global losses (mean over the world),
-    the set-up model and optimizer."""
+    the set-up model and optimizer. ``step``: the forward and backward through ``lightning_par.fabric.train_step``
+    (the step call context parallelism needs) in place of ``model(x)`` and ``fabric.backward``. ``token_mean``: the
+    loss as a per-rank sum made the global token mean by ``lightning_par.fabric.token_mean_loss``."""
+    from lightning_par.fabric import token_mean_loss, train_step
+
     model = make_model()
     opt = make_optimizer(optimizer, model.parameters())
     model, opt = fabric.setup(model, opt)
@@ -57,8 +63,17 @@ def fabric_loop(
         for i in range(accumulate):
             x, y = next(batches)
             with fabric.no_backward_sync(model, enabled=i < accumulate - 1):
-                loss = lm_loss(model(x), y)
-                fabric.backward(loss / accumulate)
+                if step:
+                    loss = train_step(model, (x, y), loss_fn=lm_loss, loss_scale=1.0 / accumulate)
+                elif token_mean:
+                    logits = model(x)
+                    loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1),
+                                               reduction="sum")
+                    loss = token_mean_loss(model, loss_sum, (y != -100).sum())
+                    fabric.backward(loss / accumulate)
+                else:
+                    loss = lm_loss(model(x), y)
+                    fabric.backward(loss / accumulate)
             losses.append(float(fabric.all_reduce(loss.detach())))
         if clip_norm is not None:
             fabric.clip_gradients(model, opt, max_norm=clip_norm)
@@ -69,24 +84,32 @@ def fabric_loop(
 
 def reference_loop(
     make_model: Callable[[], nn.Module], optimizer: str, global_batch: int, steps: int, accumulate: int = 1,
-    clip_norm: float | None = None, dataset: Any = None,
+    clip_norm: float | None = None, dataset: Any = None, precision: str = "32-true",
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, plain torch, the same loop on global batches."""
-    model = make_model()
+    """One process, plain torch, the same loop on global batches; under another ``precision`` than fp32, one
+    process's Fabric (``devices=1``) with that precision, the loop written the same way."""
+    fabric = None
+    model = plain = make_model()
     opt = make_optimizer(optimizer, model.parameters())
+    if precision != "32-true":
+        fabric = L.Fabric(accelerator="cpu", devices=1, precision=precision)
+        model, opt = fabric.setup(model, opt)
     batches = iter(DataLoader(dataset or TokenDataset(), batch_size=global_batch, shuffle=False))
     losses = []
     for _ in range(steps):
         for _ in range(accumulate):
             x, y = next(batches)
             loss = lm_loss(model(x), y)
-            (loss / accumulate).backward()
+            if fabric is not None:
+                fabric.backward(loss / accumulate)
+            else:
+                (loss / accumulate).backward()
             losses.append(float(loss.detach()))
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         opt.step()
         opt.zero_grad()
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, {n: p.detach().float().clone() for n, p in plain.named_parameters()}
 
 
 def fabric_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -96,13 +119,29 @@ def fabric_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for case in cases:
         strategy = case["strategy"]
-        fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy() if callable(strategy) else strategy)
+        fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy() if callable(strategy) else strategy,
+                          precision=case.get("precision", "32-true"))
         fabric.launch()
-        losses, model, _ = fabric_loop(
+        losses, model, opt = fabric_loop(
             fabric, case["model"], case["optimizer"], case["micro_batch"], case["steps"],
-            case.get("accumulate", 1), case.get("clip_norm"), case.get("dataset"),
+            case.get("accumulate", 1), case.get("clip_norm"), case.get("dataset"), case.get("step", False),
+            case.get("token_mean", False),
         )
-        out.append({"losses": losses, "state": fabric.strategy.parallel.full_state_dict()})
+        if case.get("save"):
+            fabric.save(case["save"], {"model": model, "optimizer": opt, "step": case["steps"]})
+        refused = []
+        if case.get("refusals"):  # a training forward and fabric.backward outside train_step are refused under cp
+            x, y = next(iter(DataLoader(TokenDataset(), batch_size=case["micro_batch"])))
+            for attempt in (lambda: model(x), lambda: fabric.backward(torch.zeros((), requires_grad=True))):
+                try:
+                    attempt()
+                except RuntimeError as err:
+                    refused.append(str(err))
+            with torch.no_grad():  # evaluation runs on whole sequences: one process's logits
+                refused.append(model(x[:1]))
+        summary = fabric.strategy.parallel.summary()
+        out.append({"losses": losses, "state": fabric.strategy.parallel.full_state_dict(), "refused": refused,
+                    "cp_tokens": summary.get("cp_tokens_per_sequence")})
     return out
 
 
@@ -154,7 +193,7 @@ class PipelinedLM(nn.Module):
 
 def fabric_pipelined_loop(
     fabric: L.Fabric, make_model: Callable[[], nn.Module], optimizer: str, micro_batch: int, steps: int,
-    accumulate: int = 1, clip_norm: float | None = None,
+    accumulate: int = 1, clip_norm: float | None = None, dataset: Any = None,
 ) -> tuple[list[float], nn.Module, Any]:
     """:func:`fabric_loop` as a user writes it under pipelining: ``loss = train_step(model, batch)`` in place of the
     forward and ``fabric.backward``."""
@@ -163,7 +202,7 @@ def fabric_pipelined_loop(
     model = make_model()
     opt = make_optimizer(optimizer, model.parameters())
     model, opt = fabric.setup(model, opt)
-    loader = fabric.setup_dataloaders(DataLoader(TokenDataset(), batch_size=micro_batch, shuffle=False))
+    loader = fabric.setup_dataloaders(DataLoader(dataset or TokenDataset(), batch_size=micro_batch, shuffle=False))
     batches = iter(loader)
     losses = []
     for _ in range(steps):
@@ -180,7 +219,9 @@ def fabric_pipelined_loop(
 
 def fabric_pipelined_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """:func:`fabric_worker` for the pipelined loop; each case also checks that ``model(x)`` and ``fabric.backward``
-    are refused, naming ``train_step``."""
+    are refused, naming ``train_step``, and ``train_step(..., loss_fn=...)``."""
+    from lightning_par.fabric import train_step
+
     world = int(os.environ["WORLD_SIZE"])
     out = []
     for case in cases:
@@ -188,7 +229,7 @@ def fabric_pipelined_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]
         fabric.launch()
         losses, model, opt = fabric_pipelined_loop(
             fabric, case["model"], case["optimizer"], case["micro_batch"], case["steps"], case.get("accumulate", 1),
-            case.get("clip_norm"),
+            case.get("clip_norm"), case.get("dataset"),
         )
         if case.get("save"):
             fabric.save(case["save"], {"model": model, "optimizer": opt, "step": case["steps"]})
@@ -199,5 +240,11 @@ def fabric_pipelined_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]
                 attempt()
             except RuntimeError as err:
                 refused.append(str(err))
-        out.append({"losses": losses, "state": fabric.strategy.parallel.full_state_dict(), "refused": refused})
+        loss_fn_refused = ""
+        try:  # the schedule's loss is the module's
+            train_step(model, next(iter(DataLoader(TokenDataset(), batch_size=case["micro_batch"]))), loss_fn=lm_loss)
+        except ValueError as err:
+            loss_fn_refused = str(err)
+        out.append({"losses": losses, "state": fabric.strategy.parallel.full_state_dict(), "refused": refused,
+                    "loss_fn_refused": loss_fn_refused})
     return out

@@ -77,23 +77,27 @@ def cp_mean_step(group: dist.ProcessGroup) -> Callable[..., Any]:
         dist.all_reduce(counted, group=group)
         total = float(counted[0])
         had_own = "log" in module.__dict__
-        original = module.log
+        original = getattr(module, "log", None)  # a plain nn.Module (a Fabric loop's model) logs nothing
 
         def log(name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
             if isinstance(value, Tensor) and value.numel() == 1:
                 value = _weighted_mean(value, weight, group)
             elif isinstance(value, Number) and not isinstance(value, bool):
                 value = float(_weighted_mean(torch.tensor(float(value)), weight, group))
+            assert original is not None
             return original(name, value, *args, **kwargs)
 
-        module.log = log
-        try:
+        if original is None:
             out = run(batch)
-        finally:
-            if had_own:
-                module.log = original
-            else:
-                del module.log
+        else:
+            module.log = log
+            try:
+                out = run(batch)
+            finally:
+                if had_own:
+                    module.log = original
+                else:
+                    del module.log
 
         def report(loss: Any) -> Any:
             if not (isinstance(loss, Tensor) and loss.numel() == 1):

@@ -14,12 +14,17 @@ What differs from the Trainer:
 * ``pp_size > 1``: a pipeline schedule runs forward and backward itself, micro-batch by micro-batch, so Fabric's
   ``model(x)`` then ``fabric.backward(loss)`` has no place for it. The step is one call instead,
   :func:`lightning_par.fabric.train_step` (``loss = train_step(model, batch)``): it runs the schedule and returns the
-  batch's mean loss on every rank; ``model(x)`` and ``fabric.backward`` raise a ``RuntimeError`` naming it. The
+  global batch's token mean on every rank; ``model(x)`` and ``fabric.backward`` raise a ``RuntimeError`` naming it. The
   model given to ``fabric.setup`` keeps its network at ``module_attr`` (``.model``) and defines
   ``loss_fn(outputs, targets)`` (the model contract's pipeline loss, :mod:`lightning_par.contract`).
-* an axis with a batch transform (one that splits every tensor of the batch, inputs *and* targets, and averages the
-  step's loss over its ranks): refused at ``fabric.setup``, before any step; in a Fabric loop the targets never pass
-  through the strategy.
+* ``cp_size > 1``: each rank holds a piece of every sequence, targets included, so the step is the same one call,
+  ``loss = train_step(model, (x, y), loss_fn=loss_fn)``: it splits inputs and targets along dim 1, passes the kept
+  tokens' global ``position_ids`` to the model, weighs the ranks' gradients by their counted tokens (the axes' step
+  wrappers, as under the Trainer) and returns the global batch's token mean; a training ``model(x)`` and
+  ``fabric.backward`` raise a ``RuntimeError`` naming it. cp together with pp is refused at ``fabric.setup``.
+* the loss: in a plain loop the strategy never sees the targets, so a label mask makes the dp average the mean of
+  the replicas' means; ``train_step`` weighs the ranks as the Trainer does, and
+  :func:`lightning_par.fabric.token_mean_loss` does it for a plain loop.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ FABRIC_KEYS = "fabric_keys"
 
 
 class MeshStrategy(ParallelStrategy):
-    """Every registered axis but cp on one mesh (pp through :meth:`train_step`), for ``lightning.fabric.Fabric`` and
+    """Every registered axis on one mesh (pp and cp through :meth:`train_step`), for ``lightning.fabric.Fabric`` and
     any ``nn.Module`` meeting :mod:`lightning_par.contract` (the network is the module itself, or its ``module_attr``
     attribute; under pipelining the network must be at ``module_attr``).
 
@@ -107,6 +112,7 @@ class MeshStrategy(ParallelStrategy):
         self._names: dict[int, str] = {}  # id of each parameter given to setup_module -> its name
         self._sync_blocked = False
         self._grads_pending = False  # a synchronised backward ran and the gradient finishers have not
+        self._in_step = False  # inside train_step's forward and backward
 
     # ------------------------------------------------------------------ layout and processes
     @property
@@ -200,16 +206,18 @@ class MeshStrategy(ParallelStrategy):
                 module, self.parallel_dims, self.core.precision_options(self.precision_name),
                 device=self.root_device, step_context=self._step_context, check=False,
             )
-            if self.parallel._batch_transforms:  # cp; the step wrappers (dp token-mean weights) need no targets here
+            if self.parallel._batch_transforms and self.parallel.pipeline is not None:  # cp with pp
                 sizes = {k: v for k, v in self.parallel_dims.sizes().items() if v > 1}
                 raise ValueError(
-                    f"this layout ({sizes}) has an axis that splits every tensor of the batch and averages the step's "
-                    f"loss over its ranks (a batch transform of the axis registry), and in a Fabric loop the targets "
-                    f"and the loss never pass through the strategy: use the Trainer for it, or set that axis's size "
-                    f"to 1."
+                    f"this layout ({sizes}) splits every sequence over ranks (context parallelism) inside a pipeline "
+                    f"schedule, which lightning_par.fabric.train_step does not run: use the Trainer for it, or a "
+                    f"layout without one of the two (either alone runs through train_step)."
                 )
             if self.parallel.pipeline is not None:
                 module.register_forward_pre_hook(_refuse_pipelined_forward)
+            elif self.parallel._batch_transforms:  # cp: the step call splits inputs and targets
+                _check_positions(module)
+                module.register_forward_pre_hook(self._refuse_split_forward)
             buffers = self.parallel.engine.buffers
             if buffers is not None:  # torch DDP's buffer broadcast before each forward (not inside no_backward_sync)
                 module.register_forward_pre_hook(lambda *_: buffers.before_forward())
@@ -270,6 +278,13 @@ class MeshStrategy(ParallelStrategy):
             return super().backward(tensor, module, *args, **kwargs)
         if self.parallel.pipeline is not None:
             raise RuntimeError(_PIPELINED_STEP)
+        if self.parallel._batch_transforms:
+            raise RuntimeError(_SPLIT_STEP.format(layout=self._layout()))
+        self._backward(tensor, module, *args, **kwargs)
+
+    def _backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """Fabric's precision backward between the dp engine's hooks, in the loss context."""
+        assert self.parallel is not None
         engine = self.parallel.engine
         with self.parallel.loss_context():
             engine.pre_backward()
@@ -287,15 +302,21 @@ class MeshStrategy(ParallelStrategy):
         with self.precision.forward_context(), self.loss_context():
             yield
 
-    def train_step(self, batch: Any, loss_scale: float = 1.0) -> Tensor:
-        """One pipelined forward and backward over ``batch`` (see :func:`lightning_par.fabric.train_step`)."""
+    def train_step(self, batch: Any, loss_scale: float = 1.0, loss_fn: Any = None) -> Tensor:
+        """One forward and backward over ``batch`` (see :func:`lightning_par.fabric.train_step`): the pipeline
+        schedule under ``pp_size > 1``, else the model's forward on this rank's piece of the batch (cp: its piece of
+        every sequence) through the axes' step wrappers."""
         parallel = self.parallel
         if parallel is None:
             raise RuntimeError("train_step before fabric.setup(model, ...): set up the model first.")
         if parallel.pipeline is None:
-            raise RuntimeError(
-                f"train_step runs a pipeline schedule, and this layout has none (pp_size={parallel.dims.pp_size}): "
-                f"use loss = loss_fn(model(x), y); fabric.backward(loss)."
+            return self._step(batch, float(loss_scale), loss_fn)
+        if loss_fn is not None:
+            raise ValueError(
+                f"train_step(..., loss_fn={getattr(loss_fn, '__name__', type(loss_fn).__name__)}) is not valid under "
+                f"pipelining (pp_size={parallel.dims.pp_size}): the schedule's loss is the model's loss_fn (or "
+                f"pipeline_loss), fixed at fabric.setup; define it on {type(parallel.module).__name__} and pass no "
+                f"loss_fn."
             )
         from lightning_par import contract
 
@@ -312,7 +333,108 @@ class MeshStrategy(ParallelStrategy):
         if not self._sync_blocked:  # the end of an accumulation window: one dp reduction of what accumulated
             parallel.engine.reduce_now()
             self._grads_pending = True
-        return loss
+        # the replica's token mean (the schedule weighs its micro-batches by their counted tokens) -> the global one
+        return self._global_mean(loss, contract.batch_counted_tokens(module, prepared))
+
+    def _step(self, batch: Any, loss_scale: float, loss_fn: Any) -> Tensor:
+        """:meth:`train_step` without a pipeline: the batch through every axis's batch transform (cp: this rank's
+        piece of each sequence, and its global ``position_ids``), ``loss_fn(model(*inputs), targets)`` in Fabric's
+        precision and the loss context, through every axis's step wrapper (cp: the value becomes the token mean over
+        the cp ranks; cp and dp: the gradient is weighed by each rank's share of the counted tokens), then backward."""
+        from lightning_par import aux_loss, contract
+        from lightning_par.data.doc_mask import batch_document_ids
+
+        parallel = self.parallel
+        assert parallel is not None
+        module = parallel.module
+        if loss_fn is None:
+            loss_fn = next((m for m in (getattr(module, n, None) for n in ("pipeline_loss", "loss_fn")) if callable(m)),
+                           None)
+        if not callable(loss_fn):
+            raise ValueError(
+                f"train_step(model, batch) needs the loss: pass loss_fn=(outputs, targets) -> the batch's mean loss, "
+                f"or define loss_fn(outputs, targets) on {type(module).__name__}; got loss_fn={loss_fn!r}."
+            )
+        precision = self.precision
+
+        own: list[Tensor] = []  # this rank's loss, before the step wrappers
+
+        def call(piece: Any) -> Any:
+            args, kwargs, targets = _step_inputs(module, piece, split=bool(parallel._batch_transforms))
+            args, kwargs = precision.convert_input((args, kwargs))
+            with precision.forward_context():
+                outputs = module(*args, **kwargs)
+            loss = loss_fn(precision.convert_output(outputs), targets)
+            own.append(loss)
+            return loss
+
+        prepared = parallel.transform_batch(batch)  # the buffer broadcast runs in the module's forward pre-hook
+        previous_scale = aux_loss.aux_loss_scale()
+        aux_loss.set_aux_loss_scale(loss_scale)  # an attached auxiliary loss (MoE) under the same factor
+        self._in_step = True
+        try:
+            with parallel.loss_context(), parallel.steps._document_attention(batch_document_ids(prepared)):
+                loss = parallel.run_step(call, prepared)
+            if not (isinstance(loss, Tensor) and loss.numel() == 1 and loss.requires_grad):
+                raise ValueError(
+                    f"loss_fn(outputs, targets) must return a scalar tensor with a gradient; got "
+                    f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, Tensor) else ''}."
+                )
+            self._backward(loss * loss_scale if loss_scale != 1.0 else loss, module)
+        finally:
+            self._in_step = False
+            aux_loss.set_aux_loss_scale(previous_scale)
+        return self._global_mean(own[-1] if own else loss, contract.batch_counted_tokens(module, prepared))
+
+    def _global_mean(self, local: Tensor, tokens: float) -> Tensor:
+        """``sum_r(L_r n_r) / sum_r(n_r)`` over the ranks holding other tokens of the global batch (the derived mesh
+        ``dp_cp``; the tp and pp ranks of a replica hold the same): the global batch's token mean, on every rank.
+        Collective over that mesh when it has more than one rank."""
+        assert self.parallel is not None
+        value = local.detach().float().reshape(())
+        mesh = self.parallel.dims.get_mesh("dp_cp")
+        if mesh.size() == 1:
+            return value
+        both = torch.stack([value * tokens if tokens > 0 else torch.zeros_like(value), value.new_tensor(tokens)])
+        both = both.to(torch.float64)
+        dist.all_reduce(both, group=mesh.get_group())
+        return (both[0] / both[1]).float() if float(both[1]) > 0 else torch.zeros_like(value)
+
+    def token_mean(self, loss_sum: Tensor, tokens: Tensor | float) -> Tensor:
+        """``loss_sum * dp_size / N`` where ``N`` is ``tokens`` summed over the dp ranks (see
+        :func:`lightning_par.fabric.token_mean_loss`). Collective over the dp group when ``dp_size > 1``."""
+        parallel = self.parallel
+        if parallel is None:
+            raise RuntimeError("token_mean_loss before fabric.setup(model, ...): set up the model first.")
+        dims = parallel.dims
+        if parallel._batch_transforms:
+            raise RuntimeError(
+                f"token_mean_loss is for a loop of model(x) and fabric.backward, which this layout "
+                f"({self._layout()}, context parallelism) does not run: train_step(model, (x, y), loss_fn=loss_fn) "
+                f"already returns and differentiates the token mean."
+            )
+        count = torch.as_tensor(tokens, dtype=torch.float64).detach().reshape(()).cpu().clone()
+        if dims.dp_size > 1:
+            count = count.to(self.root_device)
+            dist.all_reduce(count, group=dims.group("dp"))
+        total = float(count)
+        if total <= 0:  # nothing counted anywhere: a zero loss, and a zero gradient
+            return loss_sum.nan_to_num(0.0) * 0.0
+        return loss_sum * (dims.dp_size / total)
+
+    def _refuse_split_forward(self, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook under cp: a training forward outside :meth:`train_step` would not split the sequence."""
+        if not self._in_step and module.training and torch.is_grad_enabled():
+            assert self.parallel is not None
+            raise RuntimeError(
+                f"{type(module).__name__}(...) was called for training: "
+                + _SPLIT_STEP.format(layout=self._layout())
+            )
+
+    def _layout(self) -> dict[str, int]:
+        """The sizes above 1 of the layout, for messages."""
+        assert self.parallel_dims is not None
+        return {k: v for k, v in self.parallel_dims.sizes().items() if v > 1}
 
     def finish_gradients(self) -> None:
         """The gradient finishers (tp: the replicated parameters' partial gradients summed over tp), once per
@@ -521,6 +643,65 @@ _PIPELINED_STEP = (
     "batch)` (the model's loss_fn makes each micro-batch's loss; inside fabric.no_backward_sync for accumulation, "
     "with loss_scale=1/accumulate), then fabric.clip_gradients / optimizer.step() as usual."
 )
+
+
+_SPLIT_STEP = (
+    "under context parallelism (this layout: {layout}) each rank holds a piece of every sequence, inputs and targets "
+    "alike, so the step is one call: replace `loss = loss_fn(model(x), y); fabric.backward(loss)` by `loss = "
+    "lightning_par.fabric.train_step(model, (x, y), loss_fn=loss_fn)` (it splits the batch, passes position_ids to "
+    "the model, returns the global batch's token mean; loss_scale=1/accumulate inside fabric.no_backward_sync), "
+    "then fabric.clip_gradients / optimizer.step() as usual. Evaluation (model(x) under torch.no_grad() or "
+    "model.eval()) runs on whole sequences."
+)
+
+
+def _check_positions(module: nn.Module) -> None:
+    """Under cp, :meth:`MeshStrategy.train_step` passes the kept tokens' global positions as ``position_ids=`` to
+    the module's forward, unless the module maps the batch itself (``pipeline_batch``).
+
+    Raises:
+        ValueError: neither is there.
+    """
+    import inspect
+
+    if callable(getattr(module, "pipeline_batch", None)):
+        return
+    if "position_ids" not in inspect.signature(module.forward).parameters:
+        raise ValueError(
+            f"context parallelism in a Fabric loop is not valid for {type(module).__name__}: train_step passes each "
+            f"rank's global token positions as position_ids=, and its forward takes no position_ids. Add a "
+            f"position_ids argument to forward (hand it to the network), or define pipeline_batch(batch) -> "
+            f"(inputs, targets) on it (the batch then ends with the positions, (seq / ranks,))."
+        )
+
+
+def _step_inputs(module: nn.Module, batch: Any, split: bool) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    """``(args, kwargs, targets)`` of one step's ``batch`` (this rank's, after the batch transforms): through the
+    module's ``pipeline_batch`` when defined; else ``batch`` is ``(inputs, targets)`` (under cp with the positions
+    the split appended, passed as ``position_ids=``).
+
+    Raises:
+        ValueError: a batch of another structure and no ``pipeline_batch``.
+    """
+    from lightning_par import contract
+
+    if callable(getattr(module, "pipeline_batch", None)):
+        inputs, targets = contract.pipeline_batch(module, batch)
+        return inputs, {}, targets
+    kwargs: dict[str, Any] = {}
+    if split and isinstance(batch, (tuple, list)) and len(batch) == 3:
+        *batch, kwargs["position_ids"] = batch
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        inputs, targets = batch
+        if isinstance(inputs, Tensor):
+            return (inputs,), kwargs, targets
+        if isinstance(inputs, (tuple, list)) and all(isinstance(t, Tensor) for t in inputs):
+            return tuple(inputs), kwargs, targets
+    raise ValueError(
+        f"train_step(model, batch): a batch of type {type(batch).__name__} is not valid: expected (inputs, targets), "
+        f"inputs a tensor or a tuple of tensors. Define {type(module).__name__}.pipeline_batch(batch) -> (inputs, "
+        f"targets) to map another structure."
+    )
 
 
 def _refuse_pipelined_forward(module: nn.Module, args: Any) -> None:

@@ -31,22 +31,23 @@ def _check(cases: list[tuple[str, str, str, int]]) -> None:
 
 
 def test_litgpt_gpt_zero3_and_tp2_match_one_process() -> None:
-    """(family, strategy, optimizer, dp_size): tp2 with the plan of tests/litgpt_helpers.litgpt_tp_plan."""
+    """(family, strategy, optimizer, dp_size): each family under zero3 and tp2 (the plan of
+    tests/litgpt_helpers.litgpt_tp_plan), SGD with momentum and AdamW."""
     _check([
         ("pythia", "zero3", "adamw", 2),
         ("llama", "zero3", "sgd", 2),
         ("pythia", "tp2", "sgd", 1),
         ("llama", "tp2", "adamw", 1),
+        ("pythia", "zero3", "sgd", 2),
+        ("llama", "zero3", "adamw", 2),
+        ("pythia", "tp2", "adamw", 1),
+        ("llama", "tp2", "sgd", 1),
     ])
 
 
 @pytest.mark.slow
 def test_litgpt_gpt_other_cells() -> None:
     _check([
-        ("pythia", "zero3", "sgd", 2),
-        ("llama", "zero3", "adamw", 2),
-        ("pythia", "tp2", "adamw", 1),
-        ("llama", "tp2", "sgd", 1),
         ("pythia", "ddp_overlap", "adamw", 2),
         ("llama", "ddp_overlap", "sgd", 2),
     ])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lightning_par.fabric import MeshStrategy
 from lightning_par.launcher import run_distributed
@@ -33,7 +34,8 @@ def _check(world: int, cases: list[tuple[str, object, int, dict]], micro_batch: 
     results = run_distributed(fabric_pipelined_worker, world, (runs,), timeout_s=TIMEOUT_S)
     for (label, _, dp, _), run, got in zip(cases, runs, results[0]):
         losses, state = reference_loop(
-            make_lm, run["optimizer"], micro_batch * dp, steps, run.get("accumulate", 1), run.get("clip_norm")
+            make_lm, run["optimizer"], micro_batch * dp, steps, run.get("accumulate", 1), run.get("clip_norm"),
+            run.get("dataset"),
         )
         torch.testing.assert_close(got["losses"], losses, rtol=1e-5, atol=0, msg=lambda m, l=label: f"{l}: {m}")
         try:
@@ -41,6 +43,7 @@ def _check(world: int, cases: list[tuple[str, object, int, dict]], micro_batch: 
         except AssertionError as err:
             raise AssertionError(f"{label}: {err}") from None
         assert len(got["refused"]) == 2 and all("train_step(model" in r for r in got["refused"]), got["refused"]
+        assert "not valid under pipelining (pp_size=" in got["loss_fn_refused"], got["loss_fn_refused"]
     return results[0]
 
 
@@ -68,7 +71,7 @@ def test_fabric_pipeline_dp2_tp2_pp2_matches_one_process() -> None:
     ], micro_batch=4, steps=2)
 
 
-def _train_step_without_pipeline() -> str:
+def _train_step_misuse() -> list[str]:
     import lightning as L
 
     from lightning_par.fabric import train_step
@@ -76,19 +79,42 @@ def _train_step_without_pipeline() -> str:
 
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy="ddp_overlap")
     fabric.launch()
-    model = fabric.setup(make_lm())
+    model = fabric.setup(AttentionNet())  # no loss_fn of its own
     x, y = TokenDataset()[0]
-    try:
-        train_step(model, (x[None], y[None]))
-    except RuntimeError as err:
-        return str(err)
-    return "not refused"
+    out = []
+    for batch in ((x[None], y[None]), {"x": x[None]}):
+        try:
+            train_step(model, batch, loss_fn=None if isinstance(batch, tuple) else F.mse_loss)
+        except ValueError as err:
+            out.append(str(err))
+    return out
 
 
-def test_fabric_train_step_without_a_pipeline_is_refused() -> None:
-    """train_step on a layout with pp_size=1 names the plain loop instead."""
-    got = run_distributed(_train_step_without_pipeline, 2, timeout_s=TIMEOUT_S)
-    assert all("has none (pp_size=1)" in g and "fabric.backward(loss)" in g for g in got), got
+def test_fabric_train_step_misuse_is_refused() -> None:
+    """train_step without a loss function (the model has no loss_fn, none passed), and on a batch that is not
+    (inputs, targets) without pipeline_batch: a ValueError naming what to pass."""
+    got = run_distributed(_train_step_misuse, 2, timeout_s=TIMEOUT_S)
+    for errors in got:
+        assert len(errors) == 2, errors
+        assert "needs the loss: pass loss_fn=" in errors[0] and "AttentionNet" in errors[0], errors
+        assert "expected (inputs, targets)" in errors[1] and "AttentionNet.pipeline_batch" in errors[1], errors
+
+
+def dp2_pp2() -> MeshStrategy:
+    return MeshStrategy(dp_size=2, pp_size=2, schedule="1f1b", num_microbatches=2)
+
+
+@pytest.mark.slow
+def test_fabric_pipeline_dp2_pp2_label_masks_match_one_process() -> None:
+    """dp2 x pp2 on answer-only label masks (every replica and micro-batch counts other numbers of tokens): the
+    gradients and the loss train_step returns are one process's token mean of the global batch."""
+    from tests.label_helpers import ChatRecords
+
+    _check(4, [
+        ("dp2 pp2 sgd label mask", dp2_pp2, 2, {"optimizer": "sgd", "dataset": ChatRecords(64)}),
+        ("dp2 pp2 adamw acc2 label mask", dp2_pp2, 2, {"optimizer": "adamw", "accumulate": 2,
+                                                        "dataset": ChatRecords(64)}),
+    ], micro_batch=4, steps=2)
 
 
 def pp2_gpipe() -> MeshStrategy:
