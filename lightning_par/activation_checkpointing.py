@@ -24,8 +24,8 @@ precision match the first forward.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any
 
 import torch
@@ -64,18 +64,29 @@ def _recompute_contexts() -> tuple[AbstractContextManager[Any], AbstractContextM
     """``(forward context, recomputation context)`` for ``torch.utils.checkpoint``'s ``context_fn``: the recomputation
     in backward attends as the forward did (torch function modes are off while autograd recomputes), under the
     context-parallel attention (outer, as each step enters it) and a packed block's document masks (inner)."""
-    from lightning_par.context_parallel.attention import recompute_context
-    from lightning_par.data.doc_mask import recompute_contexts
+    from lightning_par.context_parallel.attention import recompute_context as cp_context
+    from lightning_par.data.doc_mask import recompute_context as documents_context
 
-    cp = recompute_context()
-    _, documents = recompute_contexts()
+    return nullcontext(), _Recomputation(cp_context(), documents_context())
 
-    @contextmanager
-    def both() -> Generator[None, None, None]:
-        with cp, documents:
-            yield
 
-    return nullcontext(), both()
+class _Recomputation:
+    """The recomputation context of one checkpointed forward, made anew at each entry: torch recomputes a block once
+    per backward pass through it, and a zero-bubble schedule makes two (input gradients, then weight gradients),
+    where a generator's context enters only once (measured: ``AttributeError`` in contextlib at the second
+    recomputation, selective activation checkpointing under ``zbv_zero_bubble``)."""
+
+    def __init__(self, *makers: Callable[[], AbstractContextManager[Any]]) -> None:
+        self._makers, self._open = makers, []
+
+    def __enter__(self) -> None:
+        stack = ExitStack()
+        for make in self._makers:
+            stack.enter_context(make())
+        self._open.append(stack)
+
+    def __exit__(self, *exc: object) -> bool | None:
+        return self._open.pop().__exit__(*exc)
 
 
 def is_checkpointed(module: nn.Module) -> bool:

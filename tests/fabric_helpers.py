@@ -22,6 +22,18 @@ from torch.utils.data import DataLoader
 from tests.helpers import TokenDataset
 
 
+
+def _refused_outside_train_step(fabric, model, x) -> list:
+    """The messages of a training ``model(x)`` and a ``fabric.backward`` that the strategy refuses (cp, pp: they
+    belong in ``train_step``)."""
+    refused = []
+    for attempt in (lambda: model(x), lambda: fabric.backward(torch.zeros((), requires_grad=True))):
+        try:
+            attempt()
+        except RuntimeError as err:
+            refused.append(str(err))
+    return refused
+
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     if name == "adamw":
         # weight_decay=0: with AdamW's default 0.01 and accumulation over 2 micro-batches, the ONE-process reference
@@ -132,11 +144,7 @@ def fabric_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
         refused = []
         if case.get("refusals"):  # a training forward and fabric.backward outside train_step are refused under cp
             x, y = next(iter(DataLoader(TokenDataset(), batch_size=case["micro_batch"])))
-            for attempt in (lambda: model(x), lambda: fabric.backward(torch.zeros((), requires_grad=True))):
-                try:
-                    attempt()
-                except RuntimeError as err:
-                    refused.append(str(err))
+            refused = _refused_outside_train_step(fabric, model, x)
             with torch.no_grad():  # evaluation runs on whole sequences: one process's logits
                 refused.append(model(x[:1]))
         summary = fabric.strategy.parallel.summary()
@@ -233,13 +241,8 @@ def fabric_pipelined_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]
         )
         if case.get("save"):
             fabric.save(case["save"], {"model": model, "optimizer": opt, "step": case["steps"]})
-        refused = []
         x, y = next(iter(DataLoader(TokenDataset(), batch_size=case["micro_batch"])))
-        for attempt in (lambda: model(x), lambda: fabric.backward(torch.zeros((), requires_grad=True))):
-            try:
-                attempt()
-            except RuntimeError as err:
-                refused.append(str(err))
+        refused = _refused_outside_train_step(fabric, model, x)
         loss_fn_refused = ""
         try:  # the schedule's loss is the module's
             train_step(model, next(iter(DataLoader(TokenDataset(), batch_size=case["micro_batch"]))), loss_fn=lm_loss)

@@ -31,6 +31,8 @@ of what one process keeps (``lightning_par.benchmarks.context_parallel`` measure
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -610,16 +612,17 @@ def _reentered(method: str, group: dist.ProcessGroup | None, positions: Tensor) 
         yield
 
 
-def recompute_context() -> AbstractContextManager[None]:
-    """Called at a checkpointed forward (``torch.utils.checkpoint``'s ``context_fn``): the context its recomputation in
-    backward must run in, the context-parallel attention active now (a no-op context when none is). Measured: torch
+def recompute_context() -> Callable[[], AbstractContextManager[None]]:
+    """Called at a checkpointed forward (``torch.utils.checkpoint``'s ``context_fn``): what makes the context its
+    recomputation in backward must run in, the context-parallel attention active now (a no-op context when none is);
+    a fresh context for each recomputation (a zero-bubble schedule recomputes a block twice). Measured: torch
     function modes are not active while autograd recomputes a checkpointed block, so without it the block's attention
     is recomputed as one process's ``scaled_dot_product_attention`` on the local tokens, saves other tensors than the
     forward did, and torch stops the backward (``CheckpointError``: recomputed values have different metadata)."""
     if not _ACTIVE_MODES:
-        return nullcontext()
+        return nullcontext
     mode = _ACTIVE_MODES[-1]
-    return _reentered(mode.method, mode.group, mode.positions)
+    return functools.partial(_reentered, mode.method, mode.group, mode.positions)
 
 
 class CPAttentionMode(TorchFunctionMode):

@@ -22,6 +22,8 @@ micro-batch, not with the activations.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable, Generator, Mapping
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -39,7 +41,7 @@ __all__ = [
     "batch_document_ids",
     "document_attention",
     "document_mask",
-    "recompute_contexts",
+    "recompute_context",
 ]
 
 #: The batch keys of a packed block (a mapping batch), besides ``input_ids`` and ``labels``.
@@ -55,16 +57,17 @@ def active_documents() -> Tensor | None:
     return _active[-1][0] if _active else None
 
 
-def recompute_contexts() -> tuple[Any, Any]:
-    """``(forward context, recompute context)`` for ``torch.utils.checkpoint(..., context_fn=recompute_contexts)``:
-    the recomputation in backward runs under the document masking active at the forward (measured: without it, a
-    checkpointed block recomputes unmasked attention in backward, and torch refuses the different saved tensors)."""
+def recompute_context() -> Callable[[], Any]:
+    """Called at a checkpointed forward (``torch.utils.checkpoint``'s ``context_fn``): what makes the context its
+    recomputation in backward runs in, the document masking active at the forward; a fresh context for each
+    recomputation (a zero-bubble schedule recomputes a block twice). Measured: without it, a checkpointed block
+    recomputes unmasked attention in backward, and torch refuses the different saved tensors."""
     from contextlib import nullcontext
 
     if not _active:
-        return nullcontext(), nullcontext()
+        return nullcontext
     documents, attention_context = _active[-1]
-    return nullcontext(), document_attention(documents, attention_context)
+    return functools.partial(document_attention, documents, attention_context)
 
 
 def batch_document_ids(batch: Any) -> Tensor | None:
