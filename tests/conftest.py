@@ -25,8 +25,14 @@ def no_process_group_left_behind():
     """Destroy the default process group a test started in this process (a ``Trainer`` or ``Fabric`` at world 1 leaves
     it initialised), after every test: later tests check that nothing starts one before its time, and a world forked
     from a process holding a gloo group fails (measured: one in-process float8 Trainer run left its group, and every
-    forked world after it in the suite errored or timed out)."""
+    forked world after it in the suite errored or timed out). Also restores the environment: an in-process run sets
+    MASTER_PORT (Lightning picks a free port and writes it to os.environ), and every later subprocess launch of the
+    suite then inherited a port this process still held (EADDRINUSE in the registry and README example tests)."""
+    environ = dict(os.environ)
     yield
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
     if torch.get_num_threads() != 1:  # a test raised it: back to one before anything here runs multi-threaded
         torch.set_num_threads(1)
     if dist.is_available() and dist.is_initialized():
