@@ -32,6 +32,7 @@ def test_rows_and_shapes():
     assert 6.8e9 < fpt < 7.2e9
 
 
+@pytest.mark.e2e  # the script's dry run end to end (compiles and converts a model: 50 s), so not in `make test-fast`
 def test_dry_run_rows_compile_and_convert(tmp_path):
     """Two rows of the dry run (the zero3 row with compile and float8, and the plain eager row) through ``main``:
     the table is written, the compiled row compiled one graph shared by both decoder layers, float8 converted the
