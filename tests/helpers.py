@@ -190,3 +190,58 @@ def running(request: Any, argname: str = "name", test: str | None = None) -> set
         if item.module is request.module and hasattr(item, "callspec") and argname in item.callspec.params
         and (test is None or getattr(item, "originalname", None) == test)
     }
+
+
+# ----------------------------------------------------------------------------------- one forked child
+def in_a_forked_child(body: Callable[[], Any], timeout_s: float = 60.0) -> tuple[int, float, str]:
+    """Run ``body`` in a child forked from this process; its exit status (``body`` returning is 0, an uncaught
+    exception 1, ``os._exit(n)`` n, a signal -N), how long it took (seconds) and what it wrote to stderr.
+
+    A fork, not a fresh interpreter: the child already has torch and lightning imported (a fresh interpreter spends
+    about 5 s importing them). The child calls ``gc.freeze()`` first, as the launcher's ranks do, so its garbage
+    collection never destroys an object (a process group) whose threads only this process has, and it runs no
+    OpenMP region. Killed with SIGKILL after ``timeout_s`` (status -9)."""
+    import gc
+    import select
+    import signal
+    import sys
+    import time
+    import traceback
+
+    read_fd, write_fd = os.pipe()
+    started = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            gc.freeze()
+            os.dup2(write_fd, 2)
+            os.close(read_fd)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)  # not pytest's capture
+            body()
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(write_fd)
+    chunks, deadline = [], started + timeout_s
+    with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+        while True:  # until the child's stderr closes (it exited) or the deadline
+            left = deadline - time.monotonic()
+            if left <= 0:
+                os.kill(pid, signal.SIGKILL)
+                break
+            ready, _, _ = select.select([pipe], [], [], left)
+            if ready:
+                data = pipe.read(65536)
+                if not data:
+                    break
+                chunks.append(data)
+    _, status = os.waitpid(pid, 0)
+    took = time.monotonic() - started
+    code = os.waitstatus_to_exitcode(status)
+    return code, took, b"".join(chunks).decode(errors="replace")

@@ -5,22 +5,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from lightning_par.fault.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionCallback, PreemptionWatch
-
-
-def _in_a_child(body: str) -> tuple[int, float, str]:
-    """Run ``body`` (Python source, after ``from lightning_par.fault.preemption import PreemptionWatch``) in a fresh
-    interpreter (not a fork of this multi-threaded one); its exit status and how long it took (seconds)."""
-    code = "import os, signal, time\nfrom lightning_par.fault.preemption import PreemptionWatch\n" + body
-    started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    return proc.returncode, time.monotonic() - started, proc.stderr
+from tests.helpers import in_a_forked_child
 
 
 def test_a_signal_sets_the_flag_and_uninstall_restores_the_handler():
@@ -36,24 +26,26 @@ def test_a_signal_sets_the_flag_and_uninstall_restores_the_handler():
 
 
 def test_a_second_signal_exits_at_once_with_the_preemption_code():
-    code, took, err = _in_a_child(
-        "PreemptionWatch.install(signal.SIGTERM, grace_s=60)\n"
-        "os.kill(os.getpid(), signal.SIGTERM)\n"
-        "time.sleep(0.5)\n"
-        "os.kill(os.getpid(), signal.SIGTERM)\n"
-        "time.sleep(60)\n"
-    )
+    def body():
+        PreemptionWatch.install(signal.SIGTERM, grace_s=60)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+
+    code, took, err = in_a_forked_child(body, timeout_s=120)
     assert code == PREEMPTED_EXIT_CODE, (code, err)
     assert "received a second SIGTERM: exiting at once" in err and took < 60, (took, err)
 
 
 def test_no_stop_within_the_grace_period_exits_with_the_preemption_code_while_the_main_thread_is_blocked():
-    code, took, err = _in_a_child(
-        "PreemptionWatch.install(signal.SIGTERM, grace_s=0.5)\n"
-        "os.kill(os.getpid(), signal.SIGTERM)\n"
-        "r, _ = os.pipe()\n"
-        "os.read(r, 1)\n"  # blocked in C, as in a collective: only the watch thread can end it
-    )
+    def body():
+        PreemptionWatch.install(signal.SIGTERM, grace_s=0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        r, _ = os.pipe()
+        os.read(r, 1)  # blocked in C, as in a collective: only the watch thread can end it
+
+    code, took, err = in_a_forked_child(body, timeout_s=120)
     assert code == PREEMPTED_EXIT_CODE, (code, err)
     assert "no clean stop within preemption_grace_s=0.5 s after SIGTERM" in err, err
 

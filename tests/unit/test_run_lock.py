@@ -3,11 +3,13 @@ launcher (lightning_par.fault.orphan)."""
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import re
+import select
+import signal
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -17,18 +19,34 @@ from lightning_par.fault.preemption import PREEMPTED_EXIT_CODE, Preempted, preem
 from lightning_par.fault.run_lock import RunDirectoryInUse, claim_run_dir, job_identity
 
 
-def _holder_process(run_dir, job: str) -> subprocess.Popen:
-    """Another process holding the run directory (rank 0 of job ``job``) until killed."""
-    code = (f"import time; from lightning_par.fault.run_lock import claim_run_dir\n"
-            f"with claim_run_dir({str(run_dir)!r}, rank=0, job={job!r}):\n    print('held', flush=True); time.sleep(60)")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "held"
-    return proc
+class _Holder:
+    """Another process (forked from this one: no 5 s of imports) holding the run directory as rank 0 of job ``job``
+    until killed."""
+
+    def __init__(self, run_dir, job: str) -> None:
+        read_fd, write_fd = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child
+            try:
+                gc.freeze()  # as the launcher's ranks: never collect an object whose threads only the parent has
+                with claim_run_dir(run_dir, rank=0, job=job):
+                    os.write(write_fd, b"held")
+                    time.sleep(60)
+            finally:
+                os._exit(0)
+        os.close(write_fd)
+        ready, _, _ = select.select([read_fd], [], [], 30)
+        assert ready and os.read(read_fd, 4) == b"held"
+        os.close(read_fd)
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
 
 
 def test_a_second_job_is_refused_naming_the_first_then_takes_over_when_it_dies(tmp_path):
     run_dir = tmp_path / "run"
-    first = _holder_process(run_dir, "torchrun:abc@127.0.0.1:29500")
+    first = _Holder(run_dir, "torchrun:abc@127.0.0.1:29500")
     try:
         record = json.loads((run_dir / ".lock").read_text())
         assert record["pid"] == first.pid and record["host"] == socket.gethostname()
@@ -46,7 +64,6 @@ def test_a_second_job_is_refused_naming_the_first_then_takes_over_when_it_dies(t
             pass
     finally:
         first.kill()
-        first.wait()
     # The holder died (SIGKILL): its flock went with it, the next job takes the directory over.
     with claim_run_dir(run_dir, rank=0, job="torchrun:xyz@127.0.0.1:29501"):
         assert json.loads((run_dir / ".lock").read_text())["job"] == "torchrun:xyz@127.0.0.1:29501"
