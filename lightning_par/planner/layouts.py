@@ -153,7 +153,9 @@ class Layout:
         return math.prod(getattr(self, f) for f in WORLD_SIZE_FIELDS)
 
     def dims(self, world_size: int | None = None) -> ParallelDims:
-        """The runtime's layout of these sizes on ``world_size`` devices (default: :attr:`world_size`).
+        """The runtime's layout of these sizes on ``world_size`` devices (default: :attr:`world_size`). For the
+        layout's own world size it is built once and the same object is returned on every call (read it, do not build
+        meshes on it).
 
         Raises:
             ValueError: as :class:`~lightning_par.parallel_dims.ParallelDims` (a size that is not a positive integer,
