@@ -294,6 +294,7 @@ def load_sharded(
     mismatch = first_mismatch(request, saved)
     if mismatch is not None:
         raise ValueError(f"checkpoint {str(path)!r} does not fit this model or optimizer: {mismatch}. {wrote}")
+    _request_saved_group_keys(request, saved)
     try:
         safe_dcp_load(request, path)
     except UnsafeCheckpointError:
@@ -309,6 +310,29 @@ def load_sharded(
     for i in range(len(optimizer_states or [])):
         optimizer_states[i] = request[f"optimizer_{i}"]  # type: ignore[index]
     return meta
+
+
+def _request_saved_group_keys(request: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Ask for exactly the hyper-parameters each saved param group holds, as ``torch.optim.Optimizer.load_state_dict``
+    does (the saved groups replace the current ones, only ``params`` is kept).
+
+    A key the optimizer gained after the save is dropped, one it lost is read back. Example: Lightning's ``lr_find``
+    saves a checkpoint, attaches its own lr scheduler (which adds ``initial_lr`` to every group) and restores the
+    checkpoint; DCP refused that restore ("Missing key in checkpoint state_dict: optimizer_0.param_groups.0.initial_lr")
+    under every lightning_par strategy, where Lightning's DDP restores it."""
+    for key, state in request.items():
+        if not key.startswith("optimizer_"):
+            continue
+        for g, group in enumerate(state.get("param_groups", [])):
+            prefix = f"{key}.param_groups.{g}."
+            held = {flat[len(prefix):] for flat in saved if flat.startswith(prefix)}
+            if not held:
+                continue  # a group the checkpoint lacks: first_mismatch's and DCP's errors name it
+            for name in [n for n in group if n != "params" and n not in held]:
+                del group[name]
+            for name in held - set(group):
+                if "." not in name:
+                    group[name] = None  # a placeholder DCP replaces with the saved value
 
 
 def first_mismatch(request: dict[str, Any], saved: dict[str, Any]) -> str | None:

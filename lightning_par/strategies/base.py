@@ -74,6 +74,41 @@ def _split_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tu
     return rest.pop("batch", None), (), rest
 
 
+
+def check_weight_averaging(trainer: Any, module: torch.nn.Module, dims: ParallelDims, dp_mode: str) -> None:
+    """Refuse Lightning's ``StochasticWeightAveraging`` callback where it cannot average this rank's model, before the
+    first step.
+
+    SWA keeps a deep copy of the LightningModule and copies whole tensors in and out of it. Under a layout whose
+    parameters are DTensor shards (``tp_size``, ``ep_size`` > 1, ``dp_mode="zero3"``) the first average raised
+    ``RuntimeError: aten.copy_.default got mixed torch.Tensor and DTensor`` after the first epoch, and under pipelining
+    the two stages' optimizer steps fell out of step and the run hung until the collective timeout (measured with the
+    Lightning feature matrix, 2026-11-28). Lightning refuses SWA for its own sharded strategies (FSDP, DeepSpeed) the
+    same way. ``ddp_overlap``, ``zero1``, ``zero2`` and context parallelism keep whole parameters: SWA runs there and
+    matches one process.
+
+    Raises:
+        ValueError: a ``StochasticWeightAveraging`` callback under such a layout, naming the sizes and what runs.
+    """
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    if not any(isinstance(c, StochasticWeightAveraging) for c in trainer.callbacks):
+        return
+    why = [f"{k}={v}" for k, v in (("pp_size", dims.pp_size), ("tp_size", dims.tp_size), ("ep_size", dims.ep_size))
+           if v > 1]
+    if dp_mode == "zero3":
+        why.append("dp_mode='zero3'")
+    sharded = next((n for n, p in module.named_parameters() if isinstance(p, DTensor)), None)
+    if not why and sharded is not None:
+        why.append(f"parameter {sharded!r} is a DTensor shard")
+    if why:
+        raise ValueError(
+            f"StochasticWeightAveraging is not supported with {', '.join(why)}: its averaged copy of the model holds "
+            f"whole tensors, and here each rank holds shards or one pipeline stage of the parameters. Remove the "
+            f"callback, or train under a layout whose parameters stay whole on every rank (ddp_overlap, zero1, zero2, "
+            f"context parallelism)."
+        )
+
 class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
     """Every registered axis on one mesh, for any LightningModule meeting :mod:`lightning_par.contract`.
 
@@ -359,6 +394,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
                 step_context=self._step_context, check=self._validated is not self.lightning_module,
             )
         if trainer.state.fn == TrainerFn.FITTING:
+            check_weight_averaging(trainer, self.model, self.parallel_dims, self.dp_mode)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         scaler = getattr(self.precision_plugin, "scaler", None)

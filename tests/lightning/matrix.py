@@ -35,8 +35,9 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.loggers.logger import Logger
+from lightning.pytorch.tuner import Tuner
 from lightning.pytorch.utilities import grad_norm
 from lightning.pytorch.utilities.model_summary import ModelSummary
 from torch.utils.data import DataLoader
@@ -463,6 +464,28 @@ def f_compile_in_configure_model(c: Context) -> dict:
     return {"loss_local": rec.losses, "params": c.params(t, m)}
 
 
+def f_lr_find(c: Context) -> dict:
+    """``Tuner(trainer).lr_find`` then ``fit`` on the same Trainer: the range test's learning rates, and a fit that
+    starts from the restored initial model. (The range test's own smoothed losses are rank-local and differ from one
+    process's under Lightning's DDP too, so they are not compared.)"""
+    m, rec = c.module(), Recorder()
+    t = c.trainer("lr_find", max_steps=4, callbacks=[rec])
+    finder = Tuner(t).lr_find(m, train_dataloaders=c.train(), min_lr=1e-3, max_lr=1e-1, num_training=5,
+                              early_stop_threshold=None, update_attr=False)
+    during = len(rec.losses)
+    t.fit(m, c.train())
+    return {"lr_find_lr": [float(x) for x in finder.results["lr"]], "lr_find_steps_int": during,
+            "loss_local": rec.losses[during:], "params": c.params(t, m), "global_step_int": t.global_step}
+
+
+def f_swa(c: Context) -> dict:
+    m, rec = c.module(), Recorder()
+    swa = StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1, annealing_epochs=1)
+    t = c.trainer("swa", max_epochs=3, limit_train_batches=2, callbacks=[rec, swa])
+    t.fit(m, c.train())
+    return {"loss_local": rec.losses, "params": c.params(t, m), "global_step_int": t.global_step}
+
+
 def f_load_from_checkpoint(c: Context) -> dict:
     m, ckpt = c.module(), ModelCheckpoint(dirpath=os.path.join(c.root, "ckpt_load"))
     t = c.trainer("load", max_steps=2, enable_checkpointing=True, callbacks=[ckpt])
@@ -557,6 +580,8 @@ FEATURES: list[Feature] = [
     Feature("load_sharded_checkpoint", f_load_sharded_checkpoint,
             "lightning_par.checkpoint.load_from_checkpoint(MyModule, path)"),
     Feature("compile_in_configure_model", f_compile_in_configure_model, "torch.compile in configure_model"),
+    Feature("lr_find", f_lr_find, "Tuner.lr_find, then fit"),
+    Feature("swa", f_swa, "StochasticWeightAveraging"),
 ]
 FEATURE_BY_NAME = {f.name: f for f in FEATURES}
 COLUMN_BY_NAME = {c.name: c for c in COLUMNS}
@@ -566,6 +591,13 @@ COLUMN_BY_NAME = {c.name: c for c in COLUMNS}
 _PP = ("gpipe", "1f1b", "pipeline", "dp2·pp2")
 _TP = ("tensor_parallel", "dp2·tp2")
 _OURS = [c.name for c in COLUMNS if not c.builtin]
+
+def _whole_params(column: Column) -> bool:
+    """Whether every rank of ``column`` holds whole parameters (no tp/ep/pp split, no FSDP2 sharding)."""
+    strategy = column.make_strategy()
+    dims = strategy.resolve_parallel_dims(column.world)
+    return max(dims.tp_size, dims.ep_size, dims.pp_size) == 1 and strategy.dp_mode != "zero3"
+
 
 #: (feature, column) -> (error type name, regex of the message): a refusal before the stage's first step.
 REFUSED: dict[tuple[str, str], tuple[str, str]] = {
@@ -579,6 +611,10 @@ REFUSED: dict[tuple[str, str], tuple[str, str]] = {
     # A compiled network hides its structure behind '_orig_mod': the layouts that split it refuse it before start.
     **{("compile_in_configure_model", c): ("ValueError", r"is a torch.compile'd module")
        for c in _TP + _PP + ("cp2", "ep2")},
+    # SWA's averaged copy holds whole tensors: refused where parameters are shards or stages (Lightning refuses it for
+    # FSDP alike). Found by this matrix: a DTensor copy error after the first epoch, a hang under pipelining.
+    **{("swa", c.name): ("ValueError", r"StochasticWeightAveraging is not supported with")
+       for c in COLUMNS if not c.builtin and not _whole_params(c)},
 }
 
 
@@ -596,6 +632,10 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
              "load_from_checkpoint raises IsADirectoryError (Lightning's limitation)"),
     **_known("load_sharded_checkpoint", ("L:model_parallel",), "lightning_par's loader refuses Lightning's own "
              "ModelParallelStrategy directory (ValueError: not a lightning_par checkpoint, it lacks lightning_par.json)"),
+    **_known("lr_find", ("L:model_parallel",), "Lightning's own ModelParallelStrategy cannot restore lr_find's "
+             "checkpoint (CheckpointException from torch.distributed.checkpoint on every rank)"),
+    **_known("swa", ("L:model_parallel",), "Lightning's own StochasticWeightAveraging under its ModelParallelStrategy "
+             "raises RuntimeError (aten.copy_ got mixed torch.Tensor and DTensor) after the first epoch"),
     **_known("grad_view", ("L:model_parallel",), "Lightning's own grad_norm on FSDP2 DTensor gradients raises "
              "RuntimeError (data is not allocated yet) under Lightning's ModelParallelStrategy"),
 }

@@ -142,3 +142,20 @@ def test_leftovers_of_interrupted_saves_are_removed(tmp_path):
     assert sorted(p.name for p in removed) == ["step-2.ckpt.tmp-old", "step-4.ckpt.tmp-staging"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2.ckpt", "step-6.ckpt.tmp-old"]
     assert remove_leftovers(tmp_path / "absent") == []
+
+
+def test_param_group_hyper_parameters_load_as_the_checkpoint_holds_them(two_checkpoints):
+    """As ``Optimizer.load_state_dict``: the saved groups' keys replace the current ones. Lightning's ``lr_find`` adds
+    ``initial_lr`` (its scheduler) between its save and its restore; DCP refused that restore under every strategy."""
+    from lightning_par.checkpoint.sharded import load_sharded
+
+    module = nn.Linear(3, 2)
+    optimizer = {"state": {"weight": {"exp_avg": torch.zeros(2, 3)}},
+                 "param_groups": [{"lr": 0.5, "initial_lr": 0.5, "params": ["weight"]}]}  # gained initial_lr; lost none
+    states = [optimizer]
+    load_sharded(two_checkpoints / "step-4.ckpt", module.state_dict(), states)
+    assert states[0]["param_groups"] == [{"lr": 0.1, "params": ["weight"]}]
+    assert torch.equal(states[0]["state"]["weight"]["exp_avg"], torch.full((2, 3), 4.0))
+    lost = [{"state": {"weight": {"exp_avg": torch.zeros(2, 3)}}, "param_groups": [{"params": ["weight"]}]}]
+    load_sharded(two_checkpoints / "step-4.ckpt", module.state_dict(), lost)  # a key the optimizer lost is read back
+    assert lost[0]["param_groups"] == [{"params": ["weight"], "lr": 0.1}]
