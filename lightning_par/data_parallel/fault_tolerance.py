@@ -295,9 +295,18 @@ def check_train_data(trainer: Any) -> None:
 
     Raises:
         ValueError: a ``training_step`` that takes ``dataloader_iter`` (it fetches its own batches, after the point
-            where a joining group learns its place in the data).
+            where a joining group learns its place in the data); ``reload_dataloaders_every_n_epochs > 0`` (a
+            restarted group's loader would come from ``train_dataloader()`` at another epoch than the live group's).
     """
     from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
+
+    if trainer.reload_dataloaders_every_n_epochs:
+        raise ValueError(
+            f"Trainer(reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs}) is not supported "
+            f"with fault_tolerance.enabled=True: a replica group that rejoins takes the live group's epoch, but its "
+            f"loader is the one train_dataloader() returned when it started, not the one the live group reloaded. "
+            f"Use reload_dataloaders_every_n_epochs=0."
+        )
 
     if isinstance(trainer.fit_loop._data_fetcher, _DataLoaderIterDataFetcher):
         raise ValueError(

@@ -200,6 +200,12 @@ def test_failed_group_rejoins_with_live_state(tmp_path: Path, fault: str, dp_mod
         alone = [i for i, l in enumerate(outage) if l["live"] == 1]
         assert len(outage) >= 3 and len(alone) >= 2 and all(l["live"] == 1 for l in outage[alone[0]:]), outage
         assert outage[-1]["ft_step"] > outage[0]["ft_step"]
+    # Every step of both groups read the batch an uninterrupted run reads at that global step (16 batches an epoch),
+    # the rejoined group's too: its loader moved to the live group's place in the data.
+    for group in (0, 1):
+        for rank in (0, 1):
+            for l in progress(tmp_path, group, rank):
+                assert l["global_step"] == l["epoch"] * 16 + l["batch_idx"] + 1, (group, rank, l)
     # Group 1 rejoined: its first step after the restart received the live state, then stepped with 2 live groups.
     first = rejoined()[0]
     assert first["recoveries"] > (0 if fault == "kill" else recoveries_before) and first["live"] == 2, first
