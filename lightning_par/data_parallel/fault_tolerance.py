@@ -323,9 +323,11 @@ def move_train_data(trainer: Any, epoch: int, ready: int, take: bool) -> Any:
     with ``take``, the next batch fetched and returned (the one to train on now), else ``None`` (the next fetch of
     Lightning's loop reads it).
 
-    A single loader with a ``BatchSampler`` (a ``DataLoader`` with ``batch_size``, Lightning's injected sampler) skips
-    the indices only (no sample is loaded); any other loader (several loaders, an iterable dataset, a custom batch
-    sampler) is read through and its batches dropped, which costs their loading time (no forward or backward).
+    With ``take``, a single loader with a ``BatchSampler`` (a ``DataLoader`` with ``batch_size``, Lightning's
+    injected sampler) skips the indices only (no sample is loaded); any other loader (several loaders, an iterable
+    dataset, a custom batch sampler), and every loader without ``take``, is read through and its batches dropped,
+    which costs their loading time (no forward or backward). (Without ``take`` the new iterator may not be read
+    before ``fit`` ends, and a skip left armed on the user's batch sampler would apply to a later ``fit``.)
 
     Lightning 2.6.6 keeps the training data fetcher and the combined loader only in the private
     ``fit_loop._data_fetcher`` / ``fit_loop._combined_loader`` and has no public way to start an epoch's data at a
@@ -342,7 +344,7 @@ def move_train_data(trainer: Any, epoch: int, ready: int, take: bool) -> Any:
         _set_epoch(loader, epoch)
     length = sized_len(combined)
     batch_sampler = getattr(loaders[0], "batch_sampler", None) if len(loaders) == 1 else None
-    by_index = isinstance(batch_sampler, BatchSampler) and length is not None and 0 < ready < length
+    by_index = take and isinstance(batch_sampler, BatchSampler) and length is not None and 0 < ready < length
     if by_index:
         batch_sampler.sampler = _SkipOnce(batch_sampler, ready * batch_sampler.batch_size)
     iter(fetcher)  # a new iterator of every loader (the epoch's order), the fetcher's counters reset

@@ -209,6 +209,7 @@ def test_failed_group_rejoins_with_live_state(tmp_path: Path, fault: str, dp_mod
     # Group 1 rejoined: its first step after the restart received the live state, then stepped with 2 live groups.
     first = rejoined()[0]
     assert first["recoveries"] > (0 if fault == "kill" else recoveries_before) and first["live"] == 2, first
+    assert first["data_moves"] >= 1, first  # its loader was elsewhere (epoch 0 batch 0, or behind) and moved
     if fault == "hang":  # the same processes resumed
         assert {l["pid"] for l in progress(tmp_path, 1)} == old_pids
     assert first["ft_step"] > KILL_AT

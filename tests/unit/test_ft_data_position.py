@@ -72,7 +72,7 @@ class Move(L.Callback):
             self.taken = move_train_data(trainer, self.epoch, self.ready, take=False)
 
 
-@pytest.mark.parametrize("own_batch_sampler", [False, True], ids=["indices_skipped", "read_through"])
+@pytest.mark.parametrize("own_batch_sampler", [False, True], ids=["batch_sampler", "own_batch_sampler"])
 @pytest.mark.parametrize("take", [True, False])
 def test_move_train_data_reads_the_batch_at_the_place(own_batch_sampler: bool, take: bool) -> None:
     """Moved to 3 batches into epoch 2: the batch taken (``take``) or the next batch Lightning's loop fetches is
