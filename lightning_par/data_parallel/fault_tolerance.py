@@ -323,11 +323,14 @@ def move_train_data(trainer: Any, epoch: int, ready: int, take: bool) -> Any:
     with ``take``, the next batch fetched and returned (the one to train on now), else ``None`` (the next fetch of
     Lightning's loop reads it).
 
-    With ``take``, a single loader with a ``BatchSampler`` (a ``DataLoader`` with ``batch_size``, Lightning's
-    injected sampler) skips the indices only (no sample is loaded); any other loader (several loaders, an iterable
-    dataset, a custom batch sampler), and every loader without ``take``, is read through and its batches dropped,
-    which costs their loading time (no forward or backward). (Without ``take`` the new iterator may not be read
-    before ``fit`` ends, and a skip left armed on the user's batch sampler would apply to a later ``fit``.)
+    With ``take``, a single loader skips the indices only (no sample is loaded) where it can: one with a
+    ``start_pass_at(batches)`` method of its own (:class:`~lightning_par.data.resumable.ResumableDataLoader`, which
+    then also counts the skipped batches in its ``state_dict``), or a ``DataLoader`` with a ``BatchSampler`` and no
+    ``state_dict`` (Lightning's injected sampler). Any other loader (several loaders, an iterable dataset, a custom
+    batch sampler, a loader with a state of its own that a skip behind its back would falsify), and every loader
+    without ``take``, is read through and its batches dropped, which costs their loading time (no forward or
+    backward). (Without ``take`` the new iterator may not be read before ``fit`` ends, and a skip left armed would
+    apply to a later ``fit``.)
 
     Lightning 2.6.6 keeps the training data fetcher and the combined loader only in the private
     ``fit_loop._data_fetcher`` / ``fit_loop._combined_loader`` and has no public way to start an epoch's data at a
@@ -343,10 +346,15 @@ def move_train_data(trainer: Any, epoch: int, ready: int, take: bool) -> Any:
     for loader in loaders:
         _set_epoch(loader, epoch)
     length = sized_len(combined)
-    batch_sampler = getattr(loaders[0], "batch_sampler", None) if len(loaders) == 1 else None
-    by_index = take and isinstance(batch_sampler, BatchSampler) and length is not None and 0 < ready < length
-    if by_index:
+    loader = loaders[0] if len(loaders) == 1 else None
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    by_index = take and loader is not None and length is not None and 0 < ready < length
+    if by_index and callable(getattr(loader, "start_pass_at", None)):
+        loader.start_pass_at(ready)
+    elif by_index and isinstance(batch_sampler, BatchSampler) and not callable(getattr(loader, "state_dict", None)):
         batch_sampler.sampler = _SkipOnce(batch_sampler, ready * batch_sampler.batch_size)
+    else:
+        by_index = False
     iter(fetcher)  # a new iterator of every loader (the epoch's order), the fetcher's counters reset
     if by_index:
         fetcher.fetched = ready

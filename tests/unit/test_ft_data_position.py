@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
+from lightning_par.data.resumable import ResumableDataLoader
 from lightning_par.data_parallel.fault_tolerance import check_train_data, move_train_data
 
 N, B = 40, 4  # 10 batches an epoch
@@ -33,6 +34,18 @@ class IndexModule(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+class CountingDataset(TensorDataset):
+    """Indices ``0 .. N-1``; counts the samples loaded."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.arange(N))
+        self.loaded = 0
+
+    def __getitem__(self, i: int) -> Any:
+        self.loaded += 1
+        return super().__getitem__(i)
 
 
 class OwnBatchSampler:
@@ -72,16 +85,21 @@ class Move(L.Callback):
             self.taken = move_train_data(trainer, self.epoch, self.ready, take=False)
 
 
-@pytest.mark.parametrize("own_batch_sampler", [False, True], ids=["batch_sampler", "own_batch_sampler"])
+@pytest.mark.parametrize("kind", ["batch_sampler", "own_batch_sampler", "resumable"])
 @pytest.mark.parametrize("take", [True, False])
-def test_move_train_data_reads_the_batch_at_the_place(own_batch_sampler: bool, take: bool) -> None:
+def test_move_train_data_reads_the_batch_at_the_place(kind: str, take: bool) -> None:
     """Moved to 3 batches into epoch 2: the batch taken (``take``) or the next batch Lightning's loop fetches is
     batch 3 of epoch 2 of the shuffling sampler (``set_epoch(2)``: another order than epoch 0's), and the ones after
-    it follow in order."""
-    dataset = TensorDataset(torch.arange(N))
+    it follow in order. With the batch taken now, one ``DataLoader`` with a ``BatchSampler`` and a
+    ``ResumableDataLoader`` pass over the 3 batches by index (no sample loaded); a batch sampler of the user's own is
+    read through. A :class:`~lightning_par.data.resumable.ResumableDataLoader` counts the batches passed over
+    in its ``state_dict`` (a checkpoint saved later holds the position from the epoch's start)."""
+    dataset = CountingDataset()
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
-    if own_batch_sampler:
+    if kind == "own_batch_sampler":
         loader = DataLoader(dataset, batch_sampler=OwnBatchSampler(sampler))
+    elif kind == "resumable":
+        loader = ResumableDataLoader(dataset, batch_size=B, sampler=sampler, drop_last=True)
     else:
         loader = DataLoader(dataset, batch_size=B, sampler=sampler, drop_last=True)
     move = Move(epoch=2, ready=3, take=take)
@@ -101,6 +119,11 @@ def test_move_train_data_reads_the_batch_at_the_place(own_batch_sampler: bool, t
         assert module.seen[0] == _order(0)[:B]  # the first batch, before the move
         assert module.seen[1:] == batches[3:5]
     assert order[:B] != _order(0)[:B]  # the epochs' shuffles differ, so the place's epoch took effect
+    # skipped by index (no sample loaded) where the batch is taken now from a loader that can: else read through
+    passed_over = 0 if take and kind != "own_batch_sampler" else 3
+    assert dataset.loaded == B * (passed_over + take + len(module.seen)), dataset.loaded
+    if kind == "resumable":  # every batch of the pass counted: the 3 passed over, the one taken, the loop's
+        assert loader.state_dict()["batches"] == 3 + take + len(module.seen) - (not take)
 
 
 def test_loops_a_rejoining_group_cannot_move_in_are_refused() -> None:
