@@ -322,7 +322,8 @@ def test_rejoined_group_reads_its_place_in_the_data(tmp_path: Path, accumulate: 
         t_kill = time.time()
         killed_in = max(l["epoch"] for l in progress(tmp_path, 1))
         _wait_for(lambda: any(l["t"] > t_kill and l["live"] == 1 and l["epoch"] > killed_in
-                              for l in progress(tmp_path, 0)), 120, "group 0 to step alone into a later epoch", tmp_path)
+                              for l in progress(tmp_path, 0)), 120, "group 0 to step alone into a later epoch",
+                  tmp_path)
         procs[1] = start_group({**cfg, "group": 1})
 
         def rejoined(rank: int) -> list[dict]:

@@ -130,7 +130,8 @@ def test_loops_a_rejoining_group_cannot_move_in_are_refused() -> None:
     from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher, _PrefetchDataFetcher
 
     def trainer(fetcher: Any, reload: int = 0) -> Any:
-        return SimpleNamespace(reload_dataloaders_every_n_epochs=reload, fit_loop=SimpleNamespace(_data_fetcher=fetcher))
+        loop = SimpleNamespace(_data_fetcher=fetcher)
+        return SimpleNamespace(reload_dataloaders_every_n_epochs=reload, fit_loop=loop)
 
     check_train_data(trainer(_PrefetchDataFetcher()))
     with pytest.raises(ValueError, match="training_step that takes `dataloader_iter`"):
