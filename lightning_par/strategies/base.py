@@ -621,7 +621,9 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
-        """Refuse, before any step, a loader batch size the layout cannot split (a pipeline's micro-batches)."""
+        """Refuse, before any step, a loader batch size the layout cannot split (a pipeline's micro-batches), and under
+        fault tolerance a training loop whose data a rejoining group could not be moved in
+        (:func:`~lightning_par.data_parallel.fault_tolerance.check_train_data`)."""
         super().on_train_start()
         loader = getattr(self.lightning_module.trainer, "train_dataloader", None) if self.lightning_module else None
         self.options.check_batch_size(getattr(loader, "batch_size", None), self._sizes["pp_size"])

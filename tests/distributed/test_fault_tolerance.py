@@ -1,6 +1,7 @@
 """The fault-tolerant replicate axis (torchft) on gloo: replica groups, each its own world, the lighthouse started by
 the test. Parity with one process without failures; a group SIGKILLed mid-run while the other keeps stepping, then
-restarted and joined with the live group's state streamed over HTTP (bitwise equal at the first step after it joins).
+restarted and joined with the live group's state streamed over HTTP (bitwise equal at the first step after it joins),
+reading from then on the batches it reads in an uninterrupted run (its own share, at the live group's epoch and batch).
 """
 
 from __future__ import annotations
