@@ -6,7 +6,8 @@ SIGSTOP every rank of a group at once), which launches the group's ranks with th
 (:func:`lightning_par.launcher.run_distributed`, its own ``MASTER_PORT``: its own world).
 
 Each rank appends one JSON line per training step to ``{dir}/progress_g{group}_r{rank}.jsonl`` (pid, Lightning's
-global step, torchft's committed step, live groups) and, with ``dump``, saves its whole streamed state (module,
+global step, epoch and batch index, torchft's committed step, live groups; with ``record_data``, the dataset indices of
+the step's batch) and, with ``dump``, saves its whole streamed state (module,
 optimizer parameters, optimizer state: local tensors) after each step to ``{dir}/state_g{group}_r{rank}_s{step}.pt``,
 keyed by the committed step.
 """
@@ -49,6 +50,11 @@ class ScheduledMLP(ResidualMLP):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+def train_dataset(cfg: dict[str, Any]) -> TensorDataset:
+    """The training data of ``cfg``: :func:`regression_dataset` of ``cfg["dataset_n"]`` samples (default 256)."""
+    return regression_dataset(cfg.get("dataset_n", 256))
+
+
 def make_module(cfg: dict[str, Any]) -> ResidualMLP:
     """The seeded MLP of ``cfg["optimizer"]``, with the lr schedule when ``cfg["scheduler"]``."""
     if not cfg.get("scheduler"):
@@ -69,8 +75,22 @@ class Progress(L.Callback):
         self.cfg, self.rank = cfg, rank
         self.dir = Path(cfg["dir"])
         self.path = self.dir / f"progress_g{cfg['group']}_r{rank}.jsonl"
+        # each sample's x is distinct: it names the sample's index in the dataset
+        self.index = {x.numpy().tobytes(): i for i, (x, _) in enumerate(train_dataset(cfg))} if cfg.get(
+            "record_data") else {}
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.cfg.get("record_data"):
+            return
+        sampler = trainer.train_dataloader.sampler  # the one Lightning injected (use_distributed_sampler=True)
+        info = {"type": type(sampler).__name__, "num_replicas": getattr(sampler, "num_replicas", None),
+                "rank": getattr(sampler, "rank", None), "shuffle": getattr(sampler, "shuffle", None),
+                "seed": getattr(sampler, "seed", None), "drop_last": getattr(sampler, "drop_last", None),
+                "batch_size": trainer.train_dataloader.batch_size, "num_training_batches": trainer.num_training_batches}
+        (self.dir / f"sampler_g{self.cfg['group']}_r{self.rank}.json").write_text(json.dumps(info))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         ft = trainer.strategy.ft
         step = ft.manager.current_step()
         if self.cfg.get("dump"):
@@ -81,7 +101,10 @@ class Progress(L.Callback):
         line = {"pid": os.getpid(), "t": time.time(), "global_step": trainer.global_step, "ft_step": step,
                 "lr": _lr(trainer), "live": ft.live_replicas, "committed": ft.steps_committed,
                 "recoveries": ft.recoveries,
-                "recovery_s": ft.recovery_s}
+                "recovery_s": ft.recovery_s, "epoch": trainer.current_epoch, "batch_idx": trainer.fit_loop.batch_idx,
+                "data_moves": getattr(ft, "data_moves", None)}
+        if self.cfg.get("record_data"):
+            line["indices"] = [self.index[x.numpy().tobytes()] for x in batch[0]]
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
         stop = self.cfg.get("stop_file")
@@ -108,13 +131,21 @@ def ft_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     tp = cfg.get("tp", 1)
     dp = world // tp  # tp is the innermost mesh axis: dp rank = rank // tp
     strategy = MeshStrategy(dp_size=dp, tp_size=tp, dp_mode=cfg["dp_mode"], timeout_s=120.0, fault_tolerance=ft)
-    dataset = regression_dataset()
-    sampler = DistributedSampler(dataset, num_replicas=dp * groups, rank=cfg["group"] * dp + rank // tp, shuffle=False)
-    loader = DataLoader(dataset, batch_size=cfg["micro_batch"], sampler=sampler, drop_last=True)
+    dataset = train_dataset(cfg)
+    extra: dict[str, Any] = {}
+    if cfg.get("lightning_sampler"):  # Lightning injects its shuffling DistributedSampler over the strategy's dp ranks
+        loader = DataLoader(dataset, batch_size=cfg["micro_batch"], drop_last=True)
+        extra["use_distributed_sampler"] = True
+    else:
+        sampler = DistributedSampler(dataset, num_replicas=dp * groups, rank=cfg["group"] * dp + rank // tp,
+                                     shuffle=False)
+        loader = DataLoader(dataset, batch_size=cfg["micro_batch"], sampler=sampler, drop_last=True)
+    if cfg.get("accumulate"):
+        extra["accumulate_grad_batches"] = cfg["accumulate"]
     recorder = LossRecorder()
     module = make_module(cfg)
     trainer = quiet_trainer(strategy, world, max_steps=cfg["steps"], limit_val_batches=0,
-                            callbacks=[recorder, Progress(cfg, rank)])
+                            callbacks=[recorder, Progress(cfg, rank)], **extra)
     trainer.fit(module, loader)
     return {"rank": rank, "losses": recorder.losses, "state": full_state_dict(module),
             "summary": strategy.summary_extras()}

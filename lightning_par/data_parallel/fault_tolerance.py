@@ -11,13 +11,16 @@ holds the same shards). A group that dies or hangs drops out of the next quorum;
 that remain (the gradient mean over the live groups) and keep stepping. A restarted group joins at a step boundary:
 its manager receives the parameters, the optimizer state (local shards, copied in place into its own), Lightning's
 step counter and the lr schedulers' states of a live peer over HTTP (torchft's checkpoint transport), not from disk,
-and applies them before its forward.
+and applies them before its forward. With them come Lightning's loop counters (epoch, batch index within the epoch):
+the joining group's data loader is moved to the live group's place in the data (same epoch, so the same shuffle, and
+the same batch index; each group reads its own share), so it reads the batches it would have read had it never failed.
 
 torchft is an optional dependency (the ``ft`` extra); it is imported only when ``fault_tolerance.enabled``.
 """
 
 from __future__ import annotations
 
+import itertools
 import socket
 import time
 from collections.abc import Callable
@@ -31,7 +34,8 @@ from torch import Tensor, nn
 
 from lightning_par.validation import check_bool, check_int, check_number
 
-__all__ = ["FaultToleranceOptions", "FaultTolerantReplicas", "check_fault_tolerance", "check_lighthouse"]
+__all__ = ["FaultToleranceOptions", "FaultTolerantReplicas", "check_fault_tolerance", "check_lighthouse",
+           "check_train_data", "move_train_data"]
 
 #: dp modes the fault-tolerant axis runs inside a replica group. ``ddp``/``zero1``/``zero2`` step plain local tensors;
 #: ``zero3`` (FSDP2) steps DTensor shards, whose local tensors are what travels (every group has the same layout, so
@@ -263,6 +267,107 @@ def _nbytes(obj: Any) -> int:
     return 0
 
 
+class _SkipOnce:
+    """Stands in for a batch sampler's ``sampler`` for one iteration: the first ``n`` indices of the sampler's order
+    are skipped (indices only: no sample is loaded), then the batch sampler gets its own sampler back."""
+
+    def __init__(self, batch_sampler: Any, n: int) -> None:
+        self.batch_sampler, self.sampler, self.n = batch_sampler, batch_sampler.sampler, n
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Any:
+        self.batch_sampler.sampler = self.sampler
+        return itertools.islice(iter(self.sampler), self.n, None)
+
+
+def _set_epoch(loader: Any, epoch: int) -> None:
+    """``set_epoch(epoch)`` on the loader's sampler and its batch sampler's sampler, where they have one (Lightning's
+    injected ``DistributedSampler``: the epoch seeds its shuffle), as Lightning's fit loop does at an epoch's start."""
+    for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
+
+
+def check_train_data(trainer: Any) -> None:
+    """Refuse, before the first step, a training loop whose data a rejoining group could not be moved in.
+
+    Raises:
+        ValueError: a ``training_step`` that takes ``dataloader_iter`` (it fetches its own batches, after the point
+            where a joining group learns its place in the data); ``reload_dataloaders_every_n_epochs > 0`` (a
+            restarted group's loader would come from ``train_dataloader()`` at another epoch than the live group's).
+    """
+    from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
+
+    if trainer.reload_dataloaders_every_n_epochs:
+        raise ValueError(
+            f"Trainer(reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs}) is not supported "
+            f"with fault_tolerance.enabled=True: a replica group that rejoins takes the live group's epoch, but its "
+            f"loader is the one train_dataloader() returned when it started, not the one the live group reloaded. "
+            f"Use reload_dataloaders_every_n_epochs=0."
+        )
+
+    if isinstance(trainer.fit_loop._data_fetcher, _DataLoaderIterDataFetcher):
+        raise ValueError(
+            "fault_tolerance.enabled=True does not support a training_step that takes `dataloader_iter`: a replica "
+            "group that rejoins learns its place in the data (the live group's epoch and batch) when a batch goes to "
+            "the device, and a step that fetches its own batches would read from the wrong place. Take `batch` (and "
+            "`batch_idx`) in training_step."
+        )
+
+
+def move_train_data(trainer: Any, epoch: int, ready: int, take: bool) -> Any:
+    """Move the Trainer's training data to ``ready`` batches into epoch ``epoch``: the sampler's epoch set (its
+    shuffle), a new iterator of Lightning's data fetcher, the first ``ready`` batches of the epoch passed over; then,
+    with ``take``, the next batch fetched and returned (the one to train on now), else ``None`` (the next fetch of
+    Lightning's loop reads it).
+
+    With ``take``, a single loader skips the indices only (no sample is loaded) where it can: one with a
+    ``start_pass_at(batches)`` method of its own (:class:`~lightning_par.data.resumable.ResumableDataLoader`, which
+    then also counts the skipped batches in its ``state_dict``), or a ``DataLoader`` with a ``BatchSampler`` and no
+    ``state_dict`` (Lightning's injected sampler). Any other loader (several loaders, an iterable dataset, a custom
+    batch sampler, a loader with a state of its own that a skip behind its back would falsify), and every loader
+    without ``take``, is read through and its batches dropped, which costs their loading time (no forward or
+    backward). (Without ``take`` the new iterator may not be read before ``fit`` ends, and a skip left armed would
+    apply to a later ``fit``.)
+
+    Lightning 2.6.6 keeps the training data fetcher and the combined loader only in the private
+    ``fit_loop._data_fetcher`` / ``fit_loop._combined_loader`` and has no public way to start an epoch's data at a
+    batch other than 0 for a loader without ``state_dict`` (its own mid-epoch resume warns that such a loader starts
+    again from the beginning of its epoch); these are the objects its epoch loop fetches from.
+    """
+    from lightning.fabric.utilities.data import sized_len
+    from torch.utils.data import BatchSampler
+
+    fit_loop = trainer.fit_loop
+    combined, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
+    loaders = combined.flattened
+    for loader in loaders:
+        _set_epoch(loader, epoch)
+    length = sized_len(combined)
+    loader = loaders[0] if len(loaders) == 1 else None
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    by_index = take and loader is not None and length is not None and 0 < ready < length
+    if by_index and callable(getattr(loader, "start_pass_at", None)):
+        loader.start_pass_at(ready)
+    elif by_index and isinstance(batch_sampler, BatchSampler) and not callable(getattr(loader, "state_dict", None)):
+        batch_sampler.sampler = _SkipOnce(batch_sampler, ready * batch_sampler.batch_size)
+    else:
+        by_index = False
+    iter(fetcher)  # a new iterator of every loader (the epoch's order), the fetcher's counters reset
+    if by_index:
+        fetcher.fetched = ready
+        fetcher.done = fetcher.length is not None and fetcher.fetched >= fetcher.length
+    else:
+        for _ in range(ready):
+            next(fetcher)
+    if not take:
+        return None
+    batch, _, _ = next(fetcher)
+    return batch
+
+
 class FaultTolerantReplicas:
     """This rank's torchft manager and the per-step protocol the strategy drives.
 
@@ -314,6 +419,8 @@ class FaultTolerantReplicas:
         self.recovery_bytes = 0
         self.recoveries = 0
         self.joined_at_step: int | None = None
+        self.data_position: tuple[int, int] | None = None
+        self.data_moves = 0
         self.diloco: Any = None
 
     def enter_diloco(self, inner_optimizer: torch.optim.Optimizer) -> None:
@@ -342,30 +449,58 @@ class FaultTolerantReplicas:
         return getattr(self.module, "_trainer", None)
 
     def _progress_state(self) -> dict[str, Any]:
-        """Lightning's optimizer-step counter (``global_step``) and the lr schedulers' states: a joining group continues
-        at the live group's step and learning rate, not at 0."""
+        """Lightning's loop counters and the lr schedulers' states: a joining group continues at the live group's step,
+        learning rate, epoch and batch index within the epoch, not at 0.
+
+        The counters are Lightning's own progress objects (what a checkpoint's ``loops`` entry saves), taken whole: the
+        epoch's (``current.processed`` is the epoch index the sampler is set to), the batches' within the epoch and in
+        total (``current.ready``: batches of this epoch already fetched), the optimizer steps' (``global_step``) and
+        the schedulers'. The live group sends them from the same point of its step as the joining group applies them
+        (before a window's first batch goes to the device, :meth:`begin_step`; DiLoCo: inside the optimizer step), so
+        they are consistent as they are."""
         trainer = self._trainer()
         if trainer is None:
             return {}
-        return {"global_step": trainer.global_step,
-                "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]}
+        fit_loop = trainer.fit_loop
+        loop = fit_loop.epoch_loop
+        return {
+            "global_step": trainer.global_step,
+            "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+            "epoch_progress": fit_loop.epoch_progress.state_dict(),
+            "batch_progress": loop.batch_progress.state_dict(),
+            "scheduler_progress": loop.scheduler_progress.state_dict(),
+            "optim_progress": loop.automatic_optimization.optim_progress.state_dict(),
+            "manual_optim_step_progress": loop.manual_optimization.optim_step_progress.state_dict(),
+            # the loggers' step axis; a private counter of Lightning's epoch loop (no public setter in 2.6.6)
+            "batches_that_stepped": loop._batches_that_stepped,
+        }
 
     def _load_progress(self, progress: dict[str, Any]) -> None:
         trainer = self._trainer()
         if trainer is None or not progress:
             return
-        loop = trainer.fit_loop.epoch_loop
-        step = int(progress["global_step"])
-        if self.module.automatic_optimization:
-            counter = loop.automatic_optimization.optim_progress.optimizer.step.total
-        else:
-            counter = loop.manual_optimization.optim_step_progress.total
-        # automatic optimization runs training_step inside the optimizer step, after Lightning marked it ready: keep
-        # that offset (ready - completed) so the step still completes once
-        counter.ready, counter.completed = step + counter.ready - counter.completed, step
-        loop._batches_that_stepped = step  # the loggers' step axis
+        fit_loop = trainer.fit_loop
+        loop = fit_loop.epoch_loop
+        own = (fit_loop.epoch_progress.current.processed, loop.batch_progress.current.ready)
+        fit_loop.epoch_progress.load_state_dict(progress["epoch_progress"])
+        loop.batch_progress.load_state_dict(progress["batch_progress"])
+        loop.scheduler_progress.load_state_dict(progress["scheduler_progress"])
+        loop.automatic_optimization.optim_progress.load_state_dict(progress["optim_progress"])
+        loop.manual_optimization.optim_step_progress.load_state_dict(progress["manual_optim_step_progress"])
+        loop._batches_that_stepped = progress["batches_that_stepped"]
         for config, state in zip(trainer.lr_scheduler_configs, progress["schedulers"]):
             config.scheduler.load_state_dict(state)
+        live = (fit_loop.epoch_progress.current.processed, loop.batch_progress.current.ready)
+        # this group's loader is elsewhere in the data (a restarted process reads epoch 0 from batch 0; a resumed one
+        # is behind): the strategy moves it to the live group's place (:func:`move_train_data`) before the batch
+        if live != own:
+            self.data_position = live
+
+    def take_data_position(self) -> tuple[int, int] | None:
+        """``(epoch, batches of that epoch already read)`` of the live group this rank joined at its last recovery,
+        once, where this rank's loader was elsewhere; ``None`` otherwise."""
+        position, self.data_position = self.data_position, None
+        return position
 
     @torch.no_grad()
     def _load_state_dict(self, state: dict[str, Any]) -> None:
@@ -385,7 +520,9 @@ class FaultTolerantReplicas:
     # ------------------------------------------------------------------ the step protocol
     def begin_step(self) -> None:
         """Quorum for the next optimizer step (once per accumulation window); a joining group receives and applies
-        the live peer's state here (``use_async_quorum=False``). Raises after ``quorum_timeout_s`` without a quorum."""
+        the live peer's state here (``use_async_quorum=False``), and with it the live group's place in the data
+        (:meth:`take_data_position`). The strategy calls it when a window's first batch goes to the device, after the
+        batch is fetched and before any hook sees it. Raises after ``quorum_timeout_s`` without a quorum."""
         if self._in_step:
             return
         t0 = time.perf_counter()
@@ -419,6 +556,11 @@ class FaultTolerantReplicas:
             self.steps_skipped += 1
         return ok
 
+    @property
+    def in_step(self) -> bool:
+        """Whether the quorum of the current optimizer step is taken (between :meth:`begin_step` and :meth:`commit`)."""
+        return self._in_step
+
     def figures(self) -> dict[str, float]:
         """Per-step figures for the logger."""
         return {"ft_live_replicas": float(self.live_replicas), "ft_step": float(self.manager.current_step())}
@@ -436,6 +578,7 @@ class FaultTolerantReplicas:
             "ft_recoveries": self.recoveries,
             "ft_recovery_s": self.recovery_s,
             "ft_recovery_bytes": self.recovery_bytes,
+            "ft_data_moves": self.data_moves,
         }
 
     def shutdown(self) -> None:

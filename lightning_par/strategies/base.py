@@ -43,7 +43,13 @@ from typing_extensions import override
 
 from lightning_par.axes import EVERY_AXIS, axis_of_group, check_sizes
 from lightning_par.checkpoint.strategy_io import ShardedCheckpointIO
-from lightning_par.data_parallel.fault_tolerance import FaultTolerantReplicas, check_fault_tolerance, check_lighthouse
+from lightning_par.data_parallel.fault_tolerance import (
+    FaultTolerantReplicas,
+    check_fault_tolerance,
+    check_lighthouse,
+    check_train_data,
+    move_train_data,
+)
 from lightning_par.callbacks.metrics import log_comm_stats
 from lightning_par.callbacks.model_summary import install as install_model_summary
 from lightning_par.fault.elastic import init_process_group_per_attempt
@@ -204,6 +210,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         self._sizes = sizes
         check_fault_tolerance(self.options, sizes)
         self.ft: Any = None  # the FaultTolerantReplicas of this rank (fault_tolerance.enabled), from setup()
+        self._ft_batch_idx: int | None = None  # the live group's batch index, for the step a group rejoins in
         self._timeout_s = check_number("timeout_s", timeout_s, unit="seconds", maximum=MAX_TIMEOUT_S)
         self.prog_bar = bool(prog_bar)
         self._process_group_backend = process_group_backend
@@ -517,16 +524,56 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         assert self.parallel is not None
         batch, rest, kwargs = _split_batch(args, kwargs)
         batch_idx = rest[0] if rest else kwargs.get("batch_idx", 0)
-        if self.ft is not None and self.ft.diloco is None:  # quorum of the live replica groups; a joining group takes a live peer's state here
-            self.ft.begin_step()
+        if self.ft is not None and self.ft.diloco is None:
+            if not self.ft.in_step:  # the quorum is taken in batch_to_device; a loop that skipped it takes it here
+                self.ft.begin_step()
+                if self.ft.take_data_position() is not None:
+                    raise RuntimeError(
+                        "This replica group rejoined at a training_step whose batch did not pass through "
+                        "MeshStrategy.batch_to_device, so it cannot be moved to the live group's place in the data: "
+                        "call super().batch_to_device in an override of it."
+                    )
             for name, value in self.ft.figures().items():
                 self.lightning_module.log(f"parallel/{name}", value, on_step=True, on_epoch=False)
+            if self._ft_batch_idx is not None:  # the step it rejoined in: the live group's index in the epoch
+                batch_idx, self._ft_batch_idx = self._ft_batch_idx, None
+                if rest:
+                    rest = (batch_idx, *rest[1:])
+                elif "batch_idx" in kwargs:
+                    kwargs = {**kwargs, "batch_idx": batch_idx}
         out = self.parallel.steps.training_step(
             self, lambda b: super(MeshStrategy, self).training_step(b, *rest, **kwargs), batch, batch_idx
         )
         for name, value in self.parallel.step_figures().items():
             self.lightning_module.log(f"parallel/{name}", value, on_step=True, on_epoch=False, prog_bar=self.prog_bar)
         return out
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Under fault tolerance, a training window's first batch takes the quorum of the live replica groups first
+        (:meth:`~lightning_par.data_parallel.fault_tolerance.FaultTolerantReplicas.begin_step`): Lightning calls this
+        right after it fetched the batch and before any hook or ``training_step`` sees it. A group that joins there
+        receives the live group's state and its place in the data; where its own loader was elsewhere (a restarted
+        process starts at epoch 0, batch 0), the loader is moved there
+        (:func:`~lightning_par.data_parallel.fault_tolerance.move_train_data`) and the batch of the live group's place
+        replaces the one fetched, so hooks and ``training_step`` see the batch the group would have read had it never
+        failed."""
+        ft = self.ft
+        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
+        if ft is not None and ft.diloco is None and not ft.in_step and trainer is not None and trainer.training:
+            ft.begin_step()
+            position = ft.take_data_position()
+            if position is not None:
+                epoch, ready = position
+                batch = move_train_data(trainer, epoch, ready, take=True)
+                ft.data_moves += 1
+                # Lightning's epoch loop set these from the batch it fetched (the wrong place), before calling here
+                trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = trainer.fit_loop._data_fetcher.done
+                self._ft_batch_idx = ready
+                # what Lightning's epoch loop does to a fetched batch before batch_to_device (2.6.6, advance())
+                batch = trainer.precision_plugin.convert_input(batch)
+                batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=dataloader_idx)
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -555,7 +602,12 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
 
         ft = self.ft
         if ft is None or ft.diloco is not None:  # DiLoCo: its hooks on the optimizer sync every H steps
-            return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
+            out = super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
+            position = ft.take_data_position() if ft is not None else None
+            if position is not None:  # joined at this sync (inside the step): the next fetch reads the live group's
+                move_train_data(self.lightning_module.trainer, *position, take=False)
+                ft.data_moves += 1
+            return out
         # Across replica groups: this rank's gradients (its shard under ZeRO) averaged over the live groups, then the
         # commit vote; a step some live group could not finish is skipped by every group (no update, no state).
         out = closure_then_finish()
@@ -605,10 +657,14 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
-        """Refuse, before any step, a loader batch size the layout cannot split (a pipeline's micro-batches)."""
+        """Refuse, before any step, a loader batch size the layout cannot split (a pipeline's micro-batches), and under
+        fault tolerance a training loop whose data a rejoining group could not be moved in
+        (:func:`~lightning_par.data_parallel.fault_tolerance.check_train_data`)."""
         super().on_train_start()
         loader = getattr(self.lightning_module.trainer, "train_dataloader", None) if self.lightning_module else None
         self.options.check_batch_size(getattr(loader, "batch_size", None), self._sizes["pp_size"])
+        if self.ft is not None:  # a rejoining group must be able to move to the live group's place in the data
+            check_train_data(self.lightning_module.trainer)
 
     @override
     def on_predict_start(self) -> None:

@@ -1,6 +1,7 @@
 """The fault-tolerant replicate axis (torchft) on gloo: replica groups, each its own world, the lighthouse started by
 the test. Parity with one process without failures; a group SIGKILLed mid-run while the other keeps stepping, then
-restarted and joined with the live group's state streamed over HTTP (bitwise equal at the first step after it joins).
+restarted and joined with the live group's state streamed over HTTP (bitwise equal at the first step after it joins),
+reading from then on the batches it reads in an uninterrupted run (its own share, at the live group's epoch and batch).
 """
 
 from __future__ import annotations
@@ -200,9 +201,16 @@ def test_failed_group_rejoins_with_live_state(tmp_path: Path, fault: str, dp_mod
         alone = [i for i, l in enumerate(outage) if l["live"] == 1]
         assert len(outage) >= 3 and len(alone) >= 2 and all(l["live"] == 1 for l in outage[alone[0]:]), outage
         assert outage[-1]["ft_step"] > outage[0]["ft_step"]
+    # Every step of both groups read the batch an uninterrupted run reads at that global step (16 batches an epoch),
+    # the rejoined group's too: its loader moved to the live group's place in the data.
+    for group in (0, 1):
+        for rank in (0, 1):
+            for l in progress(tmp_path, group, rank):
+                assert l["global_step"] == l["epoch"] * 16 + l["batch_idx"] + 1, (group, rank, l)
     # Group 1 rejoined: its first step after the restart received the live state, then stepped with 2 live groups.
     first = rejoined()[0]
     assert first["recoveries"] > (0 if fault == "kill" else recoveries_before) and first["live"] == 2, first
+    assert first["data_moves"] >= 1, first  # its loader was elsewhere (epoch 0 batch 0, or behind) and moved
     if fault == "hang":  # the same processes resumed
         assert {l["pid"] for l in progress(tmp_path, 1)} == old_pids
     assert first["ft_step"] > KILL_AT
@@ -265,3 +273,96 @@ def test_diloco_h1_is_plain_dp_and_groups_agree_at_every_sync(tmp_path: Path) ->
         assert same == (step % 2 == 0), (step, same)
     summary = torch.load(dirs["h2"] / "result_g0.pt", weights_only=False)[0]["summary"]
     assert summary["ft_manager_step"] == STEPS // 2, summary
+
+
+#: 2 groups x dp 2 = 4 sampler replicas x 16 micro-batches of MICRO samples: an epoch is 16 batches per rank (a rejoin
+#: lands at batch 0 of an epoch one time in 16)
+DATA_N = 256
+
+
+def _expected_indices(sampler: dict, epoch: int, batch_idx: int) -> list[int]:
+    """The dataset indices of batch ``batch_idx`` of epoch ``epoch`` for the rank whose Lightning-injected sampler is
+    described by ``sampler`` (a ``DistributedSampler``: replicas, rank, shuffle, seed, as recorded in the run)."""
+    from torch.utils.data import DistributedSampler
+
+    s = DistributedSampler(range(DATA_N), num_replicas=sampler["num_replicas"], rank=sampler["rank"],
+                           shuffle=sampler["shuffle"], seed=sampler["seed"], drop_last=sampler["drop_last"])
+    s.set_epoch(epoch)
+    order = list(s)
+    b = sampler["batch_size"]
+    return order[batch_idx * b:(batch_idx + 1) * b]
+
+
+@pytest.mark.parametrize("accumulate", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_rejoined_group_reads_its_place_in_the_data(tmp_path: Path, accumulate: int) -> None:
+    """SIGKILL group 1 (zero2 dp2, Lightning's injected shuffling DistributedSampler over the 4 dp ranks of both
+    groups, 16 batches per epoch), restart it once group 0, stepping alone, is in a later epoch: the restarted
+    group joins mid-run and, from the step it joins in, reads at every step exactly the samples it reads in an
+    uninterrupted run at that step: the batch of its own sampler rank at the same epoch (shuffle) and batch index, with
+    Lightning's epoch and batch index those of the live group, through the next epoch boundary. An uninterrupted run of
+    the same group reads batch ``p % 16`` of epoch ``p // 16`` (``p``: micro-batches before) at global step
+    ``(p + 1) // accumulate``: checked on group 0 all along, and the indices of every recorded batch are those the
+    injected sampler gives for its epoch and batch index. (Group 1's first process may itself join after group 0's
+    first steps, min_replicas=1: it then moves too, and is held to the same.)"""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=5000, heartbeat_timeout_ms=2000)
+    stop = tmp_path / "stop"
+    cfg = dict(lighthouse=lighthouse.address(), groups=2, world=2, dp_mode="zero2", optimizer="adamw",
+               micro_batch=MICRO, steps=5000, dir=str(tmp_path), min_replicas=1, step_timeout_s=5.0, sleep_s=0.05,
+               stop_file=str(stop), lightning_sampler=True, record_data=True, dataset_n=DATA_N,
+               accumulate=accumulate)
+    batches = DATA_N // (4 * MICRO)
+    procs = [start_group({**cfg, "group": g}) for g in range(2)]
+    try:
+        _wait_for(lambda: any(l["live"] == 2 for l in progress(tmp_path, 1)), 200,
+                  "group 1 to step with 2 live groups", tmp_path)
+        rank_pids = {l["pid"] for r in (0, 1) for l in progress(tmp_path, 1, r)}
+        for pid in rank_pids:
+            os.killpg(pid, signal.SIGKILL)
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        procs[1].wait()
+        t_kill = time.time()
+        killed_in = max(l["epoch"] for l in progress(tmp_path, 1))
+        _wait_for(lambda: any(l["t"] > t_kill and l["live"] == 1 and l["epoch"] > killed_in
+                              for l in progress(tmp_path, 0)), 120, "group 0 to step alone into a later epoch",
+                  tmp_path)
+        procs[1] = start_group({**cfg, "group": 1})
+
+        def rejoined(rank: int) -> list[dict]:
+            return [l for l in progress(tmp_path, 1, rank) if l["pid"] not in rank_pids]
+
+        _wait_for(lambda: all(len(rejoined(r)) >= batches + 2 for r in (0, 1)), 200, "group 1 to rejoin", tmp_path)
+        stop.touch()
+        _wait(procs, 120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        lighthouse.shutdown()
+
+    import json
+
+    for g in (0, 1):
+        for r in (0, 1):
+            sampler = json.loads((tmp_path / f"sampler_g{g}_r{r}.json").read_text())
+            # the sampler Lightning injected: every group's dp ranks in group order, shuffled, the same seed
+            assert (sampler["type"], sampler["num_replicas"], sampler["rank"], sampler["shuffle"]) == (
+                "DistributedSampler", 4, 2 * g + r, True), sampler
+            assert sampler["num_training_batches"] == batches, sampler
+            lines = progress(tmp_path, g, r)
+            for l in lines:
+                assert l["indices"] == _expected_indices(sampler, l["epoch"], l["batch_idx"]), (g, r, l)
+            after = [] if g == 0 else rejoined(r)
+            for l in lines:  # the place an uninterrupted run is at, at that global step
+                p = l["epoch"] * batches + l["batch_idx"]
+                assert l["global_step"] == (p + 1) // accumulate, (g, r, l)
+            if g == 1:
+                first = after[0]
+                assert first["recoveries"] >= 1 and first["live"] == 2 and first["data_moves"] == 1, first
+                assert first["epoch"] > killed_in, first  # its loader moved epochs (from epoch 0), not only batches
+                positions = [l["epoch"] * batches + l["batch_idx"] for l in after]
+                assert positions == list(range(positions[0], positions[0] + len(after))), positions  # no gap, no repeat
+                assert after[-1]["epoch"] > first["epoch"], after  # and on through the next epoch's start
+                live = {l["global_step"]: (l["epoch"], l["batch_idx"]) for l in progress(tmp_path, 0, r)}
+                assert live[first["global_step"]] == (first["epoch"], first["batch_idx"]), (first, live)
+                print(f"\nrank {r}: rejoined at global step {first['global_step']}, epoch {first['epoch']}, batch "
+                      f"{first['batch_idx']}; {len(after)} micro-batches read after the rejoin, all at their place")
