@@ -81,39 +81,71 @@ def _split_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tu
 
 
 
-def check_weight_averaging(trainer: Any, module: torch.nn.Module, dims: ParallelDims, dp_mode: str) -> None:
-    """Refuse Lightning's ``StochasticWeightAveraging`` callback where it cannot average this rank's model, before the
-    first step.
+def check_callbacks(trainer: Any, module: torch.nn.Module, dims: ParallelDims, dp_mode: str) -> None:
+    """Refuse, before the first step, Lightning callbacks that would crash or train wrongly under this layout.
 
-    SWA keeps a deep copy of the LightningModule and copies whole tensors in and out of it. Under a layout whose
-    parameters are DTensor shards (``tp_size``, ``ep_size`` > 1, ``dp_mode="zero3"``) the first average raised
-    ``RuntimeError: aten.copy_.default got mixed torch.Tensor and DTensor`` after the first epoch, and under pipelining
-    the two stages' optimizer steps fell out of step and the run hung until the collective timeout (measured with the
-    Lightning feature matrix, 2026-11-28). Lightning refuses SWA for its own sharded strategies (FSDP, DeepSpeed) the
-    same way. ``ddp_overlap``, ``zero1``, ``zero2`` and context parallelism keep whole parameters: SWA runs there and
-    matches one process.
+    Each was run under every registered strategy and layout by the Lightning feature matrix (``tests/lightning/``,
+    2026-11-28) against one process:
+
+    - ``StochasticWeightAveraging`` and ``WeightAveraging`` (``EMAWeightAveraging``) keep a deep copy of the module and
+      copy whole tensors in and out of it. Where parameters are DTensor shards (``tp_size``/``ep_size`` > 1,
+      ``dp_mode="zero3"``) the first average raised ``aten.copy_.default got mixed torch.Tensor and DTensor``; under
+      pipelining the stages' optimizer steps fell out of step and the run hung until the collective timeout.
+      Lightning refuses SWA for its own FSDP the same way.
+    - ``BaseFinetuning`` (``BackboneFinetuning``) freezes modules before training and adds them to the optimizer
+      later. The dp gradient reducer (``ddp``, ``zero1``, ``zero2``, over dp and cp ranks) is built for the parameters
+      that train at the start, so the unfrozen ones were never averaged: each replica stepped on its own gradient and
+      the replicas drifted apart silently (Lightning's own DDP does the same); ZeRO-1/2 raised ``KeyError`` on the new
+      param group; pipelining hung. FSDP2 (``zero3``) and tensor parallelism without dp replicas match one process.
+    - ``ModelPruning`` re-registers each pruned weight as ``<name>_orig`` and a mask. ZeRO-1/2 then trained wrongly
+      from the first step after pruning (loss rel 8.5e-3), and DTensor shards refused the masked in-place update.
+      Plain ``dp_mode="ddp"`` (with cp or ep) matches one process.
 
     Raises:
-        ValueError: a ``StochasticWeightAveraging`` callback under such a layout, naming the sizes and what runs.
+        ValueError: naming the callback, the sizes or dp mode that rule it out, and the layouts where it runs.
     """
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    from lightning.pytorch.callbacks import (
+        BaseFinetuning,
+        ModelPruning,
+        StochasticWeightAveraging,
+        WeightAveraging,
+    )
 
-    if not any(isinstance(c, StochasticWeightAveraging) for c in trainer.callbacks):
-        return
-    why = [f"{k}={v}" for k, v in (("pp_size", dims.pp_size), ("tp_size", dims.tp_size), ("ep_size", dims.ep_size))
-           if v > 1]
-    if dp_mode == "zero3":
-        why.append("dp_mode='zero3'")
-    sharded = next((n for n, p in module.named_parameters() if isinstance(p, DTensor)), None)
-    if not why and sharded is not None:
-        why.append(f"parameter {sharded!r} is a DTensor shard")
-    if why:
-        raise ValueError(
-            f"StochasticWeightAveraging is not supported with {', '.join(why)}: its averaged copy of the model holds "
-            f"whole tensors, and here each rank holds shards or one pipeline stage of the parameters. Remove the "
-            f"callback, or train under a layout whose parameters stay whole on every rank (ddp_overlap, zero1, zero2, "
-            f"context parallelism)."
-        )
+    callbacks = list(trainer.callbacks)
+    sharded = any(isinstance(p, DTensor) for p in module.parameters())
+    sizes = [f"{k}={v}" for k, v in (("pp_size", dims.pp_size), ("tp_size", dims.tp_size), ("ep_size", dims.ep_size))
+             if v > 1]
+    mode = [f"dp_mode={dp_mode!r}"] if dp_mode != "ddp" else []
+
+    def refuse(callback: Any, why: list[str], detail: str, runs: str) -> None:
+        raise ValueError(f"{type(callback).__name__} is not supported with {', '.join(why)}: {detail} It runs under "
+                         f"{runs}; remove the callback or train under one of those.")
+
+    for callback in callbacks:
+        if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
+            why = sizes + (["dp_mode='zero3'"] if dp_mode == "zero3" else [])
+            if not why and sharded:
+                why = ["DTensor parameters"]
+            if why:
+                refuse(callback, why, "its averaged copy of the model holds whole tensors, and here each rank holds "
+                       "shards or one pipeline stage of the parameters.", "ddp_overlap, zero1, zero2 and context "
+                       "parallelism (whole parameters on every rank)")
+        elif isinstance(callback, BaseFinetuning):
+            replicas = dims.dp_size * dims.cp_size
+            why = [f"pp_size={dims.pp_size}"] if dims.pp_size > 1 else []
+            if dp_mode != "zero3" and replicas > 1:
+                why.append(f"dp_mode={dp_mode!r} over {replicas} dp x cp ranks")
+            if why:
+                refuse(callback, why, "the gradient reducer is built for the parameters that train at the start, so "
+                       "modules it unfreezes later would not be averaged across replicas (each would drift on its own "
+                       "gradient).", "dp_mode='zero3' (FSDP2, with tp too) and tp without dp replicas")
+        elif isinstance(callback, ModelPruning):
+            why = sizes[:1] if dims.pp_size > 1 else []
+            why += [s for s in sizes if s.startswith("tp_size")] + mode
+            if why:
+                refuse(callback, why, "pruning re-registers each pruned weight as '<name>_orig' with a mask, which the "
+                       "sharded optimizer state and DTensor shards do not follow.", "dp_mode='ddp' without tp or pp "
+                       "(with cp or ep too)")
 
 class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
     """Every registered axis on one mesh, for any LightningModule meeting :mod:`lightning_par.contract`.
@@ -401,7 +433,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
                 step_context=self._step_context, check=self._validated is not self.lightning_module,
             )
         if trainer.state.fn == TrainerFn.FITTING:
-            check_weight_averaging(trainer, self.model, self.parallel_dims, self.dp_mode)
+            check_callbacks(trainer, self.model, self.parallel_dims, self.dp_mode)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         scaler = getattr(self.precision_plugin, "scaler", None)

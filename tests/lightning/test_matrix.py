@@ -121,3 +121,42 @@ def test_docs_show_the_declared_table() -> None:
     tests.lightning.matrix --docs``)."""
     with open(PAGE) as f:
         assert page_table(f.read()) == markdown().strip()
+
+
+#: Every callback Lightning ships (``lightning.pytorch.callbacks.__all__``): the matrix row that runs it under every
+#: column, or why it has none. A callback a new Lightning adds fails :func:`test_every_lightning_callback_is_a_row`
+#: until it is declared here.
+CALLBACK_ROWS = {
+    "EarlyStopping": "early_stopping", "ModelCheckpoint": "checkpoint_resume", "LearningRateMonitor": "lr_monitor",
+    "ModelSummary": "model_summary", "StochasticWeightAveraging": "swa", "EMAWeightAveraging": "ema",
+    "WeightAveraging": "ema", "BaseFinetuning": "finetuning", "BackboneFinetuning": "finetuning",
+    "GradientAccumulationScheduler": "accumulation_scheduler", "ModelPruning": "pruning",
+    "LearningRateFinder": "lr_find",
+}
+CALLBACKS_WITHOUT_ROW = {
+    "Callback": "the base class of every callback (the Recorder of every row is one)",
+    "Checkpoint": "the base class of ModelCheckpoint",
+    "ProgressBar": "display only: reads the logged metrics, changes no tensor",
+    "TQDMProgressBar": "display only (the default progress bar of every row's fit)",
+    "RichProgressBar": "display only, as TQDMProgressBar",
+    "RichModelSummary": "ModelSummary's rich display: its count is the model_summary row's",
+    "DeviceStatsMonitor": "logs the accelerator's memory statistics, changes no tensor",
+    "ThroughputMonitor": "logs samples/s and FLOP/s from the user's counts, changes no tensor",
+    "LambdaCallback": "calls the user's own functions at the hooks",
+    "BasePredictionWriter": "writes what predict returns (the predict row's outputs)",
+    "Timer": "stops fit after a wall time; Lightning broadcasts rank 0's decision",
+    "OnExceptionCheckpoint": "saves through the strategy's save_checkpoint, as the checkpoint rows do",
+    "SpikeDetection": "raises on a spike of the loss the user passes; no training state",
+    "BatchSizeFinder": "Lightning refuses it under every distributed strategy (Tuner.scale_batch_size: 'not supported "
+                       "with distributed strategies')",
+}
+
+
+def test_every_lightning_callback_is_a_row() -> None:
+    import lightning.pytorch.callbacks as callbacks
+
+    shipped, declared = set(callbacks.__all__), set(CALLBACK_ROWS) | set(CALLBACKS_WITHOUT_ROW)
+    assert shipped == declared, (f"declare in CALLBACK_ROWS or CALLBACKS_WITHOUT_ROW: {sorted(shipped - declared)}; "
+                                 f"no longer shipped: {sorted(declared - shipped)}")
+    assert not set(CALLBACK_ROWS) & set(CALLBACKS_WITHOUT_ROW)
+    assert set(CALLBACK_ROWS.values()) <= set(FEATURE_BY_NAME), set(CALLBACK_ROWS.values()) - set(FEATURE_BY_NAME)
