@@ -131,10 +131,10 @@ def check_callbacks(trainer: Any, module: torch.nn.Module, dims: ParallelDims, d
                        "shards or one pipeline stage of the parameters.", "ddp_overlap, zero1, zero2 and context "
                        "parallelism (whole parameters on every rank)")
         elif isinstance(callback, BaseFinetuning):
-            replicas = dims.dp_size * dims.cp_size
+            replicas = dims.size("dp_cp")  # the ranks the dp gradient reducer averages over
             why = [f"pp_size={dims.pp_size}"] if dims.pp_size > 1 else []
             if dp_mode != "zero3" and replicas > 1:
-                why.append(f"dp_mode={dp_mode!r} over {replicas} dp x cp ranks")
+                why.append(f"dp_mode={dp_mode!r} over {replicas} ranks that average gradients")
             if why:
                 refuse(callback, why, "the gradient reducer is built for the parameters that train at the start, so "
                        "modules it unfreezes later would not be averaged across replicas (each would drift on its own "
@@ -145,7 +145,7 @@ def check_callbacks(trainer: Any, module: torch.nn.Module, dims: ParallelDims, d
             if why:
                 refuse(callback, why, "pruning re-registers each pruned weight as '<name>_orig' with a mask, which the "
                        "sharded optimizer state and DTensor shards do not follow.", "dp_mode='ddp' without tp or pp "
-                       "(with cp or ep too)")
+                       "(with context or expert parallelism too)")
 
 class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
     """Every registered axis on one mesh, for any LightningModule meeting :mod:`lightning_par.contract`.
