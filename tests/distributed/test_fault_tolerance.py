@@ -33,10 +33,15 @@ def _wait(procs: list, timeout_s: float) -> None:
             rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
             assert rc == 0, f"replica group exited with {rc}"
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        _kill(procs)
+
+
+def _kill(procs: list) -> None:
+    """SIGKILL every replica group still running (its whole process group) and reap it."""
+    for p in procs:
+        if p is not None and p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 def _logs(dir: Path) -> str:
@@ -185,9 +190,7 @@ def test_failed_group_rejoins_with_live_state(tmp_path: Path, fault: str, dp_mod
         stop.touch()
         _wait(procs, 120)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        _kill(procs)
         lighthouse.shutdown()
 
     # Group 0 never stopped: the same processes from start to end, its committed step advancing through the outage.
@@ -334,9 +337,7 @@ def test_rejoined_group_reads_its_place_in_the_data(tmp_path: Path, accumulate: 
         stop.touch()
         _wait(procs, 120)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        _kill(procs)
         lighthouse.shutdown()
 
     import json
