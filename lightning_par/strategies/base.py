@@ -112,7 +112,6 @@ def check_callbacks(trainer: Any, module: torch.nn.Module, dims: ParallelDims, d
     )
 
     callbacks = list(trainer.callbacks)
-    sharded = any(isinstance(p, DTensor) for p in module.parameters())
     sizes = [f"{k}={v}" for k, v in (("pp_size", dims.pp_size), ("tp_size", dims.tp_size), ("ep_size", dims.ep_size))
              if v > 1]
     mode = [f"dp_mode={dp_mode!r}"] if dp_mode != "ddp" else []
@@ -124,7 +123,7 @@ def check_callbacks(trainer: Any, module: torch.nn.Module, dims: ParallelDims, d
     for callback in callbacks:
         if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
             why = sizes + (["dp_mode='zero3'"] if dp_mode == "zero3" else [])
-            if not why and sharded:
+            if not why and any(isinstance(p, DTensor) for p in module.parameters()):
                 why = ["DTensor parameters"]
             if why:
                 refuse(callback, why, "its averaged copy of the model holds whole tensors, and here each rank holds "
