@@ -14,13 +14,14 @@ $(VENV)/.installed: pyproject.toml .ci/constraints.txt
 	$(PY) -m pip install -q -c .ci/constraints.txt -e '.[dev]' --config-settings editable_mode=compat
 	# LitGPT, the Fabric tests' second client: without its dependencies (it pins huggingface-hub<1.4, transformers 5
 	# needs >=1.31; its model code runs with either), so it is not in the dev extra
-	$(PY) -m pip install -q --no-deps 'litgpt==0.5.13' 'jsonargparse>=4.30'
+	$(PY) -m pip install -q -c .ci/constraints.txt --no-deps 'litgpt==0.5.13' 'jsonargparse>=4.30'
 	# litdata (data=litdata) without torchvision, which it requires but its streaming dataset does not use: the
 	# registry's torchvision does not load with this CPU build of torch ("operator torchvision::nms does not exist")
-	$(PY) -m pip install -q --no-deps 'litdata>=0.2.50' boto3 botocore s3transfer jmespath obstore tifffile
+	$(PY) -m pip install -q -c .ci/constraints.txt --no-deps 'litdata>=0.2.50' boto3 botocore s3transfer jmespath \
+	    obstore tifffile
 	touch $@
 
-.PHONY: install train test test-fast test-slow benchmark docs
+.PHONY: install train test test-fast test-slow test-latest lock benchmark docs
 install: $(VENV)/.installed
 
 train: $(VENV)/.installed
@@ -37,6 +38,33 @@ test-fast: $(VENV)/.installed
 # The matrix cells CI leaves out (marked `slow`).
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -q -m slow $(ARGS)
+
+# The newest versions pyproject.toml's ranges allow (the dev extra, Lightning, transformers, torchao, torchft,
+# datasets, litdata, LitGPT's client), on purpose and apart from CI: a fresh .venv-latest without the lock (torch stays
+# the CPU build on this machine's disk; any other torch is a several-GB CUDA download), then the fast tier and the
+# Hugging Face and Lightning matrices' CI cells. A failure here is a finding for an issue, not a red main; the README
+# says when it last ran and with what result. `scripts/check_versions.sh` checks given torch/Lightning versions.
+LATEST ?= .venv-latest
+test-latest:
+	rm -rf $(LATEST)
+	$(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	PYTHONWARNINGS="ignore::Warning:setuptools.command.editable_wheel" \
+	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager "$$(grep '^torch==' .ci/constraints.txt)" \
+	    -e '.[dev]' --config-settings editable_mode=compat
+	$(LATEST)/bin/python -m pip install -q --upgrade --no-deps litgpt 'jsonargparse>=4.30' 'litdata>=0.2.50' boto3 \
+	    botocore s3transfer jmespath obstore tifffile
+	$(LATEST)/bin/python -m pip list --format=freeze | grep -iE '^(torch|lightning|transformers|torchao|torchft|datasets|litdata|litgpt|hydra-core)=='
+	$(LATEST)/bin/python -m pytest -q -p no:cacheprovider -m "not slow and not e2e and not distributed" tests/unit \
+	    tests/config $(ARGS)
+	$(LATEST)/bin/python -m pytest -q -p no:cacheprovider -m "not slow" tests/distributed/test_hf_matrix.py \
+	    tests/lightning/test_matrix.py $(ARGS)
+
+# Rewrite .ci/constraints.txt from .venv (after `make test` passed on it): the versions CI installs next time.
+lock: $(VENV)/.installed
+	{ sed -n '/^#/p' .ci/constraints.txt; $(PY) -m pip freeze --all | grep -viE '^(-e |pip==|lightning[-_]par|# Editable)' \
+	    | sed -E 's/^(torch==[0-9.]+)\+cpu$$/\1/'; } > .ci/constraints.txt.new
+	mv .ci/constraints.txt.new .ci/constraints.txt
 
 benchmark: $(VENV)/.installed
 	$(PY) recipes/benchmark.py $(ARGS)

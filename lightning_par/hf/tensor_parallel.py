@@ -85,7 +85,8 @@ HF_STYLES: dict[str, tuple[str | None, str]] = {
     "local_packed_rowwise": (None, "packed (fused) weights need an interleaved split, supported only inside experts"),
     "grouped_gemm": (None, "expert-parallel weights: use the ep axis, not the tp plan"),
     "ep_dispatch_experts": (None, "expert-parallel dispatch: use the ep axis, not the tp plan"),
-    "mla_kv_a_proj": (None, "multi-head latent attention projections are not supported"),
+    "mla_kv_a_proj": ("replicate", "multi-head latent attention: the attention holding it runs whole on every tp "
+                      "rank"),
     "all_reduce": (None, "a bare all-reduce style is not supported"),
     "local_params": (None, "parameters kept as local shards are not supported"),
     "local": (None, "modules running on local shards without layouts are not supported"),
@@ -146,19 +147,22 @@ def _fill_positions(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
 
 def hf_raw_tp_plan(network: nn.Module) -> dict[str, str]:
     """The model's own plan with paths relative to ``network``: ``network.tp_plan`` (transformers 5.x), else its
-    ``_tp_plan`` plus ``config.base_model_tp_plan`` under the base model's prefix.
+    ``_tp_plan`` plus ``config.base_model_tp_plan`` under the base model's prefix; with the experts of its
+    expert-parallel plan added as ``moe_tp_experts`` entries where the tp plan does not name them
+    (transformers >= 5.25, :func:`_experts_from_ep_plan`).
 
     Raises:
         ValueError: the model has no plan (its ``config.base_model_tp_plan`` is empty).
     """
     plan = getattr(network, "tp_plan", None)
     if isinstance(plan, Mapping) and plan:
-        return dict(plan)
+        return {**plan, **_experts_from_ep_plan(network, plan)}
     out = dict(getattr(network, "_tp_plan", None) or {})
     prefix = getattr(network, "base_model_prefix", "")
     prefix = f"{prefix}." if prefix and isinstance(getattr(network, prefix, None), nn.Module) else ""
     base = getattr(getattr(network, "config", None), "base_model_tp_plan", None) or {}
     out.update({f"{prefix}{k}": v for k, v in base.items()})
+    out.update(_experts_from_ep_plan(network, out))
     if not out and getattr(getattr(network, "config", None), "model_type", None) in _FAMILY_PLANS:
         out = dict(_FAMILY_PLANS[network.config.model_type])
     if not out:
@@ -172,6 +176,33 @@ def hf_raw_tp_plan(network: nn.Module) -> dict[str, str]:
             f"{why} Use tp_size=1 (zero3, pipeline or context parallelism), or pass strategy.tensor_parallel.plan="
             f"{{module path: style}} with styles {list(STYLE_NAMES)}."
         )
+    return out
+
+
+def _experts_from_ep_plan(network: nn.Module, tp_plan: Mapping[str, str]) -> dict[str, str]:
+    """The experts of the model's expert-parallel plan, as tensor-parallel entries: every module its ``ep_plan`` marks
+    ``ep_dispatch_experts`` becomes ``moe_tp_experts`` (experts whole on every tp rank, the block holding them a
+    per-token module), and the ``grouped_gemm`` entries on its weights are kept (covered by it).
+
+    transformers up to 5.24 put these entries in ``base_model_tp_plan`` itself (``moe_tp_experts``, with
+    ``packed_colwise``/``rowwise`` on the weights); 5.25 deprecated that style and lists the experts only in
+    ``base_model_ep_plan``, so a tensor-parallel plan read from the tp plan alone would leave the experts uncovered.
+    Reading both keeps one translation for either layout. Keys the tp plan already holds are not repeated.
+    """
+    ep_plan = getattr(network, "ep_plan", None)
+    if not isinstance(ep_plan, Mapping):
+        prefix = getattr(network, "base_model_prefix", "")
+        prefix = f"{prefix}." if prefix and isinstance(getattr(network, prefix, None), nn.Module) else ""
+        base = getattr(getattr(network, "config", None), "base_model_ep_plan", None) or {}
+        ep_plan = {f"{prefix}{k}": v for k, v in base.items()}
+    experts = [k for k, v in ep_plan.items() if v == "ep_dispatch_experts"]
+    covered = [k for k, v in tp_plan.items() if v == "moe_tp_experts"]
+    out: dict[str, str] = {}
+    for key in experts:
+        if key in covered:
+            continue
+        out[key] = "moe_tp_experts"
+        out.update({k: v for k, v in ep_plan.items() if k.startswith(key + ".") and k not in tp_plan})
     return out
 
 
@@ -221,6 +252,7 @@ def hf_tp_plan(network: nn.Module) -> dict[str, Any]:
     outputs = network.get_output_embeddings() if hasattr(network, "get_output_embeddings") else None
     plan: dict[str, Any] = {}
     experts: list[str] = []
+    whole: list[str] = []  # attention modules kept whole (multi-head latent attention)
     params: list[tuple[str, str]] = []
     for key, hf_style in raw.items():
         if hf_style not in HF_STYLES:
@@ -236,6 +268,8 @@ def hf_tp_plan(network: nn.Module) -> dict[str, Any]:
                 ours = "vocab_head"
             if ours == "vocab_embedding_full" and target is not inputs:
                 raise _refuse(network, path, hf_style, "supported only on the model's input embeddings")
+            if hf_style == "mla_kv_a_proj":
+                whole.append(path.rpartition(".")[0])
             if hf_style == "moe_tp_experts":
                 experts.append(path)
                 path = path.rpartition(".")[0]  # the block holding router and experts: one per-token module
@@ -249,6 +283,14 @@ def hf_tp_plan(network: nn.Module) -> dict[str, Any]:
         # would run on this rank's tokens only under sequence parallelism (its column layers gathering them as if the
         # sequence, from a flattened (tokens, hidden) input): it is kept whole too, and its parameters' gradients,
         # from this rank's tokens, are summed over the tp ranks with the block's.
+        del plan[path]
+    for path in [p for p in plan if any(p == w or p.startswith(w + ".") for w in whole)]:
+        # Multi-head latent attention (DeepSeek-V2/V3; transformers >= 5.25 plans it with 'mla_kv_a_proj'): the shared
+        # down-projection kv_a_proj_with_mqa feeds a column-parallel layer (its k_pass part, whose gradient comes back
+        # whole) and the attention directly (its rope part, whose gradient would be one rank's heads only), and the
+        # query's q_a_proj runs on replicated activations before q_b_proj; no style of ours splits that. The attention
+        # runs whole on every tp rank, as transformers <= 5.24 planned it (its parameters then uncovered under
+        # sequence parallelism, which validate_plan refuses naming them).
         del plan[path]
     for path in [p for p, s in plan.items() if s in ("colwise", "colwise_gather")]:
         parent = path.rpartition(".")[0]

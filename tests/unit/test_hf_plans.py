@@ -69,6 +69,40 @@ def test_every_style_name_of_the_architectures_translates(arch_model):
         validate_plan(model, plan, 2, sequence_parallel)
 
 
+#: The experts entries transformers <= 5.24 kept in ``base_model_tp_plan`` (5.25 moved them to ``base_model_ep_plan``).
+_TP_PLAN_EXPERTS_5_24 = {
+    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    "layers.*.mlp.experts.down_proj": "rowwise",
+    "layers.*.mlp.experts": "moe_tp_experts",
+}
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_experts_are_read_from_either_plan_layout_into_one_translation(monkeypatch, arch):
+    """transformers 5.25 lists the experts only in the expert-parallel plan (``ep_dispatch_experts`` and
+    ``grouped_gemm``); up to 5.24 the tensor-parallel plan held them (``moe_tp_experts``). Both give the same plan."""
+    model = _model(arch)
+    ep_plan = model.ep_plan
+    assert ep_plan["model.layers.*.mlp.experts"] == "ep_dispatch_experts", ep_plan
+    own = contract.tp_plan(model, model, None)
+    raw_now = hf_raw_tp_plan(model)
+    assert raw_now["model.layers.*.mlp.experts"] == "moe_tp_experts"
+    assert raw_now["model.layers.*.mlp.experts.gate_up_proj"] == "grouped_gemm"
+    old_tp_plan = {**model.tp_plan, **{f"model.{k}": v for k, v in _TP_PLAN_EXPERTS_5_24.items()}}
+    monkeypatch.setattr(type(model), "tp_plan", property(lambda self: old_tp_plan))
+    raw_old = hf_raw_tp_plan(model)
+    assert raw_old["model.layers.*.mlp.experts.gate_up_proj"] == "packed_colwise"  # the tp plan's own entry wins
+    old = contract.tp_plan(model, model, None)
+    assert {k: v for k, v in old.items() if k} == {k: v for k, v in own.items() if k}
+    # without an ep plan either, the experts' weights are left uncovered and the plan check names them
+    monkeypatch.setattr(type(model), "tp_plan", property(lambda self: {
+        k: v for k, v in old_tp_plan.items() if ".experts" not in k}))
+    monkeypatch.setattr(type(model), "ep_plan", property(lambda self: {}))
+    bare = contract.tp_plan(model, model, None)
+    with pytest.raises(ValueError, match=re.escape("mlp.experts.gate_up_proj")):
+        validate_plan(model, bare, 2, True)
+
+
 @pytest.mark.parametrize("hf_style", sorted(s for s, (ours, _) in HF_STYLES.items() if ours is None))
 def test_untranslated_style_names_are_refused_naming_module_and_style(monkeypatch, hf_style):
     model = _model()
