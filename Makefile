@@ -27,8 +27,18 @@ install: $(VENV)/.installed
 train: $(VENV)/.installed
 	$(PY) recipes/train.py $(ARGS)
 
+# Staged, each stage stopping the run when it fails: (1) every package module imports (seconds), (2) the unit and
+# configuration tests (no process group), (3) the distributed tests (gloo worlds) and the few unit/config tests that
+# start processes, (4) the end-to-end runs of the recipes; the 25 slowest tests of each stage are printed. Together the
+# stages run every test that is not `slow`, each once.
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(ARGS)
+	$(PYTEST) tests/unit/test_every_module_imports.py $(ARGS)
+	$(PYTEST) --durations=25 -m "not slow and not e2e and not distributed" tests/unit tests/config \
+	    --deselect tests/unit/test_every_module_imports.py $(ARGS)
+	$(PYTEST) --durations=25 -m "not slow" tests/distributed tests/lightning tests/gpu $(ARGS)
+	$(PYTEST) --durations=25 -m "not slow and (e2e or distributed)" tests/unit tests/config $(ARGS)
+	$(PYTEST) --durations=25 -m "not slow" tests/e2e $(ARGS)
 
 # The unit and configuration tests (tests/unit, tests/config) without the few end-to-end runs among them: no
 # multi-process world; 160 s on a fresh clone of the idle 2-core machine (README, "Set up and run").
