@@ -222,6 +222,7 @@ def _engine_on_one_rank(schedule: str, virtual: int) -> dict:
     }
 
 
+@pytest.mark.distributed  # starts a (one-rank) world: run by `make test`'s distributed stage, not `make test-fast`
 @pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4)])
 def test_engine_on_one_rank_matches_the_whole_model(schedule, virtual):
     """The schedule's gradients equal one backward of the whole batch's mean loss; every micro-batch runs forward
