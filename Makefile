@@ -64,7 +64,9 @@ test-latest:
 	    -e '.[dev]' --config-settings editable_mode=compat
 	$(LATEST)/bin/python -m pip install -q --upgrade --no-deps litgpt 'jsonargparse>=4.30' 'litdata>=0.2.50' boto3 \
 	    botocore s3transfer jmespath obstore tifffile
-	$(LATEST)/bin/python -m pip list --format=freeze | grep -iE '^(torch|lightning|transformers|torchao|torchft|datasets|litdata|litgpt|hydra-core)=='
+	$(LATEST)/bin/python -m pip freeze --all | grep -viE '^(-e |pip==|lightning[-_]par|# )' \
+	    | sed -E 's/^(torch==[0-9.]+)\+cpu$$/\1/' | sort > $(LATEST)/freeze.txt
+	grep -v '^#' .ci/constraints.txt | sort | comm -23 $(LATEST)/freeze.txt - | sed 's/^/not in the lock: /'
 	$(LATEST)/bin/python -m pytest -q -p no:cacheprovider -m "not slow and not e2e and not distributed" tests/unit \
 	    tests/config $(ARGS)
 	$(LATEST)/bin/python -m pytest -q -p no:cacheprovider -m "not slow" tests/distributed/test_hf_matrix.py \
