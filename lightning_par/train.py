@@ -369,8 +369,10 @@ def _check_resume(cfg: DictConfig, ckpt: Path, dims: ParallelDims) -> None:
     with torch.device("meta"):
         module = build_module(cfg)
     datamodule = build_datamodule(cfg, module)
+    fingerprint = datamodule.fingerprint() if callable(getattr(datamodule, "fingerprint", None)) else None
     applied = check_resume(ckpt, load_metadata_file(ckpt / METADATA_FILENAME), getattr(module, "hparams", None),
-                           getattr(datamodule, "hparams", None), replicas=_data_replicas(cfg, dims))
+                           getattr(datamodule, "hparams", None), replicas=_data_replicas(cfg, dims),
+                           data_fingerprint=fingerprint)
     for change in applied:
         log.info("Resuming from %s with %s", ckpt, change)
 
