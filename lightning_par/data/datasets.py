@@ -143,7 +143,10 @@ class _Encoder:
                 )
             from transformers import AutoTokenizer
 
-            self._auto = AutoTokenizer.from_pretrained(str(Path(tokenizer).expanduser()), local_files_only=True)
+            from lightning_par.hf.load import trust_remote_code
+
+            self._auto = AutoTokenizer.from_pretrained(str(Path(tokenizer).expanduser()), local_files_only=True,
+                                                       trust_remote_code=trust_remote_code())
             if not getattr(self._auto, "chat_template", None):
                 raise ValueError(
                     f"data.tokenizer={tokenizer!r} is not valid with data.messages_field: it has no chat_template. "

@@ -24,7 +24,7 @@ from lightning_par.checkpoint.loading import load_in_one_process
 from lightning_par.checkpoint.safe import load_metadata_file, safe_reader
 from lightning_par.checkpoint.sharded import METADATA_FILENAME, verify_checkpoint
 from lightning_par.data.tokenize import TOKENIZER_FILES
-from lightning_par.hf.load import INDEX_NAME, tied_aliases
+from lightning_par.hf.load import INDEX_NAME, tied_aliases, trust_remote_code
 
 __all__ = ["DEFAULT_SHARD_BYTES", "export_hf", "hf_config_of"]
 
@@ -55,7 +55,8 @@ def hf_config_of(meta: dict[str, Any]) -> Any:
             f"load code or files; a checkpoint is data, never code)."
         )
     if hp.get("pretrained"):
-        return AutoConfig.from_pretrained(hp["pretrained"], local_files_only=True, **dict(hp.get("config") or {}))
+        return AutoConfig.from_pretrained(hp["pretrained"], local_files_only=True,
+                                          trust_remote_code=trust_remote_code(), **dict(hp.get("config") or {}))
     if hp.get("model_type"):
         return AutoConfig.for_model(hp["model_type"], **dict(hp.get("config") or {}))
     raise ValueError(
@@ -124,7 +125,7 @@ def export_hf(
     meta = load_metadata_file(path / METADATA_FILENAME)  # data only (lightning_par.checkpoint.safe)
     config = hf_config_of(meta)
     with torch.device("meta"):  # names and ties only: no memory
-        network = AutoModelForCausalLM.from_config(config)
+        network = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code())
     tied = tied_aliases(network)
     names = [n for n in network.state_dict() if n not in tied]
     saved = safe_reader(path).read_metadata().state_dict_metadata
