@@ -72,6 +72,21 @@ def _external_world_size() -> int | None:
     return None
 
 
+def _stale_launcher_variables() -> str | None:
+    """``RANK``/``WORLD_SIZE`` with no rendezvous address (``MASTER_ADDR``/``MASTER_PORT``, which torchrun and every
+    launcher set with them, SLURM aside): variables left in the environment by another job or a shell, not a launcher
+    of this process. Returns their description, or ``None``."""
+    env = os.environ
+    if "RANK" not in env or "WORLD_SIZE" not in env or "SLURM_PROCID" in env:
+        return None
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not env.get(v)]
+    if not missing:
+        return None
+    return (f"RANK={env['RANK']} and WORLD_SIZE={env['WORLD_SIZE']} are set but {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not, so no launcher (torchrun, srun) started this process: they "
+            f"are stale (left by another job or this shell)")
+
+
 def _external_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
@@ -341,10 +356,18 @@ def preflight(cfg: DictConfig, run_dir: str | Path) -> Plan:
     check_run_config(cfg)
     dims = build_parallel_dims(cfg)
     external = _external_world_size()
+    stale = _stale_launcher_variables()
     if external is not None and external != dims.world_size:
         raise ValueError(
             f"parallel.world_size={dims.world_size} does not match the {external} processes started by the "
             f"launcher (WORLD_SIZE / SLURM_NTASKS): set parallel.world_size={external}."
+            + (f" But {stale}: unset them (unset RANK WORLD_SIZE LOCAL_RANK) and the recipe starts its own world."
+               if stale else "")
+        )
+    if stale is not None:
+        raise ValueError(
+            f"{stale}. Unset them (unset RANK WORLD_SIZE LOCAL_RANK) and the recipe starts its own world of "
+            f"parallel.world_size={dims.world_size} processes, or start it under torchrun."
         )
     _check_machine(cfg, dims, external)
     validate_run(cfg, dims)
