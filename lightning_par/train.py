@@ -241,6 +241,7 @@ def validate_run(cfg: DictConfig, dims: ParallelDims | None = None) -> None:
     check_loggers(cfg)
     with torch.device("meta"):
         module = build_module(cfg)
+    _check_model_size(module)
     own_warmup = getattr(module, "hparams", {}).get("warmup_steps")
     if scaling.warmup_samples and own_warmup:
         raise ValueError(
@@ -274,6 +275,59 @@ def validate_run(cfg: DictConfig, dims: ParallelDims | None = None) -> None:
         )
     if callable(getattr(datamodule, "check_corpus", None)):
         datamodule.check_corpus(replicas=dims.dp_size)
+
+
+def _host_memory_bytes() -> int | None:
+    """This machine's physical memory, in bytes (``None`` where the system does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _size_fields(module: Any) -> list[tuple[str, int]]:
+    """``(field, value)`` of the model's integer config fields, in declaration order (the GPT's ``GPTConfig``, a
+    Hugging Face model's config), for naming the fields a tensor's shape comes from."""
+    import dataclasses
+
+    config = getattr(module, "config", None)
+    if dataclasses.is_dataclass(config):
+        items = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
+    else:
+        hf = getattr(getattr(module, "model", None), "config", None)
+        items = [(f"config.{k}", v) for k, v in (hf.to_dict() if hasattr(hf, "to_dict") else {}).items()]
+    return [(k, v) for k, v in items if isinstance(v, int) and not isinstance(v, bool) and v > 1]
+
+
+def _check_model_size(module: Any) -> None:
+    """Refuse, before any process starts, a model whose parameters alone exceed this machine's memory (each rank
+    builds the whole model in host memory before the strategy splits it), naming the fields of its largest tensor:
+    ``model.vocab_size=2147483648`` is named here, not by an allocation error of 274,877,906,944 bytes in every rank.
+
+    Raises:
+        ValueError: naming the field, its value, the bytes needed and the memory there is.
+    """
+    memory = _host_memory_bytes()
+    params = dict(module.named_parameters())  # tied weights once
+    need = sum(p.numel() * p.element_size() for p in params.values())
+    if memory is None or need <= memory or not params:
+        return
+    name, largest = max(params.items(), key=lambda item: item[1].numel())
+    fields = _size_fields(module)
+    named = []
+    for dim in largest.shape:
+        match = next((f for f, v in fields if v == dim), None)
+        named.append((f"model.{match}" if match else str(dim), dim))
+    field, value = max(((f, d) for f, d in named if f.startswith("model.")), key=lambda fd: fd[1],
+                       default=(f"the model's parameter {name}", largest.numel()))
+    gib = 1024**3
+    raise ValueError(
+        f"{field}={value} is not valid: the model's parameters alone take {need / gib:,.0f} GiB "
+        f"({sum(p.numel() for p in params.values()):,} parameters of {largest.dtype}), more than this machine's "
+        f"{memory / gib:,.0f} GiB of memory, and every rank builds the whole model before the strategy splits it. "
+        f"Its largest tensor, {name} of shape {tuple(largest.shape)}, is {' x '.join(f for f, _ in named)}. Expected "
+        f"a model that fits: a smaller {field}."
+    )
 
 
 #: CPU processes per core the recipe starts without ``trainer.allow_oversubscribe``: gloo ranks run one thread each,
