@@ -14,7 +14,9 @@ Records and fields:
 Bad records (checked while the cache is built, on one process, before any training process starts):
 
 * a record without the field (the column is absent, or the record's value is null / missing): ``ValueError`` naming
-  ``data.text_field`` (or ``data.messages_field``), the record and the file; nothing is trained;
+  ``data.text_field`` (or ``data.messages_field``), the record and the file; nothing is trained, and no partial
+  cache file stays. A record is named as an editor counts it: ``line L`` of a JSON Lines file, ``row R`` of a Parquet
+  file, ``record R`` of a JSON array (all from 1); ``item i`` of a litdata dataset (its index);
 * a value of the wrong type (not a string, not a list of messages): ``ValueError`` likewise;
 * an empty text (or one of a single token): skipped and counted (``data_skipped_documents`` in ``summary.json``); a file
   where every record is empty is refused (``ValueError``: it gives no document);
@@ -120,8 +122,26 @@ def _records(source: str, files: list[Path], cache: Path, path: str) -> Iterator
                 f"({type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}). Expected "
                 f"well-formed {source} records."
             ) from None
+        lines = _record_lines(source, file, len(table))
         for i, record in enumerate(table):
-            yield record, f"record {i} of {str(file)!r}"
+            yield record, f"{lines(i)} of {str(file)!r}"
+
+
+def _record_lines(source: str, file: Path, n: int) -> Any:
+    """``i -> "line L"`` (JSON Lines: the 1-based line of record ``i``, blank lines skipped as the reader does),
+    ``"row R"`` (Parquet, 1-based) or ``"record R"`` (a JSON array, a text file: 1-based): the numbers an editor
+    shows."""
+    if source == "parquet":
+        return lambda i: f"row {i + 1}"
+    if source == "json":
+        with open(file, "rb") as f:
+            head = f.read(4096).lstrip()
+            if not head.startswith(b"["):  # JSON Lines: one record per non-blank line
+                f.seek(0)
+                numbers = [k for k, line in enumerate(f, start=1) if line.strip()]
+                if len(numbers) == n:
+                    return lambda i: f"line {numbers[i]}"
+    return lambda i: f"record {i + 1}"
 
 
 class _Encoder:
@@ -183,10 +203,12 @@ def _document(record: Any, where: str, text_field: str, messages_field: str | No
             f"string, or a 1-D array of token ids."
         )
     if field not in record or record[field] is None:
+        what = (f"the record has no such field (its fields: {sorted(record)})" if field not in record else
+                f"the record has no value for it ({field!r} is missing or null in this record; the file's fields: "
+                f"{sorted(record)})")
         raise ValueError(
-            f"{name}={field!r} is not valid for {where}: the record has no such field (its fields: "
-            f"{sorted(record)}). Expected every record to have it; set {name} to the field holding the "
-            f"{'chat messages' if messages_field else 'text'}, or fix the record."
+            f"{name}={field!r} is not valid for {where}: {what}. Expected every record to have it; set {name} to the "
+            f"field holding the {'chat messages' if messages_field else 'text'}, or fix the record."
         )
     value = record[field]
     if messages_field:
@@ -245,16 +267,20 @@ def build_document_cache(source: str, path: str, text_field: str = "text", messa
     dtype = token_dtype(encoder.vocab_size)
     offsets, names, records, skipped = [0], [], 0, 0
     tmp = token_path.with_suffix(f".tmp{os.getpid()}")
-    with open(tmp, "wb") as out:
-        for record, where in _records(source, files, cache, path):
-            records += 1
-            ids = _document(record, where, text_field, messages_field, encoder)
-            if len(ids) < 2:
-                skipped += 1
-                continue
-            np.asarray(ids, dtype=dtype).tofile(out)
-            offsets.append(offsets[-1] + len(ids))
-            names.append(where)
+    try:
+        with open(tmp, "wb") as out:
+            for record, where in _records(source, files, cache, path):
+                records += 1
+                ids = _document(record, where, text_field, messages_field, encoder)
+                if len(ids) < 2:
+                    skipped += 1
+                    continue
+                np.asarray(ids, dtype=dtype).tofile(out)
+                offsets.append(offsets[-1] + len(ids))
+                names.append(where)
+    except BaseException:  # a refused record (or an interrupt): no partial file stays in the cache
+        tmp.unlink(missing_ok=True)
+        raise
     if len(offsets) < 2:
         tmp.unlink(missing_ok=True)
         raise ValueError(
