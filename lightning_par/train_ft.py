@@ -170,9 +170,10 @@ def launch_ft_job(cfg: DictConfig, overrides: list[str], run_dir: str | Path,
         while any(p.poll() is None for p in procs):
             if lighthouse.poll() is not None:
                 raise RuntimeError(
-                    f"train_ft: the lighthouse ({address}, pid {lighthouse.pid}) died ({_status(lighthouse.returncode)})"
-                    f" while the replica groups ran: no group can form a quorum without it, so every group was "
-                    f"stopped (its log: {run_dir / 'lighthouse.log'}; the groups' logs: {run_dir}/group*.log)")
+                    f"train_ft: the lighthouse ({address}, pid {lighthouse.pid}) died "
+                    f"({_status(lighthouse.returncode)}) while the replica groups ran: no group can form a quorum "
+                    f"without it, so every group was stopped (its log: {run_dir / 'lighthouse.log'}; the groups' "
+                    f"logs: {run_dir}/group*.log)")
             if deadline is not None and time.monotonic() > deadline:
                 raise RuntimeError(f"train_ft: the replica groups ran past {timeout_s} s; every group was stopped "
                                    f"(logs: {run_dir}/group*.log)")

@@ -130,7 +130,8 @@ def resume_changes(
         line = f"data {field}: {old!r} -> {new!r}"
         if field == "tokenizer" and same_tokenizer:
             applied.append(line + " (the same tokenizer files)")
-        elif field in APPLIED_DATA_FIELDS or (field in EPOCH_BOUNDARY_DATA_FIELDS and (not inside_epoch or same_global)):
+        elif field in APPLIED_DATA_FIELDS or (field in EPOCH_BOUNDARY_DATA_FIELDS
+                                              and (not inside_epoch or same_global)):
             applied.append(line)
         else:
             refused.append(line + (f" (the checkpoint is {position['batches']} batches into an epoch"

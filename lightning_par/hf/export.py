@@ -106,8 +106,8 @@ def export_hf(
     Raises:
         FileNotFoundError, ValueError: a missing or damaged checkpoint (see
             :func:`lightning_par.checkpoint.verify_checkpoint`); ``max_shard_bytes`` not positive; ``output`` is a
-            non-empty directory, a file, a symbolic link or a mount point (before anything is written); ``tokenizer`` holds no tokenizer file; the checkpoint is not an
-            ``HFCausalLM``'s or lacks a weight of its model.
+            non-empty directory, a file, a symbolic link or a mount point (before anything is written); ``tokenizer``
+            holds no tokenizer file; the checkpoint is not an ``HFCausalLM``'s or lacks a weight of its model.
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from transformers import AutoModelForCausalLM
@@ -174,8 +174,9 @@ def _check_output(output: Path) -> None:
                          f"directory.")
 
 
-def _write(staged: Path, path: Path, config: Any, meta: dict[str, Any], specs: dict[str, tuple[torch.Size, torch.dtype]],
-           sizes: dict[str, int], max_shard_bytes: int, prefix: str, tokenizer_files: list[Path]) -> None:
+def _write(staged: Path, path: Path, config: Any, meta: dict[str, Any],
+           specs: dict[str, tuple[torch.Size, torch.dtype]], sizes: dict[str, int], max_shard_bytes: int, prefix: str,
+           tokenizer_files: list[Path]) -> None:
     """The export's files, written into ``staged``."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig

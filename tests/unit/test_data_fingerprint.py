@@ -49,7 +49,8 @@ def test_a_tokenizer_edited_in_place_is_refused_naming_it(tmp_path: Path) -> Non
     _swap_two_ids(tok)
     resumed = _dm(tmp_path, tok)
     refused, _ = resume_changes(meta, {}, dict(resumed.hparams), data_fingerprint=resumed.fingerprint())
-    assert any(line.startswith("data tokenizer files' contents (data.tokenizer): 'sha256:") for line in refused), refused
+    named = "data tokenizer files' contents (data.tokenizer): 'sha256:"
+    assert any(line.startswith(named) for line in refused), refused
     assert any(line.startswith("data token cache key: 'docs-") for line in refused), refused
     with pytest.raises(ValueError, match=r"cannot be resumed with these settings: data tokenizer files' contents "
                                          r"\(data.tokenizer\): 'sha256:[0-9a-f]{16}' -> 'sha256:[0-9a-f]{16}'"):

@@ -89,7 +89,8 @@ def test_every_torchft_server_of_a_group_listens_on_loopback(monkeypatch: pytest
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    options = FaultToleranceOptions(enabled=True, lighthouse=f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}",
+    lighthouse_port = lighthouse.address().rsplit(":", 1)[1]
+    options = FaultToleranceOptions(enabled=True, lighthouse=f"http://127.0.0.1:{lighthouse_port}",
                                     connect_timeout_s=5.0)
     replicas = FaultTolerantReplicas(options, torch.nn.Linear(2, 2), lambda: [], 0, 1)
     try:
