@@ -72,6 +72,21 @@ def _external_world_size() -> int | None:
     return None
 
 
+def _stale_launcher_variables() -> str | None:
+    """``RANK``/``WORLD_SIZE`` with no rendezvous address (``MASTER_ADDR``/``MASTER_PORT``, which torchrun and every
+    launcher set with them, SLURM aside): variables left in the environment by another job or a shell, not a launcher
+    of this process. Returns their description, or ``None``."""
+    env = os.environ
+    if "RANK" not in env or "WORLD_SIZE" not in env or "SLURM_PROCID" in env:
+        return None
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not env.get(v)]
+    if not missing:
+        return None
+    return (f"RANK={env['RANK']} and WORLD_SIZE={env['WORLD_SIZE']} are set but {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not, so no launcher (torchrun, srun) started this process: they "
+            f"are stale (left by another job or this shell)")
+
+
 def _external_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
@@ -226,6 +241,7 @@ def validate_run(cfg: DictConfig, dims: ParallelDims | None = None) -> None:
     check_loggers(cfg)
     with torch.device("meta"):
         module = build_module(cfg)
+    _check_model_size(module)
     own_warmup = getattr(module, "hparams", {}).get("warmup_steps")
     if scaling.warmup_samples and own_warmup:
         raise ValueError(
@@ -259,6 +275,59 @@ def validate_run(cfg: DictConfig, dims: ParallelDims | None = None) -> None:
         )
     if callable(getattr(datamodule, "check_corpus", None)):
         datamodule.check_corpus(replicas=dims.dp_size)
+
+
+def _host_memory_bytes() -> int | None:
+    """This machine's physical memory, in bytes (``None`` where the system does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _size_fields(module: Any) -> list[tuple[str, int]]:
+    """``(field, value)`` of the model's integer config fields, in declaration order (the GPT's ``GPTConfig``, a
+    Hugging Face model's config), for naming the fields a tensor's shape comes from."""
+    import dataclasses
+
+    config = getattr(module, "config", None)
+    if dataclasses.is_dataclass(config):
+        items = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)]
+    else:
+        hf = getattr(getattr(module, "model", None), "config", None)
+        items = [(f"config.{k}", v) for k, v in (hf.to_dict() if hasattr(hf, "to_dict") else {}).items()]
+    return [(k, v) for k, v in items if isinstance(v, int) and not isinstance(v, bool) and v > 1]
+
+
+def _check_model_size(module: Any) -> None:
+    """Refuse, before any process starts, a model whose parameters alone exceed this machine's memory (each rank
+    builds the whole model in host memory before the strategy splits it), naming the fields of its largest tensor:
+    ``model.vocab_size=2147483648`` is named here, not by an allocation error of 274,877,906,944 bytes in every rank.
+
+    Raises:
+        ValueError: naming the field, its value, the bytes needed and the memory there is.
+    """
+    memory = _host_memory_bytes()
+    params = dict(module.named_parameters())  # tied weights once
+    need = sum(p.numel() * p.element_size() for p in params.values())
+    if memory is None or need <= memory or not params:
+        return
+    name, largest = max(params.items(), key=lambda item: item[1].numel())
+    fields = _size_fields(module)
+    named = []
+    for dim in largest.shape:
+        match = next((f for f, v in fields if v == dim), None)
+        named.append((f"model.{match}" if match else str(dim), dim))
+    field, value = max(((f, d) for f, d in named if f.startswith("model.")), key=lambda fd: fd[1],
+                       default=(f"the model's parameter {name}", largest.numel()))
+    gib = 1024**3
+    raise ValueError(
+        f"{field}={value} is not valid: the model's parameters alone take {need / gib:,.0f} GiB "
+        f"({sum(p.numel() for p in params.values()):,} parameters of {largest.dtype}), more than this machine's "
+        f"{memory / gib:,.0f} GiB of memory, and every rank builds the whole model before the strategy splits it. "
+        f"Its largest tensor, {name} of shape {tuple(largest.shape)}, is {' x '.join(f for f, _ in named)}. Expected "
+        f"a model that fits: a smaller {field}."
+    )
 
 
 #: CPU processes per core the recipe starts without ``trainer.allow_oversubscribe``: gloo ranks run one thread each,
@@ -341,10 +410,18 @@ def preflight(cfg: DictConfig, run_dir: str | Path) -> Plan:
     check_run_config(cfg)
     dims = build_parallel_dims(cfg)
     external = _external_world_size()
+    stale = _stale_launcher_variables()
     if external is not None and external != dims.world_size:
         raise ValueError(
             f"parallel.world_size={dims.world_size} does not match the {external} processes started by the "
             f"launcher (WORLD_SIZE / SLURM_NTASKS): set parallel.world_size={external}."
+            + (f" But {stale}: unset them (unset RANK WORLD_SIZE LOCAL_RANK) and the recipe starts its own world."
+               if stale else "")
+        )
+    if stale is not None:
+        raise ValueError(
+            f"{stale}. Unset them (unset RANK WORLD_SIZE LOCAL_RANK) and the recipe starts its own world of "
+            f"parallel.world_size={dims.world_size} processes, or start it under torchrun."
         )
     _check_machine(cfg, dims, external)
     validate_run(cfg, dims)
@@ -369,8 +446,10 @@ def _check_resume(cfg: DictConfig, ckpt: Path, dims: ParallelDims) -> None:
     with torch.device("meta"):
         module = build_module(cfg)
     datamodule = build_datamodule(cfg, module)
+    fingerprint = datamodule.fingerprint() if callable(getattr(datamodule, "fingerprint", None)) else None
     applied = check_resume(ckpt, load_metadata_file(ckpt / METADATA_FILENAME), getattr(module, "hparams", None),
-                           getattr(datamodule, "hparams", None), replicas=_data_replicas(cfg, dims))
+                           getattr(datamodule, "hparams", None), replicas=_data_replicas(cfg, dims),
+                           data_fingerprint=fingerprint)
     for change in applied:
         log.info("Resuming from %s with %s", ckpt, change)
 

@@ -7,11 +7,13 @@
 
 1. starts torchft's lighthouse server (the ``torchft_lighthouse`` program of torchft's wheel) as a child process on a
    free port, with ``--min_replicas`` = ``strategy.fault_tolerance.min_replicas`` (its log: ``<run_dir>/lighthouse.log``),
-   and waits until it answers;
+   listening on ``strategy.fault_tolerance.bind`` (``auto``: loopback only; it has no authentication), and waits
+   until it answers;
 2. starts one recipe world per replica group, ``python -m lightning_par.train`` with the same overrides plus
    ``strategy.fault_tolerance.replica_group_id=g``, the lighthouse's address and the run directory
    ``<run_dir>/group<g>``. Each group's launcher picks its own free ``MASTER_PORT``: its own world;
-3. waits for every group, writes ``<run_dir>/summary.json`` (each group's summary, under ``groups``) and stops the
+3. watches the lighthouse while the groups run: its death stops every group and is named at once;
+4. waits for every group, writes ``<run_dir>/summary.json`` (each group's summary, under ``groups``) and stops the
    lighthouse. The groups die with this launcher (``PR_SET_PDEATHSIG``), and an exception or signal here kills them
    first: nothing outlives it.
 
@@ -33,7 +35,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from lightning_par.data_parallel.fault_tolerance import check_lighthouse
+from lightning_par.data_parallel.fault_tolerance import FaultToleranceOptions, check_lighthouse, url_host
 from lightning_par.launcher import find_free_port
 
 __all__ = ["launch_ft_job", "main", "run_ft_recipe"]
@@ -59,6 +61,24 @@ def _group_overrides(overrides: list[str], group: int, lighthouse: str, run_dir:
     kept = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in _OWN]
     return [*kept, f"strategy.fault_tolerance.replica_group_id={group}",
             f"strategy.fault_tolerance.lighthouse={lighthouse}", f"hydra.run.dir={run_dir / f'group{group}'}"]
+
+
+def _bind_host(bind: str) -> str:
+    """The lighthouse's listening address: ``strategy.fault_tolerance.bind``, loopback for ``"auto"`` (every group
+    runs on this host). Raises the options' ``ValueError`` for a bad value."""
+    options = FaultToleranceOptions(bind=bind)
+    return "127.0.0.1" if options.bind == "auto" else options.bind_host()
+
+
+def _reach(host: str) -> str:
+    """Where the groups on this host reach a server bound to ``host`` (loopback for a wildcard)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
+def _status(returncode: int) -> str:
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit status {returncode}"
 
 
 def _lighthouse_program() -> str:
@@ -95,10 +115,10 @@ def launch_ft_job(cfg: DictConfig, overrides: list[str], run_dir: str | Path,
         ``{"lighthouse": address, "groups": [summary of group 0, ...]}`` (also written to ``run_dir/summary.json``).
 
     Raises:
-        ValueError: fault tolerance off, a ``lighthouse`` given (this launcher starts its own), or torchft missing;
-            before any process starts.
-        RuntimeError: a group exited with a non-zero status or ran past ``timeout_s`` (every group is then stopped);
-            the message names the group, its status and its log.
+        ValueError: fault tolerance off, a ``lighthouse`` given (this launcher starts its own), a ``bind`` that is not
+            an IP address, or torchft missing; before any process starts.
+        RuntimeError: a group exited with a non-zero status or ran past ``timeout_s``, or the lighthouse died (every
+            group is then stopped); the message names the group (or the lighthouse), its status and its log.
     """
     ft = cfg.strategy.get("fault_tolerance")
     if ft is None or not ft.get("enabled"):
@@ -108,6 +128,10 @@ def launch_ft_job(cfg: DictConfig, overrides: list[str], run_dir: str | Path,
     if ft.get("lighthouse"):
         raise _refuse(f"strategy.fault_tolerance.lighthouse={ft.lighthouse!r}: train_ft starts its own lighthouse; "
                       "leave it unset (to join an existing lighthouse, run recipes/train.py once per group).")
+    try:
+        host = _bind_host(ft.get("bind", "auto"))
+    except ValueError as err:
+        raise _refuse(f"strategy.{err}") from None
     server = _lighthouse_program()
     groups, min_replicas = int(ft.num_replica_groups), int(ft.min_replicas)
     if timeout_s is None:
@@ -126,10 +150,10 @@ def launch_ft_job(cfg: DictConfig, overrides: list[str], run_dir: str | Path,
         for s in previous:
             signal.signal(s, _stop)
         port = find_free_port()
-        address = f"http://localhost:{port}"
+        address = f"http://{url_host(_reach(host))}:{port}"
         with open(run_dir / "lighthouse.log", "ab") as log:
             lighthouse = subprocess.Popen(
-                [server, "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}",
+                [server, "--min_replicas", str(min_replicas), "--bind", f"{url_host(host)}:{port}",
                  "--join_timeout_ms", str(_JOIN_TIMEOUT_MS), "--heartbeat_timeout_ms", str(_HEARTBEAT_TIMEOUT_MS)],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_preexec)
         try:
@@ -144,6 +168,12 @@ def launch_ft_job(cfg: DictConfig, overrides: list[str], run_dir: str | Path,
                                               start_new_session=True, preexec_fn=_preexec))
         deadline = None if timeout_s is None else time.monotonic() + float(timeout_s)
         while any(p.poll() is None for p in procs):
+            if lighthouse.poll() is not None:
+                raise RuntimeError(
+                    f"train_ft: the lighthouse ({address}, pid {lighthouse.pid}) died "
+                    f"({_status(lighthouse.returncode)}) while the replica groups ran: no group can form a quorum "
+                    f"without it, so every group was stopped (its log: {run_dir / 'lighthouse.log'}; the groups' "
+                    f"logs: {run_dir}/group*.log)")
             if deadline is not None and time.monotonic() > deadline:
                 raise RuntimeError(f"train_ft: the replica groups ran past {timeout_s} s; every group was stopped "
                                    f"(logs: {run_dir}/group*.log)")

@@ -11,13 +11,18 @@ and the LightningDataModule's ``save_hyperparameters()``; nested dicts by dotted
   (``load_model_weights`` / ``load_from_checkpoint``). Except :data:`APPLIED_MODULE_FIELDS` (``max_steps``): a run
   resumed to train longer; the schedule is recomputed for the new length from the restored step;
 * the data module's: ``path``, ``block_size``, ``seed``, ``tokenizer``, ``synthetic*`` (another sample stream: the
-  saved position would point elsewhere) **refused**; :data:`APPLIED_DATA_FIELDS` (workers, validation batches, cache
+  saved position would point elsewhere) **refused**, except a ``tokenizer`` path whose files are the checkpoint's
+  (same contents: applied); :data:`APPLIED_DATA_FIELDS` (workers, validation batches, cache
   directory) applied; ``batch_size`` **refused** while the checkpoint is inside an epoch (Lightning's loops count the
   epoch in batches: a new size would replay or skip samples), applied from an epoch boundary. The same holds for the
   number of data-parallel replicas (:class:`~lightning_par.data.ResumableDataLoader` saves both with its position),
   except that a position saved in the epoch's global order (``consumed``: the loader's re-splitting sampler,
   :mod:`lightning_par.data.sampler`) resumes inside an epoch with another ``batch_size`` and number of replicas when
   their product, the global batch, is the same (``dp_size`` 2 -> 4 with half the ``batch_size``): applied.
+
+* the data's fingerprint (:mod:`lightning_par.data.fingerprint`, in the data module's state): the tokenizer files'
+  contents, the token cache's key, the packing settings: **refused** if changed (a tokenizer edited in place gives
+  another token stream under the same ``data.tokenizer``).
 
 A field that only one side has (a hyper-parameter added by a newer version, a checkpoint of an older one) is not
 compared.
@@ -88,6 +93,7 @@ def resume_changes(
     module_hparams: Mapping[str, Any] | None,
     datamodule_hparams: Mapping[str, Any] | None = None,
     replicas: int | None = None,
+    data_fingerprint: Mapping[str, Any] | None = None,
 ) -> tuple[list[str], list[str]]:
     """What differs between a checkpoint's hyper-parameters and the new run's (see the module docstring).
 
@@ -96,10 +102,20 @@ def resume_changes(
         module_hparams: the new LightningModule's ``hparams``.
         datamodule_hparams: the new LightningDataModule's ``hparams`` (``None``: not compared).
         replicas: the new run's number of data-parallel replicas (``None``: not compared).
+        data_fingerprint: the new data module's fingerprint (:mod:`lightning_par.data.fingerprint`), compared with
+            the one in the checkpoint's data module state (``None``: not compared). When both have one, a
+            ``tokenizer`` path that changed with the same files is applied.
 
     Returns:
         ``(refused, applied)``: each a list of ``"<where> <field>: <old> -> <new>"`` lines.
     """
+    from lightning_par.data.fingerprint import fingerprint_changes
+
+    saved_fingerprint = _saved_fingerprint(meta)
+    refused_data = fingerprint_changes(saved_fingerprint, data_fingerprint)
+    same_tokenizer = (saved_fingerprint is not None and data_fingerprint is not None
+                      and "tokenizer" in saved_fingerprint and "tokenizer" in data_fingerprint
+                      and saved_fingerprint["tokenizer"] == data_fingerprint["tokenizer"])
     refused: list[str] = []
     applied: list[str] = []
     for field, old, new in _changed(meta.get("hyper_parameters"), module_hparams):
@@ -112,7 +128,10 @@ def resume_changes(
     same_global = _same_global_batch(position, datamodule_hparams, replicas)
     for field, old, new in _changed(meta.get("datamodule_hyper_parameters"), datamodule_hparams):
         line = f"data {field}: {old!r} -> {new!r}"
-        if field in APPLIED_DATA_FIELDS or (field in EPOCH_BOUNDARY_DATA_FIELDS and (not inside_epoch or same_global)):
+        if field == "tokenizer" and same_tokenizer:
+            applied.append(line + " (the same tokenizer files)")
+        elif field in APPLIED_DATA_FIELDS or (field in EPOCH_BOUNDARY_DATA_FIELDS
+                                              and (not inside_epoch or same_global)):
             applied.append(line)
         else:
             refused.append(line + (f" (the checkpoint is {position['batches']} batches into an epoch"
@@ -124,7 +143,16 @@ def resume_changes(
         else:
             refused.append(line + f" (the checkpoint is {position['batches']} batches into an epoch"
                                   f"{_global_hint(position)})")
-    return refused, applied
+    return refused + refused_data, applied
+
+
+def _saved_fingerprint(meta: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The data fingerprint a checkpoint holds: in its data module's state (Lightning saves ``state_dict()`` under the
+    class's name), or ``None``."""
+    for value in meta.values():
+        if isinstance(value, Mapping) and isinstance(value.get("fingerprint"), Mapping):
+            return value["fingerprint"]
+    return None
 
 
 def _global_hint(position: Mapping[str, Any]) -> str:
@@ -154,8 +182,10 @@ def check_resume(
     module_hparams: Mapping[str, Any] | None,
     datamodule_hparams: Mapping[str, Any] | None = None,
     replicas: int | None = None,
+    data_fingerprint: Mapping[str, Any] | None = None,
 ) -> list[str]:
-    """Refuse resuming from the checkpoint at ``path`` with other hyper-parameters (see the module docstring).
+    """Refuse resuming from the checkpoint at ``path`` with other hyper-parameters or other data (see the module
+    docstring and :func:`resume_changes`).
 
     Returns:
         The changes that are applied (for a log line).
@@ -163,7 +193,7 @@ def check_resume(
     Raises:
         ValueError: a refused change; the message names every refused field with its old and new value.
     """
-    refused, applied = resume_changes(meta, module_hparams, datamodule_hparams, replicas)
+    refused, applied = resume_changes(meta, module_hparams, datamodule_hparams, replicas, data_fingerprint)
     if refused:
         raise ValueError(
             f"checkpoint {str(path)!r} cannot be resumed with these settings: {'; '.join(refused)}. A resume continues "

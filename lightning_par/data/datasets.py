@@ -14,7 +14,9 @@ Records and fields:
 Bad records (checked while the cache is built, on one process, before any training process starts):
 
 * a record without the field (the column is absent, or the record's value is null / missing): ``ValueError`` naming
-  ``data.text_field`` (or ``data.messages_field``), the record and the file; nothing is trained;
+  ``data.text_field`` (or ``data.messages_field``), the record and the file; nothing is trained, and no partial
+  cache file stays. A record is named as an editor counts it: ``line L`` of a JSON Lines file, ``row R`` of a Parquet
+  file, ``record R`` of a JSON array (all from 1); ``item i`` of a litdata dataset (its index);
 * a value of the wrong type (not a string, not a list of messages): ``ValueError`` likewise;
 * an empty text (or one of a single token): skipped and counted (``data_skipped_documents`` in ``summary.json``); a file
   where every record is empty is refused (``ValueError``: it gives no document);
@@ -49,9 +51,10 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from lightning_par.data.corpus import default_cache_dir
 from lightning_par.data.datamodule import TokenWindowDataset
+from lightning_par.data.fingerprint import fingerprint_changes, tokenizer_digest, tokenizer_file_digests
 from lightning_par.data.packing import LONG_DOCUMENTS, PACKING, PackedBlocks
 from lightning_par.data.resumable import ResumableDataLoader
-from lightning_par.data.tokenize import TOKENIZER_FILES, load_tokenizer, token_dtype
+from lightning_par.data.tokenize import load_tokenizer, token_dtype
 
 __all__ = ["SOURCES", "DocumentDataModule", "PackingMetricsCallback", "build_document_cache"]
 
@@ -119,8 +122,26 @@ def _records(source: str, files: list[Path], cache: Path, path: str) -> Iterator
                 f"({type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}). Expected "
                 f"well-formed {source} records."
             ) from None
+        lines = _record_lines(source, file, len(table))
         for i, record in enumerate(table):
-            yield record, f"record {i} of {str(file)!r}"
+            yield record, f"{lines(i)} of {str(file)!r}"
+
+
+def _record_lines(source: str, file: Path, n: int) -> Any:
+    """``i -> "line L"`` (JSON Lines: the 1-based line of record ``i``, blank lines skipped as the reader does),
+    ``"row R"`` (Parquet, 1-based) or ``"record R"`` (a JSON array, a text file: 1-based): the numbers an editor
+    shows."""
+    if source == "parquet":
+        return lambda i: f"row {i + 1}"
+    if source == "json":
+        with open(file, "rb") as f:
+            head = f.read(4096).lstrip()
+            if not head.startswith(b"["):  # JSON Lines: one record per non-blank line
+                f.seek(0)
+                numbers = [k for k, line in enumerate(f, start=1) if line.strip()]
+                if len(numbers) == n:
+                    return lambda i: f"line {numbers[i]}"
+    return lambda i: f"record {i + 1}"
 
 
 class _Encoder:
@@ -142,7 +163,10 @@ class _Encoder:
                 )
             from transformers import AutoTokenizer
 
-            self._auto = AutoTokenizer.from_pretrained(str(Path(tokenizer).expanduser()), local_files_only=True)
+            from lightning_par.hf.load import trust_remote_code
+
+            self._auto = AutoTokenizer.from_pretrained(str(Path(tokenizer).expanduser()), local_files_only=True,
+                                                       trust_remote_code=trust_remote_code())
             if not getattr(self._auto, "chat_template", None):
                 raise ValueError(
                     f"data.tokenizer={tokenizer!r} is not valid with data.messages_field: it has no chat_template. "
@@ -179,10 +203,12 @@ def _document(record: Any, where: str, text_field: str, messages_field: str | No
             f"string, or a 1-D array of token ids."
         )
     if field not in record or record[field] is None:
+        what = (f"the record has no such field (its fields: {sorted(record)})" if field not in record else
+                f"the record has no value for it ({field!r} is missing or null in this record; the file's fields: "
+                f"{sorted(record)})")
         raise ValueError(
-            f"{name}={field!r} is not valid for {where}: the record has no such field (its fields: "
-            f"{sorted(record)}). Expected every record to have it; set {name} to the field holding the "
-            f"{'chat messages' if messages_field else 'text'}, or fix the record."
+            f"{name}={field!r} is not valid for {where}: {what}. Expected every record to have it; set {name} to the "
+            f"field holding the {'chat messages' if messages_field else 'text'}, or fix the record."
         )
     value = record[field]
     if messages_field:
@@ -209,6 +235,14 @@ def _digest(source: str, files: list[Path], *extra: Any) -> str:
     return h.hexdigest()[:24]
 
 
+def document_cache_key(source: str, path: str, text_field: str = "text", messages_field: str | None = None,
+                       tokenizer: str | None = None) -> str:
+    """The document cache's key: a hash of the files' ``(path, size, mtime)``, the fields, the tokenizer files'
+    contents and the format (``docs-<key>.tokens``)."""
+    files = _litdata_files(path) if source == "litdata" else _files(source, path)
+    return _digest(source, files, text_field, messages_field, tokenizer_file_digests(tokenizer))
+
+
 def build_document_cache(source: str, path: str, text_field: str = "text", messages_field: str | None = None,
                          tokenizer: str | None = None, cache_dir: str | Path | None = None) -> tuple[Path, dict]:
     """Tokenize every record of ``path`` once into the document cache (see the module docstring), or reuse it.
@@ -223,13 +257,8 @@ def build_document_cache(source: str, path: str, text_field: str = "text", messa
     if source not in SOURCES:
         raise ValueError(f"data.source={source!r} is not valid: expected one of {list(SOURCES)}.")
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    key = document_cache_key(source, path, text_field, messages_field, tokenizer)
     files = _litdata_files(path) if source == "litdata" else _files(source, path)
-    tok_digest = []
-    if tokenizer is not None:
-        tdir = Path(tokenizer).expanduser()
-        tok_digest = [f"{n}:{hashlib.sha256((tdir / n).read_bytes()).hexdigest()}" for n in TOKENIZER_FILES
-                      if (tdir / n).is_file()]
-    key = _digest(source, files, text_field, messages_field, tok_digest)
     token_path, meta_path = cache / f"docs-{key}.tokens", cache / f"docs-{key}.json"
     if token_path.is_file() and meta_path.is_file():
         return token_path, json.loads(meta_path.read_text())
@@ -238,16 +267,20 @@ def build_document_cache(source: str, path: str, text_field: str = "text", messa
     dtype = token_dtype(encoder.vocab_size)
     offsets, names, records, skipped = [0], [], 0, 0
     tmp = token_path.with_suffix(f".tmp{os.getpid()}")
-    with open(tmp, "wb") as out:
-        for record, where in _records(source, files, cache, path):
-            records += 1
-            ids = _document(record, where, text_field, messages_field, encoder)
-            if len(ids) < 2:
-                skipped += 1
-                continue
-            np.asarray(ids, dtype=dtype).tofile(out)
-            offsets.append(offsets[-1] + len(ids))
-            names.append(where)
+    try:
+        with open(tmp, "wb") as out:
+            for record, where in _records(source, files, cache, path):
+                records += 1
+                ids = _document(record, where, text_field, messages_field, encoder)
+                if len(ids) < 2:
+                    skipped += 1
+                    continue
+                np.asarray(ids, dtype=dtype).tofile(out)
+                offsets.append(offsets[-1] + len(ids))
+                names.append(where)
+    except BaseException:  # a refused record (or an interrupt): no partial file stays in the cache
+        tmp.unlink(missing_ok=True)
+        raise
     if len(offsets) < 2:
         tmp.unlink(missing_ok=True)
         raise ValueError(
@@ -334,14 +367,30 @@ class DocumentDataModule(L.LightningDataModule):
         self.val_dataset: Dataset | None = None
         self._meta: dict | None = None
         self._pending_state: dict | None = None
+        self._fingerprint: dict | None = None
 
     # ------------------------------------------------------------------ the cache
     def documents(self) -> tuple[np.ndarray, dict]:
         """``(tokens, meta)`` of the document cache, built on first use (:func:`build_document_cache`)."""
+        fingerprint = self.fingerprint()  # of the files read now (an edit after this is another run's data)
         path, meta = build_document_cache(self.source, self.path, self.text_field, self.messages_field,
                                           self.tokenizer, self.cache_dir)
-        self._meta = meta
+        self._meta, self._fingerprint = meta, fingerprint
         return np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r"), meta
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What the run trains on (:mod:`lightning_par.data.fingerprint`): the tokenizer files' contents, the token
+        cache's key and the packing settings; saved in checkpoints, compared on resume. Once the data is read, the
+        fingerprint of what was read."""
+        if self._fingerprint is not None:
+            return dict(self._fingerprint)
+        return {
+            "tokenizer": tokenizer_digest(self.tokenizer),
+            "token_cache": "docs-" + document_cache_key(self.source, self.path, self.text_field, self.messages_field,
+                                                        self.tokenizer),
+            "packing": {"packing": self.packing, "block_size": self.block_size, "long_documents": self.long_documents,
+                        "buffer_blocks": self.buffer_blocks, "val_every": self.val_every},
+        }
 
     @property
     def vocab_size(self) -> int:
@@ -436,21 +485,30 @@ class DocumentDataModule(L.LightningDataModule):
         """The packing's identity (:meth:`PackedBlocks.state_dict`) for the checkpoint; the position within the epoch
         is the training loader's (Lightning saves it too)."""
         ds = self.train_dataset
-        return {"packing": ds.state_dict()} if isinstance(ds, PackedBlocks) else {}
+        state = {"packing": ds.state_dict()} if isinstance(ds, PackedBlocks) else {}
+        return {**state, "fingerprint": self.fingerprint()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Check, on resume, that the checkpoint was packed from the same documents and options.
+        """Check, on resume, that the checkpoint was made from the same data: its fingerprint (tokenizer files, token
+        cache key, packing settings), then the packing itself.
 
         Raises:
-            ValueError: see :meth:`PackedBlocks.load_state_dict`.
+            ValueError: naming what changed (old -> new); see also :meth:`PackedBlocks.load_state_dict`.
         """
-        if "packing" not in state_dict:
+        if "packing" not in state_dict and "fingerprint" not in state_dict:
             return
         if self.train_dataset is None:  # Lightning restores before setup: check when the data is built
             self._pending_state = state_dict
             return
         self._pending_state = None
-        if isinstance(self.train_dataset, PackedBlocks):
+        changes = fingerprint_changes(state_dict.get("fingerprint"), self.fingerprint())
+        if changes:
+            raise ValueError(
+                f"the data is not the checkpoint's: {'; '.join(changes)}. A resume continues the same token stream: "
+                f"resume with the checkpoint's data and tokenizer, or start a new run from the checkpoint's weights "
+                f"(lightning_par.checkpoint.load_model_weights)."
+            )
+        if isinstance(self.train_dataset, PackedBlocks) and "packing" in state_dict:
             self.train_dataset.load_state_dict(state_dict["packing"])
 
     def packing_stats(self) -> dict[str, Any]:

@@ -73,7 +73,9 @@ def load_tokenizer(directory: str | Path) -> tuple[Callable[[str], list[int]], i
     try:
         from transformers import AutoTokenizer
 
-        auto = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        from lightning_par.hf.load import trust_remote_code
+
+        auto = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code())
     except (OSError, ValueError, ImportError) as err:
         raise ValueError(
             f"data.tokenizer={str(directory)!r} is not valid: no tokenizer could be read from it ({type(err).__name__}:"

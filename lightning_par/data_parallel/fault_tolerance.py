@@ -20,8 +20,11 @@ torchft is an optional dependency (the ``ft`` extra); it is imported only when `
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import itertools
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +38,7 @@ from torch import Tensor, nn
 from lightning_par.validation import check_bool, check_int, check_number
 
 __all__ = ["FaultToleranceOptions", "FaultTolerantReplicas", "check_fault_tolerance", "check_lighthouse",
-           "check_train_data", "move_train_data"]
+           "check_train_data", "is_loopback_host", "move_train_data", "url_host"]
 
 #: dp modes the fault-tolerant axis runs inside a replica group. ``ddp``/``zero1``/``zero2`` step plain local tensors;
 #: ``zero3`` (FSDP2) steps DTensor shards, whose local tensors are what travels (every group has the same layout, so
@@ -71,6 +74,11 @@ class FaultToleranceOptions:
             (global weights minus local weights) and step an outer SGD on them.
         diloco_outer_lr: the outer SGD's learning rate.
         diloco_outer_momentum: the outer SGD's momentum (Nesterov when ``> 0``, as in the DiLoCo paper).
+        bind: the address the servers of this run listen on (the lighthouse ``train_ft`` starts, rank 0's torchft
+            manager server, each rank's checkpoint-transfer server), none of which authenticates its clients.
+            ``"auto"``: loopback (``127.0.0.1``) when the lighthouse's host resolves to loopback only (every group
+            on this host, as ``train_ft`` runs them), else refused: name the address. Otherwise an IP address of
+            this host on a trusted network (``"10.0.0.5"``, ``"::1"``; ``"0.0.0.0"``/``"::"``: every interface).
 
     Raises:
         ValueError: a field of the wrong type or range, named in the message.
@@ -88,6 +96,7 @@ class FaultToleranceOptions:
     diloco_sync_every: int = 0
     diloco_outer_lr: float = 0.7
     diloco_outer_momentum: float = 0.9
+    bind: str = "auto"
 
     def __post_init__(self) -> None:
         p = "fault_tolerance."
@@ -116,6 +125,33 @@ class FaultToleranceOptions:
                 f"{p}lighthouse={self.lighthouse!r} is not valid: expected 'http://host:port' or None "
                 f"($TORCHFT_LIGHTHOUSE)."
             )
+        if not isinstance(self.bind, str) or (self.bind != "auto" and _ip(self.bind) is None):
+            raise ValueError(
+                f"{p}bind={self.bind!r} is not valid: expected 'auto' (loopback when the lighthouse is on this host) "
+                f"or an IP address of this host ('127.0.0.1', '10.0.0.5', '::1'; '0.0.0.0' or '::' for every "
+                f"interface)."
+            )
+
+    def bind_host(self, lighthouse: str | None = None) -> str:
+        """The address this run's servers listen on: :attr:`bind`, or for ``"auto"`` loopback (``127.0.0.1``) when
+        ``lighthouse`` (default: :meth:`lighthouse_address`) is on loopback.
+
+        Raises:
+            ValueError: ``bind="auto"`` with a lighthouse on another host (the servers would have to listen where the
+                other groups reach them: the user names that address).
+        """
+        if self.bind != "auto":
+            return str(_ip(self.bind))
+        address = lighthouse if lighthouse is not None else self.lighthouse_address()
+        host_port = _host_port(address)
+        if host_port is not None and is_loopback_host(host_port[0]):
+            return "127.0.0.1"
+        raise ValueError(
+            f"fault_tolerance.bind='auto' is not valid with the lighthouse {address!r}, which is not on this host's "
+            f"loopback: the groups' torchft servers (manager, checkpoint transfer) must listen where the other "
+            f"groups reach them, and they have no authentication. Set fault_tolerance.bind to this host's address "
+            f"on a trusted network (e.g. '10.0.0.5'; '0.0.0.0' or '::' for every interface)."
+        )
 
     def lighthouse_address(self) -> str:
         """The lighthouse to use.
@@ -129,7 +165,7 @@ class FaultToleranceOptions:
         if not address:
             raise ValueError(
                 "fault_tolerance.lighthouse=None and $TORCHFT_LIGHTHOUSE is unset: give the lighthouse address "
-                "('http://host:port'; start one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510`)."
+                "('http://host:port'; start one with `torchft_lighthouse --min_replicas 1 --bind 127.0.0.1:29510`)."
             )
         return address
 
@@ -198,6 +234,99 @@ def _host_port(address: str) -> tuple[str, int] | None:
     return parsed.hostname, port
 
 
+def _ip(value: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(value.strip("[]"))
+    except ValueError:
+        return None
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (an IP address or a name, resolved by this host's resolver) is this host's loopback only."""
+    ip = _ip(host)
+    if ip is not None:
+        return ip.is_loopback
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    ips = [_ip(str(info[4][0]).split("%", 1)[0]) for info in infos]
+    return bool(ips) and all(ip is not None and ip.is_loopback for ip in ips)
+
+
+def url_host(host: str) -> str:
+    """``host`` as it goes in a URL or a ``host:port`` bind (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host else host
+
+
+def _advertised(host: str) -> str:
+    """The name peers reach a server bound to ``host`` at: the host itself, or this host's name for a wildcard."""
+    ip = _ip(host)
+    return socket.gethostname() if ip is not None and ip.is_unspecified else host
+
+
+#: Serialises the rebinding of torchft's servers (module attributes, see :func:`_torchft_servers_bound_to`).
+_BIND_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _torchft_servers_bound_to(host: str) -> Any:
+    """While a :class:`torchft.Manager` is built: its manager server and its HTTP checkpoint server listen on ``host``.
+
+    torchft 0.2.0's ``Manager.__init__`` starts ``ManagerServer(bind=f"[::]:{port}")`` and its ``HTTPTransport``
+    an ``_IPv6HTTPServer(("", 0))``: every interface, whatever the job needs, and neither authenticates (a peer on the
+    network could read the weights or stop the group). It takes no bind address, so the two names it looks up in
+    its modules are replaced by ones that bind ``host``, for the constructor only.
+    """
+    import torchft.checkpointing.http_transport as http_transport
+    import torchft.manager as manager_module
+
+    server_cls, http_cls = manager_module.ManagerServer, http_transport._IPv6HTTPServer
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    def manager_server(*args: Any, **kwargs: Any) -> Any:
+        port = str(kwargs["bind"]).rsplit(":", 1)[1]
+        return server_cls(*args, **{**kwargs, "bind": f"{url_host(host)}:{port}"})
+
+    class BoundHTTPServer(http_cls):  # type: ignore[misc, valid-type]
+        address_family = family
+
+        def __init__(self, server_address: tuple[str, int], handler: Any) -> None:
+            super().__init__((host, server_address[1]), handler)
+
+    with _BIND_LOCK:
+        manager_module.ManagerServer, http_transport._IPv6HTTPServer = manager_server, BoundHTTPServer
+        try:
+            yield
+        finally:
+            manager_module.ManagerServer, http_transport._IPv6HTTPServer = server_cls, http_cls
+
+
+def _bound_http_transport(host: str, timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport, advertising ``host`` (its own ``address()`` names ``gethostname()``, which
+    a server bound to loopback may not answer at). Built inside :func:`_torchft_servers_bound_to`."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class BoundHTTPTransport(HTTPTransport):
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            return f"http://{url_host(_advertised(host))}:{port}/checkpoint/"
+
+    return BoundHTTPTransport(timeout=timeout, num_chunks=0)
+
+
+def _unreachable(address: str, timeout_s: float = 2.0) -> str | None:
+    """``None`` when something accepts a TCP connection at ``address`` now, else the connection error."""
+    host_port = _host_port(address)
+    if host_port is None:
+        return None
+    try:
+        with socket.create_connection(host_port, timeout=timeout_s):
+            return None
+    except OSError as err:
+        return repr(err)
+
+
 def check_lighthouse(address: str, timeout_s: float) -> None:
     """Refuse an unreachable lighthouse within ``timeout_s`` (a TCP connect; torchft's own client would retry).
 
@@ -219,7 +348,7 @@ def check_lighthouse(address: str, timeout_s: float) -> None:
     raise ConnectionError(
         f"No torchft lighthouse answers at fault_tolerance.lighthouse={address!r} within "
         f"fault_tolerance.connect_timeout_s={timeout_s:g} s ({last!r}): start it first "
-        f"(`torchft_lighthouse --min_replicas N --bind [::]:PORT`) or fix the address."
+        f"(`torchft_lighthouse --min_replicas N --bind 127.0.0.1:PORT`) or fix the address."
     )
 
 
@@ -391,24 +520,30 @@ class FaultTolerantReplicas:
         self.module = module
         self._optimizers = optimizers
         address = options.lighthouse_address()
+        host = options.bind_host(address)
         check_lighthouse(address, options.connect_timeout_s)
+        self._lighthouse = address
         timeout = timedelta(seconds=options.step_timeout_s)
         self.pg = ProcessGroupGloo(timeout=timeout)
-        self.manager = Manager(
-            pg=self.pg,
-            load_state_dict=self._load_state_dict,
-            state_dict=self._state_dict,
-            min_replica_size=options.min_replicas,
-            use_async_quorum=False,  # a joining group applies the peer's state before its forward, then takes part
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=options.quorum_timeout_s),
-            connect_timeout=timedelta(seconds=options.connect_timeout_s),
-            rank=group_rank,
-            world_size=group_world_size,
-            lighthouse_addr=address,
-            replica_id=f"lightning_par_group_{options.replica_group_id}",
-            init_sync=options.init_sync,
-        )
+        with _torchft_servers_bound_to(host):
+            transport = _bound_http_transport(host, timeout)
+            self.manager = Manager(
+                pg=self.pg,
+                load_state_dict=self._load_state_dict,
+                state_dict=self._state_dict,
+                min_replica_size=options.min_replicas,
+                use_async_quorum=False,  # a joining group applies the peer's state before its forward, then joins
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=options.quorum_timeout_s),
+                connect_timeout=timedelta(seconds=options.connect_timeout_s),
+                rank=group_rank,
+                world_size=group_world_size,
+                lighthouse_addr=address,
+                replica_id=f"lightning_par_group_{options.replica_group_id}",
+                init_sync=options.init_sync,
+                hostname=_advertised(host),
+                checkpoint_transport=transport,
+            )
         self._in_step = False
         self._quorum_id: Any = None
         self.live_replicas = 0
@@ -527,7 +662,19 @@ class FaultTolerantReplicas:
             return
         t0 = time.perf_counter()
         before = self.recoveries
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except Exception as err:
+            lost = _unreachable(self._lighthouse)
+            if lost is None:
+                raise
+            raise RuntimeError(
+                f"replica group {self.options.replica_group_id} lost the torchft lighthouse: nothing answers at "
+                f"fault_tolerance.lighthouse={self._lighthouse!r} any more ({lost}); it answered when the group "
+                f"started, so it died (or its host became unreachable) during the run, and no quorum can form without "
+                f"it. Restart the lighthouse and the groups (train_ft starts both). The quorum failed with: "
+                f"{type(err).__name__}: {err}"
+            ) from err
         self._in_step = True
         if self.recoveries > before:
             self.recovery_s = time.perf_counter() - t0

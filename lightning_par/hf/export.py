@@ -12,6 +12,8 @@ does.
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from lightning_par.checkpoint.loading import load_in_one_process
 from lightning_par.checkpoint.safe import load_metadata_file, safe_reader
 from lightning_par.checkpoint.sharded import METADATA_FILENAME, verify_checkpoint
 from lightning_par.data.tokenize import TOKENIZER_FILES
-from lightning_par.hf.load import INDEX_NAME, tied_aliases
+from lightning_par.hf.load import INDEX_NAME, tied_aliases, trust_remote_code
 
 __all__ = ["DEFAULT_SHARD_BYTES", "export_hf", "hf_config_of"]
 
@@ -53,7 +55,8 @@ def hf_config_of(meta: dict[str, Any]) -> Any:
             f"load code or files; a checkpoint is data, never code)."
         )
     if hp.get("pretrained"):
-        return AutoConfig.from_pretrained(hp["pretrained"], local_files_only=True, **dict(hp.get("config") or {}))
+        return AutoConfig.from_pretrained(hp["pretrained"], local_files_only=True,
+                                          trust_remote_code=trust_remote_code(), **dict(hp.get("config") or {}))
     if hp.get("model_type"):
         return AutoConfig.for_model(hp["model_type"], **dict(hp.get("config") or {}))
     raise ValueError(
@@ -89,7 +92,9 @@ def export_hf(
 
     Args:
         checkpoint: the checkpoint directory (``*.ckpt``) of any lightning_par strategy.
-        output: the directory to write; it must not exist or be empty.
+        output: the directory to write; it must not exist or be an empty directory (not a symbolic link, not a mount
+            point). The files are written into a staging directory beside it (``.<name>.exporting-<random>``), which
+            is then renamed onto ``output``: a failure leaves ``output`` as it was and removes the staging copy.
         max_shard_bytes: largest safetensors shard, in bytes.
         prefix: the network's attribute in the LightningModule, with a dot (``HFCausalLM``: ``"model."``).
         tokenizer: a local tokenizer directory whose files (``tokenizer.json``, ``tokenizer_config.json``, ...) are
@@ -101,18 +106,16 @@ def export_hf(
     Raises:
         FileNotFoundError, ValueError: a missing or damaged checkpoint (see
             :func:`lightning_par.checkpoint.verify_checkpoint`); ``max_shard_bytes`` not positive; ``output`` is a
-            non-empty directory or a file; ``tokenizer`` holds no tokenizer file; the checkpoint is not an
-            ``HFCausalLM``'s or lacks a weight of its model.
+            non-empty directory, a file, a symbolic link or a mount point (before anything is written); ``tokenizer``
+            holds no tokenizer file; the checkpoint is not an ``HFCausalLM``'s or lacks a weight of its model.
     """
-    from safetensors.torch import save_file
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes={max_shard_bytes!r} is not valid: expected a positive number of bytes.")
     path, output = Path(checkpoint), Path(output)
-    if output.is_file() or (output.is_dir() and any(output.iterdir())):
-        raise ValueError(f"output={str(output)!r} is not valid: it exists and is not an empty directory.")
+    _check_output(output)
     tokenizer_files = [] if tokenizer is None else [
         Path(tokenizer).expanduser() / f for f in TOKENIZER_FILES if (Path(tokenizer).expanduser() / f).is_file()
     ]
@@ -122,7 +125,7 @@ def export_hf(
     meta = load_metadata_file(path / METADATA_FILENAME)  # data only (lightning_par.checkpoint.safe)
     config = hf_config_of(meta)
     with torch.device("meta"):  # names and ties only: no memory
-        network = AutoModelForCausalLM.from_config(config)
+        network = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code())
     tied = tied_aliases(network)
     names = [n for n in network.state_dict() if n not in tied]
     saved = safe_reader(path).read_metadata().state_dict_metadata
@@ -137,9 +140,47 @@ def export_hf(
             )
         specs[name] = (entry.size, entry.properties.dtype)
         sizes[name] = entry.size.numel() * torch.empty((), dtype=entry.properties.dtype).element_size()
-    staged = output.with_name(output.name + ".exporting")
-    shutil.rmtree(staged, ignore_errors=True)
-    staged.mkdir(parents=True)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staged = output.parent / f".{output.name}.exporting-{secrets.token_hex(4)}"
+    staged.mkdir()  # beside the output (same file system: the move is a rename), ours alone
+    try:
+        _write(staged, path, config, meta, specs, sizes, max_shard_bytes, prefix, tokenizer_files)
+        os.replace(staged, output)  # atomic; replaces an empty directory, never a non-empty one
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)  # the output is as it was, and no staging copy stays
+        raise
+    return output
+
+
+def _check_output(output: Path) -> None:
+    """Refuse, before anything is written, an output the export would not replace as a whole."""
+    if output.is_symlink():
+        raise ValueError(
+            f"output={str(output)!r} is not valid: it is a symbolic link (to {os.readlink(output)!r}); the export "
+            f"moves a finished directory into place and does not write through links. Give the directory itself, or "
+            f"a path that does not exist."
+        )
+    if output.is_dir() and os.path.ismount(output):
+        raise ValueError(
+            f"output={str(output)!r} is not valid: it is a mount point, which a finished directory cannot be moved "
+            f"onto. Give a new directory inside it (e.g. {str(output / 'model')!r})."
+        )
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"output={str(output)!r} is not valid: it exists and is not an empty directory (a file). "
+                         f"Give a path that does not exist, or an empty directory.")
+    if output.is_dir() and any(output.iterdir()):
+        raise ValueError(f"output={str(output)!r} is not valid: it exists and is not an empty directory (it holds "
+                         f"{sum(1 for _ in output.iterdir())} entries). Give a path that does not exist, or an empty "
+                         f"directory.")
+
+
+def _write(staged: Path, path: Path, config: Any, meta: dict[str, Any],
+           specs: dict[str, tuple[torch.Size, torch.dtype]], sizes: dict[str, int], max_shard_bytes: int, prefix: str,
+           tokenizer_files: list[Path]) -> None:
+    """The export's files, written into ``staged``."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
     shards = _plan_shards(sizes, max_shard_bytes)
     weight_map: dict[str, str] = {}
     for i, shard in enumerate(shards, start=1):
@@ -157,7 +198,3 @@ def export_hf(
         GenerationConfig.from_dict(generation).save_pretrained(staged)
     for file in tokenizer_files:
         shutil.copyfile(file, staged / file.name)
-    if output.is_dir():
-        output.rmdir()
-    staged.rename(output)
-    return output

@@ -11,6 +11,7 @@ copies it into the local shard. Weights that the model ties (``lm_head.weight`` 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,36 @@ from torch import Tensor, nn
 
 from lightning_par.compat import local_chunk, local_tensor
 
-__all__ = ["INDEX_NAME", "WEIGHTS_NAME", "fill_from_safetensors", "load_hf_weights", "tied_aliases", "weight_files"]
+__all__ = ["INDEX_NAME", "TRUST_REMOTE_CODE_ENV", "WEIGHTS_NAME", "fill_from_safetensors", "load_hf_weights",
+           "tied_aliases", "trust_remote_code", "weight_files"]
 
 #: The single-file weights of a ``save_pretrained`` directory.
 WEIGHTS_NAME = "model.safetensors"
 #: The index of a sharded ``save_pretrained`` directory.
 INDEX_NAME = "model.safetensors.index.json"
+
+
+#: The opt-in to the Python files a model, config or tokenizer directory names (``auto_map``): ``1`` lets
+#: transformers import them. An environment variable, never a config field: a checkpoint's hyper-parameters reach the
+#: loaders, and a checkpoint is data, never code.
+TRUST_REMOTE_CODE_ENV = "LIGHTNING_PAR_TRUST_REMOTE_CODE"
+
+
+def trust_remote_code() -> bool:
+    """The ``trust_remote_code`` every loader of the project passes to transformers: ``False`` unless
+    ``$LIGHTNING_PAR_TRUST_REMOTE_CODE=1``. Always a bool: transformers never asks on stdin ("Do you wish to run the
+    custom code? [y/N]"), so no answer there can import a file.
+
+    Raises:
+        ValueError: the variable holds another value than ``0``/``1`` (or empty).
+    """
+    value = os.environ.get(TRUST_REMOTE_CODE_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(
+            f"{TRUST_REMOTE_CODE_ENV}={value!r} is not valid: expected '1' (transformers imports the Python files a "
+            f"model, config or tokenizer directory names: only for directories you trust) or '0'/unset (never)."
+        )
+    return value == "1"
 
 
 def weight_files(directory: str | Path) -> dict[str, Path]:

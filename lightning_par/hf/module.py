@@ -16,7 +16,7 @@ import lightning as L
 import torch
 
 from lightning_par.checkpoint.loading import ShardedCheckpointLoading
-from lightning_par.hf.load import fill_from_safetensors, load_hf_weights, tied_aliases
+from lightning_par.hf.load import fill_from_safetensors, load_hf_weights, tied_aliases, trust_remote_code
 from lightning_par.models.next_token import NextTokenSteps
 from lightning_par.tensor_parallel.styles import mask_padded_vocab
 from lightning_par.tensor_parallel.vocab import VOCAB_SIZE_ATTR
@@ -155,10 +155,12 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
             _check("pretrained", pretrained, (Path(pretrained).expanduser() / "config.json").is_file(),
                    "a local directory written by save_pretrained (config.json and model.safetensors or its index); "
                    "nothing is downloaded")
-            hf_config = AutoConfig.from_pretrained(pretrained, local_files_only=True, **config)
+            hf_config = AutoConfig.from_pretrained(pretrained, local_files_only=True,
+                                                   trust_remote_code=trust_remote_code(), **config)
         else:
             hf_config = AutoConfig.for_model(model_type, **config)
-        self.model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=_attention_backend(hf_config))
+        self.model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=_attention_backend(hf_config),
+                                                      trust_remote_code=trust_remote_code())
         # Built by load_from_checkpoint: the checkpoint's weights replace the pretrained ones, which are not read.
         self._pretrained_pending = pretrained is not None and not _FROM_CHECKPOINT.get()
         self._tied = tied_aliases(self.model)

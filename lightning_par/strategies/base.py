@@ -346,6 +346,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         self.validate_model(dims)
         ft = self.options.fault_tolerance
         if ft.enabled:  # an unreachable lighthouse is named now, within connect_timeout_s, before any process group
+            ft.bind_host(ft.lighthouse_address())  # and a bind address the job cannot use
             check_lighthouse(ft.lighthouse_address(), ft.connect_timeout_s)
         reset_seed()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(

@@ -56,6 +56,10 @@ PREFLIGHT = [
                         "checkpoint"),
     # model vs data, data
     ("model.vocab_size=64", "model.vocab_size=64 is not valid for this data: its token ids go up to 255"),
+    # a model larger than the machine's memory (issue 50): named by field, not by an allocation error in every rank
+    ("model.vocab_size=2147483648", "model.vocab_size=2147483648 is not valid: the model's parameters alone take "),
+    ("model.vocab_size=2147483648", "Its largest tensor, model.wte.weight of shape (2147483648, 32), is "
+                                    "model.vocab_size x model.n_embd"),
     ("data=stdlib data.path=/no/such/corpus", "ByteCorpusDataModule path='/no/such/corpus' is not valid: it does not exist"),
     ("data.path={tmp}/small.txt", "ByteCorpusDataModule path='{tmp}/small.txt' is not valid with synthetic=True"),
     ("data=stdlib data.path={tmp}/small.txt", "corpus (path='{tmp}/small.txt') of 3 tokens is too small for block_size=32"),

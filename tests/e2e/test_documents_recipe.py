@@ -86,5 +86,5 @@ def test_a_bad_record_is_refused_before_start(tmp_path):
     proc, run_dir = _train(tmp_path, "jsonl", path)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
-    assert "data.text_field='text' is not valid for record 5 of" in out and "bad.jsonl" in out, tail(proc)
+    assert "data.text_field='text' is not valid for line 6 of" in out and "bad.jsonl" in out, tail(proc)
     assert not (run_dir / "summary.json").exists()

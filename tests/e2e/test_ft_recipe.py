@@ -6,6 +6,7 @@ without it (fault tolerance off, one group), with the same losses as an uninterr
 from __future__ import annotations
 
 import csv
+import re
 import json
 import sys
 from pathlib import Path
@@ -171,3 +172,61 @@ def test_nothing_outlives_a_killed_train_ft(tmp_path: Path) -> None:
         cmdlines = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:300] for p in pids
                     if Path(f"/proc/{p}/cmdline").exists()}
         raise AssertionError(f"{err}; {cmdlines}") from None
+
+
+def test_the_servers_listen_on_loopback_and_a_dead_lighthouse_is_named(tmp_path: Path) -> None:
+    """Issue 50. While both groups train, every TCP socket listening in the job's processes (the lighthouse, each
+    group's rendezvous store, torchft manager and checkpoint servers, gloo) is bound to loopback (read from /proc: no
+    traffic leaves the machine's loopback); then SIGKILL of the lighthouse: the launcher names its death within
+    ``connect_timeout_s + 10 s`` and stops every group."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.e2e.test_faults import _assert_all_gone
+    from tests.unit.test_ft_servers_bind import _is_loopback, _listening
+
+    connect_s = 5.0
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "recipes" / "train_ft.py"), *TINY, *FT,
+                             "trainer.max_steps=1000", f"strategy.fault_tolerance.connect_timeout_s={connect_s}",
+                             f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not all(
+                (tmp_path / f"group{g}" / "logs" / "metrics.csv").exists() for g in range(2)):
+            assert proc.poll() is None, "train_ft ended early"
+            time.sleep(0.5)
+        pids = _descendants(proc.pid)
+        listening = {}
+        for pid in [proc.pid, *pids]:
+            try:
+                listening[pid] = _listening(pid)
+            except OSError:  # a process that ended meanwhile
+                continue
+        lighthouses = [p for p in pids if b"torchft_lighthouse" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(lighthouses) == 1, pids
+        assert listening[lighthouses[0]], listening  # the lighthouse listens, and so do the groups' servers
+        assert sum(len(v) for v in listening.values()) >= 5, listening
+        assert all(_is_loopback(a) for v in listening.values() for a, _ in v), listening
+        t0 = time.monotonic()
+        os.kill(lighthouses[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=connect_s + 10)
+        named_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert re.search(r"train_ft: the lighthouse \(http://127\.0\.0\.1:\d+, pid \d+\) died \(killed by SIGKILL\) while "
+                     r"the replica groups ran", out), out[-3000:]
+    assert named_s < connect_s + 10, named_s
+    _assert_all_gone(pids, within_s=30.0)
+
+
+def test_a_bad_bind_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"strategy.fault_tolerance.bind='anywhere' is not valid: expected 'auto'"):
+        launch_ft_job(_cfg(*TINY, *FT, "strategy.fault_tolerance.bind=anywhere"), TINY, tmp_path)
+    assert not list(tmp_path.iterdir())

@@ -193,13 +193,13 @@ def _litdata_item(text: str) -> dict:
 def test_bad_records(tmp_path):
     good = [{"text": t} for t in _texts(10)]
     missing = _jsonl(tmp_path / "missing.jsonl", [*good[:3], {"body": "x y"}, *good[3:]])
-    with pytest.raises(ValueError, match=r"data.text_field='text' is not valid for record 3 of .*missing.jsonl"):
+    with pytest.raises(ValueError, match=r"data.text_field='text' is not valid for line 4 of .*missing.jsonl"):
         build_document_cache("json", str(missing), cache_dir=tmp_path / "c")
     absent = _jsonl(tmp_path / "absent.jsonl", [{"body": t} for t in _texts(5)])
-    with pytest.raises(ValueError, match=r"data.text_field='text' is not valid for record 0 .* fields: \['body'\]"):
+    with pytest.raises(ValueError, match=r"data.text_field='text' is not valid for line 1 .* fields: \['body'\]"):
         build_document_cache("json", str(absent), cache_dir=tmp_path / "c")
     typed = _jsonl(tmp_path / "typed.jsonl", [*good[:2], {"text": 5}])
-    with pytest.raises(ValueError, match=r"data.text_field='text' of record 2 .* a int .* Expected a string"):
+    with pytest.raises(ValueError, match=r"data.text_field='text' of line 3 .* a int .* Expected a string"):
         build_document_cache("json", str(typed), cache_dir=tmp_path / "c")
     empty = _jsonl(tmp_path / "empty.jsonl", [*good[:4], {"text": ""}, *good[4:]])
     with pytest.warns(UserWarning, match="1 of 11 records are empty"):
@@ -215,7 +215,7 @@ def test_bad_records(tmp_path):
     long = _jsonl(tmp_path / "long.jsonl", [*good, {"text": "z" * 200}])
     dm = DocumentDataModule(source="json", path=str(long), block_size=128, batch_size=1, long_documents="error",
                             val_every=50, cache_dir=str(tmp_path / "c"))
-    with pytest.raises(ValueError, match=r"record 10 of .*long.jsonl' of 200 tokens"):
+    with pytest.raises(ValueError, match=r"line 11 of .*long.jsonl' of 200 tokens"):
         dm.setup()
 
 
@@ -249,3 +249,28 @@ def test_chat_records_through_the_chat_template(tmp_path):
     assert np.diff(meta["offsets"]).tolist() == [9] * 4  # user : hi there assistant : how are you
     with pytest.raises(ValueError, match="data.messages_field is not valid with data.tokenizer=None"):
         build_document_cache("json", str(path), messages_field="messages", cache_dir=tmp_path / "c2")
+
+
+def test_bad_records_are_named_by_the_line_an_editor_shows(tmp_path):
+    """Issue 50: JSON Lines records by their 1-based line (blank lines counted as an editor does), Parquet rows from 1;
+    a record whose field is null is not said to lack the field; a refused build leaves no temporary file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = [json.dumps({"text": t}) for t in _texts(6)]
+    path = tmp_path / "gaps.jsonl"
+    path.write_text("\n".join([*good[:2], "", *good[2:4], json.dumps({"body": "x y"}), *good[4:]]) + "\n")
+    cache = tmp_path / "c"
+    with pytest.raises(ValueError, match=r"data.text_field='text' is not valid for line 6 of .*gaps.jsonl': the record "
+                                         r"has no value for it \('text' is missing or null in this record; the file's "
+                                         r"fields: \['body', 'text'\]\)"):
+        build_document_cache("json", str(path), cache_dir=cache)
+    assert [p.name for p in cache.iterdir() if ".tmp" in p.name] == []  # no docs-<hash>.tmp<pid> left behind
+    pq.write_table(pa.table({"text": ["a b", "c d", None]}), tmp_path / "t.parquet")
+    with pytest.raises(ValueError, match=r"is not valid for row 3 of .*t.parquet'"):
+        build_document_cache("parquet", str(tmp_path / "t.parquet"), cache_dir=cache)
+    array = tmp_path / "array.json"
+    array.write_text(json.dumps([{"text": "a b"}, {"text": 7}]))
+    with pytest.raises(ValueError, match=r"data.text_field='text' of record 2 of .*array.json' is not valid"):
+        build_document_cache("json", str(array), cache_dir=cache)
+    assert [p.name for p in cache.iterdir() if ".tmp" in p.name] == []
