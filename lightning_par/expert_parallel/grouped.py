@@ -101,8 +101,9 @@ def expert_ffn(x: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, act: Call
     if n == 0:  # still a function of x: under ep the combine's backward all-to-all must run on every rank
         return x[:0, :1].expand(0, w_out.shape[-1])
     if kind == "loop":
-        out = [act(chunk @ w_in[e]) @ w_out[e] for e, chunk in enumerate(x.split(rows)) if rows[e]]
-        return torch.cat(out)
+        # unbind, not w_in[e]: indexing's backward would write a zero-filled (experts, ...) gradient per expert
+        pairs = zip(x.split(rows), w_in.unbind(0), w_out.unbind(0))
+        return torch.cat([act(chunk @ a) @ b for chunk, a, b in pairs if chunk.shape[0]])
     experts, most = len(rows), max(rows)
     # each token's slot in the padded batch: expert * most + its position within the expert's segment
     expert_of = torch.repeat_interleave(torch.arange(experts, device=x.device), counts, output_size=n)

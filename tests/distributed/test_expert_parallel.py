@@ -35,6 +35,11 @@ WORLD2 = {
        for mode in ("ddp", "zero1", "zero2", "zero3") for model in ("moegpt", "moelm-sgd")},
     "ep2-zero2-moelm-adamw": _fit("ep2-zero2-moelm-adamw", "moelm-adamw", ep_size=2, dp_mode="zero2"),
     "ep2-ddp-moegpt-cap": _fit("ep2-ddp-moegpt-cap", "moegpt-cap", ep_size=2),
+    # DeepSeek-V3's bias balancing: the load summed over dp, every rank's bias that of one process
+    "ep2-ddp-moegpt-bias": _fit("ep2-ddp-moegpt-bias", "moegpt-bias", ep_size=2),
+    # Hugging Face experts (the grouped form inside ContractExperts) under zero3 x ep2, against one process's loop
+    **{f"ep2-zero3-hf-moe-{arch}": _fit(f"ep2-zero3-hf-moe-{arch}", f"hf-moe-{arch}", ep_size=2, dp_mode="zero3")
+       for arch in ("qwen3_moe", "deepseek_v3")},
 }
 WORLD4 = {
     "ep4-zero1-moegpt": _fit("ep4-zero1-moegpt", "moegpt", ep_size=4, dp_mode="zero1"),
@@ -47,6 +52,12 @@ WORLD4 = {
                                   num_microbatches=2),
     "ep2cp2-zero1-moegpt": _fit("ep2cp2-zero1-moegpt", "moegpt", ep_size=2, cp_size=2, dp_mode="zero1"),
     "ep2cp2-moegpt-cap": _fit("ep2cp2-moegpt-cap", "moegpt-cap", ep_size=2, cp_size=2),
+    # Hugging Face experts under ep2 x tp2 and ep2 x pp2
+    **{f"ep2tp2-hf-moe-{arch}": _fit(f"ep2tp2-hf-moe-{arch}", f"hf-moe-{arch}", ep_size=2, tp_size=2)
+       for arch in ("qwen3_moe", "deepseek_v3")},
+    **{f"ep2pp2-1f1b-hf-moe-{arch}": _fit(f"ep2pp2-1f1b-hf-moe-{arch}", f"hf-moe-{arch}", ep_size=2, pp_size=2,
+                                          schedule="1f1b", num_microbatches=2)
+       for arch in ("qwen3_moe", "deepseek_v3")},
     # HSDP: experts sharded over edp_shard within each replica, replicated across dp_replicate
     **{f"hsdp2x2-ep2-{mode}-moelm-sgd": _fit(f"hsdp2x2-ep2-{mode}-moelm-sgd", "moelm-sgd", ep_size=2,
                                              dp_replicate_size=2, dp_shard_size=2, dp_mode=mode)
@@ -93,8 +104,46 @@ def _dims(case: dict, world: int) -> ParallelDims:
                         dp_replicate_size=o.get("dp_replicate_size", 1), dp_shard_size=o.get("dp_shard_size", -1))
 
 
+class _Logits:
+    """A Hugging Face LightningModule seen as the reference loops want it: ``module.model(x)`` gives logits."""
+
+    def __init__(self, module) -> None:
+        self.module = self.model = module
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)
+
+
+def _reference_model(name: str) -> str:
+    """The one-process reference runs the experts as the per-expert loop: every ep cell compares the grouped form
+    (``bmm`` on CPU) under ep with the loop in one process."""
+    if name.startswith("moegpt"):
+        return name + "-loop"
+    return name
+
+
+#: case name -> the one-process reference's expert biases after its fit (the ``-bias`` cases)
+_REFERENCE_BIAS: dict[str, dict[str, torch.Tensor]] = {}
+
+
 def _reference(case: dict, dims: ParallelDims, samples: int) -> tuple[list[float], dict]:
-    factory = lambda: make_model({"model": case["model"]})  # noqa: E731
+    built = []
+    result = _fit_reference(case, dims, samples, built)
+    _REFERENCE_BIAS[case["name"]] = {n: b.clone() for n, b in built[0].named_buffers() if n.endswith("expert_bias")}
+    return result
+
+
+def _fit_reference(case: dict, dims: ParallelDims, samples: int, built: list) -> tuple[list[float], dict]:
+    def factory():
+        module = make_model({"model": _reference_model(case["model"])})
+        built.append(module)
+        if case["model"].startswith("hf-"):
+            from lightning_par.hf.experts import expert_modules
+
+            for path in expert_modules(module.model):  # the HF experts as the loop too
+                module.model.get_submodule(path).form = "loop"
+            return _Logits(module)
+        return module
     if not dims.cp_enabled:  # gradients summed per replica, then averaged, as the dp reduction does
         return reference_fit_microbatched(factory, token_data(samples), MICRO, STEPS,
                                           case["options"].get("num_microbatches", 1), dims.dp_size)
@@ -117,6 +166,16 @@ def _check(runs: list[dict], case: dict, samples: int) -> None:
     for r in runs:
         assert_params_close(r["state"], ref_params, atol=atol)
         assert r["extras"]["ep_size"] == dims.ep_size
+    if "-bias" in case["model"]:  # every rank's bias equals one process's (summed load), and it moved
+        ref_bias = _REFERENCE_BIAS[case["name"]]
+        assert ref_bias and all(b.abs().sum() > 0 for b in ref_bias.values())
+        for r in runs:
+            assert r["expert_bias"].keys() == ref_bias.keys()
+            for name, bias in ref_bias.items():
+                torch.testing.assert_close(r["expert_bias"][name], bias, rtol=0, atol=1e-7)
+            per_layer = r["extras"]["moe_load_imbalance_per_layer"]
+            assert sorted(k.split("blocks.")[-1] for k in per_layer) == ["1.mlp", "3.mlp"], per_layer
+            assert all(v["last"] >= 1.0 for v in per_layer.values())
 
 
 @pytest.mark.parametrize("name", list(WORLD2))

@@ -243,3 +243,65 @@ def test_update_expert_bias_stacks_layers_and_skips_those_without_a_bias():
     assert layers[0].router.expert_bias.abs().sum() > 0
     torch.testing.assert_close(layers[0].router.expert_bias, layers[1].router.expert_bias)
     assert layers[2].router.expert_bias is None
+
+
+# ------------------------------------------------------------------------------------------- dispatch and figures
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_ep_dispatch_reads_the_host_once_and_hands_the_counts_on(monkeypatch, one_rank_group):
+    """The dispatch's split sizes and the experts' segment sizes come from one host read per layer; the output is
+    the layer's without the dispatch."""
+    from lightning_par.expert_parallel.dispatch import ExpertDispatch
+
+    torch.manual_seed(0)
+    layer = MoE(16, 32, 8, 2, experts_form="bmm")
+    x = torch.randn(2, 12, 16)
+    plain = layer(x)
+    ExpertDispatch(one_rank_group, 1).attach(layer.experts)
+    seen = {}
+    layer.experts.register_forward_pre_hook(lambda m, a, k: seen.update(k), with_kwargs=True)
+    counter = _HostReads(monkeypatch)
+    out = layer(x)
+    assert counter.count == 1
+    assert seen["host_counts"] == layer.last_stats["tokens_per_expert"].tolist()
+    torch.testing.assert_close(out, plain, rtol=1e-6, atol=0)
+
+
+def test_summary_keeps_each_layers_imbalance_and_the_dropped_total():
+    from lightning_par.expert_parallel.metrics import MoEFigures
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(MoE(16, 16, 4, 2, capacity_factor=0.5), MoE(16, 16, 4, 1))
+    figures = MoEFigures(net)
+    assert figures.summary() == {}
+    steps = []
+    for _ in range(2):
+        net(torch.randn(2, 8, 16))
+        steps.append(figures.step())
+    assert {"moe_load_imbalance/0", "moe_load_imbalance/1"} <= set(steps[0])
+    assert steps[0]["moe_load_imbalance"] == max(steps[0]["moe_load_imbalance/0"], steps[0]["moe_load_imbalance/1"])
+    summary = figures.summary()
+    assert summary["moe_steps"] == 2 and summary["moe_dropped_tokens_total"] > 0
+    assert summary["moe_dropped_tokens_total"] == sum(s["moe_dropped_tokens"] for s in steps)
+    layer0 = summary["moe_load_imbalance_per_layer"]["0"]
+    assert layer0["last"] == steps[1]["moe_load_imbalance/0"]
+    assert layer0["mean"] == pytest.approx((steps[0]["moe_load_imbalance/0"] + steps[1]["moe_load_imbalance/0"]) / 2)
+
+
+def test_moe_benchmark_table_states_the_ratios():
+    from lightning_par.benchmarks.moe import render
+
+    rows = [{"experts": 64, "form": "bmm", "grouped_s": 0.05, "loop_s": 0.1, "indexed_s": 0.2}]
+    table = render(rows, {"dim": 8, "hidden": 16, "tokens": 32, "steps": 2})
+    assert "| 64 | bmm | 50.0 | 100.0 | 2.00 | 200.0 | 4.00 |" in table
