@@ -9,10 +9,12 @@ on its segment of tokens sorted by expert, in one of three forms chosen by one f
 * ``"bmm"``: the tokens scattered into a zero-padded ``(experts, max tokens per expert, d)`` batch, two
   ``torch.bmm`` and a gather back. One host read of the counts per call (the padding size), none if the caller
   already has them (``host_counts``, as the ep dispatch does). Chosen everywhere else unless the padding would more
-  than quadruple the rows (a badly skewed routing): measured here ~5x faster than the loop at 64 experts
-  (``python recipes/benchmark.py --only moe``; ``docs/context-expert.md``).
-* ``"loop"``: one pair of matmuls per expert over ``x.split(counts)``, the documented fallback (skewed routings) and
-  the reference the other two are tested against.
+  than quadruple the rows (a badly skewed routing). On this CPU (``python recipes/benchmark.py --only moe``,
+  ``docs/context-expert.md``) it is 2.5x faster at 64 experts than the loop as ``GroupedExperts`` ran it before
+  (``w1[e]`` per expert), but 0.75-0.95x of the loop below: on CPU it buys one code path and a bounded host read,
+  not speed.
+* ``"loop"``: one pair of matmuls per expert over ``x.split(counts)`` with the weights ``unbind``-ed once, the
+  documented fallback (skewed routings) and the reference the other two are tested against.
 
 All three give the same result up to float rounding (tested at rel <= 1e-5 in fp32,
 ``tests/unit/test_moe_grouped.py``).

@@ -52,9 +52,9 @@ WORLD4 = {
                                   num_microbatches=2),
     "ep2cp2-zero1-moegpt": _fit("ep2cp2-zero1-moegpt", "moegpt", ep_size=2, cp_size=2, dp_mode="zero1"),
     "ep2cp2-moegpt-cap": _fit("ep2cp2-moegpt-cap", "moegpt-cap", ep_size=2, cp_size=2),
-    # Hugging Face experts under ep2 x tp2 and ep2 x pp2
-    **{f"ep2tp2-hf-moe-{arch}": _fit(f"ep2tp2-hf-moe-{arch}", f"hf-moe-{arch}", ep_size=2, tp_size=2)
-       for arch in ("qwen3_moe", "deepseek_v3")},
+    # Hugging Face experts under ep2 x tp2 and ep2 x pp2 (deepseek_v3 not under tp: transformers 5.25's plan gives its
+    # multi-head latent attention styles lightning_par does not translate, refused before start)
+    "ep2tp2-hf-moe-qwen3_moe": _fit("ep2tp2-hf-moe-qwen3_moe", "hf-moe-qwen3_moe", ep_size=2, tp_size=2),
     **{f"ep2pp2-1f1b-hf-moe-{arch}": _fit(f"ep2pp2-1f1b-hf-moe-{arch}", f"hf-moe-{arch}", ep_size=2, pp_size=2,
                                           schedule="1f1b", num_microbatches=2)
        for arch in ("qwen3_moe", "deepseek_v3")},
