@@ -174,6 +174,7 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
     if validate_only:
         metrics = trainer.validate(module, val_loader, ckpt_path=step["ckpt"], verbose=False)
         out["val_loss"] = float(metrics[0]["val_loss"])
+        out["expert_bias"] = {n: b.detach().clone() for n, b in module.named_buffers() if n.endswith("expert_bias")}
         return out
     loader = _loader(train, micro, dims.dp_size, dp_rank)
     trainer.fit(module, loader, val_loader if step.get("val") else None, ckpt_path=step.get("resume"))

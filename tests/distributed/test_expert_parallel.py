@@ -70,6 +70,8 @@ WORLD8 = {
 #: the world-2 case saving a checkpoint, and the layouts it is loaded under
 SAVER = "ep2-zero2-moegpt"
 RELOAD = {"reload-ep1-dp2": dict(dp_size=2), "reload-ep2-zero3": dict(ep_size=2, dp_mode="zero3")}
+#: the world-2 case saving a checkpoint with expert biases (balance=bias)
+BIAS_SAVER = "ep2-ddp-moegpt-bias"
 
 
 def _samples(dp: int) -> int:
@@ -82,8 +84,14 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def world2(checkpoint) -> dict:
+def bias_checkpoint(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("ep-bias") / "ep2-bias.ckpt")
+
+
+@pytest.fixture(scope="module")
+def world2(checkpoint, bias_checkpoint) -> dict:
     WORLD2[SAVER]["save"] = checkpoint
+    WORLD2[BIAS_SAVER]["save"] = bias_checkpoint
     return run_plan(2, list(WORLD2.values()), token_data(_samples(2)), token_data(8, seed=1), timeout_s=900)
 
 
@@ -252,3 +260,21 @@ def test_a_checkpoint_saved_at_ep2_loads_at_other_ep_sizes_and_one_process(world
     assert _val_loss(one, token_data(8, seed=1)) == pytest.approx(expected, rel=1e-6)
     for r in reloaded[name]:
         assert r["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def bias_reloaded(world2, bias_checkpoint) -> dict:
+    plan = [{"kind": "validate", "name": name, "model": "moegpt-bias", "micro_batch": MICRO, "ckpt": bias_checkpoint,
+             "options": options} for name, options in RELOAD.items()]
+    return run_plan(2, plan, token_data(_samples(2)), token_data(8, seed=1), timeout_s=900)
+
+
+@pytest.mark.parametrize("name", list(RELOAD))
+def test_expert_biases_saved_at_ep2_load_at_other_layouts(world2, bias_reloaded, name):
+    """The bias is a checkpointed buffer: a resumed or re-laid-out run starts from the saved bias exactly."""
+    saved = world2[BIAS_SAVER][0]["expert_bias"]
+    assert saved and all(b.abs().sum() > 0 for b in saved.values())
+    for r in bias_reloaded[name]:
+        assert r["expert_bias"].keys() == saved.keys()
+        for key, bias in saved.items():
+            assert torch.equal(r["expert_bias"][key], bias), key
