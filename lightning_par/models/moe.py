@@ -238,7 +238,9 @@ class MoE(nn.Module):
         # load balance, per sequence (sums over the cp ranks' pieces)
         counts = F.one_hot(experts, self.num_experts).sum((1, 2)).float()  # (batch, E)
         if self.training and self.router.expert_bias is not None:
-            with torch.no_grad():  # this rank's routed copies (before capacity), for the bias update
+            # this rank's routed copies (before capacity), for the bias update; a recomputed forward (activation
+            # checkpointing) counts every copy twice, which leaves sign(mean - load) unchanged
+            with torch.no_grad():
                 self.routed_load += counts.sum(0)
         prob_sums = probs.sum(1)  # (batch, E)
         if group is not None:
