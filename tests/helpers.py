@@ -137,10 +137,19 @@ def reference_fit(
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip_norm)
         opt.step()
+        update_expert_biases(module)
         opt.zero_grad(set_to_none=True)
         if sched is not None:
             sched.step()
     return losses, {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def update_expert_biases(module: Any) -> None:
+    """After an optimizer step of a one-process reference: each MoE layer's auxiliary-loss-free bias update (what the
+    strategies do after every optimizer step; a no-op for layers without a bias)."""
+    for m in module.modules():
+        if callable(getattr(m, "update_expert_bias", None)):
+            m.update_expert_bias()
 
 
 def global_losses(results: list[dict]) -> list[float]:

@@ -75,7 +75,11 @@ def make_model(step: dict[str, Any]) -> Any:
     name = step.get("model", "gpt")
     if name.startswith("moegpt"):  # the MoE GPT: blocks 1 and 3 with 4 experts, top-2 ("-cap": capacity 1.0)
         torch.manual_seed(0)
-        extra = {"moe_capacity_factor": 1.0} if name.endswith("-cap") else {}
+        extra: dict[str, Any] = {"moe_capacity_factor": 1.0} if "-cap" in name else {}
+        if "-bias" in name:  # DeepSeek-V3's auxiliary-loss-free bias, fast enough to change the routing in 3 steps
+            extra |= {"moe_balance": "bias", "moe_bias_update_rate": 0.05}
+        if "-loop" in name:  # the experts as the per-expert loop (the reference of the grouped forms)
+            extra |= {"moe_experts_form": "loop"}
         config = GPTConfig(**{**CONFIG.__dict__, "num_experts": 4, "moe_every": 2, **extra})
         muon = {"optimizer": "muon", "muon_ns_precision": "fp32" if name.endswith("32") else "bf16"}
         return GPTLightningModule(config, learning_rate=3e-3, adam_eps=1e-6, **(muon if "-muon" in name else {}))
@@ -87,6 +91,19 @@ def make_model(step: dict[str, Any]) -> Any:
         from tests.user_models import make_moe_lm
 
         return make_moe_lm(optimizer=name.split("-")[1])
+    if name.startswith("hf-moe-"):  # a tiny Hugging Face MoE (qwen3_moe, deepseek_v3), 4 experts top-2, AdamW
+        from lightning_par.hf import HFCausalLM
+
+        torch.manual_seed(0)
+        arch = name.removeprefix("hf-moe-")
+        config = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, vocab_size=256, max_position_embeddings=64,
+                      tie_word_embeddings=False, num_experts_per_tok=2, moe_intermediate_size=32)
+        config |= {"qwen3_moe": {"num_experts": 4},
+                   "deepseek_v3": {"n_routed_experts": 4, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                                   "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                                   "qk_nope_head_dim": 8, "v_head_dim": 16}}[arch]
+        return HFCausalLM(model_type=arch, config=config, learning_rate=1e-3, adam_eps=1e-4)
     if name.startswith("hf-llama-muon"):  # a tiny Hugging Face Llama with Muon (``32``: the fp32 iteration)
         from lightning_par.hf import HFCausalLM
 
@@ -157,12 +174,14 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
     if validate_only:
         metrics = trainer.validate(module, val_loader, ckpt_path=step["ckpt"], verbose=False)
         out["val_loss"] = float(metrics[0]["val_loss"])
+        out["expert_bias"] = {n: b.detach().clone() for n, b in module.named_buffers() if n.endswith("expert_bias")}
         return out
     loader = _loader(train, micro, dims.dp_size, dp_rank)
     trainer.fit(module, loader, val_loader if step.get("val") else None, ckpt_path=step.get("resume"))
     out["losses"] = recorder.losses
     out["state"] = strategy.full_state_dict()
     out["extras"] = strategy.summary_extras()
+    out["expert_bias"] = {n: b.detach().clone() for n, b in module.named_buffers() if n.endswith("expert_bias")}
     if step.get("bytes"):
         out["bytes"] = callbacks[-1].bytes
         out["trainable_numel"] = sum(p.numel() for p in make_model(step).parameters() if p.requires_grad)

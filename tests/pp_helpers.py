@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_par.aux_loss import set_aux_loss_scale
 from lightning_par.launcher import run_distributed
-from tests.helpers import TIMEOUT_S, fit_worker, quiet_trainer
+from tests.helpers import TIMEOUT_S, fit_worker, quiet_trainer, update_expert_biases
 
 
 @contextmanager
@@ -200,6 +200,7 @@ def reference_fit_microbatched(
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, clip_norm)
         opt.step()
+        update_expert_biases(module)
         opt.zero_grad(set_to_none=True)
         if sched is not None:
             sched.step()

@@ -122,6 +122,9 @@ def gpt_lightning_module(
     moe_capacity_factor: float | None = None,
     moe_aux_loss_coeff: float | None = None,
     moe_z_loss_coeff: float | None = None,
+    moe_balance: str | None = None,
+    moe_bias_update_rate: float | None = None,
+    moe_experts_form: str | None = None,
     optimizer: str = "adamw",
     muon_lr: float = 0.02,
     muon_weight_decay: float | None = None,
@@ -150,7 +153,8 @@ def gpt_lightning_module(
              "num_experts": num_experts, "moe_every": moe_every, "moe_top_k": moe_top_k, "moe_hidden": moe_hidden,
              "moe_gating": moe_gating, "moe_shared_expert": moe_shared_expert,
              "moe_capacity_factor": moe_capacity_factor, "moe_aux_loss_coeff": moe_aux_loss_coeff,
-             "moe_z_loss_coeff": moe_z_loss_coeff}
+             "moe_z_loss_coeff": moe_z_loss_coeff, "moe_balance": moe_balance,
+             "moe_bias_update_rate": moe_bias_update_rate, "moe_experts_form": moe_experts_form}
     config = GPTConfig.from_preset(
         preset, vocab_size=vocab_size, dropout=dropout, bias=bias, **{k: v for k, v in shape.items() if v is not None}
     )

@@ -277,6 +277,11 @@ class GPTModelConfig:
     moe_capacity_factor: Optional[float] = None
     moe_aux_loss_coeff: Optional[float] = None
     moe_z_loss_coeff: Optional[float] = None
+    #: load balancing: aux_loss | bias (DeepSeek-V3's auxiliary-loss-free bias) | both; the bias's rate per step.
+    moe_balance: Optional[str] = None
+    moe_bias_update_rate: Optional[float] = None
+    #: the experts' form: auto | grouped_mm | bmm | loop (lightning_par/expert_parallel/grouped.py).
+    moe_experts_form: Optional[str] = None
     #: ``adamw`` or ``muon`` (Muon on the hidden matrices, AdamW at ``learning_rate`` on the rest: docs/muon.md).
     optimizer: str = "adamw"
     muon_lr: float = 0.02

@@ -14,7 +14,7 @@ from lightning_par.compile import refuse_fullgraph
 from lightning_par.compat import local_tensor
 from lightning_par.data_parallel.meshes import DataParallelMeshes
 from lightning_par.expert_parallel.dispatch import ExpertDispatch
-from lightning_par.expert_parallel.metrics import moe_step_metrics
+from lightning_par.expert_parallel.metrics import MoEFigures
 from lightning_par.expert_parallel.planner import EXPERT_PARALLEL_TERMS, check_num_experts
 from lightning_par.parallel_dims import ParallelDims
 
@@ -52,6 +52,21 @@ def _shard_experts(module: nn.Module, mesh: Any, rank: int, size: int) -> None:
         module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
+def _balance_by_bias(build: Build) -> None:
+    """After every optimizer step, DeepSeek-V3's bias update of each MoE layer with ``balance`` ``bias``/``both``
+    (:func:`lightning_par.models.moe.update_expert_bias`), its load summed over ``dp_cp`` (the ranks holding other
+    tokens; tp ranks route the same tokens, pp ranks hold other layers) so that every replica keeps the same bias."""
+    from lightning_par.models.moe import MoE, update_expert_bias
+
+    assert build.network is not None
+    layers = [m for m in build.network.modules() if isinstance(m, MoE) and m.router.expert_bias is not None]
+    if not layers or not build.training:
+        return
+    dims = build.dims
+    group = dims.get_mesh("dp_cp").get_group() if dims.size("dp_cp") > 1 else None
+    build.optimizer_step_hooks.append(lambda: update_expert_bias(layers, group))
+
+
 def _apply(build: Build) -> None:
     """Split each experts module's experts over the ep ranks, exchange tokens around it, and reduce its gradients over
     the ranks holding the same experts (``edp``)."""
@@ -60,7 +75,10 @@ def _apply(build: Build) -> None:
         return
     network = build.network
     assert network is not None
-    build.step_logs.append(lambda: moe_step_metrics(network))
+    figures = MoEFigures(network)
+    build.step_logs.append(figures.step)
+    build.summaries.append(figures.summary)
+    _balance_by_bias(build)
     if not dims.ep_enabled:
         return
     ep_mesh, edp_shard, replicate, fsdp = dims.expert_meshes()

@@ -5,8 +5,10 @@ the number of tokens of each of the ``E`` experts (``counts`` ``(E,)``). With th
 (rank ``r`` holds experts ``r E/ep ... (r+1) E/ep - 1``), :class:`ExpertDispatch` hooks that call
 (GShard, Lepikhin et al. 2020, §2.2; torchtitan's ``ExpertParallel`` works at the same seam):
 
-1. exchange the counts (one ``all_to_all_single`` of ``ep x E/ep`` integers), so each rank knows how many tokens
-   every other rank sends to each of its experts;
+1. exchange the counts (one ``all_to_all_single`` of ``ep x E/ep`` integers, on the tokens' device), so each rank
+   knows how many tokens every other rank sends to each of its experts; then read the split sizes and the tokens per
+   local expert to the host in *one* read (the layer's only host sync; the experts get the counts as ``host_counts``
+   when they declare ``accepts_host_counts``, so they do not read them again);
 2. send the tokens (``all_to_all_single`` with uneven splits), then order them by local expert;
 3. the experts run on their tokens;
 4. restore the arrival order and send the outputs back (the reverse all-to-all), so the layer gets its tokens in the
@@ -88,7 +90,7 @@ class ExpertDispatch:
 
     def attach(self, module: nn.Module) -> None:
         """Register the hooks on ``module`` (an experts module, see :mod:`lightning_par.contract`)."""
-        module.register_forward_pre_hook(self.dispatch)
+        module.register_forward_pre_hook(self.dispatch, with_kwargs=True)
         module.register_forward_hook(self.combine)
 
     def reset_bytes(self) -> None:
@@ -97,26 +99,34 @@ class ExpertDispatch:
     # Eager under a compiled block (strategy.compile, lightning_par/compile.py): the split sizes are read from the
     # routing (.tolist()) and the all-to-all is a process-group call, neither of which dynamo traces.
     @torch.compiler.disable
-    def dispatch(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Tensor, Tensor]:
+    def dispatch(self, module: nn.Module, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[tuple[Tensor, Tensor], dict[str, Any]]:
         """``(x sorted by expert, counts (E,))`` -> ``(tokens of this rank's experts sorted by local expert,
-        counts (E/ep,))``."""
+        counts (E/ep,))``; an experts module with ``accepts_host_counts`` also gets ``host_counts`` (the counts as a
+        list, read in the same host read as the split sizes)."""
         x, counts = args
-        per_rank = counts.reshape(self.ep_size, -1)
-        in_splits = per_rank.sum(1).tolist()
+        ep = self.ep_size
+        per_rank = counts.reshape(ep, -1)  # (ep, E/ep) on the tokens' device
         received = torch.empty_like(per_rank)
         dist.all_to_all_single(received, per_rank.contiguous(), group=self.group)  # row s: source s's counts
-        out_splits = received.sum(1).tolist()
+        # Deliberate host sync, the one of this MoE layer: the all-to-all's split sizes (sent, received) and the
+        # tokens per local expert, in one read (docs/context-expert.md lists it).
+        host = torch.cat([per_rank.sum(1), received.sum(1), received.sum(0)]).tolist()
+        in_splits, out_splits, local = host[:ep], host[ep:2 * ep], host[2 * ep:]
         tokens = all_to_all(x, out_splits, in_splits, self.group)
         # arrival order is (source, local expert); the experts want (local expert, source): each segment's start in
         # the arrival order, taken in expert-major order, plus the position within the segment
+        n = sum(out_splits)
         lengths = received.t().reshape(-1)
         starts = (received.reshape(-1).cumsum(0) - received.reshape(-1)).reshape(received.shape).t().reshape(-1)
-        within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
-        order = torch.repeat_interleave(starts, lengths) + within
+        within = torch.arange(n, device=x.device) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths,
+                                                                            output_size=n)
+        order = torch.repeat_interleave(starts, lengths, output_size=n) + within
         self._state = (order, in_splits, out_splits)
         self.bytes_sent += (sum(in_splits) - in_splits[self.rank]) * x.shape[1] * x.element_size()
         self.calls += 1
-        return _ScaleGrad.apply(tokens[order], float(self.ep_size)), received.sum(0)
+        out_kwargs = {**kwargs, "host_counts": local} if getattr(module, "accepts_host_counts", False) else kwargs
+        return (_ScaleGrad.apply(tokens[order], float(ep)), received.sum(0)), out_kwargs
 
     @torch.compiler.disable  # eager under a compiled block (lightning_par/compile.py): see below
     def combine(self, module: nn.Module, args: tuple[Any, ...], out: Tensor) -> Tensor:

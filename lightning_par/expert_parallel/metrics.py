@@ -1,36 +1,91 @@
-"""Per-step figures of a network's mixture-of-experts layers, logged under ``parallel/``.
+"""Per-step figures of a network's mixture-of-experts layers, logged under ``parallel/`` and summed up in
+``summary.json``.
 
 A layer takes part by keeping a ``last_stats`` dict after each forward (:class:`lightning_par.models.moe.MoE` does):
-``tokens_per_expert`` ``(E,)`` (this rank's routed copies per expert), ``dropped`` (copies over capacity),
-``aux_loss`` and ``z_loss`` (unweighted).
+``tokens_per_expert`` ``(E,)`` (this rank's routed copies per expert), ``dropped`` (copies over capacity, an int or a
+0-dim tensor), ``aux_loss`` and ``z_loss`` (unweighted). The figures are read to the host once per training step,
+after it (not inside a layer's forward).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
 
-__all__ = ["moe_step_metrics"]
+__all__ = ["MoEFigures", "moe_step_metrics"]
+
+
+def _layers(network: nn.Module) -> list[tuple[str, dict[str, Any]]]:
+    return [(name, m.last_stats) for name, m in network.named_modules()
+            if isinstance(getattr(m, "last_stats", None), dict) and "tokens_per_expert" in m.last_stats]
+
+
+def _imbalance(counts: torch.Tensor) -> float:
+    """max / mean tokens per expert (1.0: balanced; 0.0: no tokens)."""
+    counts = counts.float()
+    mean = float(counts.mean())
+    return float(counts.max()) / mean if mean > 0 else 0.0
 
 
 def moe_step_metrics(network: nn.Module) -> dict[str, float]:
     """This rank's figures of the last forward of every MoE layer in ``network`` (``{}`` without one):
 
     * ``moe_load_imbalance``: the largest, over layers, of max/mean tokens per expert (1.0: perfectly balanced);
+    * ``moe_load_imbalance/<layer path>``: the same for each layer (``moe_load_imbalance/blocks.1.mlp``);
     * ``moe_dropped_tokens``: routed copies dropped over capacity, summed over layers;
     * ``moe_aux_loss`` / ``moe_z_loss``: the layers' mean load-balancing and z-loss (unweighted).
     """
-    stats = [m.last_stats for m in network.modules()
-             if isinstance(getattr(m, "last_stats", None), dict) and "tokens_per_expert" in m.last_stats]
+    stats = _layers(network)
     if not stats:
         return {}
-    imbalance = 0.0
-    for s in stats:
-        counts = s["tokens_per_expert"].float()
-        mean = float(counts.mean())
-        imbalance = max(imbalance, float(counts.max()) / mean if mean > 0 else 0.0)
+    per_layer = {f"moe_load_imbalance/{name}": _imbalance(s["tokens_per_expert"]) for name, s in stats}
     return {
-        "moe_load_imbalance": imbalance,
-        "moe_dropped_tokens": float(sum(s["dropped"] for s in stats)),
-        "moe_aux_loss": float(sum(float(s["aux_loss"]) for s in stats) / len(stats)),
-        "moe_z_loss": float(sum(float(s["z_loss"]) for s in stats) / len(stats)),
+        "moe_load_imbalance": max(per_layer.values()),
+        **per_layer,
+        "moe_dropped_tokens": float(sum(float(s["dropped"]) for _, s in stats)),
+        "moe_aux_loss": float(sum(float(s["aux_loss"]) for _, s in stats) / len(stats)),
+        "moe_z_loss": float(sum(float(s["z_loss"]) for _, s in stats) / len(stats)),
     }
+
+
+class MoEFigures:
+    """The step figures of :func:`moe_step_metrics`, and their run totals for ``summary.json``.
+
+    Args:
+        network: this rank's network (its part of it under pipelining).
+    """
+
+    def __init__(self, network: nn.Module) -> None:
+        self.network = network
+        self.steps = 0
+        self.dropped = 0.0
+        self.imbalance_sum: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+
+    def step(self) -> dict[str, float]:
+        """This step's figures (:func:`moe_step_metrics`), counted into the totals."""
+        figures = moe_step_metrics(self.network)
+        if figures:
+            self.steps += 1
+            self.dropped += figures["moe_dropped_tokens"]
+            for key, value in figures.items():
+                if key.startswith("moe_load_imbalance/"):
+                    layer = key.split("/", 1)[1]
+                    self.imbalance_sum[layer] = self.imbalance_sum.get(layer, 0.0) + value
+                    self.last[layer] = value
+        return figures
+
+    def summary(self) -> dict[str, Any]:
+        """``moe_load_imbalance_per_layer`` (``{layer: {"mean": over steps, "last": last step}}``, max/mean tokens per
+        expert on this rank), ``moe_dropped_tokens_total`` (routed copies dropped over the run) and ``moe_steps``
+        (steps counted); ``{}`` before the first step."""
+        if not self.steps:
+            return {}
+        return {
+            "moe_steps": self.steps,
+            "moe_dropped_tokens_total": self.dropped,
+            "moe_load_imbalance_per_layer": {layer: {"mean": total / self.steps, "last": self.last[layer]}
+                                             for layer, total in self.imbalance_sum.items()},
+        }

@@ -1,7 +1,7 @@
 """Expert parallelism for Hugging Face mixture-of-experts architectures (qwen3_moe, qwen2_moe, olmoe, mixtral,
 deepseek_v3, and any other whose experts are laid out and called alike).
 
-``transformers`` 5.24 keeps each MoE layer's experts as one module with the expert index on dim 0 of every parameter
+``transformers`` 5.24 and 5.25 keep each MoE layer's experts as one module with the expert index on dim 0 of every parameter
 (``Qwen3MoeExperts``: ``gate_up_proj`` ``(E, 2 * moe_intermediate_size, hidden)``, ``down_proj``
 ``(E, hidden, moe_intermediate_size)``), called by the layer's own ``forward`` as ``experts(hidden_states,
 top_k_index, top_k_weights)`` after its router: routing and combination happen inside the experts call. The model
@@ -40,6 +40,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_par.expert_parallel.grouped import expert_ffn
+
 __all__ = ["ContractExperts", "expert_modules"]
 
 #: The arguments of ``transformers``' experts call, in order.
@@ -70,11 +72,17 @@ class ContractExperts(nn.Module):
     ``(T, d)`` as the class's own ``forward``; ``experts(x, counts)`` (``x`` ``(tokens, d)`` sorted by expert,
     ``counts`` ``(experts held,)`` int64) returns ``(tokens, d)`` in the order of ``x``: each expert's
     ``down(_apply_gate(gate_up(x)))`` from its rows of ``gate_up_proj`` and ``down_proj``, read through ``to_local()``
-    under ep.
+    under ep, in the form :func:`~lightning_par.expert_parallel.grouped.expert_ffn` chooses (grouped matmul, padded
+    ``bmm``, or the per-expert loop as a fallback).
     """
 
+    #: the ep dispatch may hand :meth:`forward` the counts already read to the host (``host_counts``).
+    accepts_host_counts = True
+    #: the experts' form (:data:`~lightning_par.expert_parallel.grouped.FORMS`; ``None``: chosen per call).
+    form: str | None = None
+
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
-        if len(args) + len(kwargs) == 3:  # the model's call, made by its MoE layer's own forward
+        if len(args) + len(kwargs) == 3 and "host_counts" not in kwargs:  # the model's call, made by its MoE layer's own forward
             bound = dict(zip(_MODEL_CALL, args), **kwargs)
             return self._route(bound["hidden_states"], bound["top_k_index"], bound["top_k_weights"])
         return super().__call__(*args, **kwargs)
@@ -89,13 +97,11 @@ class ContractExperts(nn.Module):
         y = y * top_k_weights.reshape(-1)[order, None]  # as transformers: the weight's dtype may promote
         return torch.zeros_like(hidden_states).index_add_(0, token, y.to(hidden_states.dtype))
 
-    def forward(self, x: Tensor, counts: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(self, x: Tensor, counts: Tensor, host_counts: list[int] | None = None) -> Tensor:  # type: ignore[override]
         gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)
-        out = []
-        for e, chunk in enumerate(x.split(counts.tolist())):
-            out.append(torch.nn.functional.linear(_gate(self, torch.nn.functional.linear(chunk, gate_up[e])),
-                                                  down[e]))
-        return torch.cat(out) if out else x[:0]
+        # F.linear(x, W[e]) is x @ W[e].T: the transposed views are the (E, in, out) weights expert_ffn takes
+        return expert_ffn(x, counts, gate_up.transpose(1, 2), down.transpose(1, 2), lambda h: _gate(self, h),
+                          form=self.form, host_counts=host_counts)
 
 
 _CLASSES: dict[type, type] = {}

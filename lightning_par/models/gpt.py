@@ -70,6 +70,10 @@ class GPTConfig:
         moe_capacity_factor: ``None`` (dropless) or each expert's capacity multiplier.
         moe_aux_loss_coeff: weight of the load-balancing loss.
         moe_z_loss_coeff: weight of the router z-loss.
+        moe_balance: ``"aux_loss"``, ``"bias"`` (DeepSeek-V3's auxiliary-loss-free bias) or ``"both"``.
+        moe_bias_update_rate: the bias's update speed per optimizer step (DeepSeek-V3: 0.001).
+        moe_experts_form: ``"auto"``, ``"grouped_mm"``, ``"bmm"`` or ``"loop"``
+            (:func:`~lightning_par.expert_parallel.grouped.choose_form`).
 
     Raises:
         ValueError: a size that is not a positive integer, ``n_embd`` not divisible by ``n_head``, ``dropout``
@@ -93,6 +97,9 @@ class GPTConfig:
     moe_capacity_factor: float | None = None
     moe_aux_loss_coeff: float = 0.01
     moe_z_loss_coeff: float = 0.001
+    moe_balance: str = "aux_loss"
+    moe_bias_update_rate: float = 1e-3
+    moe_experts_form: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
@@ -111,7 +118,9 @@ class GPTConfig:
 
             _positive_int("moe_every", self.moe_every)
             check_moe_options(self.num_experts, self.moe_top_k, self.moe_gating, self.moe_capacity_factor,
-                              self.moe_aux_loss_coeff, self.moe_z_loss_coeff, prefix="GPTConfig.moe_")
+                              self.moe_aux_loss_coeff, self.moe_z_loss_coeff, prefix="GPTConfig.moe_",
+                              balance=self.moe_balance, bias_update_rate=self.moe_bias_update_rate,
+                              experts_form=self.moe_experts_form)
             if self.moe_hidden is not None:
                 _positive_int("moe_hidden", self.moe_hidden)
             if self.moe_every > self.n_layer:
@@ -296,7 +305,8 @@ class Block(nn.Module):
 
             c = config
             self.mlp = MoE(c.n_embd, c.expert_hidden, c.num_experts, c.moe_top_k, c.moe_gating, c.moe_shared_expert,
-                           c.moe_capacity_factor, c.moe_aux_loss_coeff, c.moe_z_loss_coeff)
+                           c.moe_capacity_factor, c.moe_aux_loss_coeff, c.moe_z_loss_coeff, c.moe_balance,
+                           c.moe_bias_update_rate, c.moe_experts_form)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the block.

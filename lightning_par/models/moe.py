@@ -19,6 +19,17 @@ numbers):
   ``ceil(capacity_factor * seq * top_k / num_experts)`` copies per sequence, first choices before second choices,
   earlier positions first (GShard's priority); a dropped copy contributes nothing (the residual carries the token).
 
+**Auxiliary-loss-free balancing** (``balance="bias"`` or ``"both"``; DeepSeek-V3 technical report, §2.1.2): a
+per-expert bias (a buffer, saved in checkpoints) is added to the scores for the top-k selection only, and after every
+optimizer step :func:`update_expert_bias` moves it by ``bias_update_rate * sign(mean load - load)``, the load summed
+over the ranks holding other tokens so that every replica keeps the same bias. With ``"bias"`` the load-balancing loss
+is computed (logged) but not added.
+
+The experts run in one of the forms of :func:`~lightning_par.expert_parallel.grouped.expert_ffn` (``torch._grouped_mm``
+on CUDA bf16, a padded ``bmm`` elsewhere, the per-expert loop as a fallback). Tokens are permuted by a stable sort on
+the expert index (no loop over experts); the only host read of a layer is the experts' segment sizes (none with
+``grouped_mm``; under ep the dispatch's split sizes, handed on to the experts).
+
 Under context parallelism the per-sequence sums are summed over the cp ranks
 (:func:`~lightning_par.context_parallel.sequence.active_sequence_shard`). Both losses reach backward through
 :func:`~lightning_par.aux_loss.attach_aux_loss`, so they count under pipelining too, and each is weighted by a
@@ -38,11 +49,14 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par.aux_loss import attach_aux_loss
 from lightning_par.context_parallel.sequence import active_sequence_shard
+from lightning_par.expert_parallel.grouped import FORMS, expert_ffn
 
-__all__ = ["GATINGS", "GroupedExperts", "MoE", "Router"]
+__all__ = ["BALANCES", "GATINGS", "GroupedExperts", "MoE", "Router", "update_expert_bias"]
 
 #: Router score functions: ``softmax`` over experts (Switch, Mixtral) or per-expert ``sigmoid`` (DeepSeek-V3).
 GATINGS: tuple[str, ...] = ("softmax", "sigmoid")
+#: Load balancing: the auxiliary loss, DeepSeek-V3's selection bias (no loss), or both.
+BALANCES: tuple[str, ...] = ("aux_loss", "bias", "both")
 
 
 def _local(w: Tensor) -> Tensor:
@@ -63,9 +77,14 @@ class GroupedExperts(nn.Module):
         hidden: hidden width of each expert.
     """
 
-    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
+    #: :func:`~lightning_par.expert_parallel.grouped.expert_ffn` may be handed the counts already on the host.
+    accepts_host_counts = True
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, form: str | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
+        #: the experts' form (:data:`~lightning_par.expert_parallel.grouped.FORMS`; ``None``: chosen per call)
+        self.form = form
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.reset_parameters()
@@ -76,20 +95,20 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w1, std=0.02)
         nn.init.normal_(self.w2, std=0.02)
 
-    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        """Run each expert on its tokens.
+    def forward(self, x: Tensor, counts: Tensor, host_counts: list[int] | None = None) -> Tensor:
+        """Run each expert on its tokens (:func:`~lightning_par.expert_parallel.grouped.expert_ffn`: grouped matmul,
+        padded ``bmm`` or the loop, see :attr:`form`).
 
         Args:
             x: ``(tokens, d)``, sorted by expert.
             counts: ``(experts held,)`` int64, tokens of each expert, summing to ``tokens``.
+            host_counts: ``counts`` already on the host (the ep dispatch read them), or ``None``.
 
         Returns:
             ``(tokens, d)`` in the order of ``x``.
         """
-        w1, w2 = _local(self.w1), _local(self.w2)
-        chunks = x.split(counts.tolist())
-        out = [F.gelu(chunk @ w1[e]) @ w2[e] for e, chunk in enumerate(chunks)]
-        return torch.cat(out) if out else x[:0]
+        return expert_ffn(x, counts, _local(self.w1), _local(self.w2), F.gelu, form=self.form,
+                          host_counts=host_counts)
 
 
 class Router(nn.Module):
@@ -101,12 +120,20 @@ class Router(nn.Module):
         top_k: experts per token.
         gating: ``"softmax"`` (weights: the chosen probabilities, renormalised when ``top_k > 1``, as Mixtral) or
             ``"sigmoid"`` (weights: the chosen scores normalised to sum 1, as DeepSeek-V3).
+        expert_bias: keep a per-expert bias ``expert_bias`` ``(E,)`` float32 (a buffer, so checkpoints hold it) added
+            to the scores for the top-k *selection* only, never to the gating weights (DeepSeek-V3's auxiliary-loss-free
+            balancing, DeepSeek-AI 2024, §2.1.2); :meth:`MoE.update_expert_bias` moves it.
     """
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, gating: str) -> None:
+    def __init__(self, dim: int, num_experts: int, top_k: int, gating: str, expert_bias: bool = False) -> None:
         super().__init__()
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.top_k, self.gating = top_k, gating
+        self.expert_bias: Tensor | None
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Route ``x`` ``(batch, seq, d)``.
@@ -118,7 +145,11 @@ class Router(nn.Module):
         """
         logits = self.gate(x).float()
         scores = logits.softmax(-1) if self.gating == "softmax" else logits.sigmoid()
-        top, experts = scores.topk(self.top_k, dim=-1)
+        if self.expert_bias is None:
+            top, experts = scores.topk(self.top_k, dim=-1)
+        else:  # the bias picks the experts; the weights stay the unbiased scores (DeepSeek-V3, §2.1.2)
+            experts = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
+            top = scores.gather(-1, experts)
         weights = top / top.sum(-1, keepdim=True) if (self.top_k > 1 or self.gating == "sigmoid") else top
         probs = scores if self.gating == "softmax" else scores / scores.sum(-1, keepdim=True)
         return logits, probs, weights, experts
@@ -152,8 +183,15 @@ class MoE(nn.Module):
         gating: ``"softmax"`` or ``"sigmoid"`` (:data:`GATINGS`).
         shared_expert: also run one dense expert of width ``hidden`` on every token (DeepSeekMoE).
         capacity_factor: ``None`` for dropless routing, else the capacity multiplier (> 0).
-        aux_loss_coeff: weight of the load-balancing loss (>= 0).
+        aux_loss_coeff: weight of the load-balancing loss (>= 0); used with ``balance`` ``"aux_loss"`` or ``"both"``.
         z_loss_coeff: weight of the router z-loss (>= 0).
+        balance: how the load is balanced (:data:`BALANCES`): ``"aux_loss"`` (the load-balancing loss), ``"bias"``
+            (DeepSeek-V3's auxiliary-loss-free per-expert bias, no loss) or ``"both"`` (the bias and the loss, as
+            DeepSeek-V3's complementary sequence-wise loss).
+        bias_update_rate: the bias update speed ``gamma`` (> 0; DeepSeek-V3 used 0.001): after each optimizer step
+            ``bias += gamma * sign(mean load - load)`` (:meth:`update_expert_bias`).
+        experts_form: the experts' form (``None``/``"auto"``, ``"grouped_mm"``, ``"bmm"``, ``"loop"``:
+            :func:`~lightning_par.expert_parallel.grouped.choose_form`).
 
     Raises:
         ValueError: a value out of range, naming the argument.
@@ -170,14 +208,22 @@ class MoE(nn.Module):
         capacity_factor: float | None = None,
         aux_loss_coeff: float = 0.01,
         z_loss_coeff: float = 0.001,
+        balance: str = "aux_loss",
+        bias_update_rate: float = 1e-3,
+        experts_form: str | None = None,
     ) -> None:
         super().__init__()
-        check_moe_options(num_experts, top_k, gating, capacity_factor, aux_loss_coeff, z_loss_coeff)
+        check_moe_options(num_experts, top_k, gating, capacity_factor, aux_loss_coeff, z_loss_coeff, balance=balance,
+                          bias_update_rate=bias_update_rate, experts_form=experts_form)
         self.num_experts, self.top_k = num_experts, top_k
         self.capacity_factor = capacity_factor
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
-        self.router = Router(dim, num_experts, top_k, gating)
-        self.experts = GroupedExperts(num_experts, dim, hidden)
+        self.balance, self.bias_update_rate = balance, bias_update_rate
+        self.router = Router(dim, num_experts, top_k, gating, expert_bias=balance in ("bias", "both"))
+        self.experts = GroupedExperts(num_experts, dim, hidden, form=experts_form)
+        # routed copies per expert since the last bias update, this rank's (not a checkpoint's business: the update
+        # runs at every optimizer step, so it is zero at every step boundary)
+        self.register_buffer("routed_load", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
         self.shared = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)) if shared_expert else None
         #: figures of the last forward: ``tokens_per_expert`` ``(E,)``, ``dropped``, ``aux_loss``, ``z_loss``.
         self.last_stats: dict[str, Any] = {}
@@ -191,6 +237,11 @@ class MoE(nn.Module):
         full_seq = seq * (shard.size if group is not None else 1)
         # load balance, per sequence (sums over the cp ranks' pieces)
         counts = F.one_hot(experts, self.num_experts).sum((1, 2)).float()  # (batch, E)
+        if self.training and self.router.expert_bias is not None:
+            # this rank's routed copies (before capacity), for the bias update; a recomputed forward (activation
+            # checkpointing) counts every copy twice, which leaves sign(mean - load) unchanged
+            with torch.no_grad():
+                self.routed_load += counts.sum(0)
         prob_sums = probs.sum(1)  # (batch, E)
         if group is not None:
             dist.all_reduce(counts, group=group)
@@ -216,11 +267,26 @@ class MoE(nn.Module):
             y = y + self.shared(x)
         self.last_stats = {
             "tokens_per_expert": per_expert.detach(),
-            "dropped": 0 if keep is None else int((~keep).sum()),
+            "dropped": torch.zeros((), dtype=torch.int64, device=x.device) if keep is None else (~keep).sum(),
             "aux_loss": aux.detach(),
             "z_loss": z.detach(),
         }
-        return attach_aux_loss(y, self.aux_loss_coeff * aux + self.z_loss_coeff * z)
+        aux_coeff = self.aux_loss_coeff if self.balance in ("aux_loss", "both") else 0.0
+        return attach_aux_loss(y, aux_coeff * aux + self.z_loss_coeff * z)
+
+    @torch.no_grad()
+    def update_expert_bias(self, group: Any = None) -> None:
+        """One step of DeepSeek-V3's auxiliary-loss-free balancing (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report",
+        §2.1.2): ``expert_bias += bias_update_rate * sign(mean load - load)``, the load being the routed copies per
+        expert since the last update summed over ``group``. Call it after every optimizer step on every rank of
+        ``group`` (the ranks holding other tokens: dp x cp; the ep axis does, :mod:`lightning_par.expert_parallel.axis`);
+        a call without new tokens leaves the bias as it is. No-op unless ``balance`` is ``"bias"`` or ``"both"``.
+
+        Args:
+            group: process group to sum the load over (an all-reduce of ``(E,)`` float32 on the load's device), or
+                ``None`` for this rank's alone.
+        """
+        update_expert_bias([self], group)
 
     def _within_capacity(self, experts: Tensor, shard: Any, full_seq: int) -> Tensor | None:
         """``(batch, seq, top_k)`` bool: the routed copies each expert's capacity takes (``None``: dropless)."""
@@ -247,11 +313,30 @@ class MoE(nn.Module):
         return keep if positions is None else keep[:, positions]
 
 
+@torch.no_grad()
+def update_expert_bias(layers: list[MoE], group: Any = None) -> None:
+    """:meth:`MoE.update_expert_bias` for several layers with one all-reduce (their loads stacked, ``(layers, E)``
+    float32 on the loads' device). Layers without an expert bias are skipped; every rank of ``group`` must pass the
+    same layers (the same pipeline stage)."""
+    layers = [m for m in layers if m.router.expert_bias is not None]
+    if not layers:
+        return
+    load = torch.stack([m.routed_load for m in layers])  # (layers, E)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(load, group=group)
+    for m, row in zip(layers, load):
+        m.routed_load.zero_()
+        # sign(0) = 0: a layer that routed nothing since the last call keeps its bias
+        m.router.expert_bias += m.bias_update_rate * torch.sign(row.mean() - row)
+
+
 def check_moe_options(
     num_experts: int, top_k: int, gating: str, capacity_factor: float | None, aux_loss_coeff: float,
-    z_loss_coeff: float, prefix: str = "",
+    z_loss_coeff: float, prefix: str = "", balance: str = "aux_loss", bias_update_rate: float = 1e-3,
+    experts_form: str | None = None,
 ) -> None:
-    """Raise ``ValueError`` naming the field for a mixture-of-experts option out of range."""
+    """Raise ``ValueError`` naming the field, the value and the valid values for a mixture-of-experts option out of
+    range."""
     def bad(name: str, value: object, valid: str) -> ValueError:
         return ValueError(f"{prefix}{name}={value!r} is not valid: expected {valid}.")
 
@@ -266,3 +351,10 @@ def check_moe_options(
     for name, value in (("aux_loss_coeff", aux_loss_coeff), ("z_loss_coeff", z_loss_coeff)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
             raise bad(name, value, "a finite number >= 0")
+    if balance not in BALANCES:
+        raise bad("balance", balance, f"one of {list(BALANCES)}")
+    if (isinstance(bias_update_rate, bool) or not isinstance(bias_update_rate, (int, float))
+            or not bias_update_rate > 0 or math.isinf(bias_update_rate)):
+        raise bad("bias_update_rate", bias_update_rate, "a finite number > 0")
+    if experts_form not in (None, "auto", *FORMS):
+        raise bad("experts_form", experts_form, f"one of {['auto', *FORMS]}")

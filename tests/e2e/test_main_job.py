@@ -101,9 +101,13 @@ def test_recipe_runs_a_context_parallel_preset(tmp_path):
 
 @pytest.mark.e2e
 def test_recipe_runs_the_moe_model_on_an_expert_parallel_preset(tmp_path):
-    """``model=moe_tiny parallel=ep2 strategy=zero2``: each of 2 ranks holds 2 of the 4 experts, ZeRO-2 on the rest."""
-    summary = _smoke_run(tmp_path, "parallel=ep2 strategy=zero2", model="moe_tiny")
+    """``model=moe_tiny parallel=ep2 strategy=zero2``: each of 2 ranks holds 2 of the 4 experts, ZeRO-2 on the rest;
+    ``model.moe_balance=bias``: DeepSeek-V3's bias balancing, with each layer's imbalance logged and summed up."""
+    summary = _smoke_run(tmp_path, "parallel=ep2 strategy=zero2 model.moe_balance=bias", model="moe_tiny")
     assert summary["ep_size"] == 2 and summary["experts_per_rank"] == {"blocks.1.mlp.experts": 2}
     assert summary["steps"] == 6 and summary["final_train_loss"] < summary["initial_train_loss"]
     metrics = (tmp_path / "run" / "logs" / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"parallel/ep_all_to_all_bytes", "parallel/moe_load_imbalance", "parallel/moe_aux_loss"} <= set(metrics)
+    assert "parallel/moe_load_imbalance/blocks.1.mlp" in metrics
+    assert set(summary["moe_load_imbalance_per_layer"]) == {"blocks.1.mlp"}
+    assert summary["moe_steps"] == 6 and summary["moe_dropped_tokens_total"] == 0  # dropless
