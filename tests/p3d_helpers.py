@@ -78,8 +78,10 @@ def make_model(step: dict[str, Any]) -> Any:
         extra: dict[str, Any] = {"moe_capacity_factor": 1.0} if "-cap" in name else {}
         if "-bias" in name:  # DeepSeek-V3's auxiliary-loss-free bias, fast enough to change the routing in 3 steps
             extra |= {"moe_balance": "bias", "moe_bias_update_rate": 0.05}
-        if "-loop" in name:  # the experts as the per-expert loop (the reference of the grouped forms)
-            extra |= {"moe_experts_form": "loop"}
+        # the experts as the per-expert loop ("-loop": the reference of the grouped forms), else the padded bmm (what
+        # "auto" chooses on accelerators without grouped_mm; on CPU "auto" is the loop), so that every ep cell
+        # compares a grouped form under ep with the loop in one process
+        extra |= {"moe_experts_form": "loop" if "-loop" in name else "bmm"}
         config = GPTConfig(**{**CONFIG.__dict__, "num_experts": 4, "moe_every": 2, **extra})
         muon = {"optimizer": "muon", "muon_ns_precision": "fp32" if name.endswith("32") else "bf16"}
         return GPTLightningModule(config, learning_rate=3e-3, adam_eps=1e-6, **(muon if "-muon" in name else {}))

@@ -8,13 +8,14 @@ on its segment of tokens sorted by expert, in one of three forms chosen by one f
   no CPU backward (``Invalid strides/sizes``), so it is never chosen on CPU.
 * ``"bmm"``: the tokens scattered into a zero-padded ``(experts, max tokens per expert, d)`` batch, two
   ``torch.bmm`` and a gather back. One host read of the counts per call (the padding size), none if the caller
-  already has them (``host_counts``, as the ep dispatch does). Chosen everywhere else unless the padding would more
-  than quadruple the rows (a badly skewed routing). On this CPU (``python recipes/benchmark.py --only moe``,
+  already has them (``host_counts``, as the ep dispatch does). Chosen on accelerators where ``grouped_mm`` does not
+  run, unless the padding would more than quadruple the rows (a badly skewed routing); on CPU only when asked for. On this CPU (``python recipes/benchmark.py --only moe``,
   ``docs/context-expert.md``) it is 2.5x faster at 64 experts than the loop as ``GroupedExperts`` ran it before
   (``w1[e]`` per expert), but 0.75-0.95x of the loop below: on CPU it buys one code path and a bounded host read,
   not speed.
-* ``"loop"``: one pair of matmuls per expert over ``x.split(counts)`` with the weights ``unbind``-ed once, the
-  documented fallback (skewed routings) and the reference the other two are tested against.
+* ``"loop"``: one pair of matmuls per expert over ``x.split(counts)`` with the weights ``unbind``-ed once: chosen on
+  CPU (measured faster there, above), the documented fallback for skewed routings, and the reference the other two
+  are tested against.
 
 All three give the same result up to float rounding (tested at rel <= 1e-5 in fp32,
 ``tests/unit/test_moe_grouped.py``).
@@ -69,7 +70,14 @@ def choose_form(x: Tensor, weights: Sequence[Tensor], rows: Sequence[int] | None
         return "loop"
     if requested in (None, "auto", "grouped_mm") and _grouped_mm_runs(x, weights):
         return "grouped_mm"
-    if requested == "bmm" or rows is None or not rows:
+    if requested in ("bmm", "grouped_mm"):
+        return "bmm"
+    if x.device.type == "cpu":
+        # Measured on the 2-core CPU (`python recipes/benchmark.py --only moe`, 4,096 tokens, fp32, one thread): the
+        # loop over unbind-ed weights takes 0.75-0.95x the padded bmm's time at 8-256 experts, and it keeps
+        # transformers' own per-expert arithmetic (a routing near a tie then chooses as in one process).
+        return "loop"
+    if rows is None or not rows:
         return "bmm"
     return "bmm" if len(rows) * max(rows) <= MAX_PADDING * max(x.shape[0], 1) else "loop"
 
@@ -100,17 +108,20 @@ def expert_ffn(x: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, act: Call
     rows = list(host_counts) if host_counts is not None else counts.tolist()
     if kind == "bmm" and host_counts is None and choose_form(x, (w_in, w_out), rows, form) == "loop":
         kind = "loop"
-    if n == 0:  # still a function of x: under ep the combine's backward all-to-all must run on every rank
-        return x[:0, :1].expand(0, w_out.shape[-1])
+    # Every expert's matmuls run, an expert without tokens on an empty segment, and so do they on a rank that received
+    # no token at all (under ep): the weights then get a zero gradient, not none. With none, an optimizer skips them
+    # (AdamW's moments and weight decay would not move them this step, as they do in one process, where the whole
+    # experts weight always has a gradient), and the output still depends on x (the combine's backward all-to-all
+    # runs on every rank).
     if kind == "loop":
         # unbind, not w_in[e]: indexing's backward would write a zero-filled (experts, ...) gradient per expert
         pairs = zip(x.split(rows), w_in.unbind(0), w_out.unbind(0))
-        return torch.cat([act(chunk @ a) @ b for chunk, a, b in pairs if chunk.shape[0]])
+        return torch.cat([act(chunk @ a) @ b for chunk, a, b in pairs])
     experts, most = len(rows), max(rows)
     # each token's slot in the padded batch: expert * most + its position within the expert's segment
     expert_of = torch.repeat_interleave(torch.arange(experts, device=x.device), counts, output_size=n)
     starts = counts.cumsum(0) - counts
     slot = expert_of * most + torch.arange(n, device=x.device) - starts[expert_of]
-    padded = x.new_zeros(experts * most, x.shape[1]).index_copy(0, slot, x).view(experts, most, -1)
+    padded = x.new_zeros(experts * most, x.shape[1]).index_copy(0, slot, x).view(experts, most, x.shape[1])
     hidden = act(torch.bmm(padded, w_in))  # (experts, most, h)
-    return torch.bmm(hidden, w_out).view(experts * most, -1)[slot]  # (tokens, d_out)
+    return torch.bmm(hidden, w_out).view(experts * most, w_out.shape[-1])[slot]  # (tokens, d_out)

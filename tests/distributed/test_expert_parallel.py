@@ -130,8 +130,8 @@ class _Logits:
 
 
 def _reference_model(name: str) -> str:
-    """The one-process reference runs the experts as the per-expert loop: every ep cell compares the grouped form
-    (``bmm`` on CPU) under ep with the loop in one process."""
+    """The one-process reference runs the experts as the per-expert loop: every GPT ep cell compares the grouped form
+    (``bmm``, forced by :func:`tests.p3d_helpers.make_model`) under ep with the loop in one process."""
     if name.startswith("moegpt"):
         return name + "-loop"
     return name

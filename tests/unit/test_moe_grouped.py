@@ -46,18 +46,26 @@ def test_no_tokens_still_depends_on_the_tokens():
     """Under ep a rank may receive no token: its output must still lead back to the (empty) tokens, so that the
     combine's backward all-to-all runs on every rank."""
     x = torch.zeros(0, 4, requires_grad=True)
-    w1, w2 = torch.randn(3, 4, 8), torch.randn(3, 8, 4)
     for form in ("bmm", "loop"):
+        w1, w2 = torch.randn(3, 4, 8, requires_grad=True), torch.randn(3, 8, 4, requires_grad=True)
         y = expert_ffn(x, torch.zeros(3, dtype=torch.int64), w1, w2, F.gelu, form=form)
         assert y.shape == (0, 4) and y.requires_grad
+        # and the experts' weights get a zero gradient, not none: an optimizer skips a parameter without one (AdamW's
+        # moments would not move it this step, as they do in one process, where some expert always has tokens)
+        y.sum().backward()
+        assert w1.grad is not None and w2.grad is not None and not w1.grad.any() and not w2.grad.any()
 
 
 def test_the_form_is_chosen_by_one_function():
     x, w = torch.randn(10, 8), torch.randn(4, 8, 8)
-    assert choose_form(x, (w, w)) == "bmm"  # CPU: grouped_mm has no CPU backward in torch 2.13
+    assert choose_form(x, (w, w)) == "loop"  # CPU: the loop measured faster than the padded bmm
+    assert choose_form(x, (w, w), rows=[3, 3, 2, 2]) == "loop"
+    # grouped_mm has no CPU backward in torch 2.13: asked for, the bmm runs instead
     assert choose_form(x.bfloat16(), (w.bfloat16(), w.bfloat16()), requested="grouped_mm") == "bmm"
-    assert choose_form(x, (w, w), rows=[3, 3, 2, 2]) == "bmm"
-    assert choose_form(x, (w, w), rows=[40, 0, 0, 0]) == "loop"  # 4 x 40 padded rows for 40 tokens: skewed
+    assert choose_form(x, (w, w), requested="bmm") == "bmm"
+    meta = x.to("meta")  # the choice off the CPU (an accelerator without grouped_mm's conditions): bmm unless skewed
+    assert choose_form(meta, (w, w), rows=[3, 3, 2, 2]) == "bmm"
+    assert choose_form(meta, (w, w), rows=[40, 0, 0, 0]) == "loop"  # 4 x 40 padded rows for 40 tokens: skewed
     assert choose_form(x, (w, w), requested="loop") == "loop"
     assert set(FORMS) == {"grouped_mm", "bmm", "loop"}
     with pytest.raises(ValueError, match=r"experts form='fast' is not valid: expected one of \['auto', 'grouped_mm'"):
