@@ -220,10 +220,7 @@ def markdown(results: list[RowResult], header: str) -> str:
         mem = f"{r.peak_mem_gib:.1f}" if r.peak_mem_gib is not None else "-"
         lines.append(f"| {r.layout} | {r.mode} | {r.params / 1e9:.2f}B | {r.tokens_per_s:.0f} | {ratio} | {mfu} | "
                      f"{r.step_s:.3f} | {mem} | {r.loss:.4f} | {r.compiled_graphs} | {r.float8_layers} |")
-    where = "CPU (dry run: gloo, every rank on the CPU)" if dry_run else f"{gpu} (every rank on cuda:0)"
-    header = (f"Every layout with two ranks (four for HSDP) on one device: {where}; {steps} optimizer steps of a "
-              f"4-layer GPT (n_embd 32), backend {backend}.")
-    return "\n".join([header, "", *lines])
+    return "\n".join(lines)
 
 
 #: The two-rank part: layout name -> (ranks, model: ``"gpt"`` or ``"moegpt"``, strategy registry name, options).
