@@ -67,6 +67,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 __all__ = [
@@ -74,8 +75,10 @@ __all__ = [
     "register_adapter",
     "attention_heads",
     "batch_counted_tokens",
+    "batch_counted_tokens_tensor",
     "checkpoint_modules",
     "counted_tokens",
+    "counted_tokens_tensor",
     "expert_modules",
     "find_network",
     "pipeline_batch",
@@ -285,9 +288,32 @@ def counted_tokens(targets: Any) -> float | None:
     """The number of elements of integer ``targets`` that are not :data:`IGNORE_INDEX` (the tokens a token-mean loss
     averages over); ``None`` when ``targets`` is not an integer tensor (a loss that is no token mean: every part of a
     batch then weighs the same)."""
-    if isinstance(targets, Tensor) and not targets.is_floating_point() and not targets.is_complex():
-        return float((targets != IGNORE_INDEX).sum())
-    return None
+    return float((targets != IGNORE_INDEX).sum()) if _integer(targets) else None
+
+
+def _counted_targets(module: nn.Module, batch: Any) -> Tensor | None:
+    """The integer targets of ``batch`` a token-mean loss counts (see :func:`batch_counted_tokens`), or ``None``."""
+    if getattr(module, "token_mean_loss", True) is False:
+        return None
+    targets: Any = None
+    if callable(getattr(module, "pipeline_batch", None)) or not isinstance(batch, Mapping):
+        try:
+            _, targets = pipeline_batch(module, batch)
+        except (ValueError, TypeError, KeyError):  # e.g. (x, y, position_ids) without a pipeline_batch
+            targets = batch[1] if isinstance(batch, (tuple, list)) and len(batch) >= 2 else None
+    if not _integer(targets) and isinstance(batch, Mapping):
+        targets = batch.get("labels")
+    return targets if _integer(targets) else None
+
+
+def _integer(targets: Any) -> bool:
+    return isinstance(targets, Tensor) and not targets.is_floating_point() and not targets.is_complex()
+
+
+def counted_tokens_tensor(targets: Any) -> Tensor | None:
+    """:func:`counted_tokens` without a read to the host: a 0-dim float64 tensor on ``targets``'s device (``None``
+    when ``targets`` is not an integer tensor)."""
+    return (targets != IGNORE_INDEX).sum(dtype=torch.float64) if _integer(targets) else None
 
 
 def batch_counted_tokens(module: nn.Module, batch: Any) -> float:
@@ -299,23 +325,30 @@ def batch_counted_tokens(module: nn.Module, batch: Any) -> float:
     ``"labels"``, else ``batch[1]`` of a tuple batch (also of a longer one such as cp's ``(x, y, position_ids)``).
     ``1.0`` (every rank weighs the same) when there are no integer targets to count, or when the module sets
     ``token_mean_loss = False`` (its loss is no mean over the counted tokens: a sum, a per-sample mean).
+    A read to the host (one device synchronisation on a GPU): the training step uses
+    :func:`batch_counted_tokens_tensor`.
 
     Args:
         module: the LightningModule.
         batch: this rank's batch, as its step sees it.
     """
-    if getattr(module, "token_mean_loss", True) is False:
-        return 1.0
-    targets: Any = None
-    if callable(getattr(module, "pipeline_batch", None)) or not isinstance(batch, Mapping):
-        try:
-            _, targets = pipeline_batch(module, batch)
-        except (ValueError, TypeError, KeyError):  # e.g. (x, y, position_ids) without a pipeline_batch
-            targets = batch[1] if isinstance(batch, (tuple, list)) and len(batch) >= 2 else None
-    if counted_tokens(targets) is None and isinstance(batch, Mapping):
-        targets = batch.get("labels")
-    counted = counted_tokens(targets)
+    counted = counted_tokens(_counted_targets(module, batch))
     return 1.0 if counted is None else counted
+
+
+def batch_counted_tokens_tensor(module: nn.Module, batch: Any, device: torch.device) -> Tensor:
+    """:func:`batch_counted_tokens` as a 0-dim float64 tensor on ``device``, with no read to the host (the value a
+    collective then sums on the group's device: NCCL accepts only CUDA tensors).
+
+    Args:
+        module: the LightningModule.
+        batch: this rank's batch, as its step sees it (its targets on ``device``, as Lightning moves them).
+        device: where the count lives (the strategy's root device, or the loss's device).
+    """
+    targets = _counted_targets(module, batch)
+    if targets is None:
+        return torch.ones((), dtype=torch.float64, device=device)
+    return (targets != IGNORE_INDEX).sum(dtype=torch.float64).to(device)
 
 
 def pipeline_batch(module: nn.Module, batch: Any) -> tuple[tuple[Tensor, ...], Any]:

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # The GPU check (docs/float8.md, "The GPU check"): on a machine with one NVIDIA GPU, in under 8 minutes,
+#   0. every layout (ddp_overlap, zero1-3, HSDP, tp+SP, pp with three schedules, cp ring / all-to-all, ep) for two
+#      optimizer steps with two ranks (four for HSDP) on the one GPU, under the backend map cuda:gloo (NCCL refuses two
+#      ranks on one device; a map without a cpu entry keeps NCCL's device rule), one launch per layout with a time
+#      limit, the table written to ${OUT%.md}.layouts.md (lightning_par/benchmarks/gpu_check.py --layouts);
 #   1. the throughput table: tokens/s, MFU and peak memory of a ~1B Llama-shaped model, bf16, seq 2048, eager /
 #      per-block compiled / compiled + float8, under Lightning's plain single-device strategy and lightning_par's zero3
 #      at world 1 (lightning_par/benchmarks/gpu_check.py), written to $OUT (default gpu_check.md);
 #   2. the tests with a CUDA path (tests/gpu: nccl at world 1, float8 on CUDA), with
 #      LP_REQUIRE_CUDA=1 so that a test skipped for want of CUDA fails instead.
 # On a machine without a CUDA device it fails at once (exit 2). `scripts/gpu_check.sh --dry-run` runs every piece of
-# step 1 on the CPU with a tiny model and only collects the tests of step 2 (what CI checks).
+# step 1 on the CPU with a tiny model, runs step 0 on the CPU (gloo, every rank on the CPU) and only collects the tests
+# of step 2 (what CI checks). Each part has a time limit, so a hang costs that part, not the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
@@ -23,12 +28,16 @@ if [[ $DRY == 0 ]]; then
 fi
 start=$(date +%s)
 status=0
-"$PY" -m lightning_par.benchmarks.gpu_check --out "$OUT" "$@" || status=$?
+LAYOUTS_OUT="${OUT%.md}.layouts.md"
+timeout 100 "$PY" -m lightning_par.benchmarks.gpu_check --layouts --layout-timeout-s 30 --out "$LAYOUTS_OUT" "$@" || status=$?
+timeout 260 "$PY" -m lightning_par.benchmarks.gpu_check --out "$OUT" "$@" || status=$?
 if [[ $DRY == 1 ]]; then
-  "$PY" -m pytest -q --collect-only -p no:cacheprovider tests/gpu >/dev/null || status=$?
+  timeout 60 "$PY" -m pytest -q --collect-only -p no:cacheprovider tests/gpu >/dev/null || status=$?
 else
-  LP_REQUIRE_CUDA=1 timeout 180 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests/gpu \
+  LP_REQUIRE_CUDA=1 timeout 120 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests/gpu \
     || status=$?
 fi
-echo "gpu_check: table in $OUT; $(( $(date +%s) - start )) s; exit status $status"
+echo
+cat "$LAYOUTS_OUT" 2>/dev/null || echo "gpu_check: no layout table ($LAYOUTS_OUT): the part timed out or failed to start"
+echo "gpu_check: tables in $LAYOUTS_OUT and $OUT; $(( $(date +%s) - start )) s; exit status $status"
 exit $status

@@ -21,6 +21,13 @@ against the same bf16 peak, as torchtitan reports them) and **peak memory** (``t
 over the timed steps), with the graphs dynamo compiled (one per distinct layer class and mode: the layers share
 theirs) and the float8 layers, so a row that silently did not compile or convert shows it. Each row runs in its own process (a clean allocator and process group), with a time limit.
 
+``--layouts`` runs the other part of the check (:func:`run_layouts`): one short fit (two optimizer steps) of every
+layout of :data:`LAYOUTS` with two ranks (four for HSDP) on the **one** GPU, each rank a node of one device on
+``cuda:0`` under the backend map ``cuda:gloo``: NCCL refuses two ranks on one device, and a map without a ``cpu``
+entry keeps NCCL's device rule (a CPU tensor in a collective raises ``No backend type associated with device type
+cpu``) while gloo moves the CUDA tensors through the host. Each layout is one launch with its own time limit; the
+output is one Markdown table. ``--layouts --dry-run`` runs the same on the CPU (gloo, every rank on the CPU).
+
 ``--dry-run`` runs every piece on the CPU with a tiny Llama (2 layers x 64, sequence 64, 2 timed steps, compiled with
 ``backend="aot_eager"``), in this process: the tests run it, so the GPU path is the same code with other sizes.
 """
@@ -38,8 +45,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LLAMA_1B", "LLAMA_TINY", "ROWS", "RowResult", "compile_blocks", "flops_per_token", "main", "markdown",
-           "measure_row"]
+__all__ = ["LAYOUTS", "LLAMA_1B", "LLAMA_TINY", "ROWS", "RowResult", "compile_blocks", "flops_per_token", "main",
+           "markdown", "measure_row", "run_layouts"]
 
 #: ~1B Llama shape (Llama 3.2 1B's layers with a 32000-token vocabulary and an untied head): 1.10e9 parameters.
 LLAMA_1B: dict[str, Any] = dict(
@@ -216,6 +223,111 @@ def markdown(results: list[RowResult], header: str) -> str:
     return "\n".join(lines)
 
 
+#: The two-rank part: layout name -> (ranks, model: ``"gpt"`` or ``"moegpt"``, strategy registry name, options).
+LAYOUTS: dict[str, tuple[int, str, str, dict[str, Any]]] = {
+    "ddp_overlap": (2, "gpt", "ddp_overlap", {}),
+    "zero1": (2, "gpt", "parallel_3d", {"dp_mode": "zero1"}),
+    "zero2": (2, "gpt", "parallel_3d", {"dp_mode": "zero2"}),
+    "zero3": (2, "gpt", "parallel_3d", {"dp_mode": "zero3"}),
+    "hsdp2x2-zero3": (4, "gpt", "parallel_3d", {"dp_replicate_size": 2, "dp_shard_size": 2, "dp_mode": "zero3"}),
+    "tp2-sp": (2, "gpt", "parallel_3d", {"tp_size": 2, "sequence_parallel": True}),
+    "pp2-1f1b": (2, "gpt", "parallel_3d", {"pp_size": 2, "schedule": "1f1b", "num_microbatches": 4}),
+    "pp2-interleaved_1f1b": (2, "gpt", "parallel_3d", {"pp_size": 2, "schedule": "interleaved_1f1b",
+                                                       "num_microbatches": 4}),
+    "pp2-zbv_zero_bubble": (2, "gpt", "parallel_3d", {"pp_size": 2, "schedule": "zbv_zero_bubble",
+                                                      "num_microbatches": 4}),
+    "cp2-ring": (2, "gpt", "parallel_3d", {"cp_size": 2, "method": "ring"}),
+    "cp2-all_to_all": (2, "gpt", "parallel_3d", {"cp_size": 2, "method": "all_to_all"}),
+    "ep2": (2, "moegpt", "parallel_3d", {"ep_size": 2}),
+}
+
+
+def _layout_worker(name: str, accelerator: str, backend: str, steps: int) -> dict[str, Any]:
+    """One rank of one layout: every rank a node of one device (``devices=1``, ``num_nodes=world``), so that two
+    ranks share the one GPU."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.strategies import StrategyRegistry
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from lightning_par.models import GPTConfig, GPTLightningModule
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    os.environ.update(NODE_RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    torch.set_num_threads(1)
+    _, model, registry_name, options = LAYOUTS[name]
+    torch.manual_seed(0)
+    moe = {"num_experts": 4, "moe_every": 2} if model == "moegpt" else {}
+    config = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=256, dropout=0.0, **moe)
+    module = GPTLightningModule(config, learning_rate=3e-3)
+    entry = StrategyRegistry[registry_name]
+    strategy = entry["strategy"](**{**entry["init_params"], "timeout_s": 60, "process_group_backend": backend,
+                                    **options})
+    dims = strategy.resolve_parallel_dims(world)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (8 * dims.dp_size * steps, config.block_size + 1), generator=g)
+    data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    sampler = DistributedSampler(data, num_replicas=dims.dp_size, rank=dims.coordinates(rank)["dp"], shuffle=False)
+    trainer = L.Trainer(
+        accelerator=accelerator, devices=1, num_nodes=world, strategy=strategy, max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0, use_distributed_sampler=False,
+    )
+    start = time.perf_counter()
+    trainer.fit(module, DataLoader(data, batch_size=8, sampler=sampler, drop_last=True))
+    loss = trainer.callback_metrics.get("train_loss")
+    return {"loss": float(loss) if loss is not None else float("nan"), "seconds": time.perf_counter() - start,
+            "device": str(strategy.root_device), "backend": str(dist_backend()),
+            "gpu": torch.cuda.get_device_name(0) if accelerator == "cuda" else "CPU"}
+
+
+def dist_backend() -> str:
+    """The default process group's backend, as torch names it (``"cuda:gloo"``), or ``"-"`` without one."""
+    import torch.distributed as dist
+
+    return dist.get_backend() if dist.is_initialized() else "-"
+
+
+def run_layouts(dry_run: bool, names: list[str] | None = None, timeout_s: float = 60.0, steps: int = 2) -> str:
+    """Run each layout of :data:`LAYOUTS` (or ``names``) in its own launch on the one GPU (CPU with ``dry_run``) and
+    return the Markdown table: layout, ranks, device and backend of rank 0, status, loss of the last step, seconds.
+
+    Raises:
+        ValueError: a name that is not in :data:`LAYOUTS` (the message lists them).
+    """
+    import torch
+
+    from lightning_par.launcher import run_distributed
+
+    names = list(LAYOUTS) if names is None else names
+    for name in names:
+        if name not in LAYOUTS:
+            raise ValueError(f"layouts: {name!r} is not valid: expected some of {sorted(LAYOUTS)}.")
+    accelerator, backend = ("cpu", "gloo") if dry_run else ("cuda", "cuda:gloo")
+    lines = ["| layout | ranks | device (rank 0) | backend | status | loss | seconds |", "|---|---|---|---|---|---|---|"]
+    # fork while this process has not touched CUDA (the ranks start in seconds); spawn once it has
+    start_method = "spawn" if torch.cuda.is_initialized() else None
+    gpu = "CPU"
+    for name in names:
+        ranks = LAYOUTS[name][0]
+        begin = time.perf_counter()
+        try:
+            out = run_distributed(_layout_worker, ranks, (name, accelerator, backend, steps), timeout_s=timeout_s,
+                                  start_method=start_method)[0]
+            gpu = out["gpu"]
+            lines.append(f"| {name} | {ranks} | {out['device']} | {out['backend']} | ok | {out['loss']:.4f} | "
+                         f"{out['seconds']:.1f} |")
+        except Exception as err:  # noqa: BLE001 - one failed layout is one row of the table
+            cause = " ".join(str(err).split())[:200].replace("|", "/")
+            lines.append(f"| {name} | {ranks} | - | {backend} | FAILED: {cause} | - | "
+                         f"{time.perf_counter() - begin:.1f} |")
+        print(lines[-1], flush=True)
+    where = "CPU (dry run: gloo, every rank on the CPU)" if dry_run else f"{gpu} (every rank on cuda:0)"
+    header = (f"Every layout with two ranks (four for HSDP) on one device: {where}; {steps} optimizer steps of a "
+              f"4-layer GPT (n_embd 32), backend {backend}.")
+    return "\n".join([header, "", *lines])
+
+
 def _settings(dry_run: bool) -> dict[str, Any]:
     if dry_run:
         return dict(config=LLAMA_TINY, seq=64, batch=2, steps=2, warmup=1, device="cpu", backend="aot_eager")
@@ -245,10 +357,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default=",".join(f"{a}:{b}" for a, b in ROWS),
                         help="comma-separated layout:mode rows")
     parser.add_argument("--row-timeout-s", type=float, default=150.0, help="time limit of one row (GPU run)")
+    parser.add_argument("--layouts", action="store_true",
+                        help="the two-rank part: every layout with two ranks on the one GPU (CPU with --dry-run)")
+    parser.add_argument("--layout-timeout-s", type=float, default=60.0, help="time limit of one layout's launch")
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     settings = _settings(args.dry_run)
+    if args.layouts:
+        table = run_layouts(args.dry_run, timeout_s=args.layout_timeout_s)
+        Path(args.out).write_text(table + "\n")
+        print(table)
+        return 1 if "FAILED" in table else 0
     if args.row:  # one row, in its own process (the GPU run)
         layout, mode = args.row.split(":")
         result = measure_row(layout, mode, **settings)

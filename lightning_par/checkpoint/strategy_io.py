@@ -93,7 +93,9 @@ class ShardedCheckpointIO:
         if not wait:
             import torch.distributed as dist
 
-            flag = torch.tensor([int(pending.done())])
+            # on the default group's device (NCCL takes CUDA tensors only); the read below is the one host sync,
+            # once per step while a save is pending (docs/host-syncs.md)
+            flag = torch.tensor([int(pending.done())], device=self.root_device)  # type: ignore[attr-defined]
             if dist.is_available() and dist.is_initialized():
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             if not flag.item():

@@ -50,14 +50,28 @@ def _local(value: Tensor) -> Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-def _weighted_mean(value: Tensor, weight: float, group: dist.ProcessGroup) -> Tensor:
-    """``sum_r(value_r * weight_r) / sum_r(weight_r)`` over ``group`` (a rank of weight 0 adds nothing, even a NaN)."""
+def _weighted_mean(value: Tensor, weight: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``sum_r(value_r * weight_r) / sum_r(weight_r)`` over ``group`` (a rank of weight 0 adds nothing, even a NaN);
+    ``weight`` a 0-dim float64 tensor on ``value``'s device. One all-reduce, on that device; nothing read to the host."""
     local = _local(value).detach().to(torch.float64).reshape(-1)
-    part = local * weight if weight > 0 else torch.zeros_like(local)
-    both = torch.cat([part, torch.tensor([weight], dtype=torch.float64, device=local.device)])
+    w = weight.to(local.device).reshape(1)
+    part = torch.where(w > 0, local * w, torch.zeros_like(local))
+    both = torch.cat([part, w])
     dist.all_reduce(both, group=group)
     mean = both[:-1] / both[-1]
     return mean.reshape(_local(value).shape).to(value.dtype)
+
+
+def _device(module: Any, batch: Any) -> torch.device:
+    """Where the step's tensors live: the batch's first tensor's device, else the module's parameters'."""
+    from torch.utils._pytree import tree_leaves
+
+    for leaf in tree_leaves(batch):
+        if isinstance(leaf, Tensor):
+            return leaf.device
+    for p in module.parameters():
+        return _local(p).device
+    return torch.device("cpu")
 
 
 def cp_mean_step(group: dist.ProcessGroup) -> Callable[..., Any]:
@@ -67,15 +81,17 @@ def cp_mean_step(group: dist.ProcessGroup) -> Callable[..., Any]:
         ``wrap(module, batch, run) -> output``: ``run(batch)`` with every tensor or number the step passes to
         ``module.log`` and the loss it returns (a tensor, or ``output["loss"]``) replaced by their token-weighted mean
         over ``group``. The returned loss's gradient is this rank's loss weighted by ``cp_size * n_r / sum(n)`` (1
-        without masks), so that the dp axis's plain average over the cp ranks is the gradient of the token mean.
+        without masks), so that the dp axis's plain average over the cp ranks is the gradient of the token mean. The
+        counts stay on the batch's device (no read to the host); a number logged comes back as a 0-dim tensor.
     """
 
     def wrap(module: Any, batch: Any, run: Callable[[Any], Any]) -> Any:
-        weight = target_tokens(module, batch)
+        device = _device(module, batch)
+        weight = contract.batch_counted_tokens_tensor(module, batch, device)
         size = dist.get_world_size(group)
-        counted = torch.tensor([weight], dtype=torch.float64)
+        counted = weight.reshape(1).clone()
         dist.all_reduce(counted, group=group)
-        total = float(counted[0])
+        total = counted[0]
         had_own = "log" in module.__dict__
         original = getattr(module, "log", None)  # a plain nn.Module (a Fabric loop's model) logs nothing
 
@@ -83,7 +99,7 @@ def cp_mean_step(group: dist.ProcessGroup) -> Callable[..., Any]:
             if isinstance(value, Tensor) and value.numel() == 1:
                 value = _weighted_mean(value, weight, group)
             elif isinstance(value, Number) and not isinstance(value, bool):
-                value = float(_weighted_mean(torch.tensor(float(value)), weight, group))
+                value = _weighted_mean(torch.tensor(float(value), device=device), weight, group)
             assert original is not None
             return original(name, value, *args, **kwargs)
 
@@ -105,11 +121,12 @@ def cp_mean_step(group: dist.ProcessGroup) -> Callable[..., Any]:
             mean = _weighted_mean(loss, weight, group)
             if not torch.is_grad_enabled() or not loss.requires_grad:
                 return mean
-            if weight == 0:  # no counted token in this piece: its mean is 0/0 (NaN), its gradient zero
-                loss = loss.nan_to_num(0.0)
+            # no counted token in this piece: its mean is 0/0 (NaN), its gradient zero
+            loss = torch.where(weight == 0, loss.nan_to_num(0.0), loss)
             # The dp axis averages the cp ranks' gradients alike: weighing this rank's loss by its share of the
             # tokens makes that average the gradient of the token mean (a factor of exactly 1 without masks).
-            scaled = loss * (weight * size / total) if total > 0 else loss
+            factor = torch.where(total > 0, weight * size / total, torch.ones_like(total))
+            scaled = loss * factor.to(loss.dtype)
             return scaled + (mean - _local(scaled).detach())
 
         if isinstance(out, Mapping) and "loss" in out:

@@ -556,7 +556,7 @@ class PackingMetricsCallback(L.Callback):
         dims = getattr(getattr(trainer.strategy, "parallel", None), "dims", None)
         if dims is not None and dims.dp_size == 1:
             return value
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=trainer.strategy.root_device)
         dist.all_reduce(t, group=dims.group("dp") if dims is not None else None)
         return float(t[0])
 

@@ -98,7 +98,7 @@ class GroupedEngine(DataParallelEngine):
             return super().clip_grad_norm_(params, max_norm, norm_type, groups)
         q = float(norm_type)
         params = [p for p in params if p.grad is not None]
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=zero[0].dp_mesh.device_type)
         claimed: set[int] = set()
         for engine in zero:
             own = [p for p in params if id(p) in engine._shard_of]

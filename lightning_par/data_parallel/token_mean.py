@@ -22,7 +22,8 @@ The value the step returns (and logs) stays this replica's own mean, as under Li
 gradient changes. A rank whose batch counts no token at all (prompts and padding only) returns 0.0 in place of
 ``F.cross_entropy``'s 0/0 (NaN, which a non-finite check would stop on); its gradient is zero either way. One
 all-reduce of one number over the dp group per training step (and one over the cp group before it under cp), only
-while the step's loss has a gradient.
+while the step's loss has a gradient; the count is a tensor on the loss's device and is never read to the host
+(``docs/host-syncs.md``).
 
 A LightningModule whose loss is *not* a token mean over integer targets (a sum, a per-sample mean of a
 classification loss with ``-100`` entries) sets ``token_mean_loss = False``: every replica then weighs the same, as
@@ -37,31 +38,35 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_par import contract
 
 __all__ = ["dp_token_mean_step", "replica_weight"]
 
 
-def replica_weight(tokens: float, dp_group: dist.ProcessGroup, cp_group: dist.ProcessGroup | None = None) -> float:
+def replica_weight(tokens: Tensor, dp_group: dist.ProcessGroup, cp_group: dist.ProcessGroup | None = None) -> Tensor:
     """``R * N_r / N``: the factor on this replica's loss gradient that turns the dp average into the gradient of the
     global token mean.
 
     Args:
-        tokens: the counted tokens of this rank's batch.
+        tokens: the counted tokens of this rank's batch, a 0-dim (or one-element) tensor on the groups' device (the
+            strategy's root device: NCCL takes CUDA tensors only), as
+            :func:`~lightning_par.contract.batch_counted_tokens_tensor` gives it.
         dp_group: the ranks holding the other samples of the global batch (the ``dp`` mesh, ``R`` ranks).
         cp_group: the ranks holding the other pieces of this replica's sequences (``None`` without cp).
 
     Returns:
-        The weight (``1.0`` when nothing is counted anywhere). Collective over ``cp_group`` then ``dp_group``.
+        The weight, a 0-dim float64 tensor on ``tokens``'s device (``1.0`` when nothing is counted anywhere), never
+        read to the host. Collective over ``cp_group`` then ``dp_group`` (one all-reduce of one number each).
     """
-    count = torch.tensor([float(tokens)], dtype=torch.float64)
+    count = tokens.detach().to(torch.float64).reshape(1).clone()
     if cp_group is not None:
         dist.all_reduce(count, group=cp_group)
-    replica = float(count[0])
+    replica = count.clone()
     dist.all_reduce(count, group=dp_group)
-    total = float(count[0])
-    return dist.get_world_size(dp_group) * replica / total if total > 0 else 1.0
+    weight = dist.get_world_size(dp_group) * replica / count
+    return torch.where(count > 0, weight, torch.ones_like(weight)).reshape(())
 
 
 def dp_token_mean_step(dp_group: dist.ProcessGroup, cp_group: dist.ProcessGroup | None = None) -> Callable[..., Any]:
@@ -69,21 +74,28 @@ def dp_token_mean_step(dp_group: dist.ProcessGroup, cp_group: dist.ProcessGroup 
 
     Returns:
         ``wrap(module, batch, run) -> output``: ``run(batch)`` with the returned loss (a scalar tensor, or
-        ``output["loss"]``) carrying the gradient of ``loss * replica_weight(...)`` and the value of ``loss``.
+        ``output["loss"]``) carrying the gradient of ``loss * replica_weight(...)`` and the value of ``loss``. The
+        count and the weight stay on the loss's device: the wrapper reads nothing to the host.
     """
     def wrap(module: Any, batch: Any, run: Callable[[Any], Any]) -> Any:
         out = run(batch)
         loss = out["loss"] if isinstance(out, Mapping) and "loss" in out else out
         if not (isinstance(loss, Tensor) and loss.numel() == 1 and loss.requires_grad and torch.is_grad_enabled()):
             return out  # evaluation, manual optimization, a pipelined step: nothing to weigh
-        tokens = contract.batch_counted_tokens(module, batch)
-        weight = replica_weight(tokens, dp_group, cp_group)
-        if weight == 1.0:
-            return out
-        if tokens == 0:  # no counted token on this rank: its mean is 0/0 (NaN), its gradient zero
-            loss = loss.nan_to_num(0.0)
+        tokens = contract.batch_counted_tokens_tensor(module, batch, loss.device)
+        weight = _like(replica_weight(tokens, dp_group, cp_group).to(loss.dtype), loss)
+        # no counted token on this rank: its mean is 0/0 (NaN), its gradient zero (its weight is 0)
+        loss = torch.where(_like(tokens == 0, loss), loss.nan_to_num(0.0), loss)
         scaled = loss * weight
         weighted = scaled + (loss.detach() - scaled.detach())  # the value of loss, the gradient of loss * weight
         return {**out, "loss": weighted} if isinstance(out, Mapping) else weighted
 
     return wrap
+
+
+def _like(value: Tensor, loss: Tensor) -> Tensor:
+    """``value`` (a plain 0-dim tensor) as a replicated DTensor on ``loss``'s mesh when ``loss`` is a DTensor."""
+    if isinstance(loss, DTensor):
+        mesh = loss.device_mesh
+        return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return value

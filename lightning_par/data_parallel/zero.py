@@ -464,7 +464,7 @@ class ZeroShardedDataParallel(ZeroEngine):
         mine: dict[tuple[dist.ProcessGroup, ...], list[Tensor]] = {}
         for p in params:
             mine.setdefault(_sharded_mesh_groups(self._shard_of[id(p)].param), []).append(p.grad)
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=self.dp_mesh.device_type)
         for tp_groups, grads in mine.items():
             part = _local_powered_sum(grads, q)
             for group in tp_groups:

@@ -413,9 +413,8 @@ class MeshStrategy(ParallelStrategy):
                 f"({self._layout()}, context parallelism) does not run: train_step(model, (x, y), loss_fn=loss_fn) "
                 f"already returns and differentiates the token mean."
             )
-        count = torch.as_tensor(tokens, dtype=torch.float64).detach().reshape(()).cpu().clone()
+        count = torch.as_tensor(tokens, dtype=torch.float64, device=self.root_device).detach().reshape(()).clone()
         if dims.dp_size > 1:
-            count = count.to(self.root_device)
             dist.all_reduce(count, group=dims.group("dp"))
         total = float(count)
         if total <= 0:  # nothing counted anywhere: a zero loss, and a zero gradient

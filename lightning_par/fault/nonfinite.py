@@ -135,12 +135,12 @@ class NonFiniteGuard(L.Callback):
         params = _optimizer_params(trainer, optimizer)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         grads_ok = True if (not self.check_grads or scaler is not None) else _grads_finite(params)
-        flags = torch.tensor([float(self._bad_loss is not None), float(not grads_ok)])
+        device = trainer.strategy.root_device
+        flags = torch.tensor([float(self._bad_loss is not None), float(not grads_ok)], device=device)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if world > 1:
-            device = trainer.strategy.root_device
             gathered = [torch.zeros(2, device=device) for _ in range(world)]
-            dist.all_gather(gathered, flags.to(device))
+            dist.all_gather(gathered, flags)
             table = torch.stack(gathered).cpu()
         else:
             table = flags.reshape(1, 2)

@@ -18,9 +18,10 @@ from torch import Tensor, nn
 __all__ = ["clip_grad_norm_across_ranks", "total_grad_norm"]
 
 
-def _powered_norm_sum(grads: list[Tensor], q: float) -> Tensor:
+def _powered_norm_sum(grads: list[Tensor], q: float, device: torch.device | None = None) -> Tensor:
     """``sum_g ||g||_q^q`` (``max_g ||g||_inf`` for ``q = inf``) over this rank's share of ``grads``, each DTensor
-    made whole over its own mesh (a float32 scalar, plain)."""
+    made whole over its own mesh (a float32 scalar, plain, on the gradients' device; on ``device`` when there are no
+    gradients: a collective then sums it, on the group's device)."""
     from torch.distributed.tensor import DTensor
 
     by_spec: dict[tuple, list[Tensor]] = {}
@@ -39,8 +40,8 @@ def _powered_norm_sum(grads: list[Tensor], q: float) -> Tensor:
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         parts.append(norm.detach().float().reshape(()))
     if not parts:
-        return torch.tensor(0.0)
-    stacked = torch.stack([p.cpu() for p in parts])
+        return torch.zeros((), device=device)
+    stacked = torch.stack(parts)
     return stacked.max() if q == float("inf") else stacked.pow(q).sum()
 
 
@@ -58,11 +59,13 @@ def total_grad_norm(
     ``mpu``), with DTensor doing the tp/dp reductions.
 
     Returns:
-        A float32 scalar tensor (CPU), the same on every rank of the groups.
+        A float32 scalar tensor on the parameters' device, the same on every rank of the groups.
     """
     q = float(norm_type)
+    params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
-    powered = _powered_norm_sum(grads, q)
+    device = _local_device(params[0]) if params else None
+    powered = _powered_norm_sum(grads, q, device)
     if q == float("inf"):
         for group in groups:
             dist.all_reduce(powered, op=dist.ReduceOp.MAX, group=group)
@@ -98,3 +101,10 @@ def clip_grad_norm_across_ranks(
         for p in params:
             p.grad.mul_(coef)
     return total
+
+
+def _local_device(param: Tensor) -> torch.device:
+    """The device of ``param``'s local data (a DTensor's shard)."""
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local().device if isinstance(param, DTensor) else param.device

@@ -153,8 +153,8 @@ class PipelineEngine:
         self.token_groups = list(token_groups)
         self.token_mean = token_mean
         #: per micro-batch: the factor on its loss for the gradient, and for the logged mean (see :meth:`_weights`)
-        self.grad_weights: list[float] = []
-        self.log_weights: list[float] = []
+        self.grad_weights: Tensor = torch.ones(0)  # (m,) float64 on the device, set by train_step on the last stage
+        self.log_weights: Tensor = torch.ones(0)
         self.num_stages = options.num_stages(pp_size)
         self.history: list[StepRecord] = []
         self._schedules: dict[tuple, Any] = {}
@@ -275,36 +275,37 @@ class PipelineEngine:
         with self._timer.op("L", self.num_stages - 1, i) if self._timer is not None else contextlib.nullcontext():
             loss = _plain(self.loss_fn(outputs, self._targets[i]))
             # a micro-batch without a counted token has the mean 0/0 (NaN), the weight 0 and a zero gradient
-            if self.log_weights[i] == 0 or self.grad_weights[i] == 0:
-                loss = loss.nan_to_num(0.0)
-            self._losses.append(loss.detach() * self.log_weights[i])
+            log_w, grad_w = self.log_weights[i].to(loss.dtype), self.grad_weights[i].to(loss.dtype)
+            loss = torch.where((log_w == 0) | (grad_w == 0), loss.nan_to_num(0.0), loss)
+            self._losses.append(loss.detach() * log_w)
         if self.observer is not None:
             self.observer(i, tree_map_only(Tensor, lambda t: t.detach(), outputs))
-        return loss * (self._scale * self.grad_weights[i])
+        return loss * (grad_w * self._scale)
 
-    def _weights(self, m: int) -> tuple[list[float], list[float]]:
-        """``(gradient weights, logging weights)`` of the ``m`` micro-batches, on the last stage.
+    def _weights(self, m: int) -> tuple[Tensor, Tensor]:
+        """``(gradient weights, logging weights)`` of the ``m`` micro-batches, on the last stage: two ``(m,)`` float64
+        tensors on this stage's device, never read to the host.
 
         With ``n_i`` the counted tokens of micro-batch ``i``, ``n`` their sum on this rank, ``N`` the sum over this
         rank and its ``token_groups`` (``R`` ranks): the gradient weight is ``n_i m R / N`` (the dp axis then averages
         over the ``R`` ranks: the gradient of the token mean over all ``N`` tokens), the logging weight ``n_i m / n``
         (the mean over this rank's tokens; the cp axis's report weighs the ranks). Both are 1 when the targets are not
-        integer tensors, or when nothing is counted. Collective over ``token_groups``.
+        integer tensors, or when nothing is counted. Collective over ``token_groups`` (one all-reduce of one number
+        each, on this stage's device).
         """
-        counts = [contract.counted_tokens(t) for t in self._targets]
-        ones = [1.0] * m
+        counts = [contract.counted_tokens_tensor(t) for t in self._targets]
+        ones = torch.ones(m, dtype=torch.float64, device=self.device)
         if not self.token_mean or len(counts) != m or any(c is None for c in counts):
             return ones, ones
-        local = float(sum(counts))  # type: ignore[arg-type]
-        total, ranks = local, 1
-        if self.token_groups:
-            summed = torch.tensor([local], dtype=torch.float64)
-            for group in self.token_groups:
-                dist.all_reduce(summed, group=group)
-                ranks *= dist.get_world_size(group)
-            total = float(summed[0])
-        grad = [c * m * ranks / total for c in counts] if total > 0 else ones  # type: ignore[operator]
-        log = [c * m / local for c in counts] if local > 0 else ones  # type: ignore[operator]
+        n = torch.stack(counts).to(self.device)  # type: ignore[arg-type]
+        local = n.sum()
+        summed, ranks = local.reshape(1).clone(), 1
+        for group in self.token_groups:
+            dist.all_reduce(summed, group=group)
+            ranks *= dist.get_world_size(group)
+        total = summed[0]
+        grad = torch.where(total > 0, n * (m * ranks) / total, ones)
+        log = torch.where(local > 0, n * m / local, ones)
         return grad, log
 
     # ------------------------------------------------------------------ steps
@@ -326,7 +327,7 @@ class PipelineEngine:
         m = self.options.num_microbatches
         split_tree(inputs, m, "the batch")  # checks divisibility before any rank enters the schedule
         self._targets = split_tree(targets, m) if self.has_last_stage else []
-        self.grad_weights, self.log_weights = self._weights(m) if self.has_last_stage else ([], [])
+        self.grad_weights, self.log_weights = self._weights(m) if self.has_last_stage else (torch.ones(0), torch.ones(0))
         self._scale = loss_scale / m
         set_aux_loss_scale(self._scale)  # a MoE router's losses get the micro-batch loss's factor
         self._losses = []

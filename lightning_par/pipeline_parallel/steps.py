@@ -129,7 +129,7 @@ class PipelinedSteps(StepHooks):
         pp_group = dims.group("pp")
         last = dist.get_global_rank(pp_group, parallel.options.pipeline.last_stage_rank(dims.pp_size))
         if capture is not None:
-            capture.weights = list(pipeline.log_weights)
+            capture.weights = pipeline.log_weights.tolist()  # host read: only when training_step logs
         records = (capture or TrainingStepCapture(module, None, attr, call, [], [])).share(
             last, pp_group, pipeline.has_last_stage)
 
@@ -151,13 +151,16 @@ class PipelinedSteps(StepHooks):
     def _share_step(self, loss: Tensor | None, device: torch.device) -> Tensor:
         """One all-gather over the pp group: the loss from the last stage, and every pp rank's step timings."""
         record = self.parallel.pipeline.history[-1]
-        mine = torch.tensor([float(loss) if loss is not None else float("nan"), *record.compact()], dtype=torch.float64)
+        own = loss.detach().reshape(1) if loss is not None else torch.full((1,), float("nan"), device=device)
+        mine = torch.cat([own.to(device, torch.float64),
+                          torch.tensor(record.compact(), dtype=torch.float64, device=device)])
         dims = self.parallel.dims
         parts = [torch.empty_like(mine) for _ in range(dims.pp_size)]
         dist.all_gather(parts, mine, group=dims.group("pp"))
-        self.step_stats.append([(p[1].item(), p[2].item(), int(p[3].item())) for p in parts])
+        stats = torch.stack(parts).tolist()  # one read to the host per step: the stages' timings
+        self.step_stats.append([(p[1], p[2], int(p[3])) for p in stats])
         last = parts[self.parallel.options.pipeline.last_stage_rank(dims.pp_size)]
-        return last[0].to(torch.float32).to(device)
+        return last[0].to(torch.float32)
 
     def backward(self, host: Any, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """No autograd: hand back the gradients held aside during Lightning's ``zero_grad``, then reduce them over dp

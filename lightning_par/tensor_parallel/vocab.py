@@ -85,10 +85,10 @@ def mask_padded_logits(local_logits: Tensor, first_column: int, vocab_size: int)
     Returns:
         ``local_logits`` with padded columns masked (a new tensor; autograd gives them a zero gradient).
     """
+    if first_column + local_logits.shape[-1] <= vocab_size:  # no padded column: decided on the host, no device read
+        return local_logits
     columns = torch.arange(first_column, first_column + local_logits.shape[-1], device=local_logits.device)
     padded = columns >= vocab_size
-    if not bool(padded.any()):
-        return local_logits
     return local_logits.masked_fill(padded, torch.finfo(local_logits.dtype).min)
 
 

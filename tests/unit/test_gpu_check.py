@@ -68,3 +68,21 @@ def test_the_script_fails_loudly_without_a_gpu(tmp_path):
     assert not (tmp_path / "t.md").exists()
     # the Python entry point refuses the same way
     assert gpu_check.main(["--out", str(tmp_path / "u.md")]) == 2
+
+
+def test_layouts_part_names_every_layout_and_refuses_an_unknown_one():
+    assert {"ddp_overlap", "zero1", "zero2", "zero3", "hsdp2x2-zero3", "tp2-sp", "cp2-ring", "cp2-all_to_all",
+            "ep2"} <= set(gpu_check.LAYOUTS)
+    assert {n for n in gpu_check.LAYOUTS if n.startswith("pp2-")} == {
+        "pp2-1f1b", "pp2-interleaved_1f1b", "pp2-zbv_zero_bubble"}  # one schedule per family
+    with pytest.raises(ValueError, match="layouts: 'zero4' is not valid"):
+        gpu_check.run_layouts(True, ["zero4"])
+
+
+@pytest.mark.distributed
+def test_layouts_dry_run_trains_two_ranks(tmp_path):
+    """Two layouts of the two-rank part on the CPU (gloo): a row each, ``ok``, with the ranks and the backend."""
+    table = gpu_check.run_layouts(True, ["zero3", "pp2-1f1b"], timeout_s=120)
+    rows = [line for line in table.splitlines() if line.startswith("| zero3 ") or line.startswith("| pp2-1f1b ")]
+    assert len(rows) == 2, table
+    assert all("| 2 | cpu | gloo | ok |" in row for row in rows), table
