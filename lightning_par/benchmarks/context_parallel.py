@@ -44,7 +44,7 @@ import statistics
 import time
 from typing import Any
 
-__all__ = ["LAYOUTS", "formula_bytes", "render", "run"]
+__all__ = ["GPU_CHECK_LAYOUTS", "LAYOUTS", "formula_bytes", "render", "run"]
 
 #: This benchmark's section in ``recipes/benchmark.py`` (``--only cp``) and its place in the full run.
 SECTION = "cp"
@@ -55,6 +55,11 @@ _QUICK = dict(model=dict(_FULL["model"], block_size=1024), batch=1, steps=20)
 #: cp size -> the methods measured in that launch (each launch also times the one-process baseline on its rank 0)
 LAYOUTS: dict[int, tuple[str, ...]] = {2: ("ring", "all_to_all"), 4: ("ring", "all_to_all")}
 BASELINE = "cp1"
+#: The cp layouts of the GPU check's two-rank part (:data:`lightning_par.benchmarks.gpu_check.LAYOUTS`): one a method,
+#: layout name -> (ranks, model, strategy registry name, options).
+GPU_CHECK_LAYOUTS: dict[str, tuple[int, str, str, dict[str, Any]]] = {
+    f"cp2-{method}": (2, "gpt", "parallel_3d", {"cp_size": 2, "method": method}) for method in LAYOUTS[2]
+}
 TARGETS = {2: 0.55, 4: 0.30}
 
 

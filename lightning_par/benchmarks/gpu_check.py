@@ -223,6 +223,21 @@ def markdown(results: list[RowResult], header: str) -> str:
     return "\n".join(lines)
 
 
+def _axis_layouts() -> dict[str, tuple[int, str, str, dict[str, Any]]]:
+    """The layouts the axes' own benchmarks add to the two-rank part: a module-level ``GPU_CHECK_LAYOUTS`` in any
+    module of :mod:`lightning_par.benchmarks` (an axis's options are named in its own folder and benchmark only)."""
+    import importlib
+    import pkgutil
+
+    import lightning_par.benchmarks as benchmarks
+
+    out: dict[str, tuple[int, str, str, dict[str, Any]]] = {}
+    for info in pkgutil.iter_modules(benchmarks.__path__):
+        if info.name != "gpu_check":
+            out.update(getattr(importlib.import_module(f"{benchmarks.__name__}.{info.name}"), "GPU_CHECK_LAYOUTS", {}))
+    return out
+
+
 #: The two-rank part: layout name -> (ranks, model: ``"gpt"`` or ``"moegpt"``, strategy registry name, options).
 LAYOUTS: dict[str, tuple[int, str, str, dict[str, Any]]] = {
     "ddp_overlap": (2, "gpt", "ddp_overlap", {}),
@@ -236,8 +251,7 @@ LAYOUTS: dict[str, tuple[int, str, str, dict[str, Any]]] = {
                                                        "num_microbatches": 4}),
     "pp2-zbv_zero_bubble": (2, "gpt", "parallel_3d", {"pp_size": 2, "schedule": "zbv_zero_bubble",
                                                       "num_microbatches": 4}),
-    "cp2-ring": (2, "gpt", "parallel_3d", {"cp_size": 2, "method": "ring"}),
-    "cp2-all_to_all": (2, "gpt", "parallel_3d", {"cp_size": 2, "method": "all_to_all"}),
+    **_axis_layouts(),  # the layouts an axis's own benchmark names (the context-parallel methods)
     "ep2": (2, "moegpt", "parallel_3d", {"ep_size": 2}),
 }
 
