@@ -10,6 +10,7 @@ import re
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -142,25 +143,39 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def test_nothing_outlives_a_killed_train_ft(tmp_path: Path) -> None:
-    """SIGKILL of the launcher (no clean-up can run): the lighthouse, both groups' launchers and their ranks die."""
+def _train_ft_until_both_groups_train(tmp_path: Path, *overrides: str, **popen: Any) -> Any:
+    """``recipes/train_ft.py`` on the tiny model for 1,000 steps (with ``overrides``), started and returned once both
+    replica groups have logged a step (killed if it ends or stalls first, within 240 s)."""
     import os
     import subprocess
     import time
 
-    from tests.e2e.test_faults import _assert_all_gone
-
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, str(ROOT / "recipes" / "train_ft.py"), *TINY, *FT,
-                             "trainer.max_steps=1000", f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "trainer.max_steps=1000", *overrides, f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env,
+                            **popen)
     try:
         deadline = time.monotonic() + 240
-        # the lighthouse, 2 group launchers and their 2 ranks, once both groups are training
         while time.monotonic() < deadline and not all(
                 (tmp_path / f"group{g}" / "logs" / "metrics.csv").exists() for g in range(2)):
             assert proc.poll() is None, "train_ft ended early"
             time.sleep(0.5)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
+
+
+def test_nothing_outlives_a_killed_train_ft(tmp_path: Path) -> None:
+    """SIGKILL of the launcher (no clean-up can run): the lighthouse, both groups' launchers and their ranks die."""
+    import subprocess
+
+    from tests.e2e.test_faults import _assert_all_gone
+
+    proc = _train_ft_until_both_groups_train(tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        # the lighthouse, 2 group launchers and their 2 ranks
         pids = _descendants(proc.pid)
         assert len(pids) >= 5, pids
     finally:
@@ -188,17 +203,9 @@ def test_the_servers_listen_on_loopback_and_a_dead_lighthouse_is_named(tmp_path:
     from tests.unit.test_ft_servers_bind import _is_loopback, _listening
 
     connect_s = 5.0
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "recipes" / "train_ft.py"), *TINY, *FT,
-                             "trainer.max_steps=1000", f"strategy.fault_tolerance.connect_timeout_s={connect_s}",
-                             f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = _train_ft_until_both_groups_train(tmp_path, f"strategy.fault_tolerance.connect_timeout_s={connect_s}",
+                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not all(
-                (tmp_path / f"group{g}" / "logs" / "metrics.csv").exists() for g in range(2)):
-            assert proc.poll() is None, "train_ft ended early"
-            time.sleep(0.5)
         pids = _descendants(proc.pid)
         listening = {}
         for pid in [proc.pid, *pids]:
