@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -212,16 +213,31 @@ def test_a_rank_stuck_in_its_forward_is_named_not_the_peer_waiting_for_it(tmp_pa
     assert "waiting in collective" in lines[1], lines[1]
 
 
-def _kill_rank_after(run_dir: Path, step: int, victim: int, killed: dict[str, Any]) -> threading.Thread:
-    """In the background: once ``step-<step>.ckpt`` is complete and the loss of step ``step`` is in the log, freeze
-    every rank, SIGKILL ``victim``, thaw the rest: the run is interrupted between two checkpoints however loaded the
-    machine is. (Lightning saves a step's checkpoint before it logs that step's loss: a kill in between loses the log
-    line, not the step, which the resumed run then redoes from the checkpoint before.)"""
+def _kill_rank_after(run_dir: Path, step: int, victim: int, killed: dict[str, Any],
+                     before: int | None = None) -> threading.Thread:
+    """In the background: once a checkpoint ``step-<s>.ckpt`` with ``step <= s`` (``< before`` if given) is complete
+    and the loss of step ``s`` is in the log, freeze every rank, SIGKILL ``victim``, thaw the rest: the run is
+    interrupted between two checkpoints however loaded the machine is. (Lightning saves a step's checkpoint before it
+    logs that step's loss: a kill in between loses the log line, not the step, which the resumed run then redoes from
+    the checkpoint before.) Any such checkpoint will do, not only ``step``'s: the logger writes its lines in batches,
+    and on an idle machine a step's line can come after the checkpoint callback has already removed that step's
+    checkpoint (kept: the last two), so waiting for one step alone could let the run end untouched."""
+
+    def ready() -> bool:
+        losses = None
+        for ckpt in sorted((run_dir / "checkpoints").glob("step-*.ckpt")):
+            match = re.fullmatch(r"step-(\d+)\.ckpt", ckpt.name)
+            s = int(match.group(1)) if match else -1
+            if s < step or (before is not None and s >= before) or not is_complete_checkpoint(ckpt):
+                continue
+            losses = _losses(run_dir) if losses is None else losses
+            if s in losses:
+                return True
+        return False
 
     def run() -> None:
-        ckpt = run_dir / "checkpoints" / f"step-{step}.ckpt"
         deadline = time.monotonic() + 180
-        while not (is_complete_checkpoint(ckpt) and step in _losses(run_dir)):
+        while not ready():
             if time.monotonic() > deadline:
                 return
             time.sleep(0.005)
@@ -258,7 +274,7 @@ def test_a_run_killed_and_resumed_matches_the_uninterrupted_run(tmp_path, strate
 
     run_dir = tmp_path / "run"
     killed: dict[str, Any] = {}
-    watcher = _kill_rank_after(run_dir, 2, victim=1, killed=killed)
+    watcher = _kill_rank_after(run_dir, 2, victim=1, killed=killed, before=steps)
     with pytest.raises(DistributedRunError) as info:
         launch_job(_cfg(*overrides), run_dir)
     watcher.join(timeout=5)
