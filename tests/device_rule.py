@@ -29,7 +29,10 @@ on a ``meta:fake`` group.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -38,7 +41,7 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["DeviceRule", "HostTensorInCollective", "is_host"]
+__all__ = ["DeviceRule", "HostTensorInCollective", "is_host", "rule_report"]
 
 _MARK = "_lp_built_on_host"
 _FACTORIES = _device_constructors()
@@ -116,6 +119,8 @@ class _Check(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace in _COLLECTIVE_NAMESPACES:
             self.rule.collectives += 1
+            if self.rule.watch:
+                self.rule._count_watched()
             bad = [t for t in tree_leaves((args, kwargs)) if is_host(t)]
             if bad:
                 where = _caller()
@@ -133,12 +138,31 @@ class _Check(TorchDispatchMode):
 class DeviceRule:
     """``with DeviceRule() as rule: ...``: every collective inside raises :class:`HostTensorInCollective` on a
     tensor built on the host (see the module docstring). ``rule.collectives`` counts the collectives checked,
-    ``rule.violations`` names the ones refused."""
+    ``rule.violations`` names the ones refused.
 
-    def __init__(self) -> None:
+    Args:
+        watch: package names (``"torchft"``): ``rule.watched[name]`` counts the collectives checked that a frame of
+            that package's files issued (a wrapper library's own collectives, e.g. torchft's ``Manager.allreduce``
+            through its ``ProcessGroupGloo``, which reaches the dispatcher as ``c10d.allreduce_``).
+    """
+
+    def __init__(self, watch: tuple[str, ...] = ()) -> None:
         self.collectives = 0
         self.violations: list[str] = []
+        self.watch = tuple(watch)
+        self.watched: dict[str, int] = dict.fromkeys(self.watch, 0)
         self._modes: list[Any] = []
+
+    def _count_watched(self) -> None:
+        frame = sys._getframe(2)
+        seen: set[str] = set()
+        while frame is not None:
+            path = frame.f_code.co_filename
+            for name in self.watch:
+                if name not in seen and f"/{name}/" in path:
+                    seen.add(name)
+                    self.watched[name] += 1
+            frame = frame.f_back
 
     def __enter__(self) -> DeviceRule:
         self._modes = [_Track(), _Check(self)]
@@ -150,3 +174,20 @@ class DeviceRule:
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
         self._modes = []
+
+
+@contextlib.contextmanager
+def rule_report(step: dict[str, Any], report: dict[str, Any]) -> Iterator[None]:
+    """The ``wrap`` of :func:`tests.p3d_helpers.plan_worker`: the step runs under a :class:`DeviceRule` watching
+    ``step.get("watch", ())``; its exception is caught and written into ``report`` (``"error"``, a string, else
+    ``None``), with ``"collectives"``, ``"watched"`` and ``"violations"``, so that one refused case does not stop the
+    plan (every rank refuses the same collective, so none waits on the others)."""
+    rule = DeviceRule(watch=tuple(step.get("watch", ())))
+    report["error"] = None
+    try:
+        with rule:
+            yield
+    except Exception as err:  # noqa: BLE001 - reported by the case's test
+        report["error"] = f"{type(err).__name__}: {err}"[:2000]
+    finally:
+        report.update(collectives=rule.collectives, watched=dict(rule.watched), violations=list(rule.violations))
