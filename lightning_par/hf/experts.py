@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_par.expert_parallel.grouped import expert_ffn
+from lightning_par.expert_parallel.grouped import expert_ffn, sorted_counts
 
 __all__ = ["ContractExperts", "expert_modules"]
 
@@ -91,7 +91,7 @@ class ContractExperts(nn.Module):
         top_k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)  # (T * k,)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+        counts = sorted_counts(flat[order], self.gate_up_proj.shape[0])  # no host read (bincount's on CUDA)
         token = order // top_k
         y = nn.Module.__call__(self, hidden_states[token], counts)  # (T * k, d), sorted by expert; ep hooks here
         y = y * top_k_weights.reshape(-1)[order, None]  # as transformers: the weight's dtype may promote
