@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import traceback
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,7 +42,9 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["DeviceRule", "HostTensorInCollective", "is_host", "rule_report"]
+from lightning_par.profiling.host_syncs import SYNC_MESSAGE as _SYNC
+
+__all__ = ["DeviceRule", "HostReads", "HostTensorInCollective", "is_host", "rule_report"]
 
 _MARK = "_lp_built_on_host"
 _FACTORIES = _device_constructors()
@@ -191,3 +194,42 @@ def rule_report(step: dict[str, Any], report: dict[str, Any]) -> Iterator[None]:
         report["error"] = f"{type(err).__name__}: {err}"[:2000]
     finally:
         report.update(collectives=rule.collectives, watched=dict(rule.watched), violations=list(rule.violations))
+
+
+_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__,
+          torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu}
+_UPLOADS = {torch.tensor, torch.as_tensor}
+
+
+class HostReads(_Track):
+    """A CPU stand-in for CUDA's sync debug mode: while active, every read to the host of a tensor that would live on
+    the GPU (not :func:`is_host`: ``.item()``, ``float(t)``, ``bool(t)``, ``.tolist()``, ``.cpu()``, ...) and every
+    upload of Python data to a device (``torch.tensor(data, device=...)``) warns with
+    :data:`lightning_par.profiling.host_syncs.SYNC_MESSAGE`, as torch does on CUDA under
+    ``set_sync_debug_mode("warn")``; the recording and counting of the GPU test then apply unchanged on gloo.
+
+    It sees what goes through torch's Python API: a synchronisation inside a C++ kernel (``torch.bincount`` or a
+    boolean mask on CUDA, a blocking copy made by ``.to(device)`` of a host tensor) shows on a GPU only, and a read of
+    a tensor that is on the CPU on a GPU machine too but was not built by a factory here (a loaded batch before it is
+    moved) counts where it would not."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _READS and args and isinstance(args[0], torch.Tensor) and not is_host(args[0]):
+            warnings.warn(f"{_SYNC} (CPU stand-in: {func.__name__} of a tensor on the device)", stacklevel=2)
+        elif func in _UPLOADS and _on_device(kwargs.get("device")) and not any(
+                isinstance(t, torch.Tensor) for t in tree_leaves(args)):
+            warnings.warn(f"{_SYNC} (CPU stand-in: {func.__name__} of host data to a device)", stacklevel=2)
+        out = super().__torch_function__(func, types, args, kwargs)
+        if isinstance(kwargs.get("device"), str) and not _on_device(kwargs["device"]):
+            for t in tree_leaves(out):  # device="cpu" given: on the host on a GPU machine too (an optimizer's step)
+                if isinstance(t, torch.Tensor):
+                    _mark(t, True)
+        return out
+
+
+def _on_device(device: Any) -> bool:
+    """Whether a ``device=`` argument names the accelerator on a GPU machine: given, and not ``"cpu"`` by name (on
+    this CPU machine the strategy's root device is the CPU too, passed as ``torch.device("cpu")`` or ``"cpu"``; only
+    a literal ``"cpu"`` string in the code is taken as the host, as it stays the host on a GPU machine)."""
+    return device is not None and not (isinstance(device, str) and device == "cpu")

@@ -12,8 +12,10 @@ one with no frame of ours, Lightning's own loop, counts as ``other``), as ``"<fi
 :meth:`HostRead.per_step`: the most synchronisations the site makes in one training step of a layout of the GPU check
 (:data:`lightning_par.benchmarks.gpu_check.LAYOUTS`: the tiny GPT or MoE GPT, fp32, no clipping, no asynchronous
 save, no non-finite guard), on one rank (:class:`StepFacts`). The counts are read from the code (they count host reads
-and blocking uploads), not yet measured on a GPU: the CUDA test fails on a site that synchronises more often than its
-count, or that is not listed, and prints what it measured.
+and blocking uploads) and from a CPU stand-in that warns at every read of a tensor that would live on the GPU
+(``tests/device_rule.HostReads``, run on every layout by ``tests/distributed/test_host_reads.py``, which CI runs); not
+yet measured on a GPU: the CUDA test fails on a site that synchronises more often than its count, or that is not
+listed, and prints what it measured.
 
 Run ``python -m lightning_par.profiling.host_syncs`` to print the Markdown table of ``docs/host-syncs.md``
 (``tests/unit/test_host_syncs.py`` checks that the docs hold exactly it).
@@ -50,6 +52,9 @@ class StepFacts:
         moe_layers: the model's MoE layers (on this rank).
         ep: expert parallelism (``ep_size > 1``).
         logged: the values ``training_step`` logs with ``self.log`` (the GPT's: ``train_loss``).
+        cp: the context-parallel method (``"ring"``, ``"all_to_all"``), ``None`` without cp.
+        attention_layers: the model's attention layers (the GPT of the check: 4).
+        figures: the axes' step figures logged as Python floats (``parallel/*``: the MoE figures, ep's bytes).
     """
 
     pp: bool = False
@@ -58,6 +63,9 @@ class StepFacts:
     moe_layers: int = 0
     ep: bool = False
     logged: int = 1
+    cp: str | None = None
+    attention_layers: int = 4
+    figures: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,8 +114,13 @@ HOST_READS: tuple[HostRead, ...] = (
              "in one all-gather, read in one `.tolist()` (the bubble statistics are host numbers)",
              "twice per step under pp", lambda f: 2 if f.pp else 0),
     HostRead("pipeline_parallel/steps.py", ("training_step",),
-             "the micro-batches' logging weights, `.tolist()`, when `training_step` calls `self.log` under pp",
-             "once per step on the last stage, under pp with `self.log` in `training_step`", lambda f: _pp_last(f, 1)),
+             "the micro-batches' logging weights, `.tolist()`, when `training_step` calls `self.log` under pp (last "
+             "stage); the measured bubble and its formula, logged as Python floats, each uploaded by Lightning's "
+             "`self.log` (`torch.tensor(value, device=)`)",
+             "3 per step on the last stage, 2 on the others, under pp", lambda f: (2 + _pp_last(f, 1)) if f.pp else 0),
+    HostRead("pipeline_parallel/engine.py", ("_microbatch_loss",),
+             "the micro-batch's index, `int(...)`, which torch's schedule hands the loss as a tensor",
+             "per micro-batch on the last stage, under pp", lambda f: _pp_last(f, f.microbatches)),
     HostRead("pipeline_parallel/user_steps.py", ("log",),
              "each value `training_step` logs, `float(...)`, per micro-batch (the logged means go to the other stages "
              "as Python objects)", "per logged value and micro-batch on the last stage, under pp",
@@ -119,6 +132,18 @@ HOST_READS: tuple[HostRead, ...] = (
     HostRead("pipeline_parallel/user_steps.py", ("replay",),
              "each logged value uploaded for `self.log` on every stage (`torch.tensor(value, device=)`)",
              "per logged value per step, under pp", lambda f: f.logged if f.pp else 0),
+    HostRead("strategies/base.py", ("training_step",),
+             "the axes' step figures (`parallel/*`: the MoE layers' figures, ep's all-to-all bytes), Python floats, "
+             "each uploaded by Lightning's `self.log` (`torch.tensor(value, device=)`)",
+             "per figure per step, with MoE layers", lambda f: f.figures),
+    HostRead("context_parallel/attention.py", ("forward",),
+             "ring attention: every cp rank's positions, in one `.tolist()`, from which the blocks' pieces (full, "
+             "causal, masked, none) are decided on the host", "once per attention layer per forward, under cp ring",
+             lambda f: f.attention_layers if f.cp == "ring" else 0),
+    HostRead("context_parallel/attention.py", ("_strictly_increasing",),
+             "all-to-all attention: whether the gathered positions, sorted, are strictly increasing (`bool(...)`): "
+             "then the causal mask is the lower triangle", "once per attention layer per forward, under cp all_to_all",
+             lambda f: f.attention_layers if f.cp == "all_to_all" else 0),
     HostRead("pipeline_parallel/clip.py", ("clip_grad_norm_across_ranks",),
              "the clipping coefficient, `float(...)`, so that one number scales plain and DTensor gradients alike",
              "once per optimizer step, with `gradient_clip_val`", lambda f: 0),
@@ -151,9 +176,13 @@ def step_facts(layout: tuple[int, str, str, dict[str, Any]], rank: int) -> StepF
     pp = options.get("pp_size", 1)
     schedule = options.get("schedule", "1f1b")
     last = 0 if schedule in ("zbv_zero_bubble", "dualpipev") else pp - 1  # V-shaped schedules end on rank 0
+    moe = 2 if model == "moegpt" else 0
+    ep = options.get("ep_size", 1) > 1
     # the pp coordinate is the outermost mesh axis: with pp alone in the layout it is the rank
     return StepFacts(pp=pp > 1, last_stage=pp > 1 and rank == last, microbatches=options.get("num_microbatches", 1),
-                     moe_layers=2 if model == "moegpt" else 0, ep=options.get("ep_size", 1) > 1)
+                     moe_layers=moe, ep=ep, cp=options.get("method", "ring") if options.get("cp_size", 1) > 1 else None,
+                     # the MoE figures: the largest imbalance, one per layer, dropped tokens, aux and z-loss; ep's bytes
+                     figures=(moe + 4 + ep) if moe else 0)
 
 
 def expected_syncs(facts: StepFacts) -> dict[str, int]:
