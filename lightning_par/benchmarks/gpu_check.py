@@ -372,7 +372,8 @@ def sync_table(measured: dict[str, list[dict[str, Any]]]) -> tuple[str, bool]:
     others', and whether they are within ``docs/host-syncs.md``) and whether every row is."""
     from lightning_par.profiling.host_syncs import check_counts, expected_syncs, step_facts
 
-    lines = ["| layout | rank | package syncs (site: count) | other | within docs/host-syncs.md |", "|---|---|---|---|---|"]
+    lines = ["| layout | rank | package syncs (site: count) | other | within docs/host-syncs.md |",
+             "|---|---|---|---|---|"]
     ok = True
     for name, results in measured.items():
         for rank, res in enumerate(results):
@@ -386,7 +387,8 @@ def sync_table(measured: dict[str, list[dict[str, Any]]]) -> tuple[str, bool]:
             problems = check_counts(syncs, expected_syncs(step_facts(LAYOUTS[name], rank)))
             ok = ok and not problems
             listed = "; ".join(f"{k} {v}" for k, v in sorted(syncs.items())) or "none"
-            lines.append(f"| {name} | {rank} | {listed} | {other} | {'yes' if not problems else 'NO: ' + '; '.join(problems)} |")
+            verdict = "yes" if not problems else "NO: " + "; ".join(problems)
+            lines.append(f"| {name} | {rank} | {listed} | {other} | {verdict} |")
     return "\n".join(lines), ok
 
 

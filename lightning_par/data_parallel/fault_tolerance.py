@@ -562,7 +562,8 @@ class FaultTolerantReplicas:
         self._lighthouse = address
         timeout = timedelta(seconds=options.step_timeout_s)
         self.pg = ProcessGroupGloo(timeout=timeout)
-        _clear_stale_manager_address(group_rank, timedelta(seconds=options.connect_timeout_s + options.quorum_timeout_s))
+        store_timeout = timedelta(seconds=options.connect_timeout_s + options.quorum_timeout_s)
+        _clear_stale_manager_address(group_rank, store_timeout)
         with _torchft_servers_bound_to(host):
             transport = _bound_http_transport(host, timeout)
             self.manager = Manager(

@@ -6,9 +6,11 @@ Each case is one short fit (one optimizer step, a validation at its end) of a ti
 :class:`tests.device_rule.DeviceRule`; two cases save a checkpoint and two more resume from them for one more step.
 Every layout: ddp_overlap, zero1-3, HSDP, tp with sequence parallelism, pp with one schedule of each family (one
 stage per rank, looped virtual stages, V-shaped zero bubble) alone and with dp, cp with both methods alone and with
-dp, ep. One launch per world size; a case that breaks the rule fails on its own (every rank refuses the same
-collective, so none waits on the others). Before the fix of issue 45 every dp layout failed here in the token count
-of ``data_parallel/token_mean.py``.
+dp, ep; and fault-tolerant replica groups (torchft), whose own cross-group all-reduce the rule sees too. One launch per
+world size (the replica groups: one OS process per group, each its own world); a case that breaks the rule fails on
+its own (every rank refuses the same collective, so none waits on the others). Before the fix of issue 45 every dp
+layout failed here in the token count of ``data_parallel/token_mean.py`` (the fault-tolerant case too, within each
+group: shown by putting the old host-built count back).
 """
 
 from __future__ import annotations
@@ -115,9 +117,9 @@ FT_PRESETS = ["zero2", *(pytest.param(name, marks=pytest.mark.slow) for name in 
 
 @pytest.mark.parametrize("preset", FT_PRESETS)
 def test_fault_tolerant_groups_keep_every_collective_on_the_device(tmp_path: Path, preset: str) -> None:
-    """Two replica groups (each its own world of 2 ranks, the ``preset`` layout of :data:`FT_LAYOUTS` inside, torchft across; the lighthouse started
-    here) fit the tiny GPT for one step with a validation and save a checkpoint, then each resumes its own for one
-    more step, every step under :class:`~tests.device_rule.DeviceRule`. torchft's cross-group all-reduce
+    """Two replica groups (each its own world of 2 ranks, the ``preset`` layout of :data:`FT_LAYOUTS` inside,
+    torchft across; the lighthouse started here) fit the tiny GPT for one step with a validation and save a
+    checkpoint, then each resumes its own for one more step, every step under :class:`~tests.device_rule.DeviceRule`. torchft's cross-group all-reduce
     (``Manager.allreduce`` -> its ``ProcessGroupGloo`` -> ``c10d.allreduce_``) reaches the dispatcher on the training
     thread, so the rule sees it: the count of collectives issued from torchft's files must be above 0 in both fits
     (the first fit also streams group 0's state to group 1, ``init_sync``, which applies it on the training thread)."""

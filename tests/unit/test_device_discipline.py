@@ -126,6 +126,7 @@ def _fabric_token_means_on_meta() -> None:
 
 def test_fabric_token_means_read_nothing_to_the_host():
     """Fabric's ``token_mean_loss`` and ``train_step``'s global mean under a ``meta:fake`` group: the summed count stays
-    a device tensor (a read to the host, ``float(count)``, fails on ``meta``: "Tensor.item() cannot be called on meta tensors", as it did before the count stayed on the device)."""
+    a device tensor (a read to the host, ``float(count)``, fails on ``meta``: "Tensor.item() cannot be called on meta
+    tensors", as it did before the count stayed on the device)."""
     status, _, output = in_a_forked_child(_fabric_token_means_on_meta, timeout_s=60)
     assert status == 0, output
