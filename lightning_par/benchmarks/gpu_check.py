@@ -456,7 +456,9 @@ def _row_in_subprocess(row: str, json_path: Path, timeout_s: float) -> RowResult
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
         return RowResult(layout, mode, 0, 0.0, 0.0, None, None, float("nan"), error=f"exit {proc.returncode}: {last}")
-    return RowResult(**json.loads(json_path.read_text()))
+    result = RowResult(**json.loads(json_path.read_text()))
+    json_path.unlink()  # only the tables stay next to $OUT (the device tool brings back 8 files at most)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
