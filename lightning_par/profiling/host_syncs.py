@@ -54,7 +54,6 @@ class StepFacts:
         logged: the values ``training_step`` logs with ``self.log`` (the GPT's: ``train_loss``).
         cp: the context-parallel method (``"ring"``, ``"all_to_all"``), ``None`` without cp.
         attention_layers: the model's attention layers (the GPT of the check: 4).
-        figures: the axes' step figures logged as Python floats (``parallel/*``: the MoE figures, ep's bytes).
     """
 
     pp: bool = False
@@ -65,7 +64,6 @@ class StepFacts:
     logged: int = 1
     cp: str | None = None
     attention_layers: int = 4
-    figures: int = 0
 
 
 @dataclass(frozen=True)
@@ -114,10 +112,8 @@ HOST_READS: tuple[HostRead, ...] = (
              "in one all-gather, read in one `.tolist()` (the bubble statistics are host numbers)",
              "twice per step under pp", lambda f: 2 if f.pp else 0),
     HostRead("pipeline_parallel/steps.py", ("training_step",),
-             "the micro-batches' logging weights, `.tolist()`, when `training_step` calls `self.log` under pp (last "
-             "stage); the measured bubble and its formula, logged as Python floats, each uploaded by Lightning's "
-             "`self.log` (`torch.tensor(value, device=)`)",
-             "3 per step on the last stage, 2 on the others, under pp", lambda f: (2 + _pp_last(f, 1)) if f.pp else 0),
+             "the micro-batches' logging weights, `.tolist()`, when `training_step` calls `self.log` under pp",
+             "once per step on the last stage, under pp with `self.log` in `training_step`", lambda f: _pp_last(f, 1)),
     HostRead("pipeline_parallel/engine.py", ("_microbatch_loss",),
              "the micro-batch's index, `int(...)`, which torch's schedule hands the loss as a tensor",
              "per micro-batch on the last stage, under pp", lambda f: _pp_last(f, f.microbatches)),
@@ -132,10 +128,6 @@ HOST_READS: tuple[HostRead, ...] = (
     HostRead("pipeline_parallel/user_steps.py", ("replay",),
              "each logged value uploaded for `self.log` on every stage (`torch.tensor(value, device=)`)",
              "per logged value per step, under pp", lambda f: f.logged if f.pp else 0),
-    HostRead("strategies/base.py", ("training_step",),
-             "the axes' step figures (`parallel/*`: the MoE layers' figures, ep's all-to-all bytes), Python floats, "
-             "each uploaded by Lightning's `self.log` (`torch.tensor(value, device=)`)",
-             "per figure per step, with MoE layers", lambda f: f.figures),
     HostRead("context_parallel/attention.py", ("forward",),
              "ring attention: every cp rank's positions, in one `.tolist()`, from which the blocks' pieces (full, "
              "causal, masked, none) are decided on the host", "once per attention layer per forward, under cp ring",
@@ -180,9 +172,7 @@ def step_facts(layout: tuple[int, str, str, dict[str, Any]], rank: int) -> StepF
     ep = options.get("ep_size", 1) > 1
     # the pp coordinate is the outermost mesh axis: with pp alone in the layout it is the rank
     return StepFacts(pp=pp > 1, last_stage=pp > 1 and rank == last, microbatches=options.get("num_microbatches", 1),
-                     moe_layers=moe, ep=ep, cp=options.get("method", "ring") if options.get("cp_size", 1) > 1 else None,
-                     # the MoE figures: the largest imbalance, one per layer, dropped tokens, aux and z-loss; ep's bytes
-                     figures=(moe + 4 + ep) if moe else 0)
+                     moe_layers=moe, ep=ep, cp=options.get("method", "ring") if options.get("cp_size", 1) > 1 else None)
 
 
 def expected_syncs(facts: StepFacts) -> dict[str, int]:
