@@ -114,9 +114,6 @@ HOST_READS: tuple[HostRead, ...] = (
     HostRead("pipeline_parallel/steps.py", ("training_step",),
              "the micro-batches' logging weights, `.tolist()`, when `training_step` calls `self.log` under pp",
              "once per step on the last stage, under pp with `self.log` in `training_step`", lambda f: _pp_last(f, 1)),
-    HostRead("pipeline_parallel/engine.py", ("_microbatch_loss",),
-             "the micro-batch's index, `int(...)`, which torch's schedule hands the loss as a tensor",
-             "per micro-batch on the last stage, under pp", lambda f: _pp_last(f, f.microbatches)),
     HostRead("pipeline_parallel/user_steps.py", ("log",),
              "each value `training_step` logs, `float(...)`, per micro-batch (the logged means go to the other stages "
              "as Python objects)", "per logged value and micro-batch on the last stage, under pp",

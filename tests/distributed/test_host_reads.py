@@ -6,8 +6,9 @@ package may read more often than its row allows, nor at all without one. The CUD
 (``tests/gpu/test_host_syncs.py``) checks the same on a GPU, where it also sees the synchronisations inside kernels.
 
 Before the register listed them, this found (and the package then fixed) ring attention's 14-28 reads per layer
-(now one), the MoE figures' five reads per layer (now one per step), and the reads it still documents: Lightning's
-upload of every figure logged as a Python float, the pipeline's micro-batch index.
+(now one), the MoE figures' five reads per layer (now one per step), Lightning's upload of every step figure logged
+as a Python float (now logged as CPU tensors), and the pipeline's micro-batch index read once per micro-batch (now a
+host tensor).
 """
 
 from __future__ import annotations
