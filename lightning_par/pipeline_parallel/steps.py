@@ -129,7 +129,7 @@ class PipelinedSteps(StepHooks):
         pp_group = dims.group("pp")
         last = dist.get_global_rank(pp_group, parallel.options.pipeline.last_stage_rank(dims.pp_size))
         if capture is not None:
-            capture.weights = pipeline.log_weights.tolist()  # host read: only when training_step logs
+            capture.weights = pipeline.log_weights  # read to the host with the logged values, once (capture.share)
         records = (capture or TrainingStepCapture(module, None, attr, call, [], [])).share(
             last, pp_group, pipeline.has_last_stage)
 

@@ -111,20 +111,18 @@ HOST_READS: tuple[HostRead, ...] = (
              "the stages' loss and step timings: the timings uploaded (`torch.tensor(..., device=)`), gathered over pp "
              "in one all-gather, read in one `.tolist()` (the bubble statistics are host numbers)",
              "twice per step under pp", lambda f: 2 if f.pp else 0),
-    HostRead("pipeline_parallel/steps.py", ("training_step",),
-             "the micro-batches' logging weights, `.tolist()`, when `training_step` calls `self.log` under pp",
+    HostRead("pipeline_parallel/user_steps.py", ("_read_to_host",),
+             "the micro-batches' logging weights and every value `training_step` logs, in one `.tolist()` (the "
+             "logged means go to the other stages as Python objects)",
              "once per step on the last stage, under pp with `self.log` in `training_step`", lambda f: _pp_last(f, 1)),
-    HostRead("pipeline_parallel/user_steps.py", ("log",),
-             "each value `training_step` logs, `float(...)`, per micro-batch (the logged means go to the other stages "
-             "as Python objects)", "per logged value and micro-batch on the last stage, under pp",
-             lambda f: _pp_last(f, f.logged * f.microbatches)),
     HostRead("pipeline_parallel/user_steps.py", ("share",),
              "the logged records sent to the other stages (`broadcast_object_list`: torch uploads the pickled bytes "
              "and their size, and reads them back on the receivers)", "once per step under pp (at most 4 copies)",
              lambda f: 4 if f.pp else 0),
     HostRead("pipeline_parallel/user_steps.py", ("replay",),
-             "each logged value uploaded for `self.log` on every stage (`torch.tensor(value, device=)`)",
-             "per logged value per step, under pp", lambda f: f.logged if f.pp else 0),
+             "each value `training_step` logs with `sync_dist=True`, uploaded for `self.log` on every stage (it goes "
+             "to a collective; the others are logged as CPU tensors)",
+             "per such value per step, under pp", lambda f: 0),
     HostRead("context_parallel/attention.py", ("forward",),
              "ring attention: every cp rank's positions, in one `.tolist()`, from which the blocks' pieces (full, "
              "causal, masked, none) are decided on the host", "once per attention layer per forward, under cp ring",

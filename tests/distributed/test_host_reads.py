@@ -7,8 +7,8 @@ package may read more often than its row allows, nor at all without one. The CUD
 
 Before the register listed them, this found (and the package then fixed) ring attention's 14-28 reads per layer
 (now one), the MoE figures' five reads per layer (now one per step), Lightning's upload of every step figure logged
-as a Python float (now logged as CPU tensors), and the pipeline's micro-batch index read once per micro-batch (now a
-host tensor).
+as a Python float (now logged as CPU tensors), the pipeline's micro-batch index read once per micro-batch (now a
+host tensor), and the pipeline's logged values read one by one per micro-batch (now one read per step).
 """
 
 from __future__ import annotations

@@ -59,9 +59,8 @@ def test_expected_counts_per_layout():
     for name in LAYOUTS:
         if not name.startswith(("pp", "ep", "cp")):
             assert _expected(name) == [{}] * LAYOUTS[name][0], name
-    share = {"pipeline_parallel/steps.py: _share_step": 2, "pipeline_parallel/user_steps.py: share": 4,
-             "pipeline_parallel/user_steps.py: replay": 1}
-    last = {**share, "pipeline_parallel/steps.py: training_step": 1, "pipeline_parallel/user_steps.py: log": 4}
+    share = {"pipeline_parallel/steps.py: _share_step": 2, "pipeline_parallel/user_steps.py: share": 4}
+    last = {**share, "pipeline_parallel/user_steps.py: _read_to_host": 1}
     assert _expected("pp2-1f1b") == [share, last]
     assert _expected("pp2-interleaved_1f1b") == [share, last]
     assert _expected("pp2-zbv_zero_bubble") == [last, share]
