@@ -1,0 +1,113 @@
+"""LoRA fine-tuning under every layout: a user's LightningModule around ``peft.get_peft_model`` (a tiny Llama, LoRA r 8
+on q_proj, v_proj and down_proj) against the same module in one process on the same global batch.
+
+Parity (fp32): losses of every step within ``rtol=1e-5``, every parameter within :func:`assert_params_close`, the
+trained LoRA weights within a relative error (max difference / max entry, per tensor) of 1e-5; the frozen base
+**bitwise** equal to its initial weights; the optimizer holding only the adapters (its parameters and state, on each
+rank, are this rank's share of the LoRA weights). Cases of one world size run in one launch (launches are the cost).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_par.launcher import run_distributed
+from tests.helpers import assert_params_close, global_losses
+
+pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+from tests.lora_helpers import GLOBAL_BATCH, SEQ, STEPS, TokenDataset, lora_worker, reference, rel_error  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+
+def _case(name: str, strategy: str, model: str, **options: Any) -> dict[str, Any]:
+    return {"name": name, "strategy": strategy, "model": model, "options": options}
+
+
+#: World 2, one launch.
+WORLD2 = [
+    _case("zero3-adamw", "zero3", "peft-adamw"),
+]
+#: World 4, one launch.
+WORLD4 = [
+    _case("hsdp2x2-sgd", "parallel_3d", "peft-sgd", dp_replicate_size=2, dp_shard_size=2, dp_mode="zero3"),
+]
+#: Extra cells (``slow``): the other optimizer of each layout.
+SLOW2 = [
+    _case("zero3-sgd", "zero3", "peft-sgd"),
+]
+SLOW4 = [
+    _case("hsdp2x2-adamw", "parallel_3d", "peft-adamw", dp_replicate_size=2, dp_shard_size=2, dp_mode="zero3"),
+]
+
+
+@pytest.fixture(scope="module")
+def data() -> TokenDataset:
+    return TokenDataset(n=GLOBAL_BATCH * STEPS, seq=SEQ)
+
+
+def _launch(world: int, cases: list[dict[str, Any]], data: TokenDataset) -> dict[str, list[dict[str, Any]]]:
+    per_rank = run_distributed(lora_worker, world, (cases, data), timeout_s=600)
+    return {case["name"]: [per_rank[r][i] for r in range(world)] for i, case in enumerate(cases)}
+
+
+@pytest.fixture(scope="module")
+def world2(data) -> dict[str, list[dict[str, Any]]]:
+    return _launch(2, WORLD2, data)
+
+
+@pytest.fixture(scope="module")
+def world4(data) -> dict[str, list[dict[str, Any]]]:
+    return _launch(4, WORLD4, data)
+
+
+def check_lora_parity(runs: list[dict[str, Any]], case: dict[str, Any], data: TokenDataset) -> dict[str, float]:
+    """Assert the parity of one case (see the module docstring); returns the measured relative errors."""
+    errors = [r["error"] for r in runs if "error" in r]
+    assert not errors, errors[0]
+    ref_losses, ref_params, initial = reference(case["model"], data)
+    losses = global_losses(runs)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    trainable = [n for n in ref_params if "lora_" in n]
+    assert trainable
+    figures = {"loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)), "lora_rel": 0.0}
+    for r in runs:
+        assert_params_close(r["state"], ref_params)
+        for name in trainable:
+            rel = rel_error(r["state"][name], ref_params[name])
+            assert rel <= 1e-5, (name, rel)
+            figures["lora_rel"] = max(figures["lora_rel"], rel)
+            assert not torch.equal(r["state"][name], initial[name]), f"{name} did not train"
+        for name in ref_params:
+            if name not in trainable:  # the frozen base: bitwise its initial weights
+                assert torch.equal(r["state"][name], initial[name]), name
+    # the optimizer holds the adapters only: over the ranks of one model replica, its parameters add up to the
+    # trainable elements (each rank a share of them), never to a frozen weight's
+    trainable_numel = sum(ref_params[n].numel() for n in trainable)
+    held = runs[0]["param_numel"]
+    assert 0 < held <= trainable_numel, (held, trainable_numel)
+    assert runs[0]["state_numel"] in (held, 2 * held), runs[0]["state_numel"]  # momentum / Adam's two moments
+    return figures
+
+
+@pytest.mark.parametrize("case", WORLD2, ids=lambda c: c["name"])
+def test_peft_lora_matches_one_process(world2, data, case):
+    check_lora_parity(world2[case["name"]], case, data)
+
+
+@pytest.mark.parametrize("case", WORLD4, ids=lambda c: c["name"])
+def test_peft_lora_matches_one_process_world4(world4, data, case):
+    check_lora_parity(world4[case["name"]], case, data)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,cases", [(2, SLOW2), (4, SLOW4)], ids=["world2", "world4"])
+def test_peft_lora_other_optimizers(data, world, cases):
+    runs = _launch(world, cases, data)
+    for case in cases:
+        check_lora_parity(runs[case["name"]], case, data)

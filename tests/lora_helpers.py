@@ -1,0 +1,145 @@
+"""Helpers of the LoRA tests: a user's LightningModule around ``peft.get_peft_model`` (a tiny Llama, random weights)
+and a worker that fits several layouts in one launch, against the same module in one process.
+
+The module is written as a user would: ``self.model = get_peft_model(LlamaForCausalLM(config), LoraConfig(...))``,
+its own cross-entropy loss (also as ``loss_fn`` for pipelining), an optimizer over the trainable parameters only.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
+
+from tests.helpers import LossRecorder, TokenDataset, quiet_trainer
+
+STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
+#: The tiny Llama of tests/distributed/test_hf_models.py.
+BASE = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64, "tie_word_embeddings": False}
+TARGETS = ("q_proj", "v_proj", "down_proj")
+
+
+class PeftLlama(L.LightningModule):
+    """A user's LoRA fine-tuning module: a PEFT-wrapped tiny Llama at ``.model``.
+
+    Args:
+        optimizer: ``"sgd"`` (momentum 0.9, lr 0.1) or ``"adamw"`` (lr 3e-3, eps 1e-6: see
+            :func:`tests.helpers.assert_params_close`).
+        lora: extra ``LoraConfig`` fields (``use_dora=True``...).
+    """
+
+    def __init__(self, optimizer: str = "adamw", lora: dict[str, Any] | None = None, arch: str = "llama",
+                 config: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.optimizer_name = optimizer
+        torch.manual_seed(0)
+        hf_config = AutoConfig.for_model(arch, **{**BASE, **(config or {})})
+        base = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+        # lora_B starts at zero (PEFT's default): the first step's loss is the base model's; "gaussian" keeps that.
+        options = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": list(TARGETS), **(lora or {})}
+        self.model = get_peft_model(base, LoraConfig(**options))
+
+    @staticmethod
+    def loss_fn(logits: Any, targets: torch.Tensor) -> torch.Tensor:
+        logits = getattr(logits, "logits", logits)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=x, use_cache=False).logits
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.loss_fn(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        return torch.optim.AdamW(params, lr=3e-3, eps=1e-6)
+
+
+def make_module(model: str) -> L.LightningModule:
+    """``"peft-<optimizer>"``: :class:`PeftLlama`; ``"dora-<optimizer>"``: with ``use_dora=True``."""
+    kind, optimizer = model.split("-", 1)
+    if kind == "peft":
+        return PeftLlama(optimizer)
+    if kind == "dora":
+        return PeftLlama(optimizer, lora={"use_dora": True})
+    raise ValueError(f"unknown model {model!r}")
+
+
+def optimizer_numels(trainer: L.Trainer) -> dict[str, int]:
+    """Elements of the parameters the optimizer holds and of its state tensors (this rank's: local shards)."""
+    params = state = 0
+    for opt in trainer.optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                local = p.to_local() if hasattr(p, "to_local") else p
+                params += local.numel()
+        for s in opt.state.values():
+            for v in s.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    state += (v.to_local() if hasattr(v, "to_local") else v).numel()
+    return {"param_numel": params, "state_numel": state}
+
+
+def lora_worker(cases: list[dict[str, Any]], data: TokenDataset) -> list[dict[str, Any]]:
+    """Body of one rank: fit every case (``{"name", "strategy", "options", "model"}``) in one process group."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    env = dict(os.environ)
+    torch.set_num_threads(1)
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    out = []
+    for case in cases:
+        os.environ.clear()
+        os.environ.update(env)  # Lightning's teardown removes WORLD_SIZE and friends after each fit
+        entry = StrategyRegistry[case["strategy"]]
+        strategy = entry["strategy"](**{**entry["init_params"], "timeout_s": 90, **case["options"]})
+        dims = strategy.resolve_parallel_dims(world)
+        dp_rank = dims.coordinates(rank)["dp"]
+        sampler = DistributedSampler(data, num_replicas=dims.dp_size, rank=dp_rank, shuffle=False)
+        loader = DataLoader(data, batch_size=GLOBAL_BATCH // dims.dp_size, sampler=sampler, drop_last=True)
+        recorder = LossRecorder()
+        trainer = quiet_trainer(strategy, world, max_steps=STEPS, limit_val_batches=0, callbacks=[recorder])
+        module = make_module(case["model"])
+        try:
+            trainer.fit(module, loader)
+        except Exception as err:  # noqa: BLE001 - returned by name: a refusal test reads it
+            out.append({"name": case["name"], "error": f"{type(err).__name__}: {err}"})
+            continue
+        out.append({"name": case["name"], "rank": rank, "dp_rank": dp_rank, "losses": recorder.losses,
+                    "state": strategy.full_state_dict(), "extras": strategy.summary_extras(),
+                    **optimizer_numels(trainer)})
+    return out
+
+
+_REFERENCES: dict[str, tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
+
+
+def reference(model: str, data: TokenDataset) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One process on the global batch: losses, final parameters, and the initial parameters."""
+    from tests.helpers import reference_fit
+    from tests.pp_helpers import one_thread
+
+    if model not in _REFERENCES:
+        initial = {n: p.detach().clone() for n, p in make_module(model).named_parameters()}
+        with one_thread():
+            losses, params = reference_fit(lambda: make_module(model), data, GLOBAL_BATCH, STEPS)
+        _REFERENCES[model] = (losses, params, initial)
+    return _REFERENCES[model]
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``max|a - e| / max|e|``: the relative error the issue's figures quote."""
+    return float((actual.double() - expected.double()).abs().max() / expected.double().abs().max().clamp_min(1e-30))
