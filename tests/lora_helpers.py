@@ -22,6 +22,8 @@ STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
 BASE = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64, "tie_word_embeddings": False}
 TARGETS = ("q_proj", "v_proj", "down_proj")
+#: The tiny qwen3_moe of tests/p3d_helpers.py (4 experts, top 2) over BASE.
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 8}
 
 
 class PeftLlama(L.LightningModule):
@@ -46,18 +48,27 @@ class PeftLlama(L.LightningModule):
         # lora_B starts at zero (PEFT's default): the first step's loss is the base model's; "gaussian" keeps that.
         options = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": list(TARGETS), **(lora or {})}
         self.model = get_peft_model(base, LoraConfig(**options))
+        # lora_B as a resumed adapter's (PEFT starts it at zero, which gives lora_A no gradient in the first step and
+        # hides an error in it behind a tiny update): small seeded values, the same on every rank
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(0.05 * torch.randn(p.shape, generator=generator))
 
     @staticmethod
     def loss_fn(logits: Any, targets: torch.Tensor) -> torch.Tensor:
         logits = getattr(logits, "logits", logits)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=x, use_cache=False).logits
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is not None and position_ids.dim() == 1:  # context parallelism: this rank's global positions
+            position_ids = position_ids.unsqueeze(0).expand(x.shape[0], -1)
+        return self.model(input_ids=x, position_ids=position_ids, use_cache=False).logits
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = self.loss_fn(self(x), y)
+        x, y, *positions = batch
+        loss = self.loss_fn(self(x, *positions), y)
         self.log("train_loss", loss)
         return loss
 
@@ -70,7 +81,12 @@ class PeftLlama(L.LightningModule):
 
 def make_module(model: str) -> L.LightningModule:
     """``"peft-<optimizer>"``: :class:`PeftLlama`; ``"dora-<optimizer>"``: with ``use_dora=True``."""
-    kind, optimizer = model.split("-", 1)
+    kind, optimizer = model.rsplit("-", 1)
+    if kind.startswith("moe"):  # a tiny qwen3_moe (4 experts, top 2): LoRA on attention, or ("moe-experts") experts too
+        lora: dict[str, Any] = {"target_modules": ["q_proj", "v_proj"]}
+        if kind == "moe-experts":
+            lora["target_parameters"] = ["mlp.experts.gate_up_proj"]
+        return PeftLlama(optimizer, lora=lora, arch="qwen3_moe", config=MOE)
     if kind == "peft":
         return PeftLlama(optimizer)
     if kind == "dora":

@@ -29,20 +29,42 @@ def _case(name: str, strategy: str, model: str, **options: Any) -> dict[str, Any
     return {"name": name, "strategy": strategy, "model": model, "options": options}
 
 
-#: World 2, one launch.
+#: World 2, one launch: one cell per layout, the optimizers spread over them.
 WORLD2 = [
     _case("zero3-adamw", "zero3", "peft-adamw"),
+    _case("tp2-sgd", "tensor_parallel", "peft-sgd", tp_size=2),
+    _case("tp2sp-adamw", "tensor_parallel", "peft-adamw", tp_size=2, sequence_parallel=True),
+    _case("pp2-1f1b-sgd", "parallel_3d", "peft-sgd", pp_size=2, schedule="1f1b", num_microbatches=4),
+    _case("cp2-adamw", "parallel_3d", "peft-adamw", cp_size=2),
+    _case("ep2-moe-adamw", "parallel_3d", "moe-adamw", ep_size=2),
+]
+#: World 2, same launch: refused before the first step, with the message's words.
+REFUSED2 = [
+    (_case("dora-tp2", "tensor_parallel", "dora-sgd", tp_size=2), r"DoRA \(use_dora=True.*tensor parallelism"),
+    (_case("experts-ep2", "parallel_3d", "moe-experts-adamw", ep_size=2),
+     r"LoRA on 'model.layers.0.mlp.experts'.*expert parallelism"),
 ]
 #: World 4, one launch.
 WORLD4 = [
     _case("hsdp2x2-sgd", "parallel_3d", "peft-sgd", dp_replicate_size=2, dp_shard_size=2, dp_mode="zero3"),
 ]
-#: Extra cells (``slow``): the other optimizer of each layout.
+#: Extra cells (``slow``): the other optimizer of each layout, and dp2 x tp2 x pp2 (world 8).
 SLOW2 = [
     _case("zero3-sgd", "zero3", "peft-sgd"),
+    _case("tp2sp-sgd", "tensor_parallel", "peft-sgd", tp_size=2, sequence_parallel=True),
+    _case("pp2-1f1b-adamw", "parallel_3d", "peft-adamw", pp_size=2, schedule="1f1b", num_microbatches=4),
+    _case("cp2-a2a-sgd", "parallel_3d", "peft-sgd", cp_size=2, method="all_to_all"),
+    _case("dora-zero3-sgd", "zero3", "dora-sgd"),
 ]
 SLOW4 = [
     _case("hsdp2x2-adamw", "parallel_3d", "peft-adamw", dp_replicate_size=2, dp_shard_size=2, dp_mode="zero3"),
+    _case("tp2pp2-sgd", "parallel_3d", "peft-sgd", tp_size=2, pp_size=2, schedule="1f1b", num_microbatches=2),
+]
+SLOW8 = [
+    _case("dp2tp2pp2-adamw", "parallel_3d", "peft-adamw", dp_size=2, tp_size=2, pp_size=2, schedule="1f1b",
+          num_microbatches=2),
+    _case("dp2tp2pp2-zero3-sgd", "parallel_3d", "peft-sgd", dp_size=2, tp_size=2, pp_size=2, schedule="1f1b",
+          num_microbatches=2, dp_mode="zero3"),
 ]
 
 
@@ -58,7 +80,7 @@ def _launch(world: int, cases: list[dict[str, Any]], data: TokenDataset) -> dict
 
 @pytest.fixture(scope="module")
 def world2(data) -> dict[str, list[dict[str, Any]]]:
-    return _launch(2, WORLD2, data)
+    return _launch(2, WORLD2 + [c for c, _ in REFUSED2], data)
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +127,18 @@ def test_peft_lora_matches_one_process_world4(world4, data, case):
     check_lora_parity(world4[case["name"]], case, data)
 
 
+@pytest.mark.parametrize("case,match", REFUSED2, ids=lambda c: c["name"] if isinstance(c, dict) else "")
+def test_peft_variant_the_layout_cannot_split_is_refused(world2, case, match):
+    import re
+
+    for run in world2[case["name"]]:
+        assert "error" in run and run["error"].startswith("ValueError"), run.get("error")
+        assert re.search(match, run["error"]), run["error"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world,cases", [(2, SLOW2), (4, SLOW4)], ids=["world2", "world4"])
-def test_peft_lora_other_optimizers(data, world, cases):
+@pytest.mark.parametrize("world,cases", [(2, SLOW2), (4, SLOW4), (8, SLOW8)], ids=["world2", "world4", "world8"])
+def test_peft_lora_other_cells(data, world, cases):
     runs = _launch(world, cases, data)
     for case in cases:
         check_lora_parity(runs[case["name"]], case, data)
