@@ -13,7 +13,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from tests.helpers import LossRecorder, TokenDataset, quiet_trainer
 
@@ -82,6 +82,14 @@ class PeftLlama(L.LightningModule):
 def make_module(model: str) -> L.LightningModule:
     """``"peft-<optimizer>"``: :class:`PeftLlama`; ``"dora-<optimizer>"``: with ``use_dora=True``."""
     kind, optimizer = model.rsplit("-", 1)
+    if kind.startswith("hflora"):  # HFCausalLM(lora=...) on the same tiny Llama ("hflora-full": whole checkpoints)
+        from lightning_par.hf import HFCausalLM
+
+        torch.manual_seed(0)
+        lora = {"r": 8, "target_modules": list(TARGETS), "adapter_only_checkpoint": kind != "hflora-full"}
+        lr = {"sgd": 0.1, "adamw": 3e-3}[optimizer]
+        return HFCausalLM(model_type="llama", config=BASE, optimizer=optimizer, learning_rate=lr, adam_eps=1e-6,
+                          lora=lora)
     if kind.startswith("moe"):  # a tiny qwen3_moe (4 experts, top 2): LoRA on attention, or ("moe-experts") experts too
         lora: dict[str, Any] = {"target_modules": ["q_proj", "v_proj"]}
         if kind == "moe-experts":
@@ -124,13 +132,19 @@ def lora_worker(cases: list[dict[str, Any]], data: TokenDataset) -> list[dict[st
         strategy = entry["strategy"](**{**entry["init_params"], "timeout_s": 90, **case["options"]})
         dims = strategy.resolve_parallel_dims(world)
         dp_rank = dims.coordinates(rank)["dp"]
-        sampler = DistributedSampler(data, num_replicas=dims.dp_size, rank=dp_rank, shuffle=False)
-        loader = DataLoader(data, batch_size=GLOBAL_BATCH // dims.dp_size, sampler=sampler, drop_last=True)
+        # "samples": the first n samples only (an epoch of n / GLOBAL_BATCH steps: a checkpoint at its end resumes on
+        # the batch a continuous run takes next)
+        dataset = Subset(data, range(case["samples"])) if case.get("samples") else data
+        sampler = DistributedSampler(dataset, num_replicas=dims.dp_size, rank=dp_rank, shuffle=False)
+        loader = DataLoader(dataset, batch_size=GLOBAL_BATCH // dims.dp_size, sampler=sampler, drop_last=True)
         recorder = LossRecorder()
-        trainer = quiet_trainer(strategy, world, max_steps=STEPS, limit_val_batches=0, callbacks=[recorder])
+        trainer = quiet_trainer(strategy, world, max_steps=case.get("steps", STEPS), limit_val_batches=0,
+                                callbacks=[recorder])
         module = make_module(case["model"])
         try:
-            trainer.fit(module, loader)
+            trainer.fit(module, loader, ckpt_path=case.get("resume"))
+            if case.get("save"):
+                trainer.save_checkpoint(case["save"])
         except Exception as err:  # noqa: BLE001 - returned by name: a refusal test reads it
             out.append({"name": case["name"], "error": f"{type(err).__name__}: {err}"})
             continue

@@ -204,9 +204,13 @@ class FSDPZero(ZeroEngine):
         return get_model_state_dict(self.module)
 
     def load_model_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(self.module, state)
+        # an adapter-only checkpoint (lightning_par.checkpoint.adapter_only) sets the trainable parameters only: the
+        # frozen ones, left out on purpose, stay as built
+        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+        partial = bool(frozen) and not frozen <= set(state)
+        set_model_state_dict(self.module, state, options=StateDictOptions(strict=not partial))
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict

@@ -37,10 +37,110 @@ from torch import nn
 
 from lightning_par.contract import register_adapter
 
-__all__ = ["PEFT_PREFIX", "PeftAdapter", "check_lora_layout", "inner_model", "lora_layers", "lora_tp_plan"]
+__all__ = [
+    "LORA_DEFAULTS",
+    "PEFT_PREFIX",
+    "PeftAdapter",
+    "apply_lora",
+    "check_lora_layout",
+    "inner_model",
+    "is_peft_network",
+    "lora_layers",
+    "lora_options",
+    "lora_tp_plan",
+]
+
+#: ``HFCausalLM(lora=...)`` / ``model.lora.*`` fields and their defaults. ``r``: the adapters' rank (0: no LoRA);
+#: ``alpha``: LoRA's ``lora_alpha`` (scaling ``alpha / r``; null: ``2 * r``); ``dropout``: on the adapters' input;
+#: ``target_modules``: names of the ``nn.Linear`` layers that get adapters; ``adapter_only_checkpoint``: checkpoints
+#: hold the trainable parameters only (the base comes from ``pretrained`` or the seeded build);
+#: ``quantize_base``: null (QLoRA's NF4 base is not implemented yet: refused).
+LORA_DEFAULTS: dict[str, Any] = {
+    "r": 0,
+    "alpha": None,
+    "dropout": 0.0,
+    "target_modules": ["q_proj", "v_proj"],
+    "adapter_only_checkpoint": True,
+    "quantize_base": None,
+}
 
 #: Where a ``PeftModel`` holds the wrapped ``PreTrainedModel``: its ``LoraModel`` tuner, then the model.
 PEFT_PREFIX = "base_model.model."
+
+
+def lora_options(lora: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``lora`` checked and completed with :data:`LORA_DEFAULTS`; ``None`` when LoRA is off (``None`` or ``r == 0``).
+
+    Raises:
+        ValueError: an unknown field, ``r`` not a non-negative int, ``alpha`` not positive, ``dropout`` outside
+            ``[0, 1)``, ``target_modules`` not a non-empty list of names, or ``quantize_base`` set; the message names
+            the field, the value and what is valid.
+    """
+    if lora is None:
+        return None
+    given = dict(lora.items()) if hasattr(lora, "items") else lora
+    if not isinstance(given, dict):
+        raise ValueError(f"lora={lora!r} is not valid: expected a mapping with fields {sorted(LORA_DEFAULTS)}.")
+    unknown = sorted(set(given) - set(LORA_DEFAULTS))
+    if unknown:
+        raise ValueError(f"lora field(s) {unknown} are not valid: expected fields among {sorted(LORA_DEFAULTS)}.")
+    out = {**LORA_DEFAULTS, **given}
+    r = out["r"]
+    if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+        raise ValueError(f"lora.r={r!r} is not valid: expected the adapters' rank, a positive int (0: no LoRA).")
+    if r == 0:
+        return None
+    alpha = out["alpha"]
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0):
+        raise ValueError(f"lora.alpha={alpha!r} is not valid: expected a positive number (scaling alpha / r), or null "
+                         f"for 2 * r.")
+    dropout = out["dropout"]
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ValueError(f"lora.dropout={dropout!r} is not valid: expected a probability in [0, 1).")
+    targets = out["target_modules"]
+    targets = list(targets) if isinstance(targets, (list, tuple)) or hasattr(targets, "__iter__") and not isinstance(
+        targets, str) else targets
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
+        raise ValueError(f"lora.target_modules={out['target_modules']!r} is not valid: expected a non-empty list of "
+                         f"layer names such as [q_proj, v_proj].")
+    out["target_modules"] = targets
+    if out["quantize_base"] is not None:
+        raise ValueError(
+            f"lora.quantize_base={out['quantize_base']!r} is not valid: QLoRA's quantized base (nf4) is not "
+            f"implemented in this version; expected null (the base in the model's dtype)."
+        )
+    if not isinstance(out["adapter_only_checkpoint"], bool):
+        raise ValueError(f"lora.adapter_only_checkpoint={out['adapter_only_checkpoint']!r} is not valid: expected "
+                         f"true or false.")
+    return out
+
+
+def apply_lora(model: nn.Module, options: Mapping[str, Any]) -> nn.Module:
+    """``peft.get_peft_model(model, LoraConfig(...))`` from checked :func:`lora_options` (PEFT's initialisation:
+    ``lora_A`` Kaiming-uniform, ``lora_B`` zero, so the wrapped model starts as the base).
+
+    Raises:
+        ImportError: ``peft`` is not installed (``pip install 'lightning-par[lora]'``).
+        ValueError: a ``target_modules`` name that matches no layer of the model (PEFT's message, naming them).
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("LoRA (lora.r > 0) needs peft: pip install 'lightning-par[lora]'") from err
+    r = int(options["r"])
+    alpha = options["alpha"] if options["alpha"] is not None else 2 * r
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=float(options["dropout"]),
+                        target_modules=list(options["target_modules"]), bias="none")
+    return get_peft_model(model, config)
+
+
+def is_peft_network(module: nn.Module) -> bool:
+    """Whether ``module`` is or holds a ``peft.PeftModel`` (without importing peft when it is not loaded)."""
+    import sys
+
+    if "peft" not in sys.modules:
+        return False
+    return any(_is_peft(m) for m in module.modules())
 
 
 def _is_peft(network: nn.Module) -> bool:

@@ -25,8 +25,10 @@ from tests.lora_helpers import GLOBAL_BATCH, SEQ, STEPS, TokenDataset, lora_work
 pytestmark = pytest.mark.distributed
 
 
-def _case(name: str, strategy: str, model: str, **options: Any) -> dict[str, Any]:
-    return {"name": name, "strategy": strategy, "model": model, "options": options}
+def _case(name: str, strategy: str, model: str, steps: int | None = None, samples: int | None = None,
+          save: str | None = None, resume: str | None = None, **options: Any) -> dict[str, Any]:
+    extra = {k: v for k, v in {"steps": steps, "samples": samples, "save": save, "resume": resume}.items() if v}
+    return {"name": name, "strategy": strategy, "model": model, "options": options, **extra}
 
 
 #: World 2, one launch: one cell per layout, the optimizers spread over them.
@@ -37,6 +39,17 @@ WORLD2 = [
     _case("pp2-1f1b-sgd", "parallel_3d", "peft-sgd", pp_size=2, schedule="1f1b", num_microbatches=4),
     _case("cp2-adamw", "parallel_3d", "peft-adamw", cp_size=2),
     _case("ep2-moe-adamw", "parallel_3d", "moe-adamw", ep_size=2),
+    # HFCausalLM(lora=...): the same tiny Llama and adapters, built by the package
+    _case("hf-tp2sp-sgd", "tensor_parallel", "hflora-sgd", tp_size=2, sequence_parallel=True),
+    _case("hf-pp2-1f1b-adamw", "parallel_3d", "hflora-adamw", pp_size=2, schedule="1f1b", num_microbatches=4),
+]
+#: World 2, same launch: adapter-only checkpoints (HFCausalLM's default under LoRA) against whole ones, and a resume
+#: from one at the end of an epoch of 2 steps against 3 steps in one go (paths filled in by the fixture).
+CHECKPOINTS2 = [
+    _case("ckpt-adapter", "zero3", "hflora-adamw", steps=2, samples=2 * GLOBAL_BATCH, save="adapter.ckpt"),
+    _case("ckpt-full", "zero3", "hflora-full-adamw", steps=2, samples=2 * GLOBAL_BATCH, save="full.ckpt"),
+    _case("ckpt-resumed", "zero3", "hflora-adamw", steps=3, samples=2 * GLOBAL_BATCH, resume="adapter.ckpt"),
+    _case("ckpt-in-one-go", "zero3", "hflora-adamw", steps=3, samples=2 * GLOBAL_BATCH),
 ]
 #: World 2, same launch: refused before the first step, with the message's words.
 REFUSED2 = [
@@ -79,8 +92,14 @@ def _launch(world: int, cases: list[dict[str, Any]], data: TokenDataset) -> dict
 
 
 @pytest.fixture(scope="module")
-def world2(data) -> dict[str, list[dict[str, Any]]]:
-    return _launch(2, WORLD2 + [c for c, _ in REFUSED2], data)
+def checkpoint_dir(tmp_path_factory) -> Any:
+    return tmp_path_factory.mktemp("lora-checkpoints")
+
+
+@pytest.fixture(scope="module")
+def world2(data, checkpoint_dir) -> dict[str, list[dict[str, Any]]]:
+    saves = [{**c, **{k: str(checkpoint_dir / c[k]) for k in ("save", "resume") if k in c}} for c in CHECKPOINTS2]
+    return _launch(2, WORLD2 + [c for c, _ in REFUSED2] + saves, data)
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +144,32 @@ def test_peft_lora_matches_one_process(world2, data, case):
 @pytest.mark.parametrize("case", WORLD4, ids=lambda c: c["name"])
 def test_peft_lora_matches_one_process_world4(world4, data, case):
     check_lora_parity(world4[case["name"]], case, data)
+
+
+def _bytes(path: Any) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def test_adapter_only_checkpoint_resumes_exactly(world2, checkpoint_dir):
+    import torch.distributed.checkpoint as dcp
+
+    for name in ("ckpt-adapter", "ckpt-full", "ckpt-resumed", "ckpt-in-one-go"):
+        assert "error" not in world2[name][0], world2[name][0]["error"]
+    saved = dcp.FileSystemReader(str(checkpoint_dir / "adapter.ckpt")).read_metadata().state_dict_metadata
+    model = [k for k in saved if k.startswith("state_dict.model.")]
+    assert model and all("lora_" in k for k in model), [k for k in model if "lora_" not in k][:3]
+    full = dcp.FileSystemReader(str(checkpoint_dir / "full.ckpt")).read_metadata().state_dict_metadata
+    assert any("base_layer" in k for k in full)
+    # tensor bytes: the adapters and their optimizer state against the whole model and the same optimizer state
+    tensor_bytes = {n: sum(v.size.numel() * 4 for v in m.values() if hasattr(v, "size")) for n, m in
+                    (("adapter", saved), ("full", full))}
+    assert tensor_bytes["adapter"] < 0.35 * tensor_bytes["full"], tensor_bytes
+    assert _bytes(checkpoint_dir / "adapter.ckpt") < _bytes(checkpoint_dir / "full.ckpt")
+    # resumed from the adapters alone (the frozen base rebuilt): bitwise the run in one go
+    resumed, one_go = world2["ckpt-resumed"], world2["ckpt-in-one-go"]
+    assert resumed[0]["losses"] == one_go[0]["losses"][2:]
+    for name, value in one_go[0]["state"].items():
+        assert torch.equal(resumed[0]["state"][name], value), name
 
 
 @pytest.mark.parametrize("case,match", REFUSED2, ids=lambda c: c["name"] if isinstance(c, dict) else "")
