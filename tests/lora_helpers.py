@@ -79,7 +79,7 @@ class PeftLlama(L.LightningModule):
         return torch.optim.AdamW(params, lr=3e-3, eps=1e-6)
 
 
-def make_module(model: str) -> L.LightningModule:
+def make_module(model: str, pretrained: str | None = None) -> L.LightningModule:
     """``"peft-<optimizer>"``: :class:`PeftLlama`; ``"dora-<optimizer>"``: with ``use_dora=True``."""
     kind, optimizer = model.rsplit("-", 1)
     if kind.startswith("hflora"):  # HFCausalLM(lora=...) on the same tiny Llama ("hflora-full": whole checkpoints)
@@ -88,6 +88,8 @@ def make_module(model: str) -> L.LightningModule:
         torch.manual_seed(0)
         lora = {"r": 8, "target_modules": list(TARGETS), "adapter_only_checkpoint": kind != "hflora-full"}
         lr = {"sgd": 0.1, "adamw": 3e-3}[optimizer]
+        if pretrained is not None:  # the base from a save_pretrained directory (the export's test)
+            return HFCausalLM(pretrained=pretrained, optimizer=optimizer, learning_rate=lr, adam_eps=1e-6, lora=lora)
         return HFCausalLM(model_type="llama", config=BASE, optimizer=optimizer, learning_rate=lr, adam_eps=1e-6,
                           lora=lora)
     if kind.startswith("moe"):  # a tiny qwen3_moe (4 experts, top 2): LoRA on attention, or ("moe-experts") experts too
@@ -140,7 +142,7 @@ def lora_worker(cases: list[dict[str, Any]], data: TokenDataset) -> list[dict[st
         recorder = LossRecorder()
         trainer = quiet_trainer(strategy, world, max_steps=case.get("steps", STEPS), limit_val_batches=0,
                                 callbacks=[recorder])
-        module = make_module(case["model"])
+        module = make_module(case["model"], case.get("pretrained"))
         try:
             trainer.fit(module, loader, ckpt_path=case.get("resume"))
             if case.get("save"):

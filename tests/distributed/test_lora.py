@@ -20,7 +20,17 @@ from tests.helpers import assert_params_close, global_losses
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-from tests.lora_helpers import GLOBAL_BATCH, SEQ, STEPS, TokenDataset, lora_worker, reference, rel_error  # noqa: E402
+from tests.lora_helpers import (  # noqa: E402
+    BASE,
+    GLOBAL_BATCH,
+    SEQ,
+    STEPS,
+    TokenDataset,
+    lora_worker,
+    make_module,
+    reference,
+    rel_error,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -50,6 +60,8 @@ CHECKPOINTS2 = [
     _case("ckpt-full", "zero3", "hflora-full-adamw", steps=2, samples=2 * GLOBAL_BATCH, save="full.ckpt"),
     _case("ckpt-resumed", "zero3", "hflora-adamw", steps=3, samples=2 * GLOBAL_BATCH, resume="adapter.ckpt"),
     _case("ckpt-in-one-go", "zero3", "hflora-adamw", steps=3, samples=2 * GLOBAL_BATCH),
+    # a pretrained base (a save_pretrained directory), trained under tp2 + SP, saved adapter-only: the export's source
+    _case("export-source", "tensor_parallel", "hflora-adamw", save="export.ckpt", tp_size=2, sequence_parallel=True),
 ]
 #: World 2, same launch: refused before the first step, with the message's words.
 REFUSED2 = [
@@ -98,7 +110,12 @@ def checkpoint_dir(tmp_path_factory) -> Any:
 
 @pytest.fixture(scope="module")
 def world2(data, checkpoint_dir) -> dict[str, list[dict[str, Any]]]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **BASE)).save_pretrained(checkpoint_dir / "base")
     saves = [{**c, **{k: str(checkpoint_dir / c[k]) for k in ("save", "resume") if k in c}} for c in CHECKPOINTS2]
+    saves[-1]["pretrained"] = str(checkpoint_dir / "base")
     return _launch(2, WORLD2 + [c for c, _ in REFUSED2] + saves, data)
 
 
@@ -170,6 +187,34 @@ def test_adapter_only_checkpoint_resumes_exactly(world2, checkpoint_dir):
     assert resumed[0]["losses"] == one_go[0]["losses"][2:]
     for name, value in one_go[0]["state"].items():
         assert torch.equal(resumed[0]["state"][name], value), name
+
+
+def test_exported_adapter_and_merged_model_give_the_trained_logits(world2, checkpoint_dir, data):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lightning_par.hf.export import export_lora
+
+    run = world2["export-source"][0]
+    assert "error" not in run, run["error"]
+    trained = make_module("hflora-adamw", str(checkpoint_dir / "base"))
+    missing, unexpected = trained.load_state_dict(run["state"], strict=False)
+    assert not unexpected and all("lora_" not in n for n in missing), (missing, unexpected)
+    ids = torch.stack([data[i][0] for i in range(4)])
+    trained.eval()
+    with torch.no_grad():
+        expected = trained(ids)
+        adapter = export_lora(checkpoint_dir / "export.ckpt", checkpoint_dir / "adapter")
+        assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
+        base = AutoModelForCausalLM.from_pretrained(checkpoint_dir / "base")
+        loaded = PeftModel.from_pretrained(base, adapter).eval()
+        got = loaded(input_ids=ids).logits
+        assert rel_error(got, expected) <= 1e-5, rel_error(got, expected)
+        merged_dir = export_lora(checkpoint_dir / "export.ckpt", checkpoint_dir / "merged", merged=True)
+        merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+        got = merged(input_ids=ids).logits
+        assert rel_error(got, expected) <= 1e-5, rel_error(got, expected)
+        assert not any("lora_" in n for n, _ in merged.named_parameters())
 
 
 @pytest.mark.parametrize("case,match", REFUSED2, ids=lambda c: c["name"] if isinstance(c, dict) else "")
