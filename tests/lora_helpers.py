@@ -22,6 +22,8 @@ STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
 BASE = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 64, "tie_word_embeddings": False}
 TARGETS = ("q_proj", "v_proj", "down_proj")
+#: QLoRA's tiny Llama: width 64, so that every linear weight splits into NF4 blocks of 64 on each of 2 ranks.
+QLORA_BASE = {**BASE, "hidden_size": 64, "intermediate_size": 128}
 #: The tiny qwen3_moe of tests/p3d_helpers.py (4 experts, top 2) over BASE.
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 8}
 
@@ -82,6 +84,13 @@ class PeftLlama(L.LightningModule):
 def make_module(model: str, pretrained: str | None = None) -> L.LightningModule:
     """``"peft-<optimizer>"``: :class:`PeftLlama`; ``"dora-<optimizer>"``: with ``use_dora=True``."""
     kind, optimizer = model.rsplit("-", 1)
+    if kind == "hfqlora":  # QLoRA: the base's linear weights NF4 (bf16 compute), on a Llama of width 64
+        from lightning_par.hf import HFCausalLM
+
+        torch.manual_seed(0)
+        lr = {"sgd": 0.1, "adamw": 3e-3}[optimizer]
+        return HFCausalLM(model_type="llama", config=QLORA_BASE, optimizer=optimizer, learning_rate=lr, adam_eps=1e-6,
+                          lora={"r": 8, "target_modules": list(TARGETS), "quantize_base": "nf4"})
     if kind.startswith("hflora"):  # HFCausalLM(lora=...) on the same tiny Llama ("hflora-full": whole checkpoints)
         from lightning_par.hf import HFCausalLM
 
@@ -165,11 +174,37 @@ def reference(model: str, data: TokenDataset) -> tuple[list[float], dict[str, to
     from tests.pp_helpers import one_thread
 
     if model not in _REFERENCES:
-        initial = {n: p.detach().clone() for n, p in make_module(model).named_parameters()}
+        initial = values(make_module(model))
         with one_thread():
-            losses, params = reference_fit(lambda: make_module(model), data, GLOBAL_BATCH, STEPS)
+            if model.startswith("hfqlora"):  # NF4 weights: read as their bf16 values (NF4's clone re-quantizes)
+                losses, params = _plain_fit(make_module(model), data)
+            else:
+                losses, params = reference_fit(lambda: make_module(model), data, GLOBAL_BATCH, STEPS)
         _REFERENCES[model] = (losses, params, initial)
     return _REFERENCES[model]
+
+
+def values(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's values, an NF4 weight's as its bf16 values."""
+    out = {}
+    for name, p in module.named_parameters():
+        dequantize = getattr(p, "get_original_weight", None)
+        out[name] = dequantize().detach() if callable(dequantize) else p.detach().clone()
+    return out
+
+
+def _plain_fit(module: L.LightningModule, data: TokenDataset) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """:func:`tests.helpers.reference_fit`'s loop (one process, global batches) with :func:`values`."""
+    torch.manual_seed(0)
+    optimizer = module.configure_optimizers()
+    losses = []
+    for x, y in list(DataLoader(data, batch_size=GLOBAL_BATCH, shuffle=False, drop_last=True))[:STEPS]:
+        loss = module.training_step((x, y), 0)
+        losses.append(float(loss.detach()))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses, values(module)
 
 
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -331,7 +331,8 @@ class HFLoraConfig:
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
     #: checkpoints hold the adapters only (the frozen base comes from ``pretrained`` or the seeded build).
     adapter_only_checkpoint: bool = True
-    #: QLoRA's quantized base: not implemented in this version (null only).
+    #: QLoRA's quantized base: ``nf4`` (the base's linear weights as torchao NF4 tensors, bf16 compute; one process,
+    #: zero3 and HSDP), or null.
     quantize_base: Optional[str] = None
 
 

@@ -223,10 +223,10 @@ class FSDPZero(ZeroEngine):
         set_optimizer_state_dict(self.module, optimizer, state)
 
     def full_state_dict(self) -> dict[str, Tensor]:
-        return {
-            name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for name, p in self.module.named_parameters()
-        }
+        from lightning_par.data_parallel.engine import values_copy
+
+        return {name: values_copy(p.full_tensor() if hasattr(p, "full_tensor") else p)
+                for name, p in self.module.named_parameters()}
 
     def summary(self) -> dict[str, Any]:
         out = super().summary()

@@ -48,13 +48,19 @@ __all__ = [
     "lora_layers",
     "lora_options",
     "lora_tp_plan",
+    "nf4_parameters",
+    "quantize_base_nf4",
 ]
 
 #: ``HFCausalLM(lora=...)`` / ``model.lora.*`` fields and their defaults. ``r``: the adapters' rank (0: no LoRA);
 #: ``alpha``: LoRA's ``lora_alpha`` (scaling ``alpha / r``; null: ``2 * r``); ``dropout``: on the adapters' input;
 #: ``target_modules``: names of the ``nn.Linear`` layers that get adapters; ``adapter_only_checkpoint``: checkpoints
 #: hold the trainable parameters only (the base comes from ``pretrained`` or the seeded build);
-#: ``quantize_base``: null (QLoRA's NF4 base is not implemented yet: refused).
+#: ``quantize_base``: null, or ``"nf4"`` (QLoRA, Dettmers et al. 2023: the base's linear weights stored as torchao
+#: ``NF4Tensor`` s, computed in bf16; :func:`quantize_base_nf4`).
+#: Values of ``lora.quantize_base``.
+QUANTIZE_BASE = (None, "nf4")
+
 LORA_DEFAULTS: dict[str, Any] = {
     "r": 0,
     "alpha": None,
@@ -104,11 +110,17 @@ def lora_options(lora: Mapping[str, Any] | None) -> dict[str, Any] | None:
         raise ValueError(f"lora.target_modules={out['target_modules']!r} is not valid: expected a non-empty list of "
                          f"layer names such as [q_proj, v_proj].")
     out["target_modules"] = targets
-    if out["quantize_base"] is not None:
+    if out["quantize_base"] not in QUANTIZE_BASE:
         raise ValueError(
-            f"lora.quantize_base={out['quantize_base']!r} is not valid: QLoRA's quantized base (nf4) is not "
-            f"implemented in this version; expected null (the base in the model's dtype)."
+            f"lora.quantize_base={out['quantize_base']!r} is not valid: expected one of {list(QUANTIZE_BASE)} (null: "
+            f"the base in the model's dtype; 'nf4': QLoRA's 4-bit NormalFloat base, bf16 compute)."
         )
+    if out["quantize_base"] == "nf4":
+        try:
+            import torchao  # noqa: F401
+        except ImportError as err:  # pragma: no cover - depends on the environment
+            raise ValueError("lora.quantize_base='nf4' is not valid here: it needs torchao (pip install "
+                             "'lightning-par[float8]').") from err
     if not isinstance(out["adapter_only_checkpoint"], bool):
         raise ValueError(f"lora.adapter_only_checkpoint={out['adapter_only_checkpoint']!r} is not valid: expected "
                          f"true or false.")
@@ -132,6 +144,58 @@ def apply_lora(model: nn.Module, options: Mapping[str, Any]) -> nn.Module:
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=float(options["dropout"]),
                         target_modules=list(options["target_modules"]), bias="none")
     return get_peft_model(model, config)
+
+
+def _nf4_blocks(numel: int) -> tuple[int, int] | None:
+    """``(block_size, scaler_block_size)`` for torchao's ``to_nf4`` of a weight of ``numel`` elements split in two
+    along dim 0 (FSDP2 over 2-8 ranks): blocks of 64 values (QLoRA's), and the largest scaler block up to 256 (QLoRA's)
+    that divides the number of blocks of an eighth of the weight (torchao splits an NF4 weight only on scaler-block
+    boundaries). ``None``: too small to quantize."""
+    if numel % 64:
+        return None
+    blocks = numel // 64
+    per_shard = blocks // 8 if blocks % 8 == 0 else blocks
+    scaler = max(d for d in range(1, min(256, per_shard) + 1) if per_shard % d == 0)
+    return 64, scaler
+
+
+def quantize_base_nf4(model: nn.Module) -> list[str]:
+    """QLoRA's base (Dettmers et al. 2023, §3): every ``nn.Linear`` of the model but the LM head gets its weight as a
+    frozen torchao ``NF4Tensor`` (4-bit NormalFloat, blocks of 64 with double-quantized scales), the rest of the model
+    bf16. torchao's tensor runs ``F.linear`` in bf16 (dequantizing on the fly, forward and backward) and implements
+    FSDP2's all-gather and split of its shards. Call before the adapters are added (they stay fp32).
+
+    Returns:
+        The paths of the quantized layers.
+
+    Raises:
+        ValueError: a linear layer's weight does not split into NF4 blocks (elements not a multiple of 64).
+    """
+    import torch
+
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    model.to(torch.bfloat16)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    done = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or module is head:
+            continue
+        blocks = _nf4_blocks(module.weight.numel())
+        if blocks is None:
+            raise ValueError(
+                f"lora.quantize_base='nf4' is not valid for {name!r}: its weight {tuple(module.weight.shape)} has "
+                f"{module.weight.numel()} elements, not a multiple of NF4's blocks of 64."
+            )
+        module.weight = nn.Parameter(to_nf4(module.weight.detach(), *blocks), requires_grad=False)
+        done.append(name)
+    return done
+
+
+def nf4_parameters(model: nn.Module) -> list[str]:
+    """Names of the parameters of ``model`` stored as torchao ``NF4Tensor`` s."""
+    return [n for n, p in model.named_parameters() if type(p).__name__ == "NF4Tensor"
+            or type(getattr(p, "data", None)).__name__ == "NF4Tensor"]
 
 
 def is_peft_network(module: nn.Module) -> bool:
@@ -195,6 +259,13 @@ def check_lora_layout(network: nn.Module, layout: str) -> None:
     Raises:
         ValueError: naming the variant or the module, the layout, and what to use instead.
     """
+    nf4 = nf4_parameters(network)
+    if nf4 and any(word in layout for word in ("tensor", "pipeline", "context", "expert")):
+        raise ValueError(
+            f"lora.quantize_base='nf4' (QLoRA) is not supported under {layout}: the base's NF4 weights (e.g. "
+            f"{nf4[0]!r}) have no column/row split or stage check here; torchao implements their all-gather and "
+            f"split for FSDP2 only. Use zero3 or HSDP (dp_mode='zero3'), or quantize_base=null."
+        )
     types = _peft_types(network)
     if types and types != ["LORA"]:
         raise ValueError(

@@ -184,8 +184,10 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
             self._pretrained_pending = pretrained is not None
             if pretrained is not None:
                 self.load_pretrained_weights()
-            from lightning_par.hf.lora import apply_lora
+            from lightning_par.hf.lora import apply_lora, quantize_base_nf4
 
+            if lora["quantize_base"] == "nf4":
+                quantize_base_nf4(self.model)
             self.model = apply_lora(self.model, lora)
             self.adapter_only_checkpoint = bool(lora["adapter_only_checkpoint"])
         elif pretrained is not None and int(os.environ.get("WORLD_SIZE", "1")) <= 1:

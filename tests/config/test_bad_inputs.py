@@ -97,7 +97,9 @@ PREFLIGHT = [
     ("model=hf model.optimizer=lamb", "HFCausalLM optimizer='lamb' is not valid: expected one of ('adamw', 'sgd', 'muon')"),
     ("model=hf model.lora.r=-1", "lora.r=-1 is not valid: expected the adapters' rank, a positive int"),
     ("model=hf model.lora.r=8 model.lora.target_modules=[]", "lora.target_modules=[] is not valid"),
-    ("model=hf model.lora.r=8 model.lora.quantize_base=nf4", "lora.quantize_base='nf4' is not valid"),
+    ("model=hf model.lora.r=8 model.lora.quantize_base=int3", "lora.quantize_base='int3' is not valid"),
+    ("model=hf model.lora.r=8 model.lora.quantize_base=nf4 strategy=tensor_parallel parallel=tp2",
+     "lora.quantize_base='nf4' (QLoRA) is not supported under tensor parallelism"),
     ("model=hf model.lora.r=8 model.optimizer=muon", "HFCausalLM optimizer='muon' is not valid: expected 'adamw' or "
                                                      "'sgd' with LoRA"),
     ("model=hf model.lora.r=8 model.lora.target_modules=[nope_proj]", "nope_proj"),

@@ -1,7 +1,7 @@
 """LoRA fine-tuning under every layout: a user's LightningModule around ``peft.get_peft_model`` (a tiny Llama, LoRA r 8
 on q_proj, v_proj and down_proj) against the same module in one process on the same global batch.
 
-Parity (fp32): losses of every step within ``rtol=1e-5``, every parameter within :func:`assert_params_close`, the
+Parity (fp32; QLoRA's NF4 base computes in bf16: 1e-4 for it): losses of every step within ``rtol=1e-5``, every parameter within :func:`assert_params_close`, the
 trained LoRA weights within a relative error (max difference / max entry, per tensor) of 1e-5; the frozen base
 **bitwise** equal to its initial weights; the optimizer holding only the adapters (its parameters and state, on each
 rank, are this rank's share of the LoRA weights). Cases of one world size run in one launch (launches are the cost).
@@ -52,6 +52,8 @@ WORLD2 = [
     # HFCausalLM(lora=...): the same tiny Llama and adapters, built by the package
     _case("hf-tp2sp-sgd", "tensor_parallel", "hflora-sgd", tp_size=2, sequence_parallel=True),
     _case("hf-pp2-1f1b-adamw", "parallel_3d", "hflora-adamw", pp_size=2, schedule="1f1b", num_microbatches=4),
+    # QLoRA: the base's linear weights NF4 (bf16 compute), against one-process QLoRA at rel 1e-4
+    _case("qlora-zero3-adamw", "zero3", "hfqlora-adamw"),
 ]
 #: World 2, same launch: adapter-only checkpoints (HFCausalLM's default under LoRA) against whole ones, and a resume
 #: from one at the end of an epoch of 2 steps against 3 steps in one go (paths filled in by the fixture).
@@ -68,6 +70,8 @@ REFUSED2 = [
     (_case("dora-tp2", "tensor_parallel", "dora-sgd", tp_size=2), r"DoRA \(use_dora=True.*tensor parallelism"),
     (_case("experts-ep2", "parallel_3d", "moe-experts-adamw", ep_size=2),
      r"LoRA on 'model.layers.0.mlp.experts'.*expert parallelism"),
+    (_case("qlora-tp2", "tensor_parallel", "hfqlora-sgd", tp_size=2),
+     r"lora.quantize_base='nf4' \(QLoRA\) is not supported under tensor parallelism"),
 ]
 #: World 4, one launch.
 WORLD4 = [
@@ -80,6 +84,9 @@ SLOW2 = [
     _case("pp2-1f1b-adamw", "parallel_3d", "peft-adamw", pp_size=2, schedule="1f1b", num_microbatches=4),
     _case("cp2-a2a-sgd", "parallel_3d", "peft-sgd", cp_size=2, method="all_to_all"),
     _case("dora-zero3-sgd", "zero3", "dora-sgd"),
+    _case("qlora-zero3-sgd", "zero3", "hfqlora-sgd"),
+    _case("qlora-ddp_overlap-adamw", "ddp_overlap", "hfqlora-adamw"),
+    _case("qlora-zero2-sgd", "zero2", "hfqlora-sgd"),
 ]
 SLOW4 = [
     _case("hsdp2x2-adamw", "parallel_3d", "peft-adamw", dp_replicate_size=2, dp_shard_size=2, dp_mode="zero3"),
@@ -130,15 +137,16 @@ def check_lora_parity(runs: list[dict[str, Any]], case: dict[str, Any], data: To
     assert not errors, errors[0]
     ref_losses, ref_params, initial = reference(case["model"], data)
     losses = global_losses(runs)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    tol = 1e-4 if case["model"].startswith("hfqlora") else 1e-5  # QLoRA: bf16 compute on the NF4 base
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=tol, atol=0)
     trainable = [n for n in ref_params if "lora_" in n]
     assert trainable
     figures = {"loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)), "lora_rel": 0.0}
     for r in runs:
-        assert_params_close(r["state"], ref_params)
+        assert_params_close(r["state"], ref_params, rtol=tol, atol=tol)
         for name in trainable:
             rel = rel_error(r["state"][name], ref_params[name])
-            assert rel <= 1e-5, (name, rel)
+            assert rel <= tol, (name, rel)
             figures["lora_rel"] = max(figures["lora_rel"], rel)
             assert not torch.equal(r["state"][name], initial[name]), f"{name} did not train"
         for name in ref_params:
