@@ -332,7 +332,7 @@ class HFLoraConfig:
     #: checkpoints hold the adapters only (the frozen base comes from ``pretrained`` or the seeded build).
     adapter_only_checkpoint: bool = True
     #: QLoRA's quantized base: ``nf4`` (the base's linear weights as torchao NF4 tensors, bf16 compute; one process,
-    #: zero3 and HSDP), or null.
+    #: ddp_overlap, zero2, zero3 and HSDP), or null.
     quantize_base: Optional[str] = None
 
 

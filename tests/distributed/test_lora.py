@@ -54,6 +54,9 @@ WORLD2 = [
     _case("hf-pp2-1f1b-adamw", "parallel_3d", "hflora-adamw", pp_size=2, schedule="1f1b", num_microbatches=4),
     # QLoRA: the base's linear weights NF4 (bf16 compute), against one-process QLoRA at rel 1e-4
     _case("qlora-zero3-adamw", "zero3", "hfqlora-adamw"),
+    # activation checkpointing (selective: the attention of each decoder layer) through the wrapper
+    _case("tp2sp-acsel-sgd", "tensor_parallel", "peft-sgd", tp_size=2, sequence_parallel=True,
+          activation_checkpointing="selective"),
 ]
 #: World 2, same launch: adapter-only checkpoints (HFCausalLM's default under LoRA) against whole ones, and a resume
 #: from one at the end of an epoch of 2 steps against 3 steps in one go (paths filled in by the fixture).
@@ -87,10 +90,13 @@ SLOW2 = [
     _case("qlora-zero3-sgd", "zero3", "hfqlora-sgd"),
     _case("qlora-ddp_overlap-adamw", "ddp_overlap", "hfqlora-adamw"),
     _case("qlora-zero2-sgd", "zero2", "hfqlora-sgd"),
+    _case("zero3-acfull-adamw", "zero3", "peft-adamw", activation_checkpointing="full"),
 ]
 SLOW4 = [
     _case("hsdp2x2-adamw", "parallel_3d", "peft-adamw", dp_replicate_size=2, dp_shard_size=2, dp_mode="zero3"),
     _case("tp2pp2-sgd", "parallel_3d", "peft-sgd", tp_size=2, pp_size=2, schedule="1f1b", num_microbatches=2),
+    _case("qlora-hsdp2x2-adamw", "parallel_3d", "hfqlora-adamw", dp_replicate_size=2, dp_shard_size=2,
+          dp_mode="zero3"),
 ]
 SLOW8 = [
     _case("dp2tp2pp2-adamw", "parallel_3d", "peft-adamw", dp_size=2, tp_size=2, pp_size=2, schedule="1f1b",
