@@ -91,12 +91,15 @@ SLOW2 = [
     _case("qlora-ddp_overlap-adamw", "ddp_overlap", "hfqlora-adamw"),
     _case("qlora-zero2-sgd", "zero2", "hfqlora-sgd"),
     _case("zero3-acfull-adamw", "zero3", "peft-adamw", activation_checkpointing="full"),
+    _case("hf-zero3-sgd", "zero3", "hflora-sgd"),
+    _case("hf-cp2-adamw", "parallel_3d", "hflora-adamw", cp_size=2),
 ]
 SLOW4 = [
     _case("hsdp2x2-adamw", "parallel_3d", "peft-adamw", dp_replicate_size=2, dp_shard_size=2, dp_mode="zero3"),
     _case("tp2pp2-sgd", "parallel_3d", "peft-sgd", tp_size=2, pp_size=2, schedule="1f1b", num_microbatches=2),
     _case("qlora-hsdp2x2-adamw", "parallel_3d", "hfqlora-adamw", dp_replicate_size=2, dp_shard_size=2,
           dp_mode="zero3"),
+    _case("hf-hsdp2x2-adamw", "parallel_3d", "hflora-adamw", dp_replicate_size=2, dp_shard_size=2, dp_mode="zero3"),
 ]
 SLOW8 = [
     _case("dp2tp2pp2-adamw", "parallel_3d", "peft-adamw", dp_size=2, tp_size=2, pp_size=2, schedule="1f1b",
