@@ -93,6 +93,10 @@ SLOW2 = [
     _case("zero3-acfull-adamw", "zero3", "peft-adamw", activation_checkpointing="full"),
     _case("hf-zero3-sgd", "zero3", "hflora-sgd"),
     _case("hf-cp2-adamw", "parallel_3d", "hflora-adamw", cp_size=2),
+    # per-block compile (aot_eager: dynamo + AOTAutograd, no C++ build) of the wrapped model's decoder layers
+    _case("zero3-compile-sgd", "zero3", "peft-sgd", compile={"enabled": True, "backend": "aot_eager"}),
+    _case("tp2sp-compile-sgd", "tensor_parallel", "peft-sgd", tp_size=2, sequence_parallel=True,
+          compile={"enabled": True, "backend": "aot_eager"}),
 ]
 SLOW4 = [
     _case("hsdp2x2-adamw", "parallel_3d", "peft-adamw", dp_replicate_size=2, dp_shard_size=2, dp_mode="zero3"),
@@ -249,3 +253,5 @@ def test_peft_lora_other_cells(data, world, cases):
     runs = _launch(world, cases, data)
     for case in cases:
         check_lora_parity(runs[case["name"]], case, data)
+        if "compile" in case["options"]:
+            assert runs[case["name"]][0]["extras"]["compile_graphs"] > 0, runs[case["name"]][0]["extras"]
