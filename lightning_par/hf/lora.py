@@ -24,6 +24,10 @@ prefixed by ``base_model.model.``, so checkpoints keep the ``PeftModel``'s own p
 * **activation checkpointing, context and expert parallelism**: the wrapped model's, prefixed. Adapters on the experts
   of a mixture-of-experts layer are refused under expert parallelism (the experts module's call is replaced there).
 
+QLoRA (Dettmers et al. 2023): with ``quantize_base="nf4"`` the base's linear weights are torchao ``NF4Tensor`` s
+(:func:`quantize_base_nf4`), which FSDP2 shards and gathers (zero3, HSDP) and the data-parallel engines broadcast
+through their inner tensors; the layouts that split or cut the model refuse them.
+
 Only LoRA (``peft_type == "LORA"``) is read through; another PEFT method (prompt tuning, IA3...) is refused under the
 layouts that split the model, and trains under the data-parallel ones as any module does.
 """
@@ -104,8 +108,8 @@ def lora_options(lora: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise ValueError(f"lora.dropout={dropout!r} is not valid: expected a probability in [0, 1).")
     targets = out["target_modules"]
-    targets = list(targets) if isinstance(targets, (list, tuple)) or hasattr(targets, "__iter__") and not isinstance(
-        targets, str) else targets
+    if not isinstance(targets, str) and hasattr(targets, "__iter__"):  # a list, tuple or OmegaConf ListConfig
+        targets = list(targets)
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
         raise ValueError(f"lora.target_modules={out['target_modules']!r} is not valid: expected a non-empty list of "
                          f"layer names such as [q_proj, v_proj].")
