@@ -81,6 +81,14 @@ REFUSED2 = [
     (_case("qlora-tp2", "tensor_parallel", "hfqlora-sgd", tp_size=2),
      r"lora.quantize_base='nf4' \(QLoRA\) is not supported under tensor parallelism"),
 ]
+#: World 2, same launch: NCCL's device rule on the CPU (tests/device_rule.py) over one step of the layouts the LoRA
+#: code adds collectives to (LoRA-aware tp styles, the NF4 base's broadcast, an adapter-only save).
+RULE2 = [
+    _case("rule-tp2sp", "tensor_parallel", "peft-sgd", steps=1, tp_size=2, sequence_parallel=True),
+    _case("rule-qlora-zero3", "zero3", "hfqlora-adamw", steps=1),
+    _case("rule-pp2", "parallel_3d", "hflora-sgd", steps=1, pp_size=2, schedule="1f1b", num_microbatches=4),
+    _case("rule-save", "zero3", "hflora-adamw", steps=1, save="rule.ckpt"),
+]
 #: World 4, one launch.
 WORLD4 = [
     _case("hsdp2x2-sgd", "parallel_3d", "peft-sgd", dp_replicate_size=2, dp_shard_size=2, dp_mode="zero3"),
@@ -141,7 +149,9 @@ def world2(data, checkpoint_dir) -> dict[str, list[dict[str, Any]]]:
     AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **BASE)).save_pretrained(checkpoint_dir / "base")
     saves = [{**c, **{k: str(checkpoint_dir / c[k]) for k in ("save", "resume") if k in c}} for c in CHECKPOINTS2]
     saves[-1]["pretrained"] = str(checkpoint_dir / "base")
-    return _launch(2, WORLD2 + [c for c, _ in REFUSED2] + saves, data)
+    rules = [{**c, "device_rule": True, **({"save": str(checkpoint_dir / c["save"])} if "save" in c else {})}
+             for c in RULE2]
+    return _launch(2, WORLD2 + [c for c, _ in REFUSED2] + saves + rules, data)
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +251,13 @@ def test_exported_adapter_and_merged_model_give_the_trained_logits(world2, check
         got = merged(input_ids=ids).logits
         assert rel_error(got, expected) <= 1e-5, rel_error(got, expected)
         assert not any("lora_" in n for n, _ in merged.named_parameters())
+
+
+@pytest.mark.parametrize("case", RULE2, ids=lambda c: c["name"])
+def test_lora_keeps_every_collective_on_the_device(world2, case):
+    for run in world2[case["name"]]:
+        assert "error" not in run, run["error"]
+        assert run["collectives"] > 0 and run["violations"] == [], run
 
 
 @pytest.mark.parametrize("case,match", REFUSED2, ids=lambda c: c["name"] if isinstance(c, dict) else "")
