@@ -98,7 +98,7 @@ __all__ = [
 _ADAPTERS: list[tuple[Callable[[nn.Module], bool], Any]] = []
 #: Where a family's adapter lives, by the prefix of its classes' module: imported (and so registered) on first sight,
 #: so that generic code imports no model library.
-_ADAPTER_MODULES = {"transformers.": "lightning_par.hf.adapter"}
+_ADAPTER_MODULES = {"transformers.": "lightning_par.hf.adapter", "peft.": "lightning_par.hf.lora"}
 
 
 def register_adapter(matches: Callable[[nn.Module], bool], adapter: Any) -> None:

@@ -128,6 +128,17 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimi
     }
 
 
+def param_split_bytes(module: nn.Module) -> dict[str, int]:
+    """Bytes this rank holds of the trainable and of the frozen parameters of ``module`` (local shards of DTensors):
+    ``{"trainable_param_bytes", "frozen_param_bytes"}`` (their sum is :func:`model_state_bytes`'s ``param_bytes``).
+    Under LoRA the frozen base is most of the bytes and the trainable adapters a few percent (docs/lora.md)."""
+    params = list(module.parameters())
+    return {
+        "trainable_param_bytes": storage_bytes([p for p in params if p.requires_grad]),
+        "frozen_param_bytes": storage_bytes([p for p in params if not p.requires_grad]),
+    }
+
+
 def peak_memory_bytes(device: torch.device | str | int) -> int:
     """Peak memory of this process on ``device``, in bytes.
 

@@ -371,6 +371,7 @@ def broadcast_from_rank0(module: nn.Module, group: ProcessGroup, skip: set[int] 
     """Give every rank of ``group`` (the ranks of one mesh axis or derived mesh) the parameters and buffers of the
     group's rank 0, in place (a DTensor's local shard), except the tensors whose ``id`` is in ``skip``; a no-op for a
     group of one."""
+    import torch
     import torch.distributed as dist
 
     from lightning_par.compat import local_tensor
@@ -379,5 +380,14 @@ def broadcast_from_rank0(module: nn.Module, group: ProcessGroup, skip: set[int] 
         return
     src = dist.get_global_rank(group, 0)
     for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) not in skip:
-            dist.broadcast(local_tensor(t).data, src=src, group=group)
+        if id(t) in skip:
+            continue
+        data = local_tensor(t).data
+        flatten = getattr(data, "__tensor_flatten__", None)
+        if callable(flatten) and type(data) is not torch.Tensor:
+            # a tensor subclass holding plain tensors (torchao's NF4Tensor of a QLoRA base): it has no collectives of
+            # its own ("NF4Tensor dispatch: attempting to run c10d.broadcast_"), so its inner tensors are broadcast
+            for name in flatten()[0]:
+                dist.broadcast(getattr(data, name), src=src, group=group)
+            continue
+        dist.broadcast(data, src=src, group=group)

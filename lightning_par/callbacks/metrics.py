@@ -24,7 +24,13 @@ import torch
 from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_par.memory import StepMemoryTracker, model_state_bytes, model_state_tensors, peak_memory_bytes
+from lightning_par.memory import (
+    StepMemoryTracker,
+    model_state_bytes,
+    model_state_tensors,
+    param_split_bytes,
+    peak_memory_bytes,
+)
 
 __all__ = ["ParallelMetricsCallback", "log_comm_stats", "log_host_number", "parallel_sizes", "persistent_comm_buffers"]
 
@@ -165,6 +171,7 @@ class ParallelMetricsCallback(L.Callback):
         self._state_bytes: dict[str, int | None] = dict.fromkeys(
             ("param_bytes", "grad_bytes", "optimizer_state_bytes"), None
         )
+        self._param_split: dict[str, int | None] = dict.fromkeys(("trainable_param_bytes", "frozen_param_bytes"))
         self._peak_mem: int | None = None
         self._warned_no_tokens = False
         self._tracker: StepMemoryTracker | None = None
@@ -293,6 +300,7 @@ class ParallelMetricsCallback(L.Callback):
         for key, value in model_state_bytes(pl_module, optimizers).items():
             old = self._state_bytes[key]
             self._state_bytes[key] = value if old is None else max(old, value)
+        self._param_split.update(param_split_bytes(pl_module))
 
     def _read_peak_memory(self) -> int | None:
         try:
@@ -322,7 +330,9 @@ class ParallelMetricsCallback(L.Callback):
             * ``step_time_s``: median seconds per optimizer step over the window, ``None`` before any;
             * ``mfu``: float in [0, 1] or ``None``; ``mfu_note``: how it was computed or why it is unknown;
             * ``param_bytes``, ``grad_bytes``, ``optimizer_state_bytes``: maxima seen on this rank (``None`` if
-              never measured), see :func:`lightning_par.memory.model_state_bytes`;
+              never measured), see :func:`lightning_par.memory.model_state_bytes`; ``trainable_param_bytes``,
+              ``frozen_param_bytes``: this rank's parameter bytes split by ``requires_grad`` (a LoRA run's adapters
+              and frozen base), see :func:`lightning_par.memory.param_split_bytes`;
             * ``peak_memory_bytes``: see :func:`lightning_par.memory.peak_memory_bytes` (``None`` if unsupported);
             * ``step_peak_bytes``: the most tensor bytes alive at once during optimizer step ``memory_step`` (see
               the module docstring; ``None`` if not measured), ``step_model_state_bytes``: parameters + gradients +
@@ -339,6 +349,7 @@ class ParallelMetricsCallback(L.Callback):
             "mfu": self._mfu(),
             "mfu_note": self._mfu_note,
             **self._state_bytes,
+            **self._param_split,
             "peak_memory_bytes": self._peak_mem,
             "step_peak_bytes": self._step_peak,
             "step_model_state_bytes": state,

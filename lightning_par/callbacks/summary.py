@@ -27,6 +27,8 @@ PER_RANK_KEYS: tuple[str, ...] = (
     "param_bytes",
     "grad_bytes",
     "optimizer_state_bytes",
+    "trainable_param_bytes",
+    "frozen_param_bytes",
     "tokens_per_s",
     "step_time_s",
 )
@@ -58,7 +60,7 @@ def build_summary(per_rank: list[dict[str, Any]], common: dict[str, Any]) -> dic
         * each loss: rank 0's, else the first rank's that is known;
         * per-rank lists ``peak_memory_bytes``, ``step_peak_bytes``, ``step_model_state_bytes``,
           ``step_other_bytes``, ``param_bytes``, ``grad_bytes``, ``optimizer_state_bytes``,
-          ``tokens_per_s_per_rank`` and ``step_time_s_per_rank``.
+          ``trainable_param_bytes``, ``frozen_param_bytes``, ``tokens_per_s_per_rank`` and ``step_time_s_per_rank``.
 
         Computed fields win over a key of ``common`` with the same name (a ``UserWarning`` names it).
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_par.checkpoint.adapter_only import adapter_only
 from lightning_par.checkpoint.async_save import PendingSave, start_async_save
 from lightning_par.checkpoint.sharded import load_sharded, save_sharded
 
@@ -22,11 +23,13 @@ __all__ = ["ShardedCheckpointIO", "load_parallel_state"]
 
 
 def load_parallel_state(
-    parallel: Any, path: Path, optimizers: list[Any], before_load: Any = None
+    parallel: Any, path: Path, optimizers: list[Any], before_load: Any = None, skip: set[str] | None = None
 ) -> dict[str, Any]:
     """Load a sharded checkpoint of any layout, dp mode or strategy into this rank's part of ``parallel`` (a
     :class:`~lightning_par.parallelize.ParallelModel`) and of ``optimizers`` (plain torch optimizers over its
     parameters, in the saved order). Collective. The Trainer strategies and the Fabric strategies load through it.
+    ``skip``: model entries neither read nor set (an adapter-only checkpoint's frozen base:
+    :mod:`lightning_par.checkpoint.adapter_only`).
 
     Returns:
         The metadata (``meta.pt``): everything else the checkpoint holds.
@@ -39,6 +42,8 @@ def load_parallel_state(
     model_state = engine.model_state_dict()
     optimizer_states = [engine.optimizer_state_dict(o) for o in optimizers]
     parallel.to_one_process(model_state, optimizer_states)
+    for name in skip or ():
+        model_state.pop(name, None)
     # DCP keeps one copy of a non-tensor entry such as ``param_groups`` (the coordinator's): under pipelining its
     # parameter names are those of one stage. Keep the saved hyper-parameters and this rank's own names.
     own_names = [[list(g["params"]) for g in state["param_groups"]] for state in optimizer_states]
@@ -135,11 +140,14 @@ class ShardedCheckpointIO:
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's part of the model, keyed by one-process name (sharded tensors as DTensors of their global
-        shape, vocabulary padding cut off)."""
+        shape, vocabulary padding cut off); without the frozen base in a LoRA run
+        (:mod:`lightning_par.checkpoint.adapter_only`)."""
         if self.parallel is None:
             assert self.lightning_module is not None
             return self.lightning_module.state_dict()
-        return self.parallel.model_state_dict()
+        from lightning_par.checkpoint.adapter_only import drop, frozen_parameter_names
+
+        return drop(self.parallel.model_state_dict(), frozen_parameter_names(self.lightning_module))
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """This rank's part of the optimizer state, keyed by one-process parameter name."""
@@ -159,6 +167,7 @@ class ShardedCheckpointIO:
             "pp_schedule": self.options.pipeline.schedule if dims is not None and dims.pp_enabled else None,
             "sequence_parallel": self.options.tensor_parallel.sequence_parallel,
             "torch": torch.__version__,
+            "adapter_only": adapter_only(self.lightning_module),
         }
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -196,9 +205,11 @@ class ShardedCheckpointIO:
         """
         assert self.parallel is not None
         path = Path(self.broadcast(str(checkpoint_path)))
+        from lightning_par.checkpoint.adapter_only import frozen_parameter_names
+
         return load_parallel_state(
             self.parallel, path, [getattr(o, "_optimizer", o) for o in self.optimizers],
-            before_load=lambda m: self._check_resume(path, m),
+            before_load=lambda m: self._check_resume(path, m), skip=frozen_parameter_names(self.lightning_module),
         )
 
     def _check_resume(self, path: Path, meta: dict[str, Any]) -> None:

@@ -317,6 +317,26 @@ UNLESS_RESOLVER = "lp_unless"
 
 
 @dataclass
+class HFLoraConfig:
+    """LoRA fine-tuning of a ``model=hf`` model (:mod:`lightning_par.hf.lora`, docs/lora.md):
+    ``model.lora.r=16 model.lora.target_modules=[q_proj,v_proj]``. Needs ``pip install 'lightning-par[lora]'``."""
+
+    #: the adapters' rank; 0: no LoRA (the whole model trains).
+    r: int = 0
+    #: LoRA's scaling numerator (scaling ``alpha / r``); null: ``2 * r``.
+    alpha: Optional[float] = None
+    #: dropout on the adapters' input.
+    dropout: float = 0.0
+    #: names of the ``nn.Linear`` layers that get adapters.
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    #: checkpoints hold the adapters only (the frozen base comes from ``pretrained`` or the seeded build).
+    adapter_only_checkpoint: bool = True
+    #: QLoRA's quantized base: ``nf4`` (the base's linear weights as torchao NF4 tensors, bf16 compute; one process,
+    #: ddp_overlap, zero2, zero3 and HSDP), or null.
+    quantize_base: Optional[str] = None
+
+
+@dataclass
 class HFModelConfig:
     """A Hugging Face causal LM (``model=hf``, :class:`lightning_par.hf.HFCausalLM`): a ``model_type`` built with
     random weights, or a local ``pretrained`` directory (never downloaded); exactly one of the two.
@@ -347,6 +367,8 @@ class HFModelConfig:
     muon_lr: float = 0.02
     #: ``bf16`` (torch's Newton-Schulz) or ``fp32`` (docs/muon.md).
     muon_ns_precision: str = "bf16"
+    #: LoRA adapters on a frozen base (``model.lora.r=16``; docs/lora.md).
+    lora: HFLoraConfig = field(default_factory=HFLoraConfig)
 
 
 @dataclass

@@ -15,7 +15,8 @@ __all__ = ["check_context_parallel", "context_parallel_attention", "context_para
 
 def context_parallel_positions(network: nn.Module) -> None:
     """Check that ``network`` can run on a split sequence: its ``forward`` takes ``position_ids`` (the global positions
-    of the tokens a cp rank holds), since a model that computes positions from a local ``arange`` would give every
+    of the tokens a cp rank holds; or its adapter's ``takes_position_ids()`` says that a ``**kwargs`` forward passes
+    them on), since a model that computes positions from a local ``arange`` would give every
     cp rank positions ``0..S/cp-1``.
 
     Raises:
@@ -24,6 +25,9 @@ def context_parallel_positions(network: nn.Module) -> None:
     import inspect
 
     if "position_ids" in inspect.signature(network.forward).parameters:
+        return
+    takes = network_method(network, "takes_position_ids")  # a wrapper passing them on through **kwargs (PEFT)
+    if callable(takes) and takes():
         return
     raise ValueError(
         f"context parallelism (cp_size > 1) is not valid for {type(network).__name__}: its forward takes no "

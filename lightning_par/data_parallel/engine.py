@@ -32,7 +32,7 @@ from lightning_par.data_parallel.options import ReducerOptions, ZeroOptions, zer
 from lightning_par.data_parallel.reducer import CommStats, GradientReducer
 from lightning_par.parallel_dims import broadcast_from_rank0
 
-__all__ = ["DDPEngine", "DataParallelEngine", "ZeroEngine", "broadcast_from_dp_rank0"]
+__all__ = ["DDPEngine", "DataParallelEngine", "ZeroEngine", "broadcast_from_dp_rank0", "values_copy"]
 
 
 #: Every replica starts from dp rank 0's parameters and buffers.
@@ -52,6 +52,14 @@ def sync_off(reducer: Any) -> Generator[None, None, None]:
     finally:
         reducer.require_sync = previous
 
+
+
+def values_copy(t: Tensor) -> Tensor:
+    """A detached copy of ``t``'s values; a quantized tensor subclass with a ``get_original_weight`` (torchao's NF4
+    weight of a QLoRA base) as its dequantized values, since NF4's ``clone`` re-quantizes with default block sizes
+    (and fails on weights whose scalers do not divide by 256)."""
+    dequantize = getattr(t, "get_original_weight", None)
+    return dequantize().detach() if callable(dequantize) else t.detach().clone()
 
 class DataParallelEngine:
     """What a strategy needs from the dp axis; every method has a default that suits full replicas.
@@ -154,7 +162,7 @@ class DataParallelEngine:
         """Every parameter of the module gathered in full (fp32 masters under mixed precision), keyed by name, on
         every rank of the dp and tp meshes; collective. For tests and small models: checkpoints never gather."""
         return {
-            name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            name: values_copy(p.full_tensor() if isinstance(p, DTensor) else p)
             for name, p in self.module.named_parameters()
         }
 

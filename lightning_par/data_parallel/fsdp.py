@@ -204,9 +204,13 @@ class FSDPZero(ZeroEngine):
         return get_model_state_dict(self.module)
 
     def load_model_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(self.module, state)
+        # an adapter-only checkpoint (lightning_par.checkpoint.adapter_only) sets the trainable parameters only: the
+        # frozen ones, left out on purpose, stay as built
+        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+        partial = bool(frozen) and not frozen <= set(state)
+        set_model_state_dict(self.module, state, options=StateDictOptions(strict=not partial))
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -219,10 +223,10 @@ class FSDPZero(ZeroEngine):
         set_optimizer_state_dict(self.module, optimizer, state)
 
     def full_state_dict(self) -> dict[str, Tensor]:
-        return {
-            name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for name, p in self.module.named_parameters()
-        }
+        from lightning_par.data_parallel.engine import values_copy
+
+        return {name: values_copy(p.full_tensor() if hasattr(p, "full_tensor") else p)
+                for name, p in self.module.named_parameters()}
 
     def summary(self) -> dict[str, Any]:
         out = super().summary()

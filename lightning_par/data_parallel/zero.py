@@ -562,7 +562,9 @@ class ZeroShardedDataParallel(ZeroEngine):
                 lp = self.local_params.get(name)
                 out[name] = (self._global(name, lp.detach()).full_tensor() if lp is not None else p).detach().clone()
             return out
-        return {name: p.detach().clone() for name, p in self.module.named_parameters()}
+        from lightning_par.data_parallel.engine import values_copy
+
+        return {name: values_copy(p) for name, p in self.module.named_parameters()}
 
     def summary(self) -> dict[str, Any]:
         out = super().summary()

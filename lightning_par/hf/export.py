@@ -26,7 +26,7 @@ from lightning_par.checkpoint.sharded import METADATA_FILENAME, verify_checkpoin
 from lightning_par.data.tokenize import TOKENIZER_FILES
 from lightning_par.hf.load import INDEX_NAME, tied_aliases, trust_remote_code
 
-__all__ = ["DEFAULT_SHARD_BYTES", "export_hf", "hf_config_of"]
+__all__ = ["DEFAULT_SHARD_BYTES", "export_hf", "export_lora", "hf_config_of"]
 
 #: Largest output shard, in bytes, unless asked otherwise (a tensor larger than this gets a shard of its own).
 DEFAULT_SHARD_BYTES = 2 * 1024**3
@@ -198,3 +198,95 @@ def _write(staged: Path, path: Path, config: Any, meta: dict[str, Any],
         GenerationConfig.from_dict(generation).save_pretrained(staged)
     for file in tokenizer_files:
         shutil.copyfile(file, staged / file.name)
+
+
+def export_lora(checkpoint: str | Path, output: str | Path, merged: bool = False, base: str | Path | None = None,
+                prefix: str = "model.") -> Path:
+    """Write a LoRA run's adapter as a PEFT directory, or the model with the adapter merged as a Hugging Face one.
+
+    One process, no process group; memory for the whole model. Also a command:
+    ``python -m lightning_par.hf export CHECKPOINT OUTPUT_DIR --adapter`` (or ``--merged``).
+
+    The model is rebuilt as the run built it (:class:`~lightning_par.hf.HFCausalLM` with its ``lora`` options: the
+    base from ``base``, else the run's ``pretrained`` directory, else the checkpoint when it is whole), the
+    checkpoint's tensors (of any layout) are read into it, then:
+
+    * ``merged=False``: ``PeftModel.save_pretrained`` (``adapter_config.json``, ``adapter_model.safetensors``), which
+      ``PeftModel.from_pretrained(base model, output)`` loads;
+    * ``merged=True``: ``merge_and_unload()`` (each LoRA layer's weight becomes ``W + scaling * B @ A``, Hu et al.
+      2021, §4.1) and ``save_pretrained``, which ``AutoModelForCausalLM.from_pretrained(output)`` loads.
+
+    Args:
+        checkpoint: the checkpoint directory (``*.ckpt``) of a run of ``HFCausalLM(lora=...)``.
+        output: the directory to write; it must not exist or be empty (written beside it, then renamed onto it).
+        merged: write the merged model instead of the adapter.
+        base: a ``save_pretrained`` directory holding the base weights (default: the run's ``pretrained``).
+        prefix: the network's attribute in the LightningModule, with a dot.
+
+    Returns:
+        ``output``.
+
+    Raises:
+        FileNotFoundError, ValueError: a missing or damaged checkpoint; one of a run without LoRA (export it without
+            ``--adapter``/``--merged``); ``merged`` with no base to merge into (an adapter-only checkpoint of a
+            ``model_type`` build without ``base``); ``output`` not empty (see :func:`export_hf`).
+    """
+    from lightning_par.hf.lora import apply_lora, lora_options
+
+    path, output = Path(checkpoint), Path(output)
+    _check_output(output)
+    verify_checkpoint(path)
+    meta = load_metadata_file(path / METADATA_FILENAME)
+    hp = dict(meta.get("hyper_parameters") or {})
+    lora = lora_options(hp.get("lora"))
+    what = "--merged" if merged else "--adapter"
+    if lora is None:
+        raise ValueError(
+            f"checkpoint {str(path)!r} is not valid for export {what}: its run trained no LoRA adapter (lora.r=0). "
+            f"Export the whole model without --adapter/--merged."
+        )
+    config = hf_config_of(meta)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code())
+    saved = safe_reader(path).read_metadata().state_dict_metadata
+    base_dir = base if base is not None else hp.get("pretrained")
+    whole = any(k.startswith(f"state_dict.{prefix}") and "lora_" not in k for k in saved)
+    if base_dir is not None:
+        from lightning_par.hf.load import fill_from_safetensors
+
+        state = {f"{prefix}{k}": v for k, v in model.state_dict().items()}
+        fill_from_safetensors(state, base_dir, prefix, tied_aliases(model))
+    elif merged and not whole:
+        raise ValueError(
+            f"checkpoint {str(path)!r} holds the adapter only and its run built the base from model_type (random "
+            f"weights), so there is no base to merge into: pass --base DIR (a save_pretrained directory of the base) "
+            f"or export --adapter."
+        )
+    peft_model = apply_lora(model, lora)
+    own = {f"{prefix}{k}": v for k, v in peft_model.state_dict().items()}
+    wanted = {k: v for k, v in own.items() if f"state_dict.{k}" in saved}
+    missing = [k for k, p in peft_model.named_parameters() if p.requires_grad and f"{prefix}{k}" not in wanted]
+    if missing:
+        raise ValueError(f"checkpoint {str(path)!r} is not valid for export {what}: it lacks the adapter weights "
+                         f"{missing[:3]} of the LoRA options it was trained with ({lora}).")
+    tensors = {k: torch.empty_like(v) for k, v in wanted.items()}
+    load_in_one_process({"state_dict": tensors}, path)
+    with torch.no_grad():
+        for name, value in tensors.items():
+            own[name].copy_(value)
+    if base_dir is not None:
+        peft_model.peft_config["default"].base_model_name_or_path = str(base_dir)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staged = output.parent / f".{output.name}.exporting-{secrets.token_hex(4)}"
+    staged.mkdir()
+    try:
+        if merged:
+            peft_model.merge_and_unload().save_pretrained(staged)
+        else:
+            peft_model.save_pretrained(staged)
+        os.replace(staged, output)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    return output

@@ -105,13 +105,21 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         weight_decay: AdamW's decoupled weight decay (matrices and embeddings only); SGD's L2 term.
         momentum: SGD's momentum.
         adam_eps: AdamW's ``eps``.
+        lora: LoRA fine-tuning (Hu et al. 2021): ``{"r": 16, "target_modules": ["q_proj", "v_proj"], "alpha": ...,
+            "dropout": ..., "adapter_only_checkpoint": True}`` (:data:`lightning_par.hf.lora.LORA_DEFAULTS`; ``r=0`` or
+            ``None``: off). The model becomes ``peft.get_peft_model(model, LoraConfig(...))``: the base frozen, only
+            the adapters train and reach the optimizer; every layout reads the base model's plans through the wrapper
+            (:mod:`lightning_par.hf.lora`). ``pretrained`` weights are read into the base before it is wrapped, by
+            every process; checkpoints hold the adapters only unless ``adapter_only_checkpoint=False``
+            (docs/lora.md). Needs ``pip install 'lightning-par[lora]'``.
 
     Raises:
         ValueError: neither or both of ``model_type`` and ``pretrained``; an unknown ``model_type``; ``pretrained``
             not a directory with a ``config.json``, or (when the weights load) without safetensors weights or with
             weights that do not fit the config; an unknown optimizer; a non-positive learning rate. The message names
-            the argument, the value and what is valid.
-        ImportError: ``transformers`` is not installed (``pip install 'lightning-par[hf]'``).
+            the argument, the value and what is valid; invalid ``lora`` fields
+            (:func:`lightning_par.hf.lora.lora_options`), or ``optimizer="muon"`` with LoRA.
+        ImportError: ``transformers`` is not installed (``pip install 'lightning-par[hf]'``), or ``peft`` with LoRA.
     """
 
     def __init__(
@@ -126,8 +134,14 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         adam_eps: float = 1e-8,
         muon_lr: float = 0.02,
         muon_ns_precision: str = "bf16",
+        lora: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        from lightning_par.hf.lora import lora_options
+
+        lora = lora_options(lora)
+        _check("optimizer", optimizer, lora is None or optimizer != "muon",
+               "'adamw' or 'sgd' with LoRA (Muon orthogonalises whole hidden matrices, not rank-r adapters)")
         _check("model_type", model_type, (model_type is None) != (pretrained is None),
                "exactly one of model_type and pretrained (a local save_pretrained directory)")
         _check("optimizer", optimizer, optimizer in OPTIMIZERS, f"one of {OPTIMIZERS}")
@@ -145,7 +159,7 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         self.save_hyperparameters(
             {"model_type": model_type, "config": config, "pretrained": pretrained, "optimizer": optimizer,
              "learning_rate": learning_rate, "weight_decay": weight_decay, "momentum": momentum, "adam_eps": adam_eps,
-             "muon_lr": muon_lr, "muon_ns_precision": muon_ns_precision}
+             "muon_lr": muon_lr, "muon_ns_precision": muon_ns_precision, "lora": lora}
         )
         try:
             from transformers import AutoConfig, AutoModelForCausalLM
@@ -164,7 +178,19 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         # Built by load_from_checkpoint: the checkpoint's weights replace the pretrained ones, which are not read.
         self._pretrained_pending = pretrained is not None and not _FROM_CHECKPOINT.get()
         self._tied = tied_aliases(self.model)
-        if pretrained is not None and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        if lora is not None:
+            # The base's weights before the wrapper renames its layers (q_proj -> q_proj.base_layer), in every process
+            # (also when built from a checkpoint: an adapter-only checkpoint holds no base).
+            self._pretrained_pending = pretrained is not None
+            if pretrained is not None:
+                self.load_pretrained_weights()
+            from lightning_par.hf.lora import apply_lora, quantize_base_nf4
+
+            if lora["quantize_base"] == "nf4":
+                quantize_base_nf4(self.model)
+            self.model = apply_lora(self.model, lora)
+            self.adapter_only_checkpoint = bool(lora["adapter_only_checkpoint"])
+        elif pretrained is not None and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             self.load_pretrained_weights()  # one process: it holds every weight
 
     def load_pretrained_weights(self, parallel: Any = None) -> int:

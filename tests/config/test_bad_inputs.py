@@ -95,6 +95,14 @@ PREFLIGHT = [
     ("model=hf model.pretrained={tmp}", "HFCausalLM pretrained='{tmp}' is not valid: expected a local directory "
                                         "written by save_pretrained (config.json and model.safetensors"),
     ("model=hf model.optimizer=lamb", "HFCausalLM optimizer='lamb' is not valid: expected one of ('adamw', 'sgd', 'muon')"),
+    ("model=hf model.lora.r=-1", "lora.r=-1 is not valid: expected the adapters' rank, a positive int"),
+    ("model=hf model.lora.r=8 model.lora.target_modules=[]", "lora.target_modules=[] is not valid"),
+    ("model=hf model.lora.r=8 model.lora.quantize_base=int3", "lora.quantize_base='int3' is not valid"),
+    ("model=hf model.lora.r=8 model.lora.quantize_base=nf4 strategy=tensor_parallel parallel=tp2",
+     "lora.quantize_base='nf4' (QLoRA) is not supported under tensor parallelism"),
+    ("model=hf model.lora.r=8 model.optimizer=muon", "HFCausalLM optimizer='muon' is not valid: expected 'adamw' or "
+                                                     "'sgd' with LoRA"),
+    ("model=hf model.lora.r=8 model.lora.target_modules=[nope_proj]", "nope_proj"),
     ("model=hf strategy=tensor_parallel parallel=tp4",
      "LlamaForCausalLM.config.num_key_value_heads=2 is not divisible by tp_size=4"),
     ("model=hf strategy=tensor_parallel parallel=tp2 +model.config.tie_word_embeddings=true",
