@@ -1,4 +1,4 @@
-"""The experts' forms (padded ``bmm``, the per-expert loop; ``torch._grouped_mm`` is chosen only on CUDA) against each
+"""The experts' forms (``torch._grouped_mm`` with its CPU backward, padded ``bmm``, the per-expert loop) against each
 other and against Hugging Face's own experts, the form chooser, the host reads of a MoE layer, and DeepSeek-V3's
 auxiliary-loss-free balancing on one process (bias update, skewed router brought to balance, resume)."""
 
@@ -25,8 +25,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
+@pytest.mark.parametrize("form", ["bmm", "grouped_mm"])
 @pytest.mark.parametrize("num_experts, tokens", [(2, 7), (8, 100), (64, 512)])
-def test_bmm_form_matches_the_loop_forward_and_backward(num_experts, tokens):
+def test_grouped_forms_match_the_loop_forward_and_backward(num_experts, tokens, form):
     torch.manual_seed(0)
     d, h = 16, 24
     counts = _segments(num_experts, tokens, empty=1)
@@ -34,19 +35,21 @@ def test_bmm_form_matches_the_loop_forward_and_backward(num_experts, tokens):
     w1 = torch.randn(num_experts, d, h, requires_grad=True)
     w2 = torch.randn(num_experts, h, d, requires_grad=True)
     results = {}
-    for form in ("loop", "bmm"):
-        y = expert_ffn(x, counts, w1, w2, F.gelu, form=form)
-        results[form] = (y, *torch.autograd.grad(y.pow(2).sum(), (x, w1, w2)))
-    for got, want in zip(results["bmm"], results["loop"]):
+    for name in ("loop", form):
+        y = expert_ffn(x, counts, w1, w2, F.gelu, form=name)
+        results[name] = (y, *torch.autograd.grad(y.pow(2).sum(), (x, w1, w2)))
+    for got, want in zip(results[form], results["loop"]):
         assert _rel(got, want) <= 1e-5
-    assert counts[1] == 0 and results["bmm"][2][1].abs().max() == 0  # an expert without tokens gets no gradient
+        if form == "grouped_mm":  # on CPU each group's product is the loop's own mm
+            assert torch.equal(got, want)
+    assert counts[1] == 0 and results[form][2][1].abs().max() == 0  # an expert without tokens gets no gradient
 
 
 def test_no_tokens_still_depends_on_the_tokens():
     """Under ep a rank may receive no token: its output must still lead back to the (empty) tokens, so that the
     combine's backward all-to-all runs on every rank."""
     x = torch.zeros(0, 4, requires_grad=True)
-    for form in ("bmm", "loop"):
+    for form in FORMS:
         w1, w2 = torch.randn(3, 4, 8, requires_grad=True), torch.randn(3, 8, 4, requires_grad=True)
         y = expert_ffn(x, torch.zeros(3, dtype=torch.int64), w1, w2, F.gelu, form=form)
         assert y.shape == (0, 4) and y.requires_grad
@@ -58,10 +61,16 @@ def test_no_tokens_still_depends_on_the_tokens():
 
 def test_the_form_is_chosen_by_one_function():
     x, w = torch.randn(10, 8), torch.randn(4, 8, 8)
-    assert choose_form(x, (w, w)) == "loop"  # CPU: the loop measured faster than the padded bmm
-    assert choose_form(x, (w, w), rows=[3, 3, 2, 2]) == "loop"
-    # grouped_mm has no CPU backward in torch 2.13: asked for, the bmm runs instead
-    assert choose_form(x.bfloat16(), (w.bfloat16(), w.bfloat16()), requested="grouped_mm") == "bmm"
+    # CPU: grouped_mm with its own backward (measured faster than the loop, the loop faster than the padded bmm)
+    assert choose_form(x, (w, w)) == "grouped_mm"
+    assert choose_form(x, (w, w), rows=[3, 3, 2, 2]) == "grouped_mm"
+    assert choose_form(x.bfloat16(), (w.bfloat16(), w.bfloat16()), requested="grouped_mm") == "grouped_mm"
+    # where grouped_mm does not run (float64; a width of 6 floats, 24 bytes: not a multiple of 16): the loop, and the
+    # bmm when grouped_mm is asked for
+    assert choose_form(x.double(), (w.double(), w.double())) == "loop"
+    odd = torch.randn(4, 8, 6)
+    assert choose_form(x, (odd, odd.transpose(1, 2))) == "loop"
+    assert choose_form(x.double(), (w.double(), w.double()), requested="grouped_mm") == "bmm"
     assert choose_form(x, (w, w), requested="bmm") == "bmm"
     meta = x.to("meta")  # the choice off the CPU (an accelerator without grouped_mm's conditions): bmm unless skewed
     assert choose_form(meta, (w, w), rows=[3, 3, 2, 2]) == "bmm"
@@ -86,17 +95,18 @@ def test_bad_balance_and_form_options_name_field_value_and_valid_values(field, v
 
 
 @pytest.mark.parametrize("gating, shared, capacity", [("softmax", False, None), ("sigmoid", True, 1.0)])
-def test_gpt_moe_layer_bmm_matches_the_loop(gating, shared, capacity):
+def test_gpt_moe_layer_grouped_forms_match_the_loop(gating, shared, capacity):
     results = {}
     x = torch.randn(3, 12, 16, generator=torch.Generator().manual_seed(1))
-    for form in ("loop", "bmm"):
+    for form in ("loop", "bmm", "grouped_mm"):
         torch.manual_seed(0)
         layer = MoE(16, 32, 8, 2, gating=gating, shared_expert=shared, capacity_factor=capacity, experts_form=form)
         y = layer(x)
         y.pow(2).mean().backward()
         results[form] = [y] + [p.grad for p in layer.parameters()]
-    for got, want in zip(results["bmm"], results["loop"]):
-        assert _rel(got, want) <= 1e-5
+    for form in ("bmm", "grouped_mm"):
+        for got, want in zip(results[form], results["loop"]):
+            assert _rel(got, want) <= 1e-5, form
 
 
 class _HostReads:
@@ -116,7 +126,7 @@ class _HostReads:
             monkeypatch.setattr(torch.Tensor, name, wrapped)
 
 
-@pytest.mark.parametrize("form, reads", [("bmm", 1), ("loop", 1)])
+@pytest.mark.parametrize("form, reads", [("bmm", 1), ("loop", 1), ("grouped_mm", 0)])
 def test_a_moe_layer_reads_the_host_once(monkeypatch, form, reads):
     torch.manual_seed(0)
     layer = MoE(16, 32, 8, 2, capacity_factor=1.5, experts_form=form, balance="both")
@@ -128,7 +138,7 @@ def test_a_moe_layer_reads_the_host_once(monkeypatch, form, reads):
 
 # ---------------------------------------------------------------------------------------- Hugging Face experts
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "mixtral", "olmoe", "qwen2_moe"])
-def test_hf_experts_bmm_matches_the_loop_and_the_models_own_forward(arch):
+def test_hf_experts_grouped_forms_match_the_loop_and_the_models_own_forward(arch):
     pytest.importorskip("transformers")
     from lightning_par.hf import HFCausalLM
     from lightning_par.hf.experts import ContractExperts, expert_modules
@@ -153,9 +163,16 @@ def test_hf_experts_bmm_matches_the_loop_and_the_models_own_forward(arch):
     index = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(40)])
     weights = torch.rand(40, 2, generator=g)
     theirs = own(experts, x, index, weights)
-    for form in ("loop", "bmm"):
+    grads = {}
+    for form in FORMS:
         experts.form = form
         assert _rel(experts(x, index, weights), theirs) <= 1e-5, form
+        # and the gradients of the (E, out, in) weights, read through transposed views
+        grads[form] = torch.autograd.grad(experts(x, index, weights).pow(2).sum(),
+                                          (experts.gate_up_proj, experts.down_proj))
+    for form in ("bmm", "grouped_mm"):
+        for got, want in zip(grads[form], grads["loop"]):
+            assert _rel(got, want) <= 1e-5, form
 
 
 # ---------------------------------------------------------------------------------- auxiliary-loss-free balancing
@@ -310,6 +327,7 @@ def test_summary_keeps_each_layers_imbalance_and_the_dropped_total():
 def test_moe_benchmark_table_states_the_ratios():
     from lightning_par.benchmarks.moe import render
 
-    rows = [{"experts": 64, "form": "bmm", "grouped_s": 0.05, "loop_s": 0.1, "indexed_s": 0.2}]
+    rows = [{"experts": 64, "tokens": 32, "top_k": 2, "form": "grouped_mm", "grouped_s": 0.05, "bmm_s": 0.12,
+             "loop_s": 0.1, "indexed_s": 0.2}]
     table = render(rows, {"dim": 8, "hidden": 16, "tokens": 32, "steps": 2})
-    assert "| 64 | bmm | 50.0 | 100.0 | 2.00 | 200.0 | 4.00 |" in table
+    assert "| 64 | 2 | 32 | 1 | grouped_mm | 50.0 | 120.0 | 100.0 | 2.00 | 200.0 | 4.00 |" in table
