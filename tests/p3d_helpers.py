@@ -101,7 +101,9 @@ def make_model(step: dict[str, Any]) -> Any:
         from lightning_par.hf import HFCausalLM
 
         torch.manual_seed(0)
-        arch = name.removeprefix("hf-moe-")
+        arch = name.removeprefix("hf-moe-").removesuffix("-bias")
+        # "-bias": DeepSeek-V3's router bias balanced, fast enough to change the routing in 3 steps
+        balance = {"moe_balance": "bias", "moe_bias_update_rate": 0.05} if name.endswith("-bias") else {}
         config = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, vocab_size=256, max_position_embeddings=64,
                       tie_word_embeddings=False, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -109,7 +111,7 @@ def make_model(step: dict[str, Any]) -> Any:
                    "deepseek_v3": {"n_routed_experts": 4, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
                                    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
                                    "qk_nope_head_dim": 8, "v_head_dim": 16}}[arch]
-        return HFCausalLM(model_type=arch, config=config, learning_rate=1e-3, adam_eps=1e-4)
+        return HFCausalLM(model_type=arch, config=config, learning_rate=1e-3, adam_eps=1e-4, **balance)
     if name.startswith("hf-llama-muon"):  # a tiny Hugging Face Llama with Muon (``32``: the fp32 iteration)
         from lightning_par.hf import HFCausalLM
 

@@ -347,6 +347,10 @@ class HFModelConfig:
     muon_lr: float = 0.02
     #: ``bf16`` (torch's Newton-Schulz) or ``fp32`` (docs/muon.md).
     muon_ns_precision: str = "bf16"
+    #: ``null`` or ``bias``: DeepSeek-V3's auxiliary-loss-free balancing of the routers' ``e_score_correction_bias``
+    #: (deepseek_v3), moved by ``moe_bias_update_rate * sign(mean load - load)`` after every optimizer step.
+    moe_balance: Optional[str] = None
+    moe_bias_update_rate: float = 1e-3
 
 
 @dataclass

@@ -37,6 +37,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
+from lightning_par.compat import grouped_mm, grouped_mm_runs_on_cpu
+
 __all__ = ["FORMS", "choose_form", "expert_ffn"]
 
 #: The forms :func:`expert_ffn` computes in.
@@ -62,6 +64,8 @@ def _grouped_mm_runs(x: Tensor, weights: Sequence[Tensor]) -> bool:
     elif x.device.type == "cpu":
         if x.dtype not in _CPU_GROUPED_DTYPES or any(w.dtype != x.dtype for w in weights):
             return False
+        if not grouped_mm_runs_on_cpu():
+            return False
     else:
         return False
     # rows of 16 bytes: both kernels refuse other strides ("strides should be multiple of 16 bytes")
@@ -83,7 +87,7 @@ class _GroupedMatmul(torch.autograd.Function):
         ctx.save_for_backward(x, w, offs)
         if x.shape[0] == 0:  # no rows (an ep rank that received no token): an empty tensor may have zero strides
             return x.new_zeros(0, w.shape[-1])
-        return torch._grouped_mm(x, w, offs=offs)
+        return grouped_mm(x, w, offs)
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
@@ -91,8 +95,8 @@ class _GroupedMatmul(torch.autograd.Function):
         if x.shape[0] == 0:  # every expert without rows: zero gradients (see expert_ffn)
             return x.new_zeros(x.shape), w.new_zeros(w.shape), None
         dy = dy.contiguous()  # an expanded gradient (a sum's) has zero strides, which grouped_mm refuses
-        dx = torch._grouped_mm(dy, w.transpose(1, 2), offs=offs) if ctx.needs_input_grad[0] else None
-        dw = torch._grouped_mm(x.t(), dy, offs=offs) if ctx.needs_input_grad[1] else None
+        dx = grouped_mm(dy, w.transpose(1, 2), offs) if ctx.needs_input_grad[0] else None
+        dw = grouped_mm(x.t(), dy, offs) if ctx.needs_input_grad[1] else None
         return dx, dw, None
 
 
@@ -154,7 +158,7 @@ def expert_ffn(x: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, act: Call
     if kind == "grouped_mm":  # no host read: the offsets stay on the device
         offs = counts.cumsum(0).to(torch.int32)
         if x.device.type == "cuda":  # torch's own backward
-            return torch._grouped_mm(act(torch._grouped_mm(x, w_in, offs=offs)), w_out, offs=offs)
+            return grouped_mm(act(grouped_mm(x, w_in, offs)), w_out, offs)
         hidden = act(_GroupedMatmul.apply(x.contiguous(), w_in, offs))
         return _GroupedMatmul.apply(hidden.contiguous(), w_out, offs)
     # deliberate host sync (once per MoE layer, none when the ep dispatch passed host_counts): the segment sizes

@@ -331,3 +331,105 @@ def test_moe_benchmark_table_states_the_ratios():
              "loop_s": 0.1, "indexed_s": 0.2}]
     table = render(rows, {"dim": 8, "hidden": 16, "tokens": 32, "steps": 2})
     assert "| 64 | 2 | 32 | 1 | grouped_mm | 50.0 | 120.0 | 100.0 | 2.00 | 200.0 | 4.00 |" in table
+
+
+# ------------------------------------------------------- auxiliary-loss-free balancing of Hugging Face routers
+def _hf_skewed(balance: str | None, rate: float = 0.003):
+    """A tiny deepseek_v3 (1 MoE layer, 8 experts, top-2, one shared expert) whose router sends most tokens to experts
+    0 and 1 at start (as :func:`_skewed`); returns the module and its MoE layer."""
+    pytest.importorskip("transformers")
+    from lightning_par.hf import HFCausalLM
+
+    torch.manual_seed(0)
+    config = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 32, "n_routed_experts": 8,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 16, "first_k_dense_replace": 0, "n_group": 1,
+              "topk_group": 1, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+              "v_head_dim": 8, "n_shared_experts": 1}
+    module = HFCausalLM(model_type="deepseek_v3", config=config, moe_balance=balance, moe_bias_update_rate=rate)
+    layer = module.model.model.layers[0].mlp
+    with torch.no_grad():
+        layer.gate.weight.normal_(0, 0.3)
+        layer.gate.weight[:2] += 0.2
+    return module, layer
+
+
+def _hf_train(layer, steps: range, optimizer: torch.optim.Optimizer) -> list[float]:
+    """SGD on a regression through the MoE layer alone (no auxiliary loss: transformers adds none without labels);
+    after each step the bias update the strategies run. Returns max/mean routed copies per expert of each step."""
+    from lightning_par.hf.experts import update_hf_expert_bias
+
+    curve = []
+    for step in steps:
+        x, target = _batch(step)
+        F.mse_loss(layer(x), target).backward()
+        _, _, chosen = layer.gate(x)  # the router's choice with the bias of this step
+        counts = torch.bincount(chosen.reshape(-1), minlength=8).float()
+        curve.append(float(counts.max() / counts.mean()))
+        optimizer.step()
+        optimizer.zero_grad()
+        update_hf_expert_bias([layer.experts])  # a no-op without moe_balance="bias"
+    return curve
+
+
+def test_hf_router_bias_update_is_deepseek_v3s_rule_and_refused_without_a_bias():
+    from lightning_par.hf.experts import BIAS_BUFFER
+
+    module, layer = _hf_skewed("bias", rate=0.1)
+    x, _ = _batch(0)
+    _, weights_before, chosen = layer.gate(x)
+    layer(x)
+    load = torch.bincount(chosen.reshape(-1), minlength=8).float()
+    torch.testing.assert_close(layer.experts.routed_load, load)  # the copies routed by the model's own router
+    layer.experts.update_expert_bias()
+    torch.testing.assert_close(getattr(layer.gate, BIAS_BUFFER), 0.1 * torch.sign(load.mean() - load))
+    assert layer.experts.routed_load.abs().sum() == 0
+    layer.experts.update_expert_bias()  # nothing routed since: the bias stays
+    torch.testing.assert_close(getattr(layer.gate, BIAS_BUFFER), 0.1 * torch.sign(load.mean() - load))
+    layer.eval()
+    layer(x)  # evaluation does not count
+    assert layer.experts.routed_load.abs().sum() == 0
+    state = module.state_dict()
+    assert f"model.model.layers.0.mlp.gate.{BIAS_BUFFER}" in state
+    assert not any(k.endswith("routed_load") for k in state)
+    # without the option the bias is the model's (never moved); a model without a router bias refuses "bias"
+    plain, plain_layer = _hf_skewed(None)
+    assert getattr(plain_layer.experts, "routed_load", None) is None
+    from lightning_par.hf import HFCausalLM
+
+    qwen = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 64, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16}
+    with pytest.raises(ValueError, match="moe_balance='bias' is not valid for Qwen3MoeForCausalLM: none of its "
+                                         "mixture-of-experts layers has a router with a per-expert "
+                                         "e_score_correction_bias"):
+        HFCausalLM(model_type="qwen3_moe", config=qwen, moe_balance="bias")
+    with pytest.raises(ValueError, match=r"HFCausalLM moe_balance='both' is not valid: expected None or 'bias'"):
+        HFCausalLM(model_type="qwen3_moe", config=qwen, moe_balance="both")
+    with pytest.raises(ValueError, match=r"HFCausalLM moe_bias_update_rate=0 is not valid: expected a finite number"):
+        HFCausalLM(model_type="qwen3_moe", config=qwen, moe_balance="bias", moe_bias_update_rate=0)
+
+
+def test_hf_router_bias_balances_a_skewed_router_and_resumes_exactly(tmp_path):
+    from lightning_par.hf.experts import BIAS_BUFFER
+
+    module, layer = _hf_skewed("bias")
+    curve = _hf_train(layer, range(200), torch.optim.SGD(layer.parameters(), lr=0.05))
+    assert curve[0] >= 2.5, curve[0]  # skewed at start (measured 2.98)
+    assert max(curve[-10:]) <= 1.2, curve[-10:]  # balanced at the end (measured 1.13 at most over the last 10)
+    _, plain = _hf_skewed(None)
+    unbalanced = _hf_train(plain, range(200), torch.optim.SGD(plain.parameters(), lr=0.05))
+    assert min(unbalanced[-10:]) > 1.5, unbalanced[-10:]
+    # 100 steps, a save of the module's state (the bias with it), a fresh module loads it and runs 100 more
+    first_module, first = _hf_skewed("bias")
+    opt = torch.optim.SGD(first.parameters(), lr=0.05)
+    _hf_train(first, range(100), opt)
+    torch.save({"model": first_module.state_dict(), "opt": opt.state_dict()}, tmp_path / "hf.pt")
+    resumed_module, resumed = _hf_skewed("bias")
+    state = torch.load(tmp_path / "hf.pt")
+    resumed_module.load_state_dict(state["model"])
+    assert torch.equal(getattr(resumed.gate, BIAS_BUFFER), getattr(first.gate, BIAS_BUFFER))
+    opt2 = torch.optim.SGD(resumed.parameters(), lr=0.05)
+    opt2.load_state_dict(state["opt"])
+    _hf_train(resumed, range(100, 200), opt2)
+    assert torch.equal(getattr(resumed.gate, BIAS_BUFFER), getattr(layer.gate, BIAS_BUFFER))
