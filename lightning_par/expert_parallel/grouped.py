@@ -13,17 +13,17 @@ on its segment of tokens sorted by expert, in one of three forms chosen by one f
   ``torch.bmm`` and a gather back. One host read of the counts per call (the padding size), none if the caller
   already has them (``host_counts``, as the ep dispatch does). Chosen on accelerators where ``grouped_mm`` does not
   run, unless the padding would more than quadruple the rows (a badly skewed routing); on CPU only when asked for
-  (measured 0.75-0.95x of the loop's speed there).
+  (measured there: slower than the ``grouped_mm`` form everywhere but at 4 copies per expert, where they tie).
 * ``"loop"``: one pair of matmuls per expert over ``x.split(counts)`` with the weights ``unbind``-ed once: chosen on
   CPU where ``grouped_mm`` does not run (float64, widths not a multiple of 16 bytes), the documented fallback for
   skewed routings, and the reference the other two are tested against.
 
-Measured on this 2-core CPU (shared), ``python recipes/benchmark.py --only moe`` (one MoE block, width 128, expert
-width 256, top-2, fp32, one thread, forward + backward, the forms in turns in one run; ``docs/context-expert.md``):
-at 64 experts the CPU ``grouped_mm`` form takes the loop's time divided by 1.9 at 4 routed copies per expert, 1.5 at
-16, 1.3 at 64, 1.0-1.1 at 128-256 (where the matmuls' arithmetic, the same in both, dominates); against the loop as
-``GroupedExperts`` ran it before (``w1[e]`` per expert) 2.5-20x. Issue 49's aim, 2x over the loop at 64 experts, is
-not reached on this CPU.
+Measured on this 2-core CPU (shared with other jobs), ``python recipes/benchmark.py --only moe`` (one MoE block, width
+128, expert width 256, top-2, fp32, one thread, forward + backward, the forms in turns in one run; two runs; tables in
+``docs/context-expert.md``): at 64 experts the loop takes 1.75-1.90x the CPU ``grouped_mm`` form's time at 4 routed
+copies per expert, 1.5-1.6x at 16, 1.25-1.34x at 64, 1.04-1.21x at 128 and 1.10-1.14x at 256 (where the matmuls'
+arithmetic, the same in both, dominates); the loop as ``GroupedExperts`` ran it before (``w1[e]`` per expert) 4-18x.
+Issue 49's aim, 2x over the loop at 64 experts, is not reached on this CPU.
 
 All three give the same result up to float rounding (tested at rel <= 1e-5 in fp32 against the loop, forward and
 gradients, ``tests/unit/test_moe_grouped.py``; the CPU ``grouped_mm`` runs each group's product as the same ``mm`` as
@@ -127,9 +127,9 @@ def choose_form(x: Tensor, weights: Sequence[Tensor], rows: Sequence[int] | None
         return "bmm"
     if x.device.type == "cpu":
         # grouped_mm does not run here (float64, unaligned widths). Measured on the 2-core CPU (`python
-        # recipes/benchmark.py --only moe`, fp32, one thread): the loop over unbind-ed weights takes 0.75-0.95x the
-        # padded bmm's time at 8-256 experts, and it keeps transformers' own per-expert arithmetic (a routing near a
-        # tie then chooses as in one process).
+        # recipes/benchmark.py --only moe`, fp32, one thread): the loop over unbind-ed weights takes 0.7-0.85x the
+        # padded bmm's time at 32-1,024 copies per expert (the bmm wins only at fewer), and it keeps transformers'
+        # own per-expert arithmetic (a routing near a tie then chooses as in one process).
         return "loop"
     if rows is None or not rows:
         return "bmm"

@@ -26,9 +26,9 @@ over the ranks holding other tokens so that every replica keeps the same bias. W
 is computed (logged) but not added.
 
 The experts run in one of the forms of :func:`~lightning_par.expert_parallel.grouped.expert_ffn` (``torch._grouped_mm``
-on CUDA bf16, a padded ``bmm`` elsewhere, the per-expert loop as a fallback). Tokens are permuted by a stable sort on
-the expert index (no loop over experts); the only host read of a layer is the experts' segment sizes (none with
-``grouped_mm``; under ep the dispatch's split sizes, handed on to the experts).
+on CUDA bf16 and on CPU, a padded ``bmm`` on other accelerators, the per-expert loop as a fallback). Tokens are
+permuted by a stable sort on the expert index (no loop over experts); the only host read of a layer is the experts'
+segment sizes (none with ``grouped_mm``; under ep the dispatch's split sizes, handed on to the experts).
 
 Under context parallelism the per-sequence sums are summed over the cp ranks
 (:func:`~lightning_par.context_parallel.sequence.active_sequence_shard`). Both losses reach backward through

@@ -5,8 +5,8 @@ Models: the MoE GPT (blocks 1 and 3 of 4 with 4 experts, top-2 softmax, AdamW; `
 drops tokens) and a user's causal LM with its own top-1 router and experts (:class:`tests.user_models.MoELM`, SGD
 with momentum — a gradient summed instead of averaged over ep would move it twice as far — and AdamW). Layouts: ep2
 under every dp mode, ep4, ep2 x tp2, ep2 x pp2 (1F1B), ep2 x cp2 (dropless and capacity), HSDP 2x2 with ep2 (zero1, zero3), and
-dp2 x ep2 x tp2 x pp2 at world 8 (slow); tiny Hugging Face qwen3_moe and deepseek_v3 at zero3 x ep2 and ep2 x pp2,
-qwen3_moe at ep2 x tp2; the MoE GPT with DeepSeek-V3's bias balancing (``-bias``) at ep2, and tiny deepseek_v3 with
+dp2 x ep2 x tp2 x pp2 at world 8 (slow); tiny Hugging Face qwen3_moe and deepseek_v3 at ep2 (ddp), zero3 x ep2 and
+ep2 x pp2, qwen3_moe at ep2 x tp2; the MoE GPT with DeepSeek-V3's bias balancing (``-bias``) at ep2, and tiny deepseek_v3 with
 its own router bias (``e_score_correction_bias``) balanced at zero3 x ep2, every rank's bias that of one process, saved
 and loaded exactly. The ranks run the experts' grouped form (``torch._grouped_mm`` with lightning_par's CPU backward,
 what ``auto`` takes on CPU; ``-bmm``: the padded ``bmm``), the one-process reference the per-expert loop. Losses within
@@ -44,8 +44,8 @@ WORLD2 = {
     "ep2-ddp-moegpt-bias": _fit("ep2-ddp-moegpt-bias", "moegpt-bias", ep_size=2),
     "ep2-zero3-moegpt-bias": _fit("ep2-zero3-moegpt-bias", "moegpt-bias", ep_size=2, dp_mode="zero3"),
     # Hugging Face experts (the grouped form inside ContractExperts) under zero3 x ep2, against one process's loop
-    **{f"ep2-zero3-hf-moe-{arch}": _fit(f"ep2-zero3-hf-moe-{arch}", f"hf-moe-{arch}", ep_size=2, dp_mode="zero3")
-       for arch in ("qwen3_moe", "deepseek_v3")},
+    **{f"ep2-{mode}-hf-moe-{arch}": _fit(f"ep2-{mode}-hf-moe-{arch}", f"hf-moe-{arch}", ep_size=2, dp_mode=mode)
+       for mode in ("ddp", "zero3") for arch in ("qwen3_moe", "deepseek_v3")},
     # DeepSeek-V3's own router bias (e_score_correction_bias) balanced: every rank's bias that of one process
     "ep2-zero3-hf-moe-deepseek_v3-bias": _fit("ep2-zero3-hf-moe-deepseek_v3-bias", "hf-moe-deepseek_v3-bias",
                                               ep_size=2, dp_mode="zero3"),
