@@ -433,3 +433,27 @@ def test_hf_router_bias_balances_a_skewed_router_and_resumes_exactly(tmp_path):
     opt2.load_state_dict(state["opt"])
     _hf_train(resumed, range(100, 200), opt2)
     assert torch.equal(getattr(resumed.gate, BIAS_BUFFER), getattr(layer.gate, BIAS_BUFFER))
+
+
+def test_the_recipe_passes_moe_balance_to_a_hugging_face_model():
+    """``model=hf model.moe_balance=bias``: the schema holds the option and the recipe's model gets it."""
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from lightning_par.config.schema import register_configs
+
+    register_configs()
+    deepseek = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 1,
+                "topk_group": 1, "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16,
+                "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
+    overrides = ["model=hf", "model.model_type=deepseek_v3", "model.moe_balance=bias",
+                 "model.moe_bias_update_rate=0.01", *(f"+model.config.{k}={v}" for k, v in deepseek.items())]
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    module = instantiate(cfg.model)
+    experts = module.model.model.layers[1].mlp.experts
+    assert module.hparams.moe_balance == "bias" and experts.bias_update_rate == 0.01
+    assert experts.routed_load.shape == (4,)
