@@ -8,7 +8,8 @@ on its segment of tokens sorted by expert, in one of three forms chosen by one f
   backward with ``grouped_mm`` calls too (``dx = grouped_mm(dy, w^T)``, ``dw = grouped_mm(x^T, dy)`` with the offsets
   along the reduced dimension), so the whole step runs one autograd node per matrix instead of a few per expert;
   ATen's CPU kernel (``_grouped_mm_fallback``, ``aten/src/ATen/native/GroupedMMUtils.h``) loops over the groups in
-  C++. Every width must be a multiple of 16 bytes (the kernels refuse other strides). Chosen wherever it runs.
+  C++. Every width must be a multiple of 16 bytes (the kernels refuse other strides). Chosen wherever it runs, but
+  not on CPU inside ``torch.compile`` (its fake-tensor rule takes bf16 only there: the loop is traced instead).
 * ``"bmm"``: the tokens scattered into a zero-padded ``(experts, max tokens per expert, d)`` batch, two
   ``torch.bmm`` and a gather back. One host read of the counts per call (the padding size), none if the caller
   already has them (``host_counts``, as the ep dispatch does). Chosen on accelerators where ``grouped_mm`` does not
@@ -64,7 +65,9 @@ def _grouped_mm_runs(x: Tensor, weights: Sequence[Tensor]) -> bool:
     elif x.device.type == "cpu":
         if x.dtype not in _CPU_GROUPED_DTYPES or any(w.dtype != x.dtype for w in weights):
             return False
-        if not grouped_mm_runs_on_cpu():
+        # under torch.compile the fake-tensor rule of _grouped_mm (torch 2.13) takes bf16 only: the traced CPU
+        # forward in fp32 fails ("Expected inputs of BF16 type"), so a compiled graph keeps the loop
+        if torch.compiler.is_compiling() or not grouped_mm_runs_on_cpu():
             return False
     else:
         return False

@@ -457,3 +457,19 @@ def test_the_recipe_passes_moe_balance_to_a_hugging_face_model():
     experts = module.model.model.layers[1].mlp.experts
     assert module.hparams.moe_balance == "bias" and experts.bias_update_rate == 0.01
     assert experts.routed_load.shape == (4,)
+
+
+def test_a_compiled_moe_layer_on_cpu_traces_the_loop_and_matches_eager():
+    """torch 2.13's fake-tensor rule of ``_grouped_mm`` takes bf16 only, so under ``torch.compile`` the CPU fp32 layer
+    traces the loop: it compiles, and matches the eager ``grouped_mm`` form."""
+    torch.manual_seed(0)
+    layer = MoE(16, 32, 8, 2)
+    x = torch.randn(2, 8, 16)
+    want = layer(x)
+    want.sum().backward()
+    grad = layer.experts.w1.grad.clone()
+    layer.zero_grad()
+    torch._dynamo.reset()
+    got = torch.compile(layer, backend="aot_eager")(x)
+    got.sum().backward()
+    assert _rel(got, want) <= 1e-5 and _rel(layer.experts.w1.grad, grad) <= 1e-5
