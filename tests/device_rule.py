@@ -29,7 +29,11 @@ on a ``meta:fake`` group.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import traceback
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -38,7 +42,9 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["DeviceRule", "HostTensorInCollective", "is_host"]
+from lightning_par.profiling.host_syncs import SYNC_MESSAGE as _SYNC
+
+__all__ = ["DeviceRule", "HostReads", "HostTensorInCollective", "is_host", "rule_report"]
 
 _MARK = "_lp_built_on_host"
 _FACTORIES = _device_constructors()
@@ -116,6 +122,8 @@ class _Check(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace in _COLLECTIVE_NAMESPACES:
             self.rule.collectives += 1
+            if self.rule.watch:
+                self.rule._count_watched()
             bad = [t for t in tree_leaves((args, kwargs)) if is_host(t)]
             if bad:
                 where = _caller()
@@ -133,12 +141,31 @@ class _Check(TorchDispatchMode):
 class DeviceRule:
     """``with DeviceRule() as rule: ...``: every collective inside raises :class:`HostTensorInCollective` on a
     tensor built on the host (see the module docstring). ``rule.collectives`` counts the collectives checked,
-    ``rule.violations`` names the ones refused."""
+    ``rule.violations`` names the ones refused.
 
-    def __init__(self) -> None:
+    Args:
+        watch: package names (``"torchft"``): ``rule.watched[name]`` counts the collectives checked that a frame of
+            that package's files issued (a wrapper library's own collectives, e.g. torchft's ``Manager.allreduce``
+            through its ``ProcessGroupGloo``, which reaches the dispatcher as ``c10d.allreduce_``).
+    """
+
+    def __init__(self, watch: tuple[str, ...] = ()) -> None:
         self.collectives = 0
         self.violations: list[str] = []
+        self.watch = tuple(watch)
+        self.watched: dict[str, int] = dict.fromkeys(self.watch, 0)
         self._modes: list[Any] = []
+
+    def _count_watched(self) -> None:
+        frame = sys._getframe(2)
+        seen: set[str] = set()
+        while frame is not None:
+            path = frame.f_code.co_filename
+            for name in self.watch:
+                if name not in seen and f"/{name}/" in path:
+                    seen.add(name)
+                    self.watched[name] += 1
+            frame = frame.f_back
 
     def __enter__(self) -> DeviceRule:
         self._modes = [_Track(), _Check(self)]
@@ -150,3 +177,59 @@ class DeviceRule:
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
         self._modes = []
+
+
+@contextlib.contextmanager
+def rule_report(step: dict[str, Any], report: dict[str, Any]) -> Iterator[None]:
+    """The ``wrap`` of :func:`tests.p3d_helpers.plan_worker`: the step runs under a :class:`DeviceRule` watching
+    ``step.get("watch", ())``; its exception is caught and written into ``report`` (``"error"``, a string, else
+    ``None``), with ``"collectives"``, ``"watched"`` and ``"violations"``, so that one refused case does not stop the
+    plan (every rank refuses the same collective, so none waits on the others)."""
+    rule = DeviceRule(watch=tuple(step.get("watch", ())))
+    report["error"] = None
+    try:
+        with rule:
+            yield
+    except Exception as err:  # noqa: BLE001 - reported by the case's test
+        report["error"] = f"{type(err).__name__}: {err}"[:2000]
+    finally:
+        report.update(collectives=rule.collectives, watched=dict(rule.watched), violations=list(rule.violations))
+
+
+_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__,
+          torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu}
+_UPLOADS = {torch.tensor, torch.as_tensor}
+
+
+class HostReads(_Track):
+    """A CPU stand-in for CUDA's sync debug mode: while active, every read to the host of a tensor that would live on
+    the GPU (not :func:`is_host`: ``.item()``, ``float(t)``, ``bool(t)``, ``.tolist()``, ``.cpu()``, ...) and every
+    upload of Python data to a device (``torch.tensor(data, device=...)``) warns with
+    :data:`lightning_par.profiling.host_syncs.SYNC_MESSAGE`, as torch does on CUDA under
+    ``set_sync_debug_mode("warn")``; the recording and counting of the GPU test then apply unchanged on gloo.
+
+    It sees what goes through torch's Python API: a synchronisation inside a C++ kernel (``torch.bincount`` or a
+    boolean mask on CUDA, a blocking copy made by ``.to(device)`` of a host tensor) shows on a GPU only, and a read of
+    a tensor that is on the CPU on a GPU machine too but was not built by a factory here (a loaded batch before it is
+    moved) counts where it would not."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _READS and args and isinstance(args[0], torch.Tensor) and not is_host(args[0]):
+            warnings.warn(f"{_SYNC} (CPU stand-in: {func.__name__} of a tensor on the device)", stacklevel=2)
+        elif func in _UPLOADS and _on_device(kwargs.get("device")) and not any(
+                isinstance(t, torch.Tensor) for t in tree_leaves(args)):
+            warnings.warn(f"{_SYNC} (CPU stand-in: {func.__name__} of host data to a device)", stacklevel=2)
+        out = super().__torch_function__(func, types, args, kwargs)
+        if isinstance(kwargs.get("device"), str) and not _on_device(kwargs["device"]):
+            for t in tree_leaves(out):  # device="cpu" given: on the host on a GPU machine too (an optimizer's step)
+                if isinstance(t, torch.Tensor):
+                    _mark(t, True)
+        return out
+
+
+def _on_device(device: Any) -> bool:
+    """Whether a ``device=`` argument names the accelerator on a GPU machine: given, and not ``"cpu"`` by name (on
+    this CPU machine the strategy's root device is the CPU too, passed as ``torch.device("cpu")`` or ``"cpu"``; only
+    a literal ``"cpu"`` string in the code is taken as the host, as it stays the host on a GPU machine)."""
+    return device is not None and not (isinstance(device, str) and device == "cpu")

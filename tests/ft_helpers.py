@@ -191,9 +191,37 @@ def progress(dir: str | Path, group: int, rank: int = 0) -> list[dict[str, Any]]
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
+def group_plan(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """``cfg["plan"]`` (steps of :func:`tests.p3d_helpers.run_step`) for replica group ``cfg["group"]``: each step's
+    strategy options gain this group's ``fault_tolerance`` (the lighthouse of ``cfg``, ``cfg["groups"]`` groups, all
+    of them needed for a quorum), and ``{group}`` in its ``save``/``resume`` paths becomes the group's index (each
+    group writes and resumes its own checkpoint)."""
+    g = cfg["group"]
+    ft = dict(enabled=True, lighthouse=cfg["lighthouse"], replica_group_id=g, num_replica_groups=cfg["groups"],
+              min_replicas=cfg.get("min_replicas", cfg["groups"]), step_timeout_s=cfg.get("step_timeout_s", 20.0),
+              quorum_timeout_s=cfg.get("quorum_timeout_s", 60.0))
+    plan = []
+    for step in cfg["plan"]:
+        step = {**step, "options": {**step["options"], "fault_tolerance": ft}}
+        for key in ("save", "resume"):
+            if step.get(key):
+                step[key] = step[key].format(group=g)
+        plan.append(step)
+    return plan
+
+
 def main(path: str) -> None:
     cfg = json.loads(Path(path).read_text())
-    results = run_distributed(ft_worker, cfg["world"], (cfg,), timeout_s=cfg.get("timeout_s", 240.0))
+    if "plan" in cfg:  # steps of tests.p3d_helpers (the tiny GPT on tokens), optionally under tests.device_rule
+        from tests.device_rule import rule_report
+        from tests.p3d_helpers import plan_worker, token_data
+
+        micro = cfg["plan"][0]["micro_batch"]
+        args = (group_plan(cfg), token_data(micro * cfg["world"] * 2), token_data(micro * cfg["world"], seed=1),
+                rule_report if cfg.get("device_rule") else None)
+        results = run_distributed(plan_worker, cfg["world"], args, timeout_s=cfg.get("timeout_s", 240.0))
+    else:
+        results = run_distributed(ft_worker, cfg["world"], (cfg,), timeout_s=cfg.get("timeout_s", 240.0))
     torch.save(results, Path(cfg["dir"]) / f"result_g{cfg['group']}.pt")
 
 

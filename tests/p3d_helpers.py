@@ -17,6 +17,8 @@ A *step* of the worker's plan is a picklable dict with ``"kind"``:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -212,15 +214,28 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
     return out
 
 
-def plan_worker(plan: list[dict[str, Any]], train: Dataset, val: Dataset) -> list[dict[str, Any]]:
-    """Body of one rank: every step of ``plan`` in order, in one process group."""
+def plan_worker(plan: list[dict[str, Any]], train: Dataset, val: Dataset,
+                wrap: Callable[[dict[str, Any], dict[str, Any]], AbstractContextManager[Any]] | None = None,
+                ) -> list[dict[str, Any]]:
+    """Body of one rank: every step of ``plan`` in order, in one process group.
+
+    ``wrap(step, report)``, when given (a module-level function: it travels to the ranks by pickling), is the context
+    each step runs in; the step's result is merged into ``report`` (``{"name": ...}`` at first), which is the step's
+    entry in the returned list. A ``wrap`` that suppresses the step's exception (and writes it into ``report``) lets
+    the plan go on to its next step (:func:`tests.device_rule.rule_report`)."""
     env = dict(os.environ)
     torch.set_num_threads(1)
     results = []
     for step in plan:
         os.environ.clear()
         os.environ.update(env)  # Lightning's teardown removes WORLD_SIZE and friends after each fit
-        results.append(run_step(step, train, val))
+        if wrap is None:
+            results.append(run_step(step, train, val))
+            continue
+        report: dict[str, Any] = {"name": step["name"]}
+        with wrap(step, report):
+            report.update(run_step(step, train, val))
+        results.append(report)
     return results
 
 

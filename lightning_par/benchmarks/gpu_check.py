@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["LAYOUTS", "LLAMA_1B", "LLAMA_TINY", "MOE_GPU", "ROWS", "RowResult", "compile_blocks", "flops_per_token",
-           "main", "markdown", "measure_row", "moe_table", "run_layouts"]
+           "main", "markdown", "measure_row", "moe_table", "run_layouts", "sync_worker"]
 
 #: ~1B Llama shape (Llama 3.2 1B's layers with a 32000-token vocabulary and an untied head): 1.10e9 parameters.
 LLAMA_1B: dict[str, Any] = dict(
@@ -259,9 +259,11 @@ LAYOUTS: dict[str, tuple[int, str, str, dict[str, Any]]] = {
 }
 
 
-def _layout_worker(name: str, accelerator: str, backend: str, steps: int) -> dict[str, Any]:
+def _layout_worker(name: str, accelerator: str, backend: str, steps: int, count_syncs: bool = False) -> dict[str, Any]:
     """One rank of one layout: every rank a node of one device (``devices=1``, ``num_nodes=world``), so that two
-    ranks share the one GPU."""
+    ranks share the one GPU. With ``count_syncs``, the last step runs under
+    :class:`~lightning_par.profiling.host_syncs.SyncRecorder` (CUDA's sync debug mode ``"warn"`` on a GPU) and the
+    result holds ``"syncs"``: its synchronisations by site (:func:`~lightning_par.profiling.host_syncs.count_syncs`)."""
     import lightning as L
     import torch
     from lightning.pytorch.strategies import StrategyRegistry
@@ -285,17 +287,112 @@ def _layout_worker(name: str, accelerator: str, backend: str, steps: int) -> dic
     tokens = torch.randint(0, config.vocab_size, (8 * dims.dp_size * steps, config.block_size + 1), generator=g)
     data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
     sampler = DistributedSampler(data, num_replicas=dims.dp_size, rank=dims.coordinates(rank)["dp"], shuffle=False)
+    recorder = _LastStepSyncs(steps, cuda=accelerator == "cuda") if count_syncs else None
     trainer = L.Trainer(
         accelerator=accelerator, devices=1, num_nodes=world, strategy=strategy, max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=0, use_distributed_sampler=False,
+        limit_val_batches=0, use_distributed_sampler=False, callbacks=[recorder] if recorder is not None else None,
     )
     start = time.perf_counter()
     trainer.fit(module, DataLoader(data, batch_size=8, sampler=sampler, drop_last=True))
     loss = trainer.callback_metrics.get("train_loss")
-    return {"loss": float(loss) if loss is not None else float("nan"), "seconds": time.perf_counter() - start,
-            "device": str(strategy.root_device), "backend": str(dist_backend()),
-            "gpu": torch.cuda.get_device_name(0) if accelerator == "cuda" else "CPU"}
+    out = {"loss": float(loss) if loss is not None else float("nan"), "seconds": time.perf_counter() - start,
+           "device": str(strategy.root_device), "backend": str(dist_backend()),
+           "gpu": torch.cuda.get_device_name(0) if accelerator == "cuda" else "CPU"}
+    if recorder is not None:
+        from lightning_par.profiling.host_syncs import count_syncs as count
+
+        if recorder.events is None:
+            raise RuntimeError(f"{name}: the last step ({steps}) never ran, so no synchronisation was counted")
+        out["syncs"] = dict(count(recorder.events))
+    return out
+
+
+class _LastStepSyncs:
+    """A Lightning callback: the last training step (batch start to batch end, the optimizer step included) under a
+    :class:`~lightning_par.profiling.host_syncs.SyncRecorder`; ``events`` its warnings (``None`` until it ran)."""
+
+    def __new__(cls, steps: int, cuda: bool) -> Any:
+        import lightning as L
+
+        from lightning_par.profiling.host_syncs import SyncRecorder
+
+        class LastStepSyncs(L.Callback):
+            def __init__(self) -> None:
+                self.events: list[Any] | None = None
+                self._rec: SyncRecorder | None = None
+
+            def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+                if trainer.global_step == steps - 1:
+                    self._rec = SyncRecorder(cuda=cuda).__enter__()
+
+            def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+                if self._rec is not None:
+                    self._rec.__exit__(None, None, None)
+                    self.events, self._rec = self._rec.events, None
+
+        return LastStepSyncs()
+
+
+def sync_worker(names: list[str], accelerator: str, backend: str, steps: int = 2) -> list[dict[str, Any]]:
+    """One rank of the host-sync count (``tests/gpu/test_host_syncs.py``): each layout of ``names`` (all of one world
+    size) in turn in this process group, its last step's synchronisations counted (``_layout_worker(...,
+    count_syncs=True)``); a layout's exception is returned as its ``"error"``, and the next layout runs."""
+    env = dict(os.environ)
+    results = []
+    for name in names:
+        os.environ.clear()
+        os.environ.update(env)  # Lightning's teardown removes WORLD_SIZE and friends after each fit
+        try:
+            out = _layout_worker(name, accelerator, backend, steps, count_syncs=True)
+            results.append({"name": name, "error": None, "syncs": out["syncs"], "device": out["device"],
+                            "backend": out["backend"], "gpu": out["gpu"]})
+        except Exception as err:  # noqa: BLE001 - the test reports it, by layout
+            results.append({"name": name, "error": f"{type(err).__name__}: {err}"[:1500], "syncs": {}})
+    return results
+
+
+def measure_syncs(dry_run: bool = False, timeout_s_per_layout: float = 15.0) -> dict[str, list[dict[str, Any]]]:
+    """Every layout of :data:`LAYOUTS` for two steps, the second's synchronisations counted by site on every rank
+    (:func:`sync_worker`): one spawned launch per world size on the one GPU under ``cuda:gloo`` (the CPU under gloo
+    with ``dry_run``, where nothing is counted: it checks the path). Returns ``{layout: [result of rank 0, ...]}``."""
+    from lightning_par.launcher import run_distributed
+
+    accelerator, backend = ("cpu", "gloo") if dry_run else ("cuda", "cuda:gloo")
+    out: dict[str, list[dict[str, Any]]] = {}
+    for world in sorted({layout[0] for layout in LAYOUTS.values()}):
+        names = [n for n, layout in LAYOUTS.items() if layout[0] == world]
+        per_rank = run_distributed(sync_worker, world, (names, accelerator, backend, 2),
+                                   timeout_s=30 + timeout_s_per_layout * len(names),
+                                   start_method=None if dry_run else "spawn")
+        for i, name in enumerate(names):
+            out[name] = [per_rank[r][i] for r in range(world)]
+    return out
+
+
+def sync_table(measured: dict[str, list[dict[str, Any]]]) -> tuple[str, bool]:
+    """The Markdown table of :func:`measure_syncs` (per layout and rank: the package's synchronisations by site, the
+    others', and whether they are within ``docs/host-syncs.md``) and whether every row is."""
+    from lightning_par.profiling.host_syncs import check_counts, expected_syncs, step_facts
+
+    lines = ["| layout | rank | package syncs (site: count) | other | within docs/host-syncs.md |",
+             "|---|---|---|---|---|"]
+    ok = True
+    for name, results in measured.items():
+        for rank, res in enumerate(results):
+            if res["error"] is not None:
+                ok = False
+                cause = " ".join(res["error"].split())[:200].replace("|", "/")
+                lines.append(f"| {name} | {rank} | - | - | FAILED: {cause} |")
+                continue
+            syncs = dict(res["syncs"])
+            other = syncs.pop("other", 0)
+            problems = check_counts(syncs, expected_syncs(step_facts(LAYOUTS[name], rank)))
+            ok = ok and not problems
+            listed = "; ".join(f"{k} {v}" for k, v in sorted(syncs.items())) or "none"
+            verdict = "yes" if not problems else "NO: " + "; ".join(problems)
+            lines.append(f"| {name} | {rank} | {listed} | {other} | {verdict} |")
+    return "\n".join(lines), ok
 
 
 def dist_backend() -> str:
@@ -387,7 +484,9 @@ def _row_in_subprocess(row: str, json_path: Path, timeout_s: float) -> RowResult
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
         return RowResult(layout, mode, 0, 0.0, 0.0, None, None, float("nan"), error=f"exit {proc.returncode}: {last}")
-    return RowResult(**json.loads(json_path.read_text()))
+    result = RowResult(**json.loads(json_path.read_text()))
+    json_path.unlink()  # only the tables stay next to $OUT (the device tool brings back 8 files at most)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,10 +501,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", action="store_true",
                         help="the two-rank part: every layout with two ranks on the one GPU (CPU with --dry-run)")
     parser.add_argument("--layout-timeout-s", type=float, default=60.0, help="time limit of one layout's launch")
+    parser.add_argument("--host-syncs", action="store_true",
+                        help="count each layout's synchronisations in one step against docs/host-syncs.md")
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     settings = _settings(args.dry_run)
+    if args.host_syncs:
+        table, ok = sync_table(measure_syncs(args.dry_run))
+        where = "CPU (dry run: gloo; nothing is counted, the path is checked)" if args.dry_run else "cuda:0, cuda:gloo"
+        table = f"Synchronisations in one training step, every layout on {where}:\n\n{table}"
+        Path(args.out).write_text(table + "\n")
+        print(table)
+        return 0 if ok else 1
     if args.layouts:
         table = run_layouts(args.dry_run, timeout_s=args.layout_timeout_s)
         Path(args.out).write_text(table + "\n")

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_par.memory import StepMemoryTracker, model_state_bytes, model_state_tensors, peak_memory_bytes
 
-__all__ = ["ParallelMetricsCallback", "log_comm_stats", "parallel_sizes", "persistent_comm_buffers"]
+__all__ = ["ParallelMetricsCallback", "log_comm_stats", "log_host_number", "parallel_sizes", "persistent_comm_buffers"]
 
 #: optimizer steps during which the model-state bytes are measured (see ``on_before_optimizer_step``).
 _STATE_MEASURE_STEPS = 3
@@ -367,6 +367,23 @@ def persistent_comm_buffers(strategy: Any) -> list[torch.Tensor]:
     return out
 
 
+def log_host_number(pl_module: L.LightningModule, name: str, value: float, **kwargs: Any) -> None:
+    """``pl_module.log(name, value, **kwargs)`` for a number computed on the host, without an upload to the device.
+
+    Lightning 2.6's ``self.log`` turns a Python number into ``torch.tensor(value, device=self.device)``: on a GPU a
+    blocking host-to-device copy, one synchronisation per logged number per step. A tensor keeps its device (the
+    logged metric's state moves to it), so the number goes in as a 0-dim float32 CPU tensor and stays on the host
+    (``docs/host-syncs.md``).
+
+    Args:
+        pl_module: the LightningModule.
+        name: the metric's name.
+        value: the number.
+        kwargs: ``self.log``'s other arguments (``on_step``, ``prog_bar``, ...).
+    """
+    pl_module.log(name, torch.tensor(float(value), dtype=torch.float32), **kwargs)
+
+
 def log_comm_stats(
     pl_module: L.LightningModule | None, stats: Any, name: str = "comm_exposed_ms", prog_bar: bool = False
 ) -> None:
@@ -392,4 +409,5 @@ def log_comm_stats(
     every = max(1, int(getattr(trainer, "log_every_n_steps", 1) or 1))
     if trainer.global_step % every:
         return
-    pl_module.log(name, stats.exposed_s * 1e3, on_step=True, on_epoch=False, prog_bar=prog_bar, batch_size=1)
+    log_host_number(pl_module, name, stats.exposed_s * 1e3, on_step=True, on_epoch=False, prog_bar=prog_bar,
+                    batch_size=1)

@@ -327,6 +327,43 @@ def _unreachable(address: str, timeout_s: float = 2.0) -> str | None:
         return repr(err)
 
 
+#: How many torchft managers this process has built (every rank of a replica group builds them in the same order: one
+#: per fit); names the store key of :func:`_clear_stale_manager_address`.
+_MANAGERS_BUILT = itertools.count()
+
+
+def _clear_stale_manager_address(group_rank: int, timeout: timedelta) -> None:
+    """Before a :class:`torchft.Manager` is built: drop the manager address a previous manager of this world left in
+    the world's store, and let the other ranks go on only once it is dropped.
+
+    torchft 0.2.0's ``Manager.__init__`` has group rank 0 ``set`` its manager server's address under the fixed key
+    ``manager_addr`` of the store at ``MASTER_ADDR:MASTER_PORT``, and every other rank ``get`` it. A second manager in
+    the same processes (a second ``fit``, e.g. a resume after a first fit, in one script) meets the first one's key:
+    rank 1 could read the address of the server rank 0 shut down at the end of the first fit before rank 0 wrote the
+    new one, and fail with ``failed to connect to http://...: Connection refused`` (seen in 3 of 4 tries of
+    ``tests/distributed/test_device_rule.py``'s fault-tolerant case). Rank 0 deletes the old keys and then sets a key
+    of this manager's generation; the others wait for that key, so their ``get`` blocks until rank 0's new manager
+    writes its address.
+    """
+    import os
+
+    from torch.distributed import TCPStore
+    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+    generation = next(_MANAGERS_BUILT)
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return  # torchft raises its own error for a world without a store
+    store = TCPStore(host_name=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]), is_master=False,
+                     wait_for_workers=False, timeout=timeout)
+    ready = f"lightning_par/ft_manager_generation_{generation}"
+    if group_rank == 0:
+        for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+            store.delete_key(key)
+        store.set(ready, "1")
+    else:
+        store.wait([ready])
+
+
 def check_lighthouse(address: str, timeout_s: float) -> None:
     """Refuse an unreachable lighthouse within ``timeout_s`` (a TCP connect; torchft's own client would retry).
 
@@ -525,6 +562,8 @@ class FaultTolerantReplicas:
         self._lighthouse = address
         timeout = timedelta(seconds=options.step_timeout_s)
         self.pg = ProcessGroupGloo(timeout=timeout)
+        store_timeout = timedelta(seconds=options.connect_timeout_s + options.quorum_timeout_s)
+        _clear_stale_manager_address(group_rank, store_timeout)
         with _torchft_servers_bound_to(host):
             transport = _bound_http_transport(host, timeout)
             self.manager = Manager(

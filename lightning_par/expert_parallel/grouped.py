@@ -40,12 +40,28 @@ from torch import Tensor
 
 from lightning_par.compat import grouped_mm, grouped_mm_runs_on_cpu
 
-__all__ = ["FORMS", "choose_form", "expert_ffn"]
+__all__ = ["FORMS", "choose_form", "expert_ffn", "sorted_counts"]
 
 #: The forms :func:`expert_ffn` computes in.
 FORMS: tuple[str, ...] = ("grouped_mm", "bmm", "loop")
 #: ``bmm`` pads to ``experts * max count`` rows; above this many times the tokens, ``loop`` is chosen instead.
 MAX_PADDING = 4.0
+
+
+def sorted_counts(sorted_ids: Tensor, num_experts: int) -> Tensor:
+    """Tokens per expert of expert indices sorted ascending: ``(num_experts,)`` int64 on ``sorted_ids``'s device.
+
+    ``torch.bincount(ids, minlength=E)`` gives the same, but on CUDA it reads ``ids.max()`` to the host to size its
+    output (a device synchronisation per MoE layer); two ``searchsorted`` over the sorted indices read nothing and are
+    deterministic.
+
+    Args:
+        sorted_ids: ``(n,)`` integer expert indices in ``[0, num_experts)``, sorted ascending.
+        num_experts: ``E``.
+    """
+    bounds = torch.arange(num_experts + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    edges = torch.searchsorted(sorted_ids, bounds)  # (E + 1,): where each expert's segment starts
+    return (edges[1:] - edges[:-1]).to(torch.int64)
 
 
 #: Dtypes ``torch._grouped_mm`` takes on CPU (torch 2.13: fp32, bf16, fp16; float64 is refused).

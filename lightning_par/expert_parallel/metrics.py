@@ -22,11 +22,9 @@ def _layers(network: nn.Module) -> list[tuple[str, dict[str, Any]]]:
             if isinstance(getattr(m, "last_stats", None), dict) and "tokens_per_expert" in m.last_stats]
 
 
-def _imbalance(counts: torch.Tensor) -> float:
+def _imbalance(mean: float, most: float) -> float:
     """max / mean tokens per expert (1.0: balanced; 0.0: no tokens)."""
-    counts = counts.float()
-    mean = float(counts.mean())
-    return float(counts.max()) / mean if mean > 0 else 0.0
+    return most / mean if mean > 0 else 0.0
 
 
 def moe_step_metrics(network: nn.Module) -> dict[str, float]:
@@ -36,17 +34,28 @@ def moe_step_metrics(network: nn.Module) -> dict[str, float]:
     * ``moe_load_imbalance/<layer path>``: the same for each layer (``moe_load_imbalance/blocks.1.mlp``);
     * ``moe_dropped_tokens``: routed copies dropped over capacity, summed over layers;
     * ``moe_aux_loss`` / ``moe_z_loss``: the layers' mean load-balancing and z-loss (unweighted).
+
+    One read to the host per call (one step), whatever the number of layers: every layer's five numbers are stacked on
+    the device and read in one ``.tolist()`` (``docs/host-syncs.md``).
     """
     stats = _layers(network)
     if not stats:
         return {}
-    per_layer = {f"moe_load_imbalance/{name}": _imbalance(s["tokens_per_expert"]) for name, s in stats}
+    device = stats[0][1]["tokens_per_expert"].device
+    rows = []
+    for _, s in stats:
+        counts = s["tokens_per_expert"].float()
+        rows.append(torch.stack([counts.mean(), counts.max(),
+                                 *(torch.as_tensor(s[k], device=device).float().reshape(())
+                                   for k in ("dropped", "aux_loss", "z_loss"))]))
+    host = torch.stack(rows).tolist()  # (layers, 5): the step's one host read
+    per_layer = {f"moe_load_imbalance/{name}": _imbalance(row[0], row[1]) for (name, _), row in zip(stats, host)}
     return {
         "moe_load_imbalance": max(per_layer.values()),
         **per_layer,
-        "moe_dropped_tokens": float(sum(float(s["dropped"]) for _, s in stats)),
-        "moe_aux_loss": float(sum(float(s["aux_loss"]) for _, s in stats) / len(stats)),
-        "moe_z_loss": float(sum(float(s["z_loss"]) for _, s in stats) / len(stats)),
+        "moe_dropped_tokens": float(sum(row[2] for row in host)),
+        "moe_aux_loss": float(sum(row[3] for row in host) / len(stats)),
+        "moe_z_loss": float(sum(row[4] for row in host) / len(stats)),
     }
 
 

@@ -340,7 +340,7 @@ class MeshStrategy(ParallelStrategy):
             parallel.engine.reduce_now()
             self._grads_pending = True
         # the replica's token mean (the schedule weighs its micro-batches by their counted tokens) -> the global one
-        return self._global_mean(loss, contract.batch_counted_tokens(module, prepared))
+        return self._global_mean(loss, contract.batch_counted_tokens_tensor(module, prepared, self.root_device))
 
     def _step(self, batch: Any, loss_scale: float, loss_fn: Any) -> Tensor:
         """:meth:`train_step` without a pipeline: the batch through every axis's batch transform (cp: this rank's
@@ -390,25 +390,35 @@ class MeshStrategy(ParallelStrategy):
         finally:
             self._in_step = False
             aux_loss.set_aux_loss_scale(previous_scale)
-        return self._global_mean(own[-1] if own else loss, contract.batch_counted_tokens(module, prepared))
+        return self._global_mean(own[-1] if own else loss,
+                                 contract.batch_counted_tokens_tensor(module, prepared, self.root_device))
 
-    def _global_mean(self, local: Tensor, tokens: float) -> Tensor:
+    def _global_mean(self, local: Tensor, tokens: Tensor) -> Tensor:
         """``sum_r(L_r n_r) / sum_r(n_r)`` over the ranks holding other tokens of the global batch (the derived mesh
         ``dp_cp``; the tp and pp ranks of a replica hold the same): the global batch's token mean, on every rank.
-        Collective over that mesh when it has more than one rank."""
+        Collective over that mesh when it has more than one rank: one all-reduce of two numbers on the root device;
+        ``tokens`` (this rank's counted tokens, a 0-dim tensor on the root device, from
+        :func:`~lightning_par.contract.batch_counted_tokens_tensor`) and the result are never read to the host
+        (``docs/host-syncs.md``); 0 where no rank counted a token."""
         assert self.parallel is not None
         value = local.detach().float().reshape(())
         mesh = self.parallel.dims.get_mesh("dp_cp")
         if mesh.size() == 1:
             return value
-        both = torch.stack([value * tokens if tokens > 0 else torch.zeros_like(value), value.new_tensor(tokens)])
-        both = both.to(torch.float64)
+        n = tokens.detach().to(device=value.device, dtype=value.dtype).reshape(())
+        # a rank that counted no token contributes 0 (its own mean is 0/0, NaN); the products in float32, the sums
+        # in float64, as before the count stayed on the device
+        both = torch.stack([torch.where(n > 0, value * n, torch.zeros_like(value)), n]).to(torch.float64)
         dist.all_reduce(both, group=mesh.get_group())
-        return (both[0] / both[1]).float() if float(both[1]) > 0 else torch.zeros_like(value)
+        return torch.where(both[1] > 0, both[0] / both[1], torch.zeros_like(both[1])).float()
 
     def token_mean(self, loss_sum: Tensor, tokens: Tensor | float) -> Tensor:
         """``loss_sum * dp_size / N`` where ``N`` is ``tokens`` summed over the dp ranks (see
-        :func:`lightning_par.fabric.token_mean_loss`). Collective over the dp group when ``dp_size > 1``."""
+        :func:`lightning_par.fabric.token_mean_loss`); ``loss_sum * 0`` (NaN taken as 0) where no dp rank counted a
+        token. Collective over the dp group when ``dp_size > 1`` (one all-reduce of one number on the root device);
+        the count stays a tensor on the root device and is never read to the host (``docs/host-syncs.md``)."""
+        from lightning_par.data_parallel.token_mean import _like
+
         parallel = self.parallel
         if parallel is None:
             raise RuntimeError("token_mean_loss before fabric.setup(model, ...): set up the model first.")
@@ -422,10 +432,11 @@ class MeshStrategy(ParallelStrategy):
         count = torch.as_tensor(tokens, dtype=torch.float64, device=self.root_device).detach().reshape(()).clone()
         if dims.dp_size > 1:
             dist.all_reduce(count, group=dims.group("dp"))
-        total = float(count)
-        if total <= 0:  # nothing counted anywhere: a zero loss, and a zero gradient
-            return loss_sum.nan_to_num(0.0) * 0.0
-        return loss_sum * (dims.dp_size / total)
+        counted = count > 0
+        # dp_size / N in float64 (as a Python float was), then in the loss's dtype; 0 where nothing was counted
+        scale = torch.where(counted, dims.dp_size / count, torch.zeros_like(count)).to(loss_sum.dtype)
+        scale, counted = _like(scale, loss_sum), _like(counted, loss_sum)
+        return torch.where(counted, loss_sum * scale, loss_sum.nan_to_num(0.0) * 0.0)
 
     def _refuse_split_forward(self, module: nn.Module, args: Any) -> None:
         """Forward pre-hook under cp: a training forward outside :meth:`train_step` would not split the sequence."""

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_par.expert_parallel.balance import update_selection_biases
-from lightning_par.expert_parallel.grouped import expert_ffn
+from lightning_par.expert_parallel.grouped import expert_ffn, sorted_counts
 
 __all__ = ["BIAS_BUFFER", "ContractExperts", "balance_by_bias", "expert_modules", "update_hf_expert_bias"]
 
@@ -101,7 +101,7 @@ class ContractExperts(nn.Module):
         top_k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)  # (T * k,)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+        counts = sorted_counts(flat[order], self.gate_up_proj.shape[0])  # no host read (bincount's on CUDA)
         load = getattr(self, "routed_load", None)
         if load is not None and self.training:  # this rank's routed copies, for the bias update (balance_by_bias)
             with torch.no_grad():

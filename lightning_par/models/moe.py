@@ -50,7 +50,7 @@ from torch.distributed.tensor import DTensor
 from lightning_par.aux_loss import attach_aux_loss
 from lightning_par.context_parallel.sequence import active_sequence_shard
 from lightning_par.expert_parallel.balance import update_selection_biases
-from lightning_par.expert_parallel.grouped import FORMS, expert_ffn
+from lightning_par.expert_parallel.grouped import FORMS, expert_ffn, sorted_counts
 
 __all__ = ["BALANCES", "GATINGS", "GroupedExperts", "MoE", "Router", "update_expert_bias"]
 
@@ -260,7 +260,7 @@ class MoE(nn.Module):
             token, expert, weight = token[kept], expert[kept], weight[kept]
         order = torch.argsort(expert, stable=True)
         token, weight = token[order], weight[order]
-        per_expert = torch.bincount(expert, minlength=self.num_experts)
+        per_expert = sorted_counts(expert[order], self.num_experts)  # no host read (bincount's on CUDA)
         out = self.experts(flat_x[token], per_expert)
         y = torch.zeros_like(flat_x).index_add_(0, token, out * weight.unsqueeze(-1).to(out.dtype))
         y = y.reshape(batch, seq, dim)

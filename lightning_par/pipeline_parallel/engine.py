@@ -339,7 +339,9 @@ class PipelineEngine:
         try:
             with self.step_context():
                 args = inputs if self.has_first_stage else ()
-                target = torch.arange(m, device=self.device) if self.has_last_stage else None
+                # the micro-batch indices stay on the host: their one use is int() in _microbatch_loss (on the device
+                # that read was a synchronisation per micro-batch), and torch's schedule only splits them
+                target = torch.arange(m, device="cpu") if self.has_last_stage else None
                 schedule.step(*args, target=target, losses=[], return_outputs=False)
         finally:
             self.history.append(self._timer.finish())

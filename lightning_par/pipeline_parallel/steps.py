@@ -129,7 +129,7 @@ class PipelinedSteps(StepHooks):
         pp_group = dims.group("pp")
         last = dist.get_global_rank(pp_group, parallel.options.pipeline.last_stage_rank(dims.pp_size))
         if capture is not None:
-            capture.weights = pipeline.log_weights.tolist()  # host read: only when training_step logs
+            capture.weights = pipeline.log_weights  # read to the host with the logged values, once (capture.share)
         records = (capture or TrainingStepCapture(module, None, attr, call, [], [])).share(
             last, pp_group, pipeline.has_last_stage)
 
@@ -144,8 +144,11 @@ class PipelinedSteps(StepHooks):
         window = max(s[0] for s in stages)
         if parallel.options.pipeline.measure_bubble and window > 0:
             measured = sum(1.0 - s[1] / window for s in stages) / len(stages)
-            module.log("parallel/pp_bubble", measured, on_step=True, on_epoch=False, prog_bar=host.prog_bar)
-            module.log("parallel/pp_bubble_formula", self.bubble_formula(), on_step=True, on_epoch=False)
+            from lightning_par.callbacks.metrics import log_host_number
+
+            log_host_number(module, "parallel/pp_bubble", measured, on_step=True, on_epoch=False,
+                            prog_bar=host.prog_bar)
+            log_host_number(module, "parallel/pp_bubble_formula", self.bubble_formula(), on_step=True, on_epoch=False)
         return loss
 
     def _share_step(self, loss: Tensor | None, device: torch.device) -> Tensor:

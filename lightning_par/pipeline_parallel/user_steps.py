@@ -161,9 +161,11 @@ class TrainingStepCapture:
                  micro_batches: list[Any], first_inputs: list[Tensor]) -> None:
         self.module, self.network, self.attr, self.call = module, network, attr, call
         self.micro_batches, self.first_inputs = micro_batches, first_inputs
-        self.values: dict[str, list[tuple[int, float]]] = {}
-        #: the micro-batches' weights in the logged means (the pipeline's logging weights; 1 each when unset)
-        self.weights: list[float] = []
+        #: each logged name's ``(micro-batch, value)``: a 0-dim tensor (read in :meth:`share`) or a number
+        self.values: dict[str, list[tuple[int, Any]]] = {}
+        #: the micro-batches' weights in the logged means (the pipeline's logging weights, a tensor until
+        #: :meth:`share` reads it with the logged values; 1 each when unset)
+        self.weights: list[float] | Tensor = []
         self.calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
         self.error: BaseException | None = None
 
@@ -175,8 +177,8 @@ class TrainingStepCapture:
         module, owner = self.module, type(self.module).__name__
 
         def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-            if isinstance(value, Tensor) and value.numel() == 1:
-                value = float(value.detach().to_local() if isinstance(value, DTensor) else value.detach())
+            if isinstance(value, Tensor) and value.numel() == 1:  # kept on its device: share() reads them all at once
+                value = (value.detach().to_local() if isinstance(value, DTensor) else value.detach()).reshape(())
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 value = float(value)
             else:
@@ -209,6 +211,22 @@ class TrainingStepCapture:
             del module.log, module.all_gather
             module.__dict__.update(own)
 
+    def _read_to_host(self) -> None:
+        """The logging weights and every logged tensor value as Python floats, in one read to the host per step (a
+        read per value and micro-batch before: each a synchronisation on a GPU)."""
+        tensors = [v for vals in self.values.values() for _, v in vals if isinstance(v, Tensor)]
+        weights = self.weights if isinstance(self.weights, Tensor) else None
+        parts = ([weights.detach().reshape(-1)] if weights is not None else []) + [t.reshape(1) for t in tensors]
+        if not parts:
+            return
+        device = parts[0].device
+        host = torch.cat([p.to(device, torch.float64) for p in parts]).tolist()  # the step's one read
+        if weights is not None:
+            self.weights, host = host[:weights.numel()], host[weights.numel():]
+        it = iter(host)
+        self.values = {name: [(i, next(it) if isinstance(v, Tensor) else v) for i, v in vals]
+                       for name, vals in self.values.items()}
+
     def _mean(self, values: list[tuple[int, float]]) -> float:
         weights = [self.weights[i] if i < len(self.weights) else 1.0 for i, _ in values]
         total = sum(weights)
@@ -227,6 +245,11 @@ class TrainingStepCapture:
 
         box: list[Any] = [None]
         if holds_last:
+            if self.error is None:
+                try:
+                    self._read_to_host()
+                except Exception as err:  # noqa: BLE001 - re-raised on every rank below
+                    self.error = err
             records = [(name, self._mean(v), *self.calls[name]) for name, v in self.values.items()]
             message = None if self.error is None else f"{type(self.error).__name__}: {self.error}"
             if message is None:
@@ -247,7 +270,10 @@ class TrainingStepCapture:
 
     @staticmethod
     def replay(module: Any, records: list[tuple[str, float, tuple, dict]], device: torch.device) -> set[str]:
-        """``module.log`` each record (a float64 scalar on ``device``); returns the names logged."""
+        """``module.log`` each record; returns the names logged. A value logged with ``sync_dist`` goes to a collective
+        and is put on ``device``; the others are logged as CPU tensors (Lightning keeps a tensor's device: no upload
+        per value and step, see :func:`~lightning_par.callbacks.metrics.log_host_number`)."""
         for name, value, args, kwargs in records:
-            module.log(name, torch.tensor(value, dtype=torch.float32, device=device), *args, **kwargs)
+            where = device if kwargs.get("sync_dist") else None
+            module.log(name, torch.tensor(value, dtype=torch.float32, device=where), *args, **kwargs)
         return {name for name, *_ in records}

@@ -50,7 +50,7 @@ from lightning_par.data_parallel.fault_tolerance import (
     check_train_data,
     move_train_data,
 )
-from lightning_par.callbacks.metrics import log_comm_stats
+from lightning_par.callbacks.metrics import log_comm_stats, log_host_number
 from lightning_par.callbacks.model_summary import install as install_model_summary
 from lightning_par.fault.elastic import init_process_group_per_attempt
 from lightning_par.fault.orphan import guard_outside_launcher
@@ -566,7 +566,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
                         "call super().batch_to_device in an override of it."
                     )
             for name, value in self.ft.figures().items():
-                self.lightning_module.log(f"parallel/{name}", value, on_step=True, on_epoch=False)
+                log_host_number(self.lightning_module, f"parallel/{name}", value, on_step=True, on_epoch=False)
             if self._ft_batch_idx is not None:  # the step it rejoined in: the live group's index in the epoch
                 batch_idx, self._ft_batch_idx = self._ft_batch_idx, None
                 if rest:
@@ -577,7 +577,8 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
             self, lambda b: super(MeshStrategy, self).training_step(b, *rest, **kwargs), batch, batch_idx
         )
         for name, value in self.parallel.step_figures().items():
-            self.lightning_module.log(f"parallel/{name}", value, on_step=True, on_epoch=False, prog_bar=self.prog_bar)
+            log_host_number(self.lightning_module, f"parallel/{name}", value, on_step=True, on_epoch=False,
+                            prog_bar=self.prog_bar)
         return out
 
     @override

@@ -96,3 +96,37 @@ def _token_weight_on_meta() -> None:
 def test_the_token_weight_keeps_to_the_device_under_a_group_without_cpu_backend():
     status, _, output = in_a_forked_child(_token_weight_on_meta, timeout_s=60)
     assert status == 0, output
+
+
+def _fabric_token_means_on_meta() -> None:
+    import types
+
+    import torch.distributed as dist
+
+    from lightning_par.compat import fake_store
+    from lightning_par.fabric.strategy import MeshStrategy
+
+    dist.init_process_group("meta:fake", store=fake_store(), rank=0, world_size=4)
+    try:
+        group = dist.new_group([0, 1, 2, 3])
+        mesh = types.SimpleNamespace(size=lambda: 4, get_group=lambda: group)
+        dims = types.SimpleNamespace(dp_size=4, group=lambda name: group, get_mesh=lambda name: mesh)
+        # Fabric's strategy as token_mean and _global_mean see it: the dp group, the dp_cp mesh, the root device
+        host = types.SimpleNamespace(parallel=types.SimpleNamespace(dims=dims, _batch_transforms=[]),
+                                     root_device=torch.device("meta"))
+        loss_sum = torch.randn((), device="meta", requires_grad=True)
+        tokens = torch.ones((), device="meta")
+        loss = MeshStrategy.token_mean(host, loss_sum, tokens)  # float(count) on meta raised here before issue 45
+        assert loss.device.type == "meta" and loss.requires_grad
+        mean = MeshStrategy._global_mean(host, loss_sum, tokens)
+        assert mean.device.type == "meta" and mean.shape == ()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fabric_token_means_read_nothing_to_the_host():
+    """Fabric's ``token_mean_loss`` and ``train_step``'s global mean under a ``meta:fake`` group: the summed count stays
+    a device tensor (a read to the host, ``float(count)``, fails on ``meta``: "Tensor.item() cannot be called on meta
+    tensors", as it did before the count stayed on the device)."""
+    status, _, output = in_a_forked_child(_fabric_token_means_on_meta, timeout_s=60)
+    assert status == 0, output
