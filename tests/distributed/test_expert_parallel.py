@@ -7,8 +7,8 @@ with momentum — a gradient summed instead of averaged over ep would move it tw
 under every dp mode, ep4, ep2 x tp2, ep2 x pp2 (1F1B), ep2 x cp2 (dropless and capacity), HSDP 2x2 with ep2 (zero1, zero3), and
 dp2 x ep2 x tp2 x pp2 at world 8 (slow); tiny Hugging Face qwen3_moe and deepseek_v3 at ep2 (ddp), zero3 x ep2 and
 ep2 x pp2, qwen3_moe at ep2 x tp2; the MoE GPT with DeepSeek-V3's bias balancing (``-bias``) at ep2, and tiny deepseek_v3 with
-its own router bias (``e_score_correction_bias``) balanced at zero3 x ep2, every rank's bias that of one process, saved
-and loaded exactly. The ranks run the experts' grouped form (``torch._grouped_mm`` with lightning_par's CPU backward,
+its own router bias (``e_score_correction_bias``) balanced at zero3 x ep2 and ep2 x pp2, every rank's bias that of one
+process, saved and loaded exactly. The ranks run the experts' grouped form (``torch._grouped_mm`` with lightning_par's CPU backward,
 what ``auto`` takes on CPU; ``-bmm``: the padded ``bmm``), the one-process reference the per-expert loop. Losses within
 ``rtol=1e-5`` of one process on the same global batch, the gathered parameters too; dropped tokens equal one process's
 exactly; expert bytes per rank are ``1 / ep_size`` of the experts'; a checkpoint saved at ep2 loads at ep1 and into one
@@ -66,6 +66,9 @@ WORLD4 = {
     # the bias under pipelining: each stage updates its own layers over its dp ranks
     "ep2pp2-1f1b-moegpt-bias": _fit("ep2pp2-1f1b-moegpt-bias", "moegpt-bias", ep_size=2, pp_size=2, schedule="1f1b",
                                     num_microbatches=2),
+    # deepseek_v3's own router bias under pipelining: each stage updates its own layers' biases
+    "ep2pp2-1f1b-hf-moe-deepseek_v3-bias": _fit("ep2pp2-1f1b-hf-moe-deepseek_v3-bias", "hf-moe-deepseek_v3-bias",
+                                                ep_size=2, pp_size=2, schedule="1f1b", num_microbatches=2),
     # Hugging Face experts under ep2 x tp2 and ep2 x pp2 (deepseek_v3 not under tp: transformers 5.25's plan gives its
     # multi-head latent attention styles lightning_par does not translate, refused before start)
     "ep2tp2-hf-moe-qwen3_moe": _fit("ep2tp2-hf-moe-qwen3_moe", "hf-moe-qwen3_moe", ep_size=2, tp_size=2),
@@ -194,8 +197,11 @@ def _check(runs: list[dict], case: dict, samples: int) -> None:
         ref_bias = _REFERENCE_BIAS[case["name"]]
         assert ref_bias and all(b.abs().sum() > 0 for b in ref_bias.values())
         held = set()
+        # the tiny deepseek_v3's only MoE layer is its second (first_k_dense_replace=1): under pp the first stage holds
+        # no bias; every GPT stage holds one of blocks 1 and 3
+        stage_without_moe = case["model"].startswith("hf-") and dims.pp_enabled
         for r in runs:  # under pp a rank holds its stage's layers
-            assert r["expert_bias"] and set(r["expert_bias"]) <= set(ref_bias)
+            assert (r["expert_bias"] or stage_without_moe) and set(r["expert_bias"]) <= set(ref_bias)
             held |= set(r["expert_bias"])
             for name, bias in r["expert_bias"].items():
                 torch.testing.assert_close(bias, ref_bias[name], rtol=0, atol=1e-7)
