@@ -6,13 +6,13 @@ drops tokens) and a user's causal LM with its own top-1 router and experts (:cla
 with momentum — a gradient summed instead of averaged over ep would move it twice as far — and AdamW). Layouts: ep2
 under every dp mode, ep4, ep2 x tp2, ep2 x pp2 (1F1B), ep2 x cp2 (dropless and capacity), HSDP 2x2 with ep2 (zero1, zero3), and
 dp2 x ep2 x tp2 x pp2 at world 8 (slow); tiny Hugging Face qwen3_moe and deepseek_v3 at ep2 (ddp), zero3 x ep2 and
-ep2 x pp2, qwen3_moe at ep2 x tp2; the MoE GPT with DeepSeek-V3's bias balancing (``-bias``) at ep2, and tiny deepseek_v3 with
-its own router bias (``e_score_correction_bias``) balanced at zero3 x ep2 and ep2 x pp2, every rank's bias that of one
-process, saved and loaded exactly. The ranks run the experts' grouped form (``torch._grouped_mm`` with lightning_par's CPU backward,
-what ``auto`` takes on CPU; ``-bmm``: the padded ``bmm``), the one-process reference the per-expert loop. Losses within
-``rtol=1e-5`` of one process on the same global batch, the gathered parameters too; dropped tokens equal one process's
-exactly; expert bytes per rank are ``1 / ep_size`` of the experts'; a checkpoint saved at ep2 loads at ep1 and into one
-process.
+ep2 x pp2, qwen3_moe at ep2 x tp2; the MoE GPT with DeepSeek-V3's bias balancing (``-bias``) at ep2, and tiny
+deepseek_v3 with its own router bias (``e_score_correction_bias``) balanced at zero3 x ep2 and ep2 x pp2, every rank's
+bias that of one process, saved and loaded exactly. The ranks run the experts' grouped form (``torch._grouped_mm`` with
+lightning_par's CPU backward, what ``auto`` takes on CPU; ``-bmm``: the padded ``bmm``), the one-process reference the
+per-expert loop. Losses within ``rtol=1e-5`` of one process on the same global batch, the gathered parameters too;
+dropped tokens equal one process's exactly; expert bytes per rank are ``1 / ep_size`` of the experts'; a checkpoint
+saved at ep2 loads at ep1 and into one process.
 """
 
 from __future__ import annotations
