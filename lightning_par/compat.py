@@ -57,6 +57,8 @@ __all__ = [
     "is_compiled_module",
     "forward_only_schedule",
     "grad_scaler_init_kwargs",
+    "grouped_mm",
+    "grouped_mm_runs_on_cpu",
     "is_view",
     "local_chunk",
     "local_tensor",
@@ -110,6 +112,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "FakeStore": ("torch.testing._internal.distributed.fake_pg",),
     "_clear_sharding_prop_cache": ("torch.distributed.tensor.debug",),
     "_module_state_mapping": ("torch.distributed._composable_state",),
+    "_grouped_mm": ("torch",),
 }
 
 
@@ -130,6 +133,31 @@ def _private(name: str) -> Any:
     raise RuntimeError(
         f"torch {torch.__version__} has no {name} in {', '.join(places)}: lightning_par needs torch >= 2.10, < 2.16."
     )
+
+
+# ------------------------------------------------------------------------------------------------ grouped matmul
+def grouped_mm(mat_a: Tensor, mat_b: Tensor, offs: Tensor) -> Tensor:
+    """``torch._grouped_mm(mat_a, mat_b, offs=offs)``: one matmul per group of rows (2-d x 3-d), or per group of the
+    reduced dimension (2-d x 2-d -> 3-d), the groups ending at ``offs`` (int32). Private ``torch._grouped_mm``; its
+    CUDA kernels and autograd exist in every supported torch, its CPU forward (ATen's ``_grouped_mm_fallback``, no
+    backward) in 2.13 at least (:func:`grouped_mm_runs_on_cpu` checks)."""
+    return _private("_grouped_mm")(mat_a, mat_b, offs=offs)
+
+
+_GROUPED_MM_ON_CPU: list[bool] = []
+
+
+def grouped_mm_runs_on_cpu() -> bool:
+    """Whether :func:`grouped_mm` computes on CPU tensors in this torch (both forms, tried once on a 2 x 4 probe)."""
+    if not _GROUPED_MM_ON_CPU:
+        try:
+            a, b, offs = torch.ones(2, 4), torch.ones(1, 4, 4), torch.tensor([2], dtype=torch.int32)
+            rows = grouped_mm(a, b, offs)  # (2, 4)
+            ok = bool(rows.eq(4).all()) and grouped_mm(a.t(), torch.ones(2, 4), offs).shape == (1, 4, 4)
+        except (RuntimeError, NotImplementedError):
+            ok = False
+        _GROUPED_MM_ON_CPU.append(ok)
+    return _GROUPED_MM_ON_CPU[0]
 
 
 # ------------------------------------------------------------------------------------------------ tensors, DTensor

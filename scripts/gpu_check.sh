@@ -9,7 +9,8 @@
 #      a function of the package and checked against docs/host-syncs.md), the table written to ${OUT%.md}.host-syncs.md;
 #   2. the throughput table: tokens/s, MFU and peak memory of a ~1B Llama-shaped model, bf16, seq 2048, eager /
 #      per-block compiled / compiled + float8, under Lightning's plain single-device strategy and lightning_par's zero3
-#      at world 1 (lightning_par/benchmarks/gpu_check.py), written to $OUT (default gpu_check.md);
+#      at world 1 (lightning_par/benchmarks/gpu_check.py), written to $OUT (default gpu_check.md), then the MoE row:
+#      one MoE block at 64 experts in bf16, torch._grouped_mm vs the per-expert loop;
 #   3. the other tests with a CUDA path (tests/gpu: nccl at world 1, float8 on CUDA), with
 #      LP_REQUIRE_CUDA=1 so that a test skipped for want of CUDA fails instead.
 # On a machine without a CUDA device it fails at once (exit 2). `scripts/gpu_check.sh --dry-run` runs every piece of

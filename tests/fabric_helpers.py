@@ -19,7 +19,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from tests.helpers import TokenDataset
+from tests.helpers import TokenDataset, update_expert_biases
+
+#: Buffers holding a MoE router's selection bias (DeepSeek-V3's auxiliary-loss-free balancing).
+BIAS_BUFFERS = ("expert_bias", "e_score_correction_bias")
+
+
+def expert_biases(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The MoE routers' selection biases of ``module``, by name (Fabric's wrapper prefix removed)."""
+    return {n.removeprefix("_forward_module."): b.detach().clone() for n, b in module.named_buffers()
+            if n.endswith(BIAS_BUFFERS)}
+
+
+#: The routers' biases at the end of the last :func:`reference_loop`.
+LAST_REFERENCE_BIASES: dict[str, torch.Tensor] = {}
 
 
 
@@ -120,7 +133,10 @@ def reference_loop(
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         opt.step()
+        update_expert_biases(plain)  # what the strategies run after every optimizer step (a no-op without a bias)
         opt.zero_grad()
+    LAST_REFERENCE_BIASES.clear()
+    LAST_REFERENCE_BIASES.update(expert_biases(plain))
     return losses, {n: p.detach().float().clone() for n, p in plain.named_parameters()}
 
 
@@ -149,7 +165,7 @@ def fabric_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 refused.append(model(x[:1]))
         summary = fabric.strategy.parallel.summary()
         out.append({"losses": losses, "state": fabric.strategy.parallel.full_state_dict(), "refused": refused,
-                    "cp_tokens": summary.get("cp_tokens_per_sequence")})
+                    "cp_tokens": summary.get("cp_tokens_per_sequence"), "expert_bias": expert_biases(model)})
     return out
 
 

@@ -28,6 +28,8 @@ from lightning_par.launcher import run_distributed
 from lightning_par.models import GPTConfig, GPTLightningModule
 from tests.helpers import TIMEOUT_S, LossRecorder, TokenDataset, quiet_trainer
 
+#: Buffers holding a MoE router's selection bias: the GPT's ``expert_bias``, Hugging Face's ``e_score_correction_bias``.
+BIAS_BUFFERS = ("expert_bias", "e_score_correction_bias")
 CONFIG = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=256, dropout=0.0)
 
 
@@ -80,10 +82,12 @@ def make_model(step: dict[str, Any]) -> Any:
         extra: dict[str, Any] = {"moe_capacity_factor": 1.0} if "-cap" in name else {}
         if "-bias" in name:  # DeepSeek-V3's auxiliary-loss-free bias, fast enough to change the routing in 3 steps
             extra |= {"moe_balance": "bias", "moe_bias_update_rate": 0.05}
-        # the experts as the per-expert loop ("-loop": the reference of the grouped forms), else the padded bmm (what
-        # "auto" chooses on accelerators without grouped_mm; on CPU "auto" is the loop), so that every ep cell
-        # compares a grouped form under ep with the loop in one process
-        extra |= {"moe_experts_form": "loop" if "-loop" in name else "bmm"}
+        # the experts as the per-expert loop ("-loop": the reference of the grouped forms), the padded bmm ("-bmm":
+        # what "auto" chooses on accelerators without grouped_mm), else torch._grouped_mm (what "auto" chooses on CPU,
+        # with lightning_par's CPU backward), so that every ep cell compares a grouped form under ep with the loop in
+        # one process
+        form = "loop" if "-loop" in name else "bmm" if "-bmm" in name else "grouped_mm"
+        extra |= {"moe_experts_form": form}
         config = GPTConfig(**{**CONFIG.__dict__, "num_experts": 4, "moe_every": 2, **extra})
         muon = {"optimizer": "muon", "muon_ns_precision": "fp32" if name.endswith("32") else "bf16"}
         return GPTLightningModule(config, learning_rate=3e-3, adam_eps=1e-6, **(muon if "-muon" in name else {}))
@@ -99,7 +103,9 @@ def make_model(step: dict[str, Any]) -> Any:
         from lightning_par.hf import HFCausalLM
 
         torch.manual_seed(0)
-        arch = name.removeprefix("hf-moe-")
+        arch = name.removeprefix("hf-moe-").removesuffix("-bias")
+        # "-bias": DeepSeek-V3's router bias balanced, fast enough to change the routing in 3 steps
+        balance = {"moe_balance": "bias", "moe_bias_update_rate": 0.05} if name.endswith("-bias") else {}
         config = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, vocab_size=256, max_position_embeddings=64,
                       tie_word_embeddings=False, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -107,7 +113,7 @@ def make_model(step: dict[str, Any]) -> Any:
                    "deepseek_v3": {"n_routed_experts": 4, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
                                    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
                                    "qk_nope_head_dim": 8, "v_head_dim": 16}}[arch]
-        return HFCausalLM(model_type=arch, config=config, learning_rate=1e-3, adam_eps=1e-4)
+        return HFCausalLM(model_type=arch, config=config, learning_rate=1e-3, adam_eps=1e-4, **balance)
     if name.startswith("hf-llama-muon"):  # a tiny Hugging Face Llama with Muon (``32``: the fp32 iteration)
         from lightning_par.hf import HFCausalLM
 
@@ -178,14 +184,14 @@ def run_step(step: dict[str, Any], train: Dataset, val: Dataset) -> dict[str, An
     if validate_only:
         metrics = trainer.validate(module, val_loader, ckpt_path=step["ckpt"], verbose=False)
         out["val_loss"] = float(metrics[0]["val_loss"])
-        out["expert_bias"] = {n: b.detach().clone() for n, b in module.named_buffers() if n.endswith("expert_bias")}
+        out["expert_bias"] = {n: b.detach().clone() for n, b in module.named_buffers() if n.endswith(BIAS_BUFFERS)}
         return out
     loader = _loader(train, micro, dims.dp_size, dp_rank)
     trainer.fit(module, loader, val_loader if step.get("val") else None, ckpt_path=step.get("resume"))
     out["losses"] = recorder.losses
     out["state"] = strategy.full_state_dict()
     out["extras"] = strategy.summary_extras()
-    out["expert_bias"] = {n: b.detach().clone() for n, b in module.named_buffers() if n.endswith("expert_bias")}
+    out["expert_bias"] = {n: b.detach().clone() for n, b in module.named_buffers() if n.endswith(BIAS_BUFFERS)}
     if step.get("bytes"):
         out["bytes"] = callbacks[-1].bytes
         out["trainable_numel"] = sum(p.numel() for p in make_model(step).parameters() if p.requires_grad)

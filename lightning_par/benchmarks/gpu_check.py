@@ -28,6 +28,9 @@ entry keeps NCCL's device rule (a CPU tensor in a collective raises ``No backend
 cpu``) while gloo moves the CUDA tensors through the host. Each layout is one launch with its own time limit; the
 output is one Markdown table. ``--layouts --dry-run`` runs the same on the CPU (gloo, every rank on the CPU).
 
+After the throughput table, the MoE row (:func:`moe_table`): one MoE block at 64 experts, ``torch._grouped_mm``
+against the per-expert loop in bf16 (issue 49), with the ratio.
+
 ``--dry-run`` runs every piece on the CPU with a tiny Llama (2 layers x 64, sequence 64, 2 timed steps, compiled with
 ``backend="aot_eager"``), in this process: the tests run it, so the GPU path is the same code with other sizes.
 """
@@ -45,8 +48,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LAYOUTS", "LLAMA_1B", "LLAMA_TINY", "ROWS", "RowResult", "compile_blocks", "flops_per_token", "main",
-           "markdown", "measure_row", "run_layouts", "sync_worker"]
+__all__ = ["LAYOUTS", "LLAMA_1B", "LLAMA_TINY", "MOE_GPU", "ROWS", "RowResult", "compile_blocks", "flops_per_token",
+           "main", "markdown", "measure_row", "moe_table", "run_layouts", "sync_worker"]
 
 #: ~1B Llama shape (Llama 3.2 1B's layers with a 32000-token vocabulary and an untied head): 1.10e9 parameters.
 LLAMA_1B: dict[str, Any] = dict(
@@ -439,6 +442,31 @@ def run_layouts(dry_run: bool, names: list[str] | None = None, timeout_s: float 
     return "\n".join([header, "", *lines])
 
 
+#: The MoE row (issue 49): one MoE block at 64 experts, top-2, forward + backward, ``torch._grouped_mm`` against the
+#: per-expert loop (:mod:`lightning_par.benchmarks.moe`), bf16 on the GPU: DeepSeek-V2-Lite's widths (2048, experts of
+#: 1408), 8192 tokens (256 routed copies per expert). The dry run: fp32 on the CPU, widths 64 and 128, 512 tokens.
+MOE_GPU: dict[str, int] = dict(num_experts=64, dim=2048, hidden=1408, tokens=8192, steps=10)
+MOE_DRY: dict[str, int] = dict(num_experts=64, dim=64, hidden=128, tokens=512, steps=2)
+
+
+def moe_table(dry_run: bool) -> str:
+    """The MoE row of the throughput part: :data:`MOE_GPU` on ``cuda:0`` in bf16 (:data:`MOE_DRY` on the CPU in fp32
+    with ``dry_run``), the grouped form, the padded ``bmm``, the loop and the indexed loop taking turns step by step
+    (:func:`lightning_par.benchmarks.moe.measure`); the Markdown table with the loop / grouped ratio."""
+    import torch
+
+    from lightning_par.benchmarks import moe
+
+    spec = MOE_DRY if dry_run else MOE_GPU
+    device, dtype = ("cpu", torch.float32) if dry_run else ("cuda", torch.bfloat16)
+    row = moe.measure(spec["num_experts"], spec["dim"], spec["hidden"], spec["tokens"], spec["steps"], device=device,
+                      dtype=dtype)
+    where = "CPU, fp32 (dry run: figures mean nothing)" if dry_run else f"{torch.cuda.get_device_name(0)}, bf16"
+    return moe.render([row], spec, device=device, title=(
+        f"MoE block forward + backward on {where}: {spec['num_experts']} experts, top-2, width {spec['dim']}, expert "
+        f"width {spec['hidden']}, {spec['tokens']} tokens; fastest of {spec['steps']} steps, the forms in turns."))
+
+
 def _settings(dry_run: bool) -> dict[str, Any]:
     if dry_run:
         return dict(config=LLAMA_TINY, seq=64, batch=2, steps=2, warmup=1, device="cpu", backend="aot_eager")
@@ -524,9 +552,15 @@ def main(argv: list[str] | None = None) -> int:
               f"seq {settings['seq']}, batch {settings['batch']}, {settings['steps']} timed steps after "
               f"{settings['warmup']}; {time.perf_counter() - start:.0f} s.")
     table = markdown(results, header)
+    moe_failed = False
+    try:  # the MoE row: grouped_mm vs the per-expert loop (a failure is reported, the throughput table kept)
+        table += "\n\n" + moe_table(args.dry_run)
+    except Exception as err:  # noqa: BLE001 - any failure of the row is the check's finding
+        table += f"\n\nMoE row: FAILED: {type(err).__name__}: {str(err)[:300]}"
+        moe_failed = True
     Path(args.out).write_text(table + "\n")
     print(table)
-    return 1 if any(r.error for r in results) else 0
+    return 1 if any(r.error for r in results) or moe_failed else 0
 
 
 if __name__ == "__main__":

@@ -1,18 +1,23 @@
-"""Benchmark rows for the experts' forms: one MoE block's step time, grouped vs the per-expert loop, at 8, 64 and 256
-experts.
+"""Benchmark rows for the experts' forms: one MoE block's step time, the grouped form vs the per-expert loop, at 8, 64
+and 256 experts, and at 64 experts over a curve of tokens per expert.
 
-One :class:`~lightning_par.models.moe.MoE` layer (width 128, expert width 256, top-2 softmax routing, dropless,
-4,096 tokens) runs forward + backward in this process on one thread in three ways taking turns step by step on the
-same batch and weights, so every ratio comes from one run:
+One :class:`~lightning_par.models.moe.MoE` layer (width 128, expert width 256, softmax routing, dropless) runs forward
++ backward in this process on one thread in four ways taking turns step by step on the same batch and weights, so
+every ratio comes from one run:
 
-* **grouped**: ``grouped_mm`` where it runs (CUDA bf16), else the padded ``bmm``
-  (:func:`~lightning_par.expert_parallel.grouped.choose_form` with ``requested="grouped_mm"``);
+* **grouped**: ``torch._grouped_mm`` (:func:`~lightning_par.expert_parallel.grouped.choose_form` with
+  ``requested="grouped_mm"``: torch's own on CUDA bf16; on CPU forward and backward as ``grouped_mm`` calls), else the
+  padded ``bmm``;
+* **bmm**: the tokens scattered into a zero-padded ``(experts, most tokens of an expert, d)`` batch, two ``bmm``;
 * **loop**: the per-expert loop as it is now (the fallback form: the weights ``unbind``-ed once);
 * **loop, indexed**: the loop as ``GroupedExperts`` ran it before (``w1[e]`` per expert: indexing's backward writes a
   zero-filled gradient of all experts per expert, so its cost grows with the square of the experts).
 
-The fastest step of each (2 warm-up steps not counted) is reported: on a machine shared with other processes the
-fastest is the least disturbed.
+Two tables: the experts table (4,096 tokens, top-2, at 8, 64 and 256 experts: 1,024, 128 and 32 routed copies per
+expert) and the curve (64 experts, top-2, 128 to 8,192 tokens: 4 to 256 routed copies per expert, from few tokens per
+expert, as in DeepSeek-scale layers where each of many experts sees a small share of a micro-batch and the loop's
+per-expert overhead dominates, to many, where the matmuls' arithmetic does). The fastest step of each (2 warm-up steps not counted) is reported: on a machine shared with other
+processes the fastest is the least disturbed.
 """
 
 from __future__ import annotations
@@ -27,17 +32,21 @@ SECTION = "moe"
 ORDER = 71
 
 EXPERTS = (8, 64, 256)
-_FULL = dict(dim=128, hidden=256, tokens=4096, steps=10)
-_QUICK = dict(dim=128, hidden=256, tokens=2048, steps=5)
+#: the curve: 64 experts, top-2, these many tokens (tokens * 2 / 64 routed copies per expert)
+CURVE_TOKENS = (128, 512, 2048, 8192)
+_FULL = dict(dim=128, hidden=256, tokens=4096, top_k=2, steps=10, curve=CURVE_TOKENS)
+_QUICK = dict(dim=128, hidden=256, tokens=2048, top_k=2, steps=5, curve=(128, 2048))
+#: the forms measured, in turns, with the row's key
+_FORMS = ("grouped", "bmm", "loop", "indexed")
 
 
 def measure(num_experts: int, dim: int, hidden: int, tokens: int, steps: int, device: str = "cpu",
-            dtype: Any = None) -> dict[str, Any]:
-    """Fastest seconds of one forward + backward of a MoE layer in the chosen form, as the loop and as the indexed
-    loop (see the module docstring).
+            dtype: Any = None, top_k: int = 2) -> dict[str, Any]:
+    """Fastest seconds of one forward + backward of a MoE layer in each form (see the module docstring).
 
     Returns:
-        ``{"experts", "form" (the chosen one), "grouped_s", "loop_s", "indexed_s"}``.
+        ``{"experts", "tokens", "top_k", "form" (the grouped one chosen), "grouped_s", "bmm_s", "loop_s",
+        "indexed_s"}``.
     """
     import torch
 
@@ -46,24 +55,23 @@ def measure(num_experts: int, dim: int, hidden: int, tokens: int, steps: int, de
 
     dtype = dtype or torch.float32
     torch.manual_seed(0)
-    layer = MoE(dim, hidden, num_experts, top_k=2, aux_loss_coeff=0.0, z_loss_coeff=0.0).to(device, dtype)
-    x = torch.randn(tokens // 64, 64, dim, device=device, dtype=dtype)
-    w = layer.experts.w1
-    # the grouped form: grouped_mm where it runs, else the padded bmm (what "auto" takes off the CPU; on CPU "auto" is
-    # the loop, measured faster there by this benchmark)
-    chosen = choose_form(x.reshape(-1, dim), (w, layer.experts.w2), requested="grouped_mm")
-    times: dict[str, list[float]] = {"grouped": [], "loop": [], "indexed": []}
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    layer = MoE(dim, hidden, num_experts, top_k=top_k, aux_loss_coeff=0.0, z_loss_coeff=0.0).to(device, dtype)
+    seq = min(tokens, 64)
+    x = torch.randn(tokens // seq, seq, dim, device=device, dtype=dtype)
     experts = layer.experts
+    chosen = choose_form(x.reshape(-1, dim), (experts.w1, experts.w2), requested="grouped_mm")
+    times: dict[str, list[float]] = {name: [] for name in _FORMS}
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def indexed(x: Any, counts: Any, host_counts: Any = None) -> Any:  # GroupedExperts.forward before the forms
         chunks = x.split(counts.tolist())
         return torch.cat([torch.nn.functional.gelu(c @ experts.w1[e]) @ experts.w2[e] for e, c in enumerate(chunks)])
 
     plain = experts.forward
+    forms = {"grouped": chosen, "bmm": "bmm", "loop": "loop", "indexed": "loop"}
     for step in range(steps + 2):
-        for name, form in (("grouped", chosen), ("loop", "loop"), ("indexed", "loop")):
-            experts.form = form
+        for name in _FORMS:
+            experts.form = forms[name]
             experts.forward = indexed if name == "indexed" else plain
             layer.zero_grad(set_to_none=True)
             sync()
@@ -73,31 +81,34 @@ def measure(num_experts: int, dim: int, hidden: int, tokens: int, steps: int, de
             if step >= 2:
                 times[name].append(time.perf_counter() - start)
     experts.forward = plain
-    return {"experts": num_experts, "form": chosen, **{f"{k}_s": min(v) for k, v in times.items()}}
+    return {"experts": num_experts, "tokens": tokens, "top_k": top_k, "form": chosen,
+            **{f"{k}_s": min(v) for k, v in times.items()}}
 
 
-def render(rows: list[dict[str, Any]], spec: dict[str, int], device: str = "cpu") -> str:
-    """The markdown table of :func:`run`."""
+def render(rows: list[dict[str, Any]], spec: dict[str, int], device: str = "cpu", title: str | None = None) -> str:
+    """The markdown table of some rows of :func:`measure`."""
     lines = [
-        f"MoE block forward + backward, width {spec['dim']}, expert width {spec['hidden']}, {spec['tokens']} tokens, "
-        f"top-2, dropless, {device}, one thread; fastest of {spec['steps']} steps, the three in turns.",
+        title or (f"MoE block forward + backward, width {spec['dim']}, expert width {spec['hidden']}, softmax routing, "
+                  f"dropless, {device}, one thread; fastest of {spec['steps']} steps, the four in turns."),
         "",
-        "| experts | grouped form | grouped (ms) | loop (ms) | loop / grouped | loop, indexed (ms) "
-        "| loop, indexed / grouped |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| experts | top-k | tokens | copies / expert | grouped form | grouped (ms) | bmm (ms) | loop (ms) "
+        "| loop / grouped | loop, indexed (ms) | loop, indexed / grouped |",
+        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r['experts']} | {r['form']} | {r['grouped_s'] * 1e3:.1f} | {r['loop_s'] * 1e3:.1f} | "
-                     f"{r['loop_s'] / r['grouped_s']:.2f} | {r['indexed_s'] * 1e3:.1f} | "
-                     f"{r['indexed_s'] / r['grouped_s']:.2f} |")
+        per_expert = r["tokens"] * r["top_k"] / r["experts"]
+        lines.append(f"| {r['experts']} | {r['top_k']} | {r['tokens']} | {per_expert:g} | {r['form']} "
+                     f"| {r['grouped_s'] * 1e3:.1f} | {r['bmm_s'] * 1e3:.1f} | {r['loop_s'] * 1e3:.1f} "
+                     f"| {r['loop_s'] / r['grouped_s']:.2f} | {r['indexed_s'] * 1e3:.1f} "
+                     f"| {r['indexed_s'] / r['grouped_s']:.2f} |")
     return "\n".join(lines)
 
 
 def run(quick: bool = False) -> str:
-    """Measure 8, 64 and 256 experts on the CPU; return the markdown table.
+    """Measure 8, 64 and 256 experts, then the 64-expert curve, on the CPU; return the markdown tables.
 
     Args:
-        quick: 2,048 tokens and 5 steps instead of 4,096 and 10.
+        quick: 2,048 tokens, 5 steps and two points of the curve instead of 4,096, 10 and four.
     """
     import torch
 
@@ -105,10 +116,13 @@ def run(quick: bool = False) -> str:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        rows = [measure(e, spec["dim"], spec["hidden"], spec["tokens"], spec["steps"]) for e in EXPERTS]
+        rows = [measure(e, spec["dim"], spec["hidden"], spec["tokens"], spec["steps"], top_k=spec["top_k"])
+                for e in EXPERTS]
+        curve = [measure(64, spec["dim"], spec["hidden"], t, spec["steps"], top_k=spec["top_k"]) for t in spec["curve"]]
     finally:
         torch.set_num_threads(threads)
-    return render(rows, spec)
+    return render(rows, spec) + "\n\n" + render(curve, spec, title=(
+        "The same at 64 experts over tokens per expert, from few to many:"))
 
 
 if __name__ == "__main__":

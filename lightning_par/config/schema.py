@@ -369,6 +369,10 @@ class HFModelConfig:
     muon_ns_precision: str = "bf16"
     #: LoRA adapters on a frozen base (``model.lora.r=16``; docs/lora.md).
     lora: HFLoraConfig = field(default_factory=HFLoraConfig)
+    #: ``null`` or ``bias``: DeepSeek-V3's auxiliary-loss-free balancing of the routers' ``e_score_correction_bias``
+    #: (deepseek_v3), moved by ``moe_bias_update_rate * sign(mean load - load)`` after every optimizer step.
+    moe_balance: Optional[str] = None
+    moe_bias_update_rate: float = 1e-3
 
 
 @dataclass

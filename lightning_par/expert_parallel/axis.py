@@ -53,24 +53,35 @@ def _shard_experts(module: nn.Module, mesh: Any, rank: int, size: int) -> None:
 
 
 def _balance_by_bias(build: Build) -> None:
-    """After every optimizer step, DeepSeek-V3's bias update of each MoE layer with ``balance`` ``bias``/``both``
-    (:func:`lightning_par.models.moe.update_expert_bias`), its load summed over ``dp_cp`` (the ranks holding other
-    tokens; tp ranks route the same tokens, pp ranks hold other layers) so that every replica keeps the same bias."""
-    from lightning_par.models.moe import MoE, update_expert_bias
+    """After every optimizer step, DeepSeek-V3's bias update of each MoE layer with ``balance`` ``bias``/``both`` (the
+    GPT's, :func:`lightning_par.models.moe.update_expert_bias`) and of each Hugging Face router whose bias
+    :func:`lightning_par.hf.experts.balance_by_bias` enabled, their loads summed over ``dp_cp`` (the ranks holding other
+    tokens; tp ranks route the same tokens, pp ranks hold other layers) in one all-reduce, so that every replica keeps
+    the same bias."""
+    from lightning_par.expert_parallel.balance import update_selection_biases
+    from lightning_par.models.moe import MoE
 
     assert build.network is not None
-    layers = [m for m in build.network.modules() if isinstance(m, MoE) and m.router.expert_bias is not None]
-    if not layers or not build.training:
+    entries = []  # (module, how to read its (load, bias, rate) at update time: buffers may be replaced by .to())
+    for m in build.network.modules():
+        if isinstance(m, MoE) and m.router.expert_bias is not None:
+            entries.append(lambda m=m: (m.routed_load, m.router.expert_bias, m.bias_update_rate))
+        elif getattr(m, "routed_load", None) is not None and getattr(m, "_bias_router", None):
+            from lightning_par.hf.experts import BIAS_BUFFER
+
+            entries.append(lambda m=m: (m.routed_load, getattr(m._bias_router[0], BIAS_BUFFER), m.bias_update_rate))
+    if not entries or not build.training:
         return
     dims = build.dims
     group = dims.get_mesh("dp_cp").get_group() if dims.size("dp_cp") > 1 else None
-    build.optimizer_step_hooks.append(lambda: update_expert_bias(layers, group))
+    build.optimizer_step_hooks.append(lambda: update_selection_biases([read() for read in entries], group))
 
 
 def _apply(build: Build) -> None:
     """Split each experts module's experts over the ep ranks, exchange tokens around it, and reduce its gradients over
     the ranks holding the same experts (``edp``)."""
     dims = build.dims
+    _balance_by_bias(build)  # also without expert paths: a Hugging Face router's bias at ep_size == 1
     if build.expert_paths is None:
         return
     network = build.network
@@ -78,7 +89,6 @@ def _apply(build: Build) -> None:
     figures = MoEFigures(network)
     build.step_logs.append(figures.step)
     build.summaries.append(figures.summary)
-    _balance_by_bias(build)
     if not dims.ep_enabled:
         return
     ep_mesh, edp_shard, replicate, fsdp = dims.expert_meshes()

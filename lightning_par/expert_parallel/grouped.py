@@ -1,32 +1,44 @@
 """One experts computation for every mixture-of-experts layer: each expert's feed-forward ``act(x W_in[e]) W_out[e]``
 on its segment of tokens sorted by expert, in one of three forms chosen by one function (:func:`choose_form`):
 
-* ``"grouped_mm"``: ``torch._grouped_mm`` with the segments' end offsets (on the device, no host read), one kernel
-  per matrix for all experts (torchtitan's ``GroupedExperts``, pytorch/torchtitan PR #1084; Megatron-core's
-  ``--moe-grouped-gemm``). Chosen where it runs forward *and* backward: CUDA (compute capability >= 8.0), bf16 tokens
-  and weights, every inner and outer width a multiple of 8 (16-byte rows). torch 2.13 runs it forward on CPU but has
-  no CPU backward (``Invalid strides/sizes``), so it is never chosen on CPU.
+* ``"grouped_mm"``: ``torch._grouped_mm`` with the segments' end offsets (on the device, no host read), one call per
+  matrix for all experts (torchtitan's ``GroupedExperts``, pytorch/torchtitan PR #1084; Megatron-core's
+  ``--moe-grouped-gemm``). On CUDA (compute capability >= 8.0, bf16) with torch's own backward. On CPU (fp32, bf16 or
+  fp16) torch 2.13 has the forward but no backward (``Invalid strides/sizes``): :class:`_GroupedMatmul` computes the
+  backward with ``grouped_mm`` calls too (``dx = grouped_mm(dy, w^T)``, ``dw = grouped_mm(x^T, dy)`` with the offsets
+  along the reduced dimension), so the whole step runs one autograd node per matrix instead of a few per expert;
+  ATen's CPU kernel (``_grouped_mm_fallback``, ``aten/src/ATen/native/GroupedMMUtils.h``) loops over the groups in
+  C++. Every width must be a multiple of 16 bytes (the kernels refuse other strides). Chosen wherever it runs, but
+  not on CPU inside ``torch.compile`` (its fake-tensor rule takes bf16 only there: the loop is traced instead).
 * ``"bmm"``: the tokens scattered into a zero-padded ``(experts, max tokens per expert, d)`` batch, two
   ``torch.bmm`` and a gather back. One host read of the counts per call (the padding size), none if the caller
   already has them (``host_counts``, as the ep dispatch does). Chosen on accelerators where ``grouped_mm`` does not
-  run, unless the padding would more than quadruple the rows (a badly skewed routing); on CPU only when asked for. On this CPU (``python recipes/benchmark.py --only moe``,
-  ``docs/context-expert.md``) it is 2.5x faster at 64 experts than the loop as ``GroupedExperts`` ran it before
-  (``w1[e]`` per expert), but 0.75-0.95x of the loop below: on CPU it buys one code path and a bounded host read,
-  not speed.
+  run, unless the padding would more than quadruple the rows (a badly skewed routing); on CPU only when asked for
+  (measured there: slower than the ``grouped_mm`` form everywhere but at 4 copies per expert, where they tie).
 * ``"loop"``: one pair of matmuls per expert over ``x.split(counts)`` with the weights ``unbind``-ed once: chosen on
-  CPU (measured faster there, above), the documented fallback for skewed routings, and the reference the other two
-  are tested against.
+  CPU where ``grouped_mm`` does not run (float64, widths not a multiple of 16 bytes), the documented fallback for
+  skewed routings, and the reference the other two are tested against.
 
-All three give the same result up to float rounding (tested at rel <= 1e-5 in fp32,
-``tests/unit/test_moe_grouped.py``).
+Measured on this 2-core CPU (shared with other jobs), ``python recipes/benchmark.py --only moe`` (one MoE block, width
+128, expert width 256, top-2, fp32, one thread, forward + backward, the forms in turns in one run; two runs; tables in
+``docs/context-expert.md``): at 64 experts the loop takes 1.75-1.90x the CPU ``grouped_mm`` form's time at 4 routed
+copies per expert, 1.5-1.6x at 16, 1.25-1.34x at 64, 1.04-1.21x at 128 and 1.10-1.14x at 256 (where the matmuls'
+arithmetic, the same in both, dominates); the loop as ``GroupedExperts`` ran it before (``w1[e]`` per expert) 4-18x.
+Issue 49's aim, 2x over the loop at 64 experts, is not reached on this CPU.
+
+All three give the same result up to float rounding (tested at rel <= 1e-5 in fp32 against the loop, forward and
+gradients, ``tests/unit/test_moe_grouped.py``; the CPU ``grouped_mm`` runs each group's product as the same ``mm`` as
+the loop and matches it bitwise there).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
+
+from lightning_par.compat import grouped_mm, grouped_mm_runs_on_cpu
 
 __all__ = ["FORMS", "choose_form", "expert_ffn", "sorted_counts"]
 
@@ -52,15 +64,59 @@ def sorted_counts(sorted_ids: Tensor, num_experts: int) -> Tensor:
     return (edges[1:] - edges[:-1]).to(torch.int64)
 
 
+#: Dtypes ``torch._grouped_mm`` takes on CPU (torch 2.13: fp32, bf16, fp16; float64 is refused).
+_CPU_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _grouped_mm_runs(x: Tensor, weights: Sequence[Tensor]) -> bool:
-    """``torch._grouped_mm`` has forward and backward here: CUDA sm >= 8.0, bf16, 16-byte-aligned widths."""
-    if not hasattr(torch, "_grouped_mm") or x.device.type != "cuda":
+    """``torch._grouped_mm`` (forward and backward) runs here: CUDA sm >= 8.0 in bf16, or the CPU (through
+    :class:`_GroupedMatmul`) in fp32/bf16/fp16; every width a multiple of 16 bytes on both."""
+    if not hasattr(torch, "_grouped_mm"):
         return False
-    if x.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in weights):
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in weights):
+            return False
+        if torch.cuda.get_device_capability(x.device) < (8, 0):
+            return False
+    elif x.device.type == "cpu":
+        if x.dtype not in _CPU_GROUPED_DTYPES or any(w.dtype != x.dtype for w in weights):
+            return False
+        # under torch.compile the fake-tensor rule of _grouped_mm (torch 2.13) takes bf16 only: the traced CPU
+        # forward in fp32 fails ("Expected inputs of BF16 type"), so a compiled graph keeps the loop
+        if torch.compiler.is_compiling() or not grouped_mm_runs_on_cpu():
+            return False
+    else:
         return False
-    if torch.cuda.get_device_capability(x.device) < (8, 0):
-        return False
-    return all(s % 8 == 0 for w in weights for s in w.shape[1:])
+    # rows of 16 bytes: both kernels refuse other strides ("strides should be multiple of 16 bytes")
+    per_row = 16 // x.element_size()
+    return x.shape[-1] % per_row == 0 and all(s % per_row == 0 for w in weights for s in w.shape[1:])
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """``y[s:e] = x[s:e] @ w[g]`` for every group ``g`` of rows ``s:e`` (``offs``: the groups' end offsets, int32),
+    forward *and* backward as ``torch._grouped_mm`` calls, for the CPU, where torch 2.13 has the forward but no
+    backward (``Invalid strides/sizes``): ``dx = grouped_mm(dy, w^T)`` with the same row offsets, and
+    ``dw[g] = x[s:e]^T dy[s:e]``, the 2-d x 2-d form of ``grouped_mm`` with the offsets along the reduced dimension
+    (a group without rows gets a zero gradient). Each group's product is one ``mm`` of ATen's C++ fallback, so it
+    matches the per-expert loop bitwise (``tests/unit/test_moe_grouped.py``) at the cost of one autograd node per
+    matrix instead of a few per expert."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+        ctx.save_for_backward(x, w, offs)
+        if x.shape[0] == 0:  # no rows (an ep rank that received no token): an empty tensor may have zero strides
+            return x.new_zeros(0, w.shape[-1])
+        return grouped_mm(x, w, offs)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, w, offs = ctx.saved_tensors
+        if x.shape[0] == 0:  # every expert without rows: zero gradients (see expert_ffn)
+            return x.new_zeros(x.shape), w.new_zeros(w.shape), None
+        dy = dy.contiguous()  # an expanded gradient (a sum's) has zero strides, which grouped_mm refuses
+        dx = grouped_mm(dy, w.transpose(1, 2), offs) if ctx.needs_input_grad[0] else None
+        dw = grouped_mm(x.t(), dy, offs) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
 
 
 def choose_form(x: Tensor, weights: Sequence[Tensor], rows: Sequence[int] | None = None,
@@ -89,9 +145,10 @@ def choose_form(x: Tensor, weights: Sequence[Tensor], rows: Sequence[int] | None
     if requested in ("bmm", "grouped_mm"):
         return "bmm"
     if x.device.type == "cpu":
-        # Measured on the 2-core CPU (`python recipes/benchmark.py --only moe`, 4,096 tokens, fp32, one thread): the
-        # loop over unbind-ed weights takes 0.75-0.95x the padded bmm's time at 8-256 experts, and it keeps
-        # transformers' own per-expert arithmetic (a routing near a tie then chooses as in one process).
+        # grouped_mm does not run here (float64, unaligned widths). Measured on the 2-core CPU (`python
+        # recipes/benchmark.py --only moe`, fp32, one thread): the loop over unbind-ed weights takes 0.7-0.85x the
+        # padded bmm's time at 32-1,024 copies per expert (the bmm wins only at fewer), and it keeps transformers'
+        # own per-expert arithmetic (a routing near a tie then chooses as in one process).
         return "loop"
     if rows is None or not rows:
         return "bmm"
@@ -119,7 +176,10 @@ def expert_ffn(x: Tensor, counts: Tensor, w_in: Tensor, w_out: Tensor, act: Call
     kind = choose_form(x, (w_in, w_out), host_counts, form)
     if kind == "grouped_mm":  # no host read: the offsets stay on the device
         offs = counts.cumsum(0).to(torch.int32)
-        return torch._grouped_mm(act(torch._grouped_mm(x, w_in, offs=offs)), w_out, offs=offs)
+        if x.device.type == "cuda":  # torch's own backward
+            return grouped_mm(act(grouped_mm(x, w_in, offs)), w_out, offs)
+        hidden = act(_GroupedMatmul.apply(x.contiguous(), w_in, offs))
+        return _GroupedMatmul.apply(hidden.contiguous(), w_out, offs)
     # deliberate host sync (once per MoE layer, none when the ep dispatch passed host_counts): the segment sizes
     rows = list(host_counts) if host_counts is not None else counts.tolist()
     if kind == "bmm" and host_counts is None and choose_form(x, (w_in, w_out), rows, form) == "loop":

@@ -236,7 +236,9 @@ class MeshStrategy(ParallelStrategy):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Point ``optimizer`` at the parallel parameters (an optimizer built before ``fabric.setup`` holds the plain
-        ones: they are replaced by name) and shard its state (ZeRO)."""
+        ones: they are replaced by name), shard its state (ZeRO) and run the axes' optimizer-step hooks after each of
+        its steps (:meth:`~lightning_par.parallelize.ParallelModel.after_optimizer_step`: DeepSeek-V3's bias update of
+        the MoE routers, float8's scales), as the Trainer's strategy does."""
         assert self.parallel is not None, "set up the model first: fabric.setup(model, optimizer)"
         params = dict(self.parallel.module.named_parameters())
         live = {id(p) for p in params.values()}
@@ -261,6 +263,10 @@ class MeshStrategy(ParallelStrategy):
                     )
             group["params"] = new
         self.parallel.engine.shard_optimizer(optimizer)
+        parallel = self.parallel
+        if parallel.has_optimizer_step_hooks:  # as the Trainer's strategy: after the engine's own post-hook
+            # (the MoE routers' bias update, float8's scales), also when the loop calls optimizer.step() itself
+            optimizer.register_step_post_hook(lambda *_: parallel.after_optimizer_step())
         return optimizer
 
     # ------------------------------------------------------------------ steps

@@ -26,6 +26,12 @@ transposed nor interleaved, no post-expert norm (the flags ``transformers``' ``u
 and, on real (not ``meta``) weights, the class's own ``forward`` and the contract's path are compared on a probe of 8
 tokens routed to every expert. Anything else is refused before start, naming the layer and what differs.
 
+Auxiliary-loss-free balancing (:func:`balance_by_bias`, ``HFCausalLM(moe_balance="bias")``): a router that keeps a
+per-expert selection bias ``e_score_correction_bias`` (DeepSeek-V3's, and the models built like it) sees it moved after
+every optimizer step by DeepSeek-V3's rule (:mod:`lightning_par.expert_parallel.balance`), the load counted by the
+experts module from the model's call (``top_k_index``) and summed over the dp x cp ranks. ``transformers`` keeps the
+buffer (float32, persistent), so checkpoints hold it and a resumed run continues with it.
+
 Router auxiliary losses: :class:`lightning_par.hf.HFCausalLM` calls the model without ``labels``, so ``transformers``
 never adds ``router_aux_loss_coef * aux_loss`` to a loss (with ``output_router_logits`` it computes ``aux_loss``,
 which is then not used): training is the same in one process and under ep.
@@ -40,9 +46,13 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_par.expert_parallel.balance import update_selection_biases
 from lightning_par.expert_parallel.grouped import expert_ffn, sorted_counts
 
-__all__ = ["ContractExperts", "expert_modules"]
+__all__ = ["BIAS_BUFFER", "ContractExperts", "balance_by_bias", "expert_modules", "update_hf_expert_bias"]
+
+#: The per-expert selection bias a Hugging Face router may keep (DeepSeek-V3's ``DeepseekV3TopkRouter``).
+BIAS_BUFFER = "e_score_correction_bias"
 
 #: The arguments of ``transformers``' experts call, in order.
 _MODEL_CALL = ("hidden_states", "top_k_index", "top_k_weights")
@@ -92,6 +102,10 @@ class ContractExperts(nn.Module):
         flat = top_k_index.reshape(-1)  # (T * k,)
         order = torch.argsort(flat, stable=True)
         counts = sorted_counts(flat[order], self.gate_up_proj.shape[0])  # no host read (bincount's on CUDA)
+        load = getattr(self, "routed_load", None)
+        if load is not None and self.training:  # this rank's routed copies, for the bias update (balance_by_bias)
+            with torch.no_grad():
+                load += counts.to(load.dtype)
         token = order // top_k
         y = nn.Module.__call__(self, hidden_states[token], counts)  # (T * k, d), sorted by expert; ep hooks here
         y = y * top_k_weights.reshape(-1)[order, None]  # as transformers: the weight's dtype may promote
@@ -103,8 +117,69 @@ class ContractExperts(nn.Module):
         return expert_ffn(x, counts, gate_up.transpose(1, 2), down.transpose(1, 2), lambda h: _gate(self, h),
                           form=self.form, host_counts=host_counts)
 
+    def update_expert_bias(self, group: Any = None) -> None:
+        """One step of DeepSeek-V3's auxiliary-loss-free balancing of this layer's router bias (a no-op unless
+        :func:`balance_by_bias` enabled it): see :func:`update_hf_expert_bias`."""
+        update_hf_expert_bias([self], group)
+
 
 _CLASSES: dict[type, type] = {}
+
+
+def _router_with_bias(layer: nn.Module, experts: nn.Module) -> nn.Module | None:
+    """The module of ``layer`` (an MoE layer) keeping a ``(E,)`` :data:`BIAS_BUFFER`, or ``None``."""
+    num = experts.gate_up_proj.shape[0]
+    for module in layer.modules():
+        bias = getattr(module, BIAS_BUFFER, None)
+        if module is not experts and isinstance(bias, Tensor) and tuple(bias.shape) == (num,):
+            return module
+    return None
+
+
+def balance_by_bias(network: nn.Module, rate: float) -> list[str]:
+    """Enable DeepSeek-V3's auxiliary-loss-free balancing on every MoE layer of ``network`` whose router keeps a
+    :data:`BIAS_BUFFER` (see the module docstring): its experts module (switched to :class:`ContractExperts`) counts
+    the routed copies per expert in training (``routed_load``, ``(E,)`` float32, not saved) and
+    :func:`update_hf_expert_bias` moves the router's bias by ``rate * sign(mean load - load)``.
+
+    Args:
+        network: the Hugging Face model (a ``PreTrainedModel``).
+        rate: the update speed ``gamma`` (> 0; DeepSeek-V3 used 0.001).
+
+    Returns:
+        the paths of the experts modules whose router is balanced.
+
+    Raises:
+        ValueError: no MoE layer of ``network`` has a router with such a bias, or :func:`expert_modules`'s errors.
+    """
+    balanced = []
+    for path in expert_modules(network):
+        experts = network.get_submodule(path)
+        layer = network.get_submodule(path.rpartition(".")[0])
+        router = _router_with_bias(layer, experts)
+        if router is None:
+            continue
+        bias = getattr(router, BIAS_BUFFER)
+        experts.register_buffer("routed_load", torch.zeros(bias.shape, dtype=torch.float32, device=bias.device),
+                                persistent=False)
+        experts.bias_update_rate = float(rate)
+        experts._bias_router = [router]  # in a list: not a submodule of the experts
+        balanced.append(path)
+    if not balanced:
+        raise ValueError(
+            f"moe_balance='bias' is not valid for {type(network).__name__}: none of its mixture-of-experts layers has "
+            f"a router with a per-expert {BIAS_BUFFER} to update (DeepSeek-V3's); use moe_balance=None."
+        )
+    return balanced
+
+
+def update_hf_expert_bias(experts: list[nn.Module], group: Any = None) -> None:
+    """DeepSeek-V3's bias update (:func:`~lightning_par.expert_parallel.balance.update_selection_biases`) of the
+    routers of ``experts`` (experts modules; those :func:`balance_by_bias` did not enable are skipped), their loads
+    summed over ``group`` with one all-reduce. Call it after every optimizer step on every rank of ``group`` (the
+    ranks holding other tokens: dp x cp), each passing the same modules in the same order."""
+    update_selection_biases([(m.routed_load, getattr(m._bias_router[0], BIAS_BUFFER), m.bias_update_rate)
+                             for m in experts if getattr(m, "routed_load", None) is not None], group)
 
 
 def _switch(module: nn.Module) -> None:

@@ -112,13 +112,20 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
             (:mod:`lightning_par.hf.lora`). ``pretrained`` weights are read into the base before it is wrapped, by
             every process; checkpoints hold the adapters only unless ``adapter_only_checkpoint=False``
             (docs/lora.md). Needs ``pip install 'lightning-par[lora]'``.
+        moe_balance: ``None`` (the routers as ``transformers`` trains them) or ``"bias"``: DeepSeek-V3's
+            auxiliary-loss-free balancing of every router that keeps a per-expert ``e_score_correction_bias``
+            (deepseek_v3 and models built like it; :func:`lightning_par.hf.experts.balance_by_bias`), moved after
+            every optimizer step by ``moe_bias_update_rate * sign(mean load - load)``, the load summed over the dp x cp
+            ranks; saved in checkpoints with the model.
+        moe_bias_update_rate: that update's speed (> 0; DeepSeek-V3 used 0.001).
 
     Raises:
         ValueError: neither or both of ``model_type`` and ``pretrained``; an unknown ``model_type``; ``pretrained``
             not a directory with a ``config.json``, or (when the weights load) without safetensors weights or with
-            weights that do not fit the config; an unknown optimizer; a non-positive learning rate. The message names
-            the argument, the value and what is valid; invalid ``lora`` fields
-            (:func:`lightning_par.hf.lora.lora_options`), or ``optimizer="muon"`` with LoRA.
+            weights that do not fit the config; an unknown optimizer; a non-positive learning rate; ``moe_balance``
+            not ``None`` or ``"bias"``, or ``"bias"`` for a model without a router bias; a non-positive
+            ``moe_bias_update_rate``. The message names the argument, the value and what is valid; invalid ``lora``
+            fields (:func:`lightning_par.hf.lora.lora_options`), or ``optimizer="muon"`` with LoRA.
         ImportError: ``transformers`` is not installed (``pip install 'lightning-par[hf]'``), or ``peft`` with LoRA.
     """
 
@@ -135,6 +142,8 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         muon_lr: float = 0.02,
         muon_ns_precision: str = "bf16",
         lora: Mapping[str, Any] | None = None,
+        moe_balance: str | None = None,
+        moe_bias_update_rate: float = 1e-3,
     ) -> None:
         super().__init__()
         from lightning_par.hf.lora import lora_options
@@ -148,6 +157,10 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         _check("learning_rate", learning_rate, learning_rate > 0, "a positive float")
         _check("muon_lr", muon_lr, muon_lr > 0, "a positive float")
         _check("muon_ns_precision", muon_ns_precision, muon_ns_precision in ("bf16", "fp32"), "'bf16' or 'fp32'")
+        _check("moe_balance", moe_balance, moe_balance in (None, "bias"), "None or 'bias'")
+        _check("moe_bias_update_rate", moe_bias_update_rate,
+               isinstance(moe_bias_update_rate, (int, float)) and 0 < moe_bias_update_rate < float("inf"),
+               "a finite number > 0")
         if model_type is not None:
             _check("model_type", model_type, _known_model_type(model_type),
                    "a transformers model type such as 'llama', 'qwen2', 'qwen3', 'mistral', 'qwen3_moe', 'mixtral'")
@@ -159,7 +172,8 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         self.save_hyperparameters(
             {"model_type": model_type, "config": config, "pretrained": pretrained, "optimizer": optimizer,
              "learning_rate": learning_rate, "weight_decay": weight_decay, "momentum": momentum, "adam_eps": adam_eps,
-             "muon_lr": muon_lr, "muon_ns_precision": muon_ns_precision, "lora": lora}
+             "muon_lr": muon_lr, "muon_ns_precision": muon_ns_precision, "lora": lora, "moe_balance": moe_balance,
+             "moe_bias_update_rate": moe_bias_update_rate}
         )
         try:
             from transformers import AutoConfig, AutoModelForCausalLM
@@ -178,6 +192,10 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         # Built by load_from_checkpoint: the checkpoint's weights replace the pretrained ones, which are not read.
         self._pretrained_pending = pretrained is not None and not _FROM_CHECKPOINT.get()
         self._tied = tied_aliases(self.model)
+        if moe_balance == "bias":
+            from lightning_par.hf.experts import balance_by_bias
+
+            balance_by_bias(self.model, moe_bias_update_rate)
         if lora is not None:
             # The base's weights before the wrapper renames its layers (q_proj -> q_proj.base_layer), in every process
             # (also when built from a checkpoint: an adapter-only checkpoint holds no base).

@@ -26,9 +26,9 @@ over the ranks holding other tokens so that every replica keeps the same bias. W
 is computed (logged) but not added.
 
 The experts run in one of the forms of :func:`~lightning_par.expert_parallel.grouped.expert_ffn` (``torch._grouped_mm``
-on CUDA bf16, a padded ``bmm`` elsewhere, the per-expert loop as a fallback). Tokens are permuted by a stable sort on
-the expert index (no loop over experts); the only host read of a layer is the experts' segment sizes (none with
-``grouped_mm``; under ep the dispatch's split sizes, handed on to the experts).
+on CUDA bf16 and on CPU, a padded ``bmm`` on other accelerators, the per-expert loop as a fallback). Tokens are
+permuted by a stable sort on the expert index (no loop over experts); the only host read of a layer is the experts'
+segment sizes (none with ``grouped_mm``; under ep the dispatch's split sizes, handed on to the experts).
 
 Under context parallelism the per-sequence sums are summed over the cp ranks
 (:func:`~lightning_par.context_parallel.sequence.active_sequence_shard`). Both losses reach backward through
@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_par.aux_loss import attach_aux_loss
 from lightning_par.context_parallel.sequence import active_sequence_shard
+from lightning_par.expert_parallel.balance import update_selection_biases
 from lightning_par.expert_parallel.grouped import FORMS, expert_ffn, sorted_counts
 
 __all__ = ["BALANCES", "GATINGS", "GroupedExperts", "MoE", "Router", "update_expert_bias"]
@@ -315,19 +316,12 @@ class MoE(nn.Module):
 
 @torch.no_grad()
 def update_expert_bias(layers: list[MoE], group: Any = None) -> None:
-    """:meth:`MoE.update_expert_bias` for several layers with one all-reduce (their loads stacked, ``(layers, E)``
-    float32 on the loads' device). Layers without an expert bias are skipped; every rank of ``group`` must pass the
-    same layers (the same pipeline stage)."""
-    layers = [m for m in layers if m.router.expert_bias is not None]
-    if not layers:
-        return
-    load = torch.stack([m.routed_load for m in layers])  # (layers, E)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(load, group=group)
-    for m, row in zip(layers, load):
-        m.routed_load.zero_()
-        # sign(0) = 0: a layer that routed nothing since the last call keeps its bias
-        m.router.expert_bias += m.bias_update_rate * torch.sign(row.mean() - row)
+    """:meth:`MoE.update_expert_bias` for several layers with one all-reduce (their loads concatenated, float32 on the
+    loads' device; :func:`~lightning_par.expert_parallel.balance.update_selection_biases`). Layers without an expert
+    bias are skipped; every rank of ``group`` must pass the same layers (the same pipeline stage)."""
+    # sign(0) = 0: a layer that routed nothing since the last call keeps its bias
+    update_selection_biases([(m.routed_load, m.router.expert_bias, m.bias_update_rate) for m in layers
+                             if m.router.expert_bias is not None], group)
 
 
 def check_moe_options(

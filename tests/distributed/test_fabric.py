@@ -31,6 +31,17 @@ def make_moe() -> MoENet:
     return MoENet()
 
 
+def make_moe_gpt_bias() -> torch.nn.Module:
+    """The GPT with a MoE block (4 experts, top-2) balanced by DeepSeek-V3's router bias, fast enough (rate 0.05) to
+    change the routing within 3 steps; no auxiliary or z-loss."""
+    from lightning_par.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=256, dropout=0.0, num_experts=4,
+                         moe_every=2, moe_balance="bias", moe_bias_update_rate=0.05, moe_aux_loss_coeff=0.0,
+                         moe_z_loss_coeff=0.0))
+
+
 def hsdp_2x2() -> MeshStrategy:
     return MeshStrategy(dp_mode="zero3", dp_replicate_size=2)
 
@@ -156,6 +167,24 @@ def test_fabric_loop_matches_one_process_world2(tmp_path) -> None:
             plain = make_net()
             plain.load_state_dict(got["state"], strict=False)
             torch.testing.assert_close(logits, plain(x[None]).detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_fabric_updates_the_moe_router_bias_as_the_trainer_does() -> None:
+    """DeepSeek-V3's bias update runs after each Fabric optimizer step (the strategy registers the axes'
+    optimizer-step hooks on the optimizer, as the Trainer's does): at ep2 (zero3) and under ddp_overlap every rank's
+    bias is that of one process updating after each step (the reference the Trainer's ``ep2-*-moegpt-bias`` cells of
+    tests/distributed/test_expert_parallel.py meet too), with the losses and parameters at parity."""
+    from tests.fabric_helpers import LAST_REFERENCE_BIASES
+
+    for label, strategy in (("ep2 adamw moegpt bias", ep2), ("ddp_overlap sgd moegpt bias", "ddp_overlap")):
+        optimizer = "adamw" if "adamw" in label else "sgd"
+        got = _check(2, [(label, strategy, 2, {"optimizer": optimizer, "model": make_moe_gpt_bias})],
+                     micro_batch=4, steps=3)[0]
+        reference = dict(LAST_REFERENCE_BIASES)
+        assert reference and all(b.abs().sum() > 0 for b in reference.values()), reference
+        assert got["expert_bias"].keys() == reference.keys(), label
+        for name, bias in reference.items():
+            torch.testing.assert_close(got["expert_bias"][name], bias, rtol=0, atol=1e-7, msg=label)
 
 
 def test_fabric_hsdp_2x2_matches_one_process() -> None:

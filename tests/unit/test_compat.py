@@ -128,3 +128,13 @@ def test_dtensor_and_mesh_helpers(world_of_one: None) -> None:
     store = compat.default_store()
     store.set("compat", "1")
     assert store.get("compat") == b"1"
+
+
+def test_grouped_mm_runs_on_cpu_both_forms() -> None:
+    """The CPU grouped form of the experts (lightning_par.expert_parallel.grouped) rests on these two calls."""
+    assert compat.grouped_mm_runs_on_cpu()
+    x, w, dy = torch.randn(5, 4), torch.randn(2, 4, 8), torch.randn(5, 8)
+    offs = torch.tensor([2, 5], dtype=torch.int32)
+    torch.testing.assert_close(compat.grouped_mm(x, w, offs), torch.cat([x[:2] @ w[0], x[2:] @ w[1]]))
+    per_group = torch.stack([x[:2].t() @ dy[:2], x[2:].t() @ dy[2:]])  # (2, 4, 8)
+    torch.testing.assert_close(compat.grouped_mm(x.t(), dy, offs), per_group)

@@ -86,3 +86,13 @@ def test_layouts_dry_run_trains_two_ranks(tmp_path):
     rows = [line for line in table.splitlines() if line.startswith("| zero3 ") or line.startswith("| pp2-1f1b ")]
     assert len(rows) == 2, table
     assert all("| 2 | cpu | gloo | ok |" in row for row in rows), table
+
+
+def test_moe_row_dry_run_states_grouped_and_loop():
+    """The MoE row of the throughput part (64 experts, grouped_mm vs the per-expert loop), here on the CPU."""
+    table = gpu_check.moe_table(dry_run=True)
+    (row,) = [line for line in table.splitlines() if line.startswith("| 64 |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[4] == "grouped_mm" and float(cells[5]) > 0 and float(cells[7]) > 0, table  # grouped, loop (ms)
+    assert float(cells[8]) == pytest.approx(float(cells[7]) / float(cells[5]), rel=0.1)  # loop / grouped
+    assert "dry run" in table and gpu_check.MOE_GPU["num_experts"] == 64

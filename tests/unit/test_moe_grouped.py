@@ -1,4 +1,4 @@
-"""The experts' forms (padded ``bmm``, the per-expert loop; ``torch._grouped_mm`` is chosen only on CUDA) against each
+"""The experts' forms (``torch._grouped_mm`` with its CPU backward, padded ``bmm``, the per-expert loop) against each
 other and against Hugging Face's own experts, the form chooser, the host reads of a MoE layer, and DeepSeek-V3's
 auxiliary-loss-free balancing on one process (bias update, skewed router brought to balance, resume)."""
 
@@ -25,8 +25,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
+@pytest.mark.parametrize("form", ["bmm", "grouped_mm"])
 @pytest.mark.parametrize("num_experts, tokens", [(2, 7), (8, 100), (64, 512)])
-def test_bmm_form_matches_the_loop_forward_and_backward(num_experts, tokens):
+def test_grouped_forms_match_the_loop_forward_and_backward(num_experts, tokens, form):
     torch.manual_seed(0)
     d, h = 16, 24
     counts = _segments(num_experts, tokens, empty=1)
@@ -34,19 +35,21 @@ def test_bmm_form_matches_the_loop_forward_and_backward(num_experts, tokens):
     w1 = torch.randn(num_experts, d, h, requires_grad=True)
     w2 = torch.randn(num_experts, h, d, requires_grad=True)
     results = {}
-    for form in ("loop", "bmm"):
-        y = expert_ffn(x, counts, w1, w2, F.gelu, form=form)
-        results[form] = (y, *torch.autograd.grad(y.pow(2).sum(), (x, w1, w2)))
-    for got, want in zip(results["bmm"], results["loop"]):
+    for name in ("loop", form):
+        y = expert_ffn(x, counts, w1, w2, F.gelu, form=name)
+        results[name] = (y, *torch.autograd.grad(y.pow(2).sum(), (x, w1, w2)))
+    for got, want in zip(results[form], results["loop"]):
         assert _rel(got, want) <= 1e-5
-    assert counts[1] == 0 and results["bmm"][2][1].abs().max() == 0  # an expert without tokens gets no gradient
+        if form == "grouped_mm":  # on CPU each group's product is the loop's own mm
+            assert torch.equal(got, want)
+    assert counts[1] == 0 and results[form][2][1].abs().max() == 0  # an expert without tokens gets no gradient
 
 
 def test_no_tokens_still_depends_on_the_tokens():
     """Under ep a rank may receive no token: its output must still lead back to the (empty) tokens, so that the
     combine's backward all-to-all runs on every rank."""
     x = torch.zeros(0, 4, requires_grad=True)
-    for form in ("bmm", "loop"):
+    for form in FORMS:
         w1, w2 = torch.randn(3, 4, 8, requires_grad=True), torch.randn(3, 8, 4, requires_grad=True)
         y = expert_ffn(x, torch.zeros(3, dtype=torch.int64), w1, w2, F.gelu, form=form)
         assert y.shape == (0, 4) and y.requires_grad
@@ -58,10 +61,16 @@ def test_no_tokens_still_depends_on_the_tokens():
 
 def test_the_form_is_chosen_by_one_function():
     x, w = torch.randn(10, 8), torch.randn(4, 8, 8)
-    assert choose_form(x, (w, w)) == "loop"  # CPU: the loop measured faster than the padded bmm
-    assert choose_form(x, (w, w), rows=[3, 3, 2, 2]) == "loop"
-    # grouped_mm has no CPU backward in torch 2.13: asked for, the bmm runs instead
-    assert choose_form(x.bfloat16(), (w.bfloat16(), w.bfloat16()), requested="grouped_mm") == "bmm"
+    # CPU: grouped_mm with its own backward (measured faster than the loop, the loop faster than the padded bmm)
+    assert choose_form(x, (w, w)) == "grouped_mm"
+    assert choose_form(x, (w, w), rows=[3, 3, 2, 2]) == "grouped_mm"
+    assert choose_form(x.bfloat16(), (w.bfloat16(), w.bfloat16()), requested="grouped_mm") == "grouped_mm"
+    # where grouped_mm does not run (float64; a width of 6 floats, 24 bytes: not a multiple of 16): the loop, and the
+    # bmm when grouped_mm is asked for
+    assert choose_form(x.double(), (w.double(), w.double())) == "loop"
+    odd = torch.randn(4, 8, 6)
+    assert choose_form(x, (odd, odd.transpose(1, 2))) == "loop"
+    assert choose_form(x.double(), (w.double(), w.double()), requested="grouped_mm") == "bmm"
     assert choose_form(x, (w, w), requested="bmm") == "bmm"
     meta = x.to("meta")  # the choice off the CPU (an accelerator without grouped_mm's conditions): bmm unless skewed
     assert choose_form(meta, (w, w), rows=[3, 3, 2, 2]) == "bmm"
@@ -86,17 +95,18 @@ def test_bad_balance_and_form_options_name_field_value_and_valid_values(field, v
 
 
 @pytest.mark.parametrize("gating, shared, capacity", [("softmax", False, None), ("sigmoid", True, 1.0)])
-def test_gpt_moe_layer_bmm_matches_the_loop(gating, shared, capacity):
+def test_gpt_moe_layer_grouped_forms_match_the_loop(gating, shared, capacity):
     results = {}
     x = torch.randn(3, 12, 16, generator=torch.Generator().manual_seed(1))
-    for form in ("loop", "bmm"):
+    for form in ("loop", "bmm", "grouped_mm"):
         torch.manual_seed(0)
         layer = MoE(16, 32, 8, 2, gating=gating, shared_expert=shared, capacity_factor=capacity, experts_form=form)
         y = layer(x)
         y.pow(2).mean().backward()
         results[form] = [y] + [p.grad for p in layer.parameters()]
-    for got, want in zip(results["bmm"], results["loop"]):
-        assert _rel(got, want) <= 1e-5
+    for form in ("bmm", "grouped_mm"):
+        for got, want in zip(results[form], results["loop"]):
+            assert _rel(got, want) <= 1e-5, form
 
 
 class _HostReads:
@@ -116,7 +126,7 @@ class _HostReads:
             monkeypatch.setattr(torch.Tensor, name, wrapped)
 
 
-@pytest.mark.parametrize("form, reads", [("bmm", 1), ("loop", 1)])
+@pytest.mark.parametrize("form, reads", [("bmm", 1), ("loop", 1), ("grouped_mm", 0)])
 def test_a_moe_layer_reads_the_host_once(monkeypatch, form, reads):
     torch.manual_seed(0)
     layer = MoE(16, 32, 8, 2, capacity_factor=1.5, experts_form=form, balance="both")
@@ -128,7 +138,7 @@ def test_a_moe_layer_reads_the_host_once(monkeypatch, form, reads):
 
 # ---------------------------------------------------------------------------------------- Hugging Face experts
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "mixtral", "olmoe", "qwen2_moe"])
-def test_hf_experts_bmm_matches_the_loop_and_the_models_own_forward(arch):
+def test_hf_experts_grouped_forms_match_the_loop_and_the_models_own_forward(arch):
     pytest.importorskip("transformers")
     from lightning_par.hf import HFCausalLM
     from lightning_par.hf.experts import ContractExperts, expert_modules
@@ -153,9 +163,16 @@ def test_hf_experts_bmm_matches_the_loop_and_the_models_own_forward(arch):
     index = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(40)])
     weights = torch.rand(40, 2, generator=g)
     theirs = own(experts, x, index, weights)
-    for form in ("loop", "bmm"):
+    grads = {}
+    for form in FORMS:
         experts.form = form
         assert _rel(experts(x, index, weights), theirs) <= 1e-5, form
+        # and the gradients of the (E, out, in) weights, read through transposed views
+        grads[form] = torch.autograd.grad(experts(x, index, weights).pow(2).sum(),
+                                          (experts.gate_up_proj, experts.down_proj))
+    for form in ("bmm", "grouped_mm"):
+        for got, want in zip(grads[form], grads["loop"]):
+            assert _rel(got, want) <= 1e-5, form
 
 
 # ---------------------------------------------------------------------------------- auxiliary-loss-free balancing
@@ -310,6 +327,149 @@ def test_summary_keeps_each_layers_imbalance_and_the_dropped_total():
 def test_moe_benchmark_table_states_the_ratios():
     from lightning_par.benchmarks.moe import render
 
-    rows = [{"experts": 64, "form": "bmm", "grouped_s": 0.05, "loop_s": 0.1, "indexed_s": 0.2}]
+    rows = [{"experts": 64, "tokens": 32, "top_k": 2, "form": "grouped_mm", "grouped_s": 0.05, "bmm_s": 0.12,
+             "loop_s": 0.1, "indexed_s": 0.2}]
     table = render(rows, {"dim": 8, "hidden": 16, "tokens": 32, "steps": 2})
-    assert "| 64 | bmm | 50.0 | 100.0 | 2.00 | 200.0 | 4.00 |" in table
+    assert "| 64 | 2 | 32 | 1 | grouped_mm | 50.0 | 120.0 | 100.0 | 2.00 | 200.0 | 4.00 |" in table
+
+
+# ------------------------------------------------------- auxiliary-loss-free balancing of Hugging Face routers
+def _hf_skewed(balance: str | None, rate: float = 0.003):
+    """A tiny deepseek_v3 (1 MoE layer, 8 experts, top-2, one shared expert) whose router sends most tokens to experts
+    0 and 1 at start (as :func:`_skewed`); returns the module and its MoE layer."""
+    pytest.importorskip("transformers")
+    from lightning_par.hf import HFCausalLM
+
+    torch.manual_seed(0)
+    config = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 32, "n_routed_experts": 8,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 16, "first_k_dense_replace": 0, "n_group": 1,
+              "topk_group": 1, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+              "v_head_dim": 8, "n_shared_experts": 1}
+    module = HFCausalLM(model_type="deepseek_v3", config=config, moe_balance=balance, moe_bias_update_rate=rate)
+    layer = module.model.model.layers[0].mlp
+    with torch.no_grad():
+        layer.gate.weight.normal_(0, 0.3)
+        layer.gate.weight[:2] += 0.2
+    return module, layer
+
+
+def _hf_train(layer, steps: range, optimizer: torch.optim.Optimizer) -> list[float]:
+    """SGD on a regression through the MoE layer alone (no auxiliary loss: transformers adds none without labels);
+    after each step the bias update the strategies run. Returns max/mean routed copies per expert of each step."""
+    from lightning_par.hf.experts import update_hf_expert_bias
+
+    curve = []
+    for step in steps:
+        x, target = _batch(step)
+        F.mse_loss(layer(x), target).backward()
+        _, _, chosen = layer.gate(x)  # the router's choice with the bias of this step
+        counts = torch.bincount(chosen.reshape(-1), minlength=8).float()
+        curve.append(float(counts.max() / counts.mean()))
+        optimizer.step()
+        optimizer.zero_grad()
+        update_hf_expert_bias([layer.experts])  # a no-op without moe_balance="bias"
+    return curve
+
+
+def test_hf_router_bias_update_is_deepseek_v3s_rule_and_refused_without_a_bias():
+    from lightning_par.hf.experts import BIAS_BUFFER
+
+    module, layer = _hf_skewed("bias", rate=0.1)
+    x, _ = _batch(0)
+    _, weights_before, chosen = layer.gate(x)
+    layer(x)
+    load = torch.bincount(chosen.reshape(-1), minlength=8).float()
+    torch.testing.assert_close(layer.experts.routed_load, load)  # the copies routed by the model's own router
+    layer.experts.update_expert_bias()
+    torch.testing.assert_close(getattr(layer.gate, BIAS_BUFFER), 0.1 * torch.sign(load.mean() - load))
+    assert layer.experts.routed_load.abs().sum() == 0
+    layer.experts.update_expert_bias()  # nothing routed since: the bias stays
+    torch.testing.assert_close(getattr(layer.gate, BIAS_BUFFER), 0.1 * torch.sign(load.mean() - load))
+    layer.eval()
+    layer(x)  # evaluation does not count
+    assert layer.experts.routed_load.abs().sum() == 0
+    state = module.state_dict()
+    assert f"model.model.layers.0.mlp.gate.{BIAS_BUFFER}" in state
+    assert not any(k.endswith("routed_load") for k in state)
+    # without the option the bias is the model's (never moved); a model without a router bias refuses "bias"
+    plain, plain_layer = _hf_skewed(None)
+    assert getattr(plain_layer.experts, "routed_load", None) is None
+    from lightning_par.hf import HFCausalLM
+
+    qwen = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 64, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16}
+    with pytest.raises(ValueError, match="moe_balance='bias' is not valid for Qwen3MoeForCausalLM: none of its "
+                                         "mixture-of-experts layers has a router with a per-expert "
+                                         "e_score_correction_bias"):
+        HFCausalLM(model_type="qwen3_moe", config=qwen, moe_balance="bias")
+    with pytest.raises(ValueError, match=r"HFCausalLM moe_balance='both' is not valid: expected None or 'bias'"):
+        HFCausalLM(model_type="qwen3_moe", config=qwen, moe_balance="both")
+    with pytest.raises(ValueError, match=r"HFCausalLM moe_bias_update_rate=0 is not valid: expected a finite number"):
+        HFCausalLM(model_type="qwen3_moe", config=qwen, moe_balance="bias", moe_bias_update_rate=0)
+
+
+def test_hf_router_bias_balances_a_skewed_router_and_resumes_exactly(tmp_path):
+    from lightning_par.hf.experts import BIAS_BUFFER
+
+    module, layer = _hf_skewed("bias")
+    curve = _hf_train(layer, range(200), torch.optim.SGD(layer.parameters(), lr=0.05))
+    assert curve[0] >= 2.5, curve[0]  # skewed at start (measured 2.98)
+    assert max(curve[-10:]) <= 1.2, curve[-10:]  # balanced at the end (measured 1.13 at most over the last 10)
+    _, plain = _hf_skewed(None)
+    unbalanced = _hf_train(plain, range(200), torch.optim.SGD(plain.parameters(), lr=0.05))
+    assert min(unbalanced[-10:]) > 1.5, unbalanced[-10:]
+    # 100 steps, a save of the module's state (the bias with it), a fresh module loads it and runs 100 more
+    first_module, first = _hf_skewed("bias")
+    opt = torch.optim.SGD(first.parameters(), lr=0.05)
+    _hf_train(first, range(100), opt)
+    torch.save({"model": first_module.state_dict(), "opt": opt.state_dict()}, tmp_path / "hf.pt")
+    resumed_module, resumed = _hf_skewed("bias")
+    state = torch.load(tmp_path / "hf.pt")
+    resumed_module.load_state_dict(state["model"])
+    assert torch.equal(getattr(resumed.gate, BIAS_BUFFER), getattr(first.gate, BIAS_BUFFER))
+    opt2 = torch.optim.SGD(resumed.parameters(), lr=0.05)
+    opt2.load_state_dict(state["opt"])
+    _hf_train(resumed, range(100, 200), opt2)
+    assert torch.equal(getattr(resumed.gate, BIAS_BUFFER), getattr(layer.gate, BIAS_BUFFER))
+
+
+def test_the_recipe_passes_moe_balance_to_a_hugging_face_model():
+    """``model=hf model.moe_balance=bias``: the schema holds the option and the recipe's model gets it."""
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from lightning_par.config.schema import register_configs
+
+    register_configs()
+    deepseek = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 1,
+                "topk_group": 1, "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16,
+                "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
+    overrides = ["model=hf", "model.model_type=deepseek_v3", "model.moe_balance=bias",
+                 "model.moe_bias_update_rate=0.01", *(f"+model.config.{k}={v}" for k, v in deepseek.items())]
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=overrides)
+    module = instantiate(cfg.model)
+    experts = module.model.model.layers[1].mlp.experts
+    assert module.hparams.moe_balance == "bias" and experts.bias_update_rate == 0.01
+    assert experts.routed_load.shape == (4,)
+
+
+def test_a_compiled_moe_layer_on_cpu_traces_the_loop_and_matches_eager():
+    """torch 2.13's fake-tensor rule of ``_grouped_mm`` takes bf16 only, so under ``torch.compile`` the CPU fp32 layer
+    traces the loop: it compiles, and matches the eager ``grouped_mm`` form."""
+    torch.manual_seed(0)
+    layer = MoE(16, 32, 8, 2)
+    x = torch.randn(2, 8, 16)
+    want = layer(x)
+    want.sum().backward()
+    grad = layer.experts.w1.grad.clone()
+    layer.zero_grad()
+    torch._dynamo.reset()
+    got = torch.compile(layer, backend="aot_eager")(x)
+    got.sum().backward()
+    assert _rel(got, want) <= 1e-5 and _rel(layer.experts.w1.grad, grad) <= 1e-5
