@@ -136,18 +136,18 @@ def _dcp_allowed() -> dict[tuple[str, str], Any]:
 
     import torch.distributed.checkpoint.filesystem as filesystem
     import torch.distributed.checkpoint.metadata as metadata
-    from torch.serialization import _get_layout
+    from lightning_par.compat import dcp_storage_info_class, serialization_get_layout
 
     allowed: dict[tuple[str, str], Any] = {}
     for name in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
                  "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"):
         allowed[(metadata.__name__, name)] = getattr(metadata, name)
-    allowed[(filesystem.__name__, "_StorageInfo")] = filesystem._StorageInfo
+    allowed[(filesystem.__name__, "_StorageInfo")] = dcp_storage_info_class()
     allowed[("torch", "Size")] = torch.Size
     for name, value in vars(torch).items():
         if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
             allowed[("torch", name)] = value
-    allowed[("torch.serialization", "_get_layout")] = _get_layout
+    allowed[("torch.serialization", "_get_layout")] = serialization_get_layout()
     for cls in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath, pathlib.Path):
         allowed[("pathlib", cls.__name__)] = cls
     allowed[("collections", "OrderedDict")] = collections.OrderedDict
@@ -265,13 +265,15 @@ def _reader_class() -> type:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
+    from lightning_par.compat import dcp_metadata_path
+
     class _SafeFileSystemReader(FileSystemReader):
         """DCP's ``FileSystemReader`` whose ``.metadata`` is read by :func:`read_dcp_metadata` (never
         ``pickle.load``)."""
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             rank = kwargs.get("rank")
-            path = Path(self._get_metadata_path(rank))
+            path = Path(dcp_metadata_path(self, rank))
             metadata = read_dcp_metadata(path.parent, path.read_bytes())
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
@@ -296,7 +298,8 @@ _PLANNER: type | None = None
 
 def _planner_class() -> type:
     from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element  # DCP's own helper, as its planner uses
+
+    from lightning_par.compat import dcp_set_element as set_element  # DCP's own helper, as its planner uses
 
     class _SafeLoadPlanner(DefaultLoadPlanner):
         """DCP's ``DefaultLoadPlanner`` whose non-tensor entries are read with ``torch.load(weights_only=True)``."""

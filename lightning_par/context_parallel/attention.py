@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.overrides import TorchFunctionMode
 
-from lightning_par.compat import flash_attention_cpu, flash_attention_cpu_backward
+from lightning_par.compat import current_function_mode_stack, flash_attention_cpu, flash_attention_cpu_backward
 from lightning_par.context_parallel import sequence
 from lightning_par.step_context import StepToken, StepVar
 
@@ -606,7 +606,7 @@ _ACTIVE_MODES: StepVar[tuple[CPAttentionMode, ...]] = StepVar("cp_attention_mode
 
 @contextmanager
 def _reentered(method: str, group: dist.ProcessGroup | None, positions: Tensor) -> Generator[None, None, None]:
-    if any(isinstance(m, CPAttentionMode) for m in _get_current_function_mode_stack()):
+    if any(isinstance(m, CPAttentionMode) for m in current_function_mode_stack()):
         # the mode is on (a pipeline's backward inside the schedule's step): only its shard, for a recomputation on a
         # thread of autograd's, which does not see the step's values (lightning_par/step_context.py)
         size = dist.get_world_size(group) if group is not None else 1

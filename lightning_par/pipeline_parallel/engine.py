@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map_only
 
 from lightning_par import contract
 from lightning_par.aux_loss import aux_loss_scaled
@@ -46,6 +45,7 @@ from lightning_par.compat import (
     keep_buffers_through_metadata_inference,
     pipeline_stage_meta,
     stage_to_rank_mapping,
+    tree_map_only,
 )
 from lightning_par.pipeline_parallel.bubble import StepRecord, StepTimer
 from lightning_par.pipeline_parallel.options import PipelineOptions
