@@ -22,6 +22,7 @@ protect against this (anyone who can write the file can rewrite the record): onl
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import re
@@ -261,6 +262,7 @@ def check_bytes_entries(directory: str | Path, metadata: Any) -> None:
                              f"checkpoint.") from None
 
 
+@functools.cache  # one class per process: built on first use (DCP is imported lazily)
 def _reader_class() -> type:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -286,16 +288,10 @@ def _reader_class() -> type:
 def safe_reader(path: str | Path) -> Any:
     """A ``torch.distributed.checkpoint.FileSystemReader`` for ``path`` that reads ``.metadata`` safely
     (:func:`read_dcp_metadata`)."""
-    global _READER
-    if _READER is None:
-        _READER = _reader_class()
-    return _READER(path)
+    return _reader_class()(path)
 
 
-_READER: type | None = None
-_PLANNER: type | None = None
-
-
+@functools.cache  # as _reader_class
 def _planner_class() -> type:
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
@@ -323,10 +319,7 @@ def _planner_class() -> type:
 def safe_load_planner(path: str | Path | None = None) -> Any:
     """A ``torch.distributed.checkpoint.DefaultLoadPlanner`` whose non-tensor entries are read with
     ``weights_only=True`` (``path`` only names the checkpoint in errors)."""
-    global _PLANNER
-    if _PLANNER is None:
-        _PLANNER = _planner_class()
-    planner = _PLANNER()
+    planner = _planner_class()()
     planner._lp_path = path
     return planner
 

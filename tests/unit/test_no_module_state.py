@@ -131,8 +131,6 @@ PROCESS_STATE: dict[str, str] = {
         "cache of the generated contract-speaking expert subclasses (hf/experts.py is being changed by the MoE work)",
     "lightning_par.hf.pipeline:_CHECKED":
         "weak cache of a network's checked pipeline plan: keyed by the network, gone with it",
-    "lightning_par.checkpoint.safe:_READER": "DCP's reader class, imported lazily once (a class, never changed after)",
-    "lightning_par.checkpoint.safe:_PLANNER": "DCP's load planner class, imported lazily once (as _READER)",
     "lightning_par.config.loggers:_WARNED": "the logger packages already warned about: one warning per process",
     "lightning_par.contract:_ADAPTERS":
         "the network adapters registered by register_adapter (a plug-in registry; hf registers at import)",
