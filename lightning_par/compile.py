@@ -56,11 +56,11 @@ _CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def _backends(every: bool = True) -> list[str]:
-    import torch._dynamo
+    from lightning_par.compat import dynamo_backends
 
     if every:
-        return sorted(torch._dynamo.list_backends(exclude_tags=()))
-    return sorted({*torch._dynamo.list_backends(), "aot_eager", "eager"})  # the two debug backends a user checks with
+        return sorted(dynamo_backends(exclude_tags=()))
+    return sorted({*dynamo_backends(), "aot_eager", "eager"})  # the two debug backends a user checks with
 
 
 @dataclass(frozen=True)
@@ -228,8 +228,9 @@ class CompileStats:
 
     @staticmethod
     def _read() -> dict[str, Any]:
-        from torch._dynamo.utils import counters
+        from lightning_par.compat import dynamo_counters
 
+        counters = dynamo_counters()
         return {
             "frames": int(counters["frames"]["ok"]),
             "attempts": int(counters["frames"]["total"]),
@@ -344,10 +345,10 @@ def _compile(build: Build) -> None:
     # Blocks of one class share a compiled function; a block whose forward specialises on a per-layer Python value
     # (a layer index) costs one entry each. Room for every block, so that none falls back to eager at dynamo's
     # default limit (8) on a deep model.
-    import torch._dynamo.config
+    from lightning_par.compat import dynamo_config
 
-    limit = max(torch._dynamo.config.recompile_limit, len(build.compiled) + 8)
-    torch._dynamo.config.recompile_limit = limit
+    config = dynamo_config()
+    config.recompile_limit = max(config.recompile_limit, len(build.compiled) + 8)
     stats = CompileStats()
 
     def step_log() -> dict[str, float]:

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_par.compat import TorchDispatchMode, local_tensor, tree_leaves
+from lightning_par.compat.lightning import plain_optimizer
 
 __all__ = [
     "LiveStorageBytes",
@@ -111,7 +112,7 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimi
     state_tensors: list[Tensor] = []
     opt_params: list[Tensor] = []
     for optimizer in optimizers:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = plain_optimizer(optimizer)
         for per_param in optimizer.state.values():
             state_tensors.extend(_tensors_in(per_param))
         opt_params.extend(p for group in optimizer.param_groups for p in group["params"])
@@ -181,7 +182,7 @@ def model_state_tensors(module: nn.Module, optimizers: Iterable[torch.optim.Opti
             tensors.append(p.grad)
     tensors.extend(module.buffers())
     for optimizer in optimizers:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = plain_optimizer(optimizer)
         for group in optimizer.param_groups:
             for p in group["params"]:
                 tensors.append(p)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from lightning_par.aux_loss import set_aux_loss_scale
+from lightning_par.aux_loss import aux_loss_scaled
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -37,10 +37,10 @@ class StepHooks:
         """One training step: ``call(batch)`` runs the LightningModule's ``training_step`` on this rank's batch
         (:meth:`~lightning_par.parallelize.ParallelModel.prepare_batch`), inside the step's contexts."""
         batch = self.parallel.prepare_batch(batch)
-        set_aux_loss_scale(1.0 / host.lightning_module.trainer.accumulate_grad_batches)  # Lightning's loss factor
         from lightning_par.data.doc_mask import batch_document_ids
 
-        with self.parallel.loss_context(), self._document_attention(batch_document_ids(batch)):
+        scale = 1.0 / host.lightning_module.trainer.accumulate_grad_batches  # Lightning's loss factor
+        with aux_loss_scaled(scale), self.parallel.loss_context(), self._document_attention(batch_document_ids(batch)):
             return self.parallel.run_step(call, batch)
 
     def _document_attention(self, documents: Any) -> AbstractContextManager[None]:

@@ -49,10 +49,9 @@ def _worker(shape: dict[str, int], batch: int, steps: int, warmup: int, options:
     import os
 
     import torch
-    import torch._functorch.config
-    import torch._inductor.config
 
     from lightning_par.benchmarks.common import Contender, run_in_turns, token_batches
+    from lightning_par.compat import compile_caches_off
     from lightning_par.launcher import init_process_group_from_env
     from lightning_par.models import GPTConfig, GPTLightningModule
     from lightning_par.parallel_dims import ParallelDims
@@ -60,8 +59,7 @@ def _worker(shape: dict[str, int], batch: int, steps: int, warmup: int, options:
 
     init_process_group_from_env(timeout_s=900)
     torch.set_num_threads(1)
-    torch._inductor.config.fx_graph_cache = False  # every run compiles from scratch: compile times comparable
-    torch._functorch.config.enable_autograd_cache = False
+    compile_caches_off()  # every run compiles from scratch: compile times comparable
     world = int(os.environ["WORLD_SIZE"])
     sizes = {k: options[k] for k in ("tp_size", "pp_size") if k in options}
     rest = {k: v for k, v in options.items() if k not in sizes}

@@ -222,8 +222,9 @@ def _time_sigterm_broadcast(trainer: L.Trainer) -> list[float]:
     """Wall seconds of each call of the broadcast of the SIGTERM flag that Lightning's training epoch loop makes
     before every batch of a multi-process run (``_broadcast_sigterm_tensor``, a private method: where this Lightning
     has none, the list stays empty and the table prints ``-``)."""
-    loop = trainer.fit_loop.epoch_loop
-    broadcast = getattr(loop, "_broadcast_sigterm_tensor", None)
+    from lightning_par.compat.lightning import set_sigterm_broadcast, sigterm_broadcast
+
+    broadcast = sigterm_broadcast(trainer)
     times: list[float] = []
     if broadcast is None:
         return times
@@ -235,7 +236,7 @@ def _time_sigterm_broadcast(trainer: L.Trainer) -> list[float]:
         finally:
             times.append(time.perf_counter() - start)
 
-    loop._broadcast_sigterm_tensor = timed
+    set_sigterm_broadcast(trainer, timed)
     return times
 
 

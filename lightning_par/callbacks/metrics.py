@@ -83,10 +83,10 @@ def _flops_per_token(pl_module: L.LightningModule) -> float | None:
 
 def _compute_dtype(trainer: L.Trainer) -> torch.dtype:
     """The dtype matmuls run in under the trainer's precision plugin (float32 when it cannot be determined)."""
-    try:  # Lightning's own mapping, private: fall back to float32 if it moves
-        from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+    try:  # Lightning's own mapping, private (the register): fall back to float32 if it moves
+        from lightning_par.compat.lightning import plugin_compute_dtype
 
-        return _plugin_to_compute_dtype(trainer.precision_plugin)
+        return plugin_compute_dtype(trainer.precision_plugin)
     except Exception:
         return torch.float32
 

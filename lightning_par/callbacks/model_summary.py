@@ -18,6 +18,8 @@ from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
 from lightning.pytorch.utilities.model_summary import ModelSummary
 from lightning.pytorch.utilities.model_summary.model_summary import LayerSummary
 
+from lightning_par.compat.lightning import summary_max_depth
+
 __all__ = ["WholeModelSummary", "install", "whole_model_summary"]
 
 
@@ -65,7 +67,7 @@ def _summary(callback: ModelSummaryCallback, trainer: Any, pl_module: Any) -> An
     parallel = getattr(trainer.strategy, "parallel", None)
     if parallel is None or parallel.module is not pl_module:
         return type(callback)._summary(callback, trainer, pl_module)
-    return WholeModelSummary(pl_module, callback._max_depth, parallel.parameter_counts(),
+    return WholeModelSummary(pl_module, summary_max_depth(callback), parallel.parameter_counts(),
                              forward_example=not parallel.dims.pp_enabled)
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE, RichProgressBar
+from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBar
+
+from lightning_par.compat.lightning import RICH_AVAILABLE
 
 __all__ = ["StepProgressBar", "default_progress_bar"]
 
@@ -31,4 +33,4 @@ class StepProgressBar(RichProgressBar):
 def default_progress_bar() -> Any | None:
     """:class:`StepProgressBar` where Lightning would pick ``RichProgressBar`` (``rich`` installed), else ``None``
     (Lightning's ``TQDMProgressBar`` labels step-based runs correctly)."""
-    return StepProgressBar() if _RICH_AVAILABLE else None
+    return StepProgressBar() if RICH_AVAILABLE else None

@@ -121,9 +121,9 @@ def install_directory_loading() -> None:
     checkpoint holds, and handed to Lightning's own function as a file object; every other argument goes to Lightning
     unchanged.
     """
-    import lightning.pytorch.core.module as lightning_module
+    from lightning_par.compat.lightning import checkpoint_loader, set_checkpoint_loader
 
-    original = lightning_module._load_from_checkpoint
+    original = checkpoint_loader()
     if getattr(original, "_lightning_par_directories", False):
         return
 
@@ -136,4 +136,4 @@ def install_directory_loading() -> None:
         return original(cls, checkpoint_path, *args, **kwargs)
 
     _load_from_checkpoint._lightning_par_directories = True  # type: ignore[attr-defined]
-    lightning_module._load_from_checkpoint = _load_from_checkpoint
+    set_checkpoint_loader(_load_from_checkpoint)

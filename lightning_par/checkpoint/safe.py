@@ -22,6 +22,7 @@ protect against this (anyone who can write the file can rewrite the record): onl
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import re
@@ -136,18 +137,18 @@ def _dcp_allowed() -> dict[tuple[str, str], Any]:
 
     import torch.distributed.checkpoint.filesystem as filesystem
     import torch.distributed.checkpoint.metadata as metadata
-    from torch.serialization import _get_layout
+    from lightning_par.compat import dcp_storage_info_class, serialization_get_layout
 
     allowed: dict[tuple[str, str], Any] = {}
     for name in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
                  "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING"):
         allowed[(metadata.__name__, name)] = getattr(metadata, name)
-    allowed[(filesystem.__name__, "_StorageInfo")] = filesystem._StorageInfo
+    allowed[(filesystem.__name__, "_StorageInfo")] = dcp_storage_info_class()
     allowed[("torch", "Size")] = torch.Size
     for name, value in vars(torch).items():
         if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
             allowed[("torch", name)] = value
-    allowed[("torch.serialization", "_get_layout")] = _get_layout
+    allowed[("torch.serialization", "_get_layout")] = serialization_get_layout()
     for cls in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath, pathlib.Path):
         allowed[("pathlib", cls.__name__)] = cls
     allowed[("collections", "OrderedDict")] = collections.OrderedDict
@@ -261,9 +262,12 @@ def check_bytes_entries(directory: str | Path, metadata: Any) -> None:
                              f"checkpoint.") from None
 
 
+@functools.cache  # one class per process: built on first use (DCP is imported lazily)
 def _reader_class() -> type:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
+
+    from lightning_par.compat import dcp_metadata_path
 
     class _SafeFileSystemReader(FileSystemReader):
         """DCP's ``FileSystemReader`` whose ``.metadata`` is read by :func:`read_dcp_metadata` (never
@@ -271,7 +275,7 @@ def _reader_class() -> type:
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             rank = kwargs.get("rank")
-            path = Path(self._get_metadata_path(rank))
+            path = Path(dcp_metadata_path(self, rank))
             metadata = read_dcp_metadata(path.parent, path.read_bytes())
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
@@ -284,19 +288,14 @@ def _reader_class() -> type:
 def safe_reader(path: str | Path) -> Any:
     """A ``torch.distributed.checkpoint.FileSystemReader`` for ``path`` that reads ``.metadata`` safely
     (:func:`read_dcp_metadata`)."""
-    global _READER
-    if _READER is None:
-        _READER = _reader_class()
-    return _READER(path)
+    return _reader_class()(path)
 
 
-_READER: type | None = None
-_PLANNER: type | None = None
-
-
+@functools.cache  # as _reader_class
 def _planner_class() -> type:
     from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element  # DCP's own helper, as its planner uses
+
+    from lightning_par.compat import dcp_set_element as set_element  # DCP's own helper, as its planner uses
 
     class _SafeLoadPlanner(DefaultLoadPlanner):
         """DCP's ``DefaultLoadPlanner`` whose non-tensor entries are read with ``torch.load(weights_only=True)``."""
@@ -320,10 +319,7 @@ def _planner_class() -> type:
 def safe_load_planner(path: str | Path | None = None) -> Any:
     """A ``torch.distributed.checkpoint.DefaultLoadPlanner`` whose non-tensor entries are read with
     ``weights_only=True`` (``path`` only names the checkpoint in errors)."""
-    global _PLANNER
-    if _PLANNER is None:
-        _PLANNER = _planner_class()
-    planner = _PLANNER()
+    planner = _planner_class()()
     planner._lp_path = path
     return planner
 

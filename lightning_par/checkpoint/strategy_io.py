@@ -18,6 +18,7 @@ from torch import Tensor
 from lightning_par.checkpoint.adapter_only import adapter_only
 from lightning_par.checkpoint.async_save import PendingSave, start_async_save
 from lightning_par.checkpoint.sharded import load_sharded, save_sharded
+from lightning_par.compat.lightning import plain_optimizer
 
 __all__ = ["ShardedCheckpointIO", "load_parallel_state"]
 
@@ -152,7 +153,7 @@ class ShardedCheckpointIO:
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """This rank's part of the optimizer state, keyed by one-process parameter name."""
         assert self.parallel is not None
-        return self.parallel.optimizer_state_dict(getattr(optimizer, "_optimizer", optimizer))
+        return self.parallel.optimizer_state_dict(plain_optimizer(optimizer))
 
     def checkpoint_record(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """What this strategy writes into a checkpoint's record (``lightning_par.json``)."""
@@ -208,7 +209,7 @@ class ShardedCheckpointIO:
         from lightning_par.checkpoint.adapter_only import frozen_parameter_names
 
         return load_parallel_state(
-            self.parallel, path, [getattr(o, "_optimizer", o) for o in self.optimizers],
+            self.parallel, path, [plain_optimizer(o) for o in self.optimizers],
             before_load=lambda m: self._check_resume(path, m), skip=frozen_parameter_names(self.lightning_module),
         )
 

@@ -36,7 +36,6 @@ from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS, ReducerOpti
 from lightning_par.fault.preemption import PREEMPTION_SIGNALS
 from lightning_par.float8 import Float8Options
 from lightning_par.pipeline_parallel.options import PipelineOptions
-from lightning_par.planner.devices import DEVICE_PRESETS
 from lightning_par.strategies import MeshStrategy, Parallel3DStrategy
 from lightning_par.tensor_parallel.options import TensorParallelOptions
 
@@ -651,9 +650,13 @@ class LRScalingConfig:
     warmup_samples: int = 0
 
 
+#: The names of the planner's device presets (:data:`lightning_par.planner.devices.DEVICE_PRESETS`), written here so
+#: that composing a config does not load the planner (tests/unit/test_import_layers.py checks they are the same).
+DEVICE_PRESET_NAMES: tuple[str, ...] = ("a100-40gb", "a100-80gb", "h100-80gb", "h200")
+
 #: The planner's device presets as a config type: ``planner.device=h100-80gb`` is checked against them when the config
 #: is composed (a ``str`` enum, so the value stays a plain string in JSON).
-DevicePreset = Enum("DevicePreset", {name: name for name in DEVICE_PRESETS}, type=str, module=__name__)
+DevicePreset = Enum("DevicePreset", {name: name for name in DEVICE_PRESET_NAMES}, type=str, module=__name__)
 
 
 @dataclass

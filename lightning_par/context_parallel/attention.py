@@ -42,10 +42,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.overrides import TorchFunctionMode
 
-from lightning_par.compat import flash_attention_cpu, flash_attention_cpu_backward
+from lightning_par.compat import current_function_mode_stack, flash_attention_cpu, flash_attention_cpu_backward
 from lightning_par.context_parallel import sequence
+from lightning_par.step_context import StepToken, StepVar
 
 __all__ = [
     "COMM_BYTES_SENT",
@@ -608,14 +609,18 @@ def _ulysses_documents(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, group
 CP_ATTENTION_METHODS: dict[str, Callable[..., Tensor]] = {"ring": ring_attention, "all_to_all": ulysses_attention}
 
 
-#: The :class:`CPAttentionMode` instances entered and not yet left, innermost last.
-_ACTIVE_MODES: list[CPAttentionMode] = []
+#: The :class:`CPAttentionMode` instances entered on this thread and not yet left, innermost last.
+_ACTIVE_MODES: StepVar[tuple[CPAttentionMode, ...]] = StepVar("cp_attention_modes", ())
 
 
 @contextmanager
 def _reentered(method: str, group: dist.ProcessGroup | None, positions: Tensor) -> Generator[None, None, None]:
-    if any(isinstance(m, CPAttentionMode) for m in _get_current_function_mode_stack()):
-        yield  # the mode is on (a pipeline's backward inside the schedule's step): nothing to add
+    if any(isinstance(m, CPAttentionMode) for m in current_function_mode_stack()):
+        # the mode is on (a pipeline's backward inside the schedule's step): only its shard, for a recomputation on a
+        # thread of autograd's, which does not see the step's values (lightning_par/step_context.py)
+        size = dist.get_world_size(group) if group is not None else 1
+        with sequence.sequence_shard(sequence.SequenceShard(group, positions, size)):
+            yield
         return
     with CPAttentionMode(method, group, positions):
         yield
@@ -628,9 +633,10 @@ def recompute_context() -> Callable[[], AbstractContextManager[None]]:
     function modes are not active while autograd recomputes a checkpointed block, so without it the block's attention
     is recomputed as one process's ``scaled_dot_product_attention`` on the local tokens, saves other tensors than the
     forward did, and torch stops the backward (``CheckpointError``: recomputed values have different metadata)."""
-    if not _ACTIVE_MODES:
+    modes = _ACTIVE_MODES.get()
+    if not modes:
         return nullcontext
-    mode = _ACTIVE_MODES[-1]
+    mode = modes[-1]
     return functools.partial(_reentered, mode.method, mode.group, mode.positions)
 
 
@@ -658,16 +664,18 @@ class CPAttentionMode(TorchFunctionMode):
         self.method = method
         self.group = group
         self.positions = positions
+        self._tokens: list[tuple[StepToken, StepToken]] = []  # one pair per entry not yet left (re-entrant)
 
     def __enter__(self) -> CPAttentionMode:
         size = dist.get_world_size(self.group) if self.group is not None else 1
-        sequence.push(sequence.SequenceShard(self.group, self.positions, size))
-        _ACTIVE_MODES.append(self)
+        shard = sequence.SequenceShard(self.group, self.positions, size)
+        self._tokens.append((sequence.push(shard), _ACTIVE_MODES.set((*_ACTIVE_MODES.get(), self))))
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        _ACTIVE_MODES.pop()
-        sequence.pop()
+        shard_token, mode_token = self._tokens.pop()
+        _ACTIVE_MODES.reset(mode_token)
+        sequence.pop(shard_token)
         super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -64,7 +64,7 @@ def _weighted_mean(value: Tensor, weight: Tensor, group: dist.ProcessGroup) -> T
 
 def _device(module: Any, batch: Any) -> torch.device:
     """Where the step's tensors live: the batch's first tensor's device, else the module's parameters'."""
-    from torch.utils._pytree import tree_leaves
+    from lightning_par.compat import tree_leaves
 
     for leaf in tree_leaves(batch):
         if isinstance(leaf, Tensor):

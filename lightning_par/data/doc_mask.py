@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from lightning_par.step_context import StepVar
+
 __all__ = [
     "DOCUMENT_IDS",
     "POSITION_IDS",
@@ -48,13 +50,16 @@ __all__ = [
 DOCUMENT_IDS = "document_ids"
 POSITION_IDS = "position_ids"
 
-_active: list[tuple[Tensor, Callable[[], Any] | None]] = []
+#: ``(document ids, attention context)`` of the :func:`document_attention` scopes entered on this thread and not yet
+#: left, innermost last.
+_ACTIVE: StepVar[tuple[tuple[Tensor, Callable[[], Any] | None], ...]] = StepVar("document_attention", ())
 
 
 def active_documents() -> Tensor | None:
     """The document ids ``(batch, seq_local)`` of the forward running now under :func:`document_attention`; ``None``
     outside one (every token sees every earlier token)."""
-    return _active[-1][0] if _active else None
+    active = _ACTIVE.get()
+    return active[-1][0] if active else None
 
 
 def recompute_context() -> Callable[[], Any]:
@@ -64,9 +69,10 @@ def recompute_context() -> Callable[[], Any]:
     recomputes unmasked attention in backward, and torch refuses the different saved tensors."""
     from contextlib import nullcontext
 
-    if not _active:
+    active = _ACTIVE.get()
+    if not active:
         return nullcontext
-    documents, attention_context = _active[-1]
+    documents, attention_context = active[-1]
     return functools.partial(document_attention, documents, attention_context)
 
 
@@ -161,12 +167,8 @@ def document_attention(documents: Tensor | None,
     if documents is None:
         yield
         return
-    _active.append((documents, attention_context))
-    try:
-        with ExitStack() as stack:
-            if attention_context is not None:
-                stack.enter_context(attention_context())
-            stack.enter_context(DocumentAttentionMode(documents))
-            yield
-    finally:
-        _active.pop()
+    with _ACTIVE.scoped((*_ACTIVE.get(), (documents, attention_context))), ExitStack() as stack:
+        if attention_context is not None:
+            stack.enter_context(attention_context())
+        stack.enter_context(DocumentAttentionMode(documents))
+        yield

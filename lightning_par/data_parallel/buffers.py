@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_par.compat import local_tensor
+from lightning_par.compat import local_tensor, privateuse1_backend_name
 
 __all__ = ["SYNC_BATCHNORM_DEVICES", "BufferSync", "broadcast_coalesced", "prepare_sync_batchnorm"]
 
@@ -96,7 +96,7 @@ class BufferSync:
 
 
 #: Device types torch's ``SyncBatchNorm`` accepts in training (torch 2.13, ``SyncBatchNorm.forward``).
-SYNC_BATCHNORM_DEVICES: tuple[str, ...] = ("cuda", "hpu", "xpu", torch._C._get_privateuse1_backend_name())
+SYNC_BATCHNORM_DEVICES: tuple[str, ...] = ("cuda", "hpu", "xpu", privateuse1_backend_name())
 
 
 def prepare_sync_batchnorm(module: nn.Module, device: torch.device, group: dist.ProcessGroup) -> int:

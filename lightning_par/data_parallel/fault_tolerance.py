@@ -35,6 +35,7 @@ from urllib.parse import urlparse
 import torch
 from torch import Tensor, nn
 
+from lightning_par.compat.lightning import batches_that_stepped, set_batches_that_stepped
 from lightning_par.validation import check_bool, check_int, check_number
 
 __all__ = ["FaultToleranceOptions", "FaultTolerantReplicas", "check_fault_tolerance", "check_lighthouse",
@@ -278,10 +279,11 @@ def _torchft_servers_bound_to(host: str) -> Any:
     network could read the weights or stop the group). It takes no bind address, so the two names it looks up in
     its modules are replaced by ones that bind ``host``, for the constructor only.
     """
-    import torchft.checkpointing.http_transport as http_transport
     import torchft.manager as manager_module
 
-    server_cls, http_cls = manager_module.ManagerServer, http_transport._IPv6HTTPServer
+    from lightning_par.compat.torchft import http_server_class, set_http_server_class
+
+    server_cls, http_cls = manager_module.ManagerServer, http_server_class()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
 
     def manager_server(*args: Any, **kwargs: Any) -> Any:
@@ -295,11 +297,13 @@ def _torchft_servers_bound_to(host: str) -> Any:
             super().__init__((host, server_address[1]), handler)
 
     with _BIND_LOCK:
-        manager_module.ManagerServer, http_transport._IPv6HTTPServer = manager_server, BoundHTTPServer
+        manager_module.ManagerServer = manager_server
+        set_http_server_class(BoundHTTPServer)
         try:
             yield
         finally:
-            manager_module.ManagerServer, http_transport._IPv6HTTPServer = server_cls, http_cls
+            manager_module.ManagerServer = server_cls
+            set_http_server_class(http_cls)
 
 
 def _bound_http_transport(host: str, timeout: timedelta) -> Any:
@@ -307,9 +311,11 @@ def _bound_http_transport(host: str, timeout: timedelta) -> Any:
     a server bound to loopback may not answer at). Built inside :func:`_torchft_servers_bound_to`."""
     from torchft.checkpointing.http_transport import HTTPTransport
 
+    from lightning_par.compat.torchft import transport_server
+
     class BoundHTTPTransport(HTTPTransport):
         def address(self) -> str:
-            port = self._server.socket.getsockname()[1]
+            port = transport_server(self).socket.getsockname()[1]
             return f"http://{url_host(_advertised(host))}:{port}/checkpoint/"
 
     return BoundHTTPTransport(timeout=timeout, num_chunks=0)
@@ -464,7 +470,7 @@ def check_train_data(trainer: Any) -> None:
             where a joining group learns its place in the data); ``reload_dataloaders_every_n_epochs > 0`` (a
             restarted group's loader would come from ``train_dataloader()`` at another epoch than the live group's).
     """
-    from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
+    from lightning_par.compat.lightning import data_fetcher, is_dataloader_iter_fetcher
 
     if trainer.reload_dataloaders_every_n_epochs:
         raise ValueError(
@@ -474,7 +480,7 @@ def check_train_data(trainer: Any) -> None:
             f"Use reload_dataloaders_every_n_epochs=0."
         )
 
-    if isinstance(trainer.fit_loop._data_fetcher, _DataLoaderIterDataFetcher):
+    if is_dataloader_iter_fetcher(data_fetcher(trainer)):
         raise ValueError(
             "fault_tolerance.enabled=True does not support a training_step that takes `dataloader_iter`: a replica "
             "group that rejoins learns its place in the data (the live group's epoch and batch) when a batch goes to "
@@ -506,8 +512,9 @@ def move_train_data(trainer: Any, epoch: int, ready: int, take: bool) -> Any:
     from lightning.fabric.utilities.data import sized_len
     from torch.utils.data import BatchSampler
 
-    fit_loop = trainer.fit_loop
-    combined, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
+    from lightning_par.compat.lightning import combined_loader, data_fetcher
+
+    combined, fetcher = combined_loader(trainer), data_fetcher(trainer)
     loaders = combined.flattened
     for loader in loaders:
         _set_epoch(loader, epoch)
@@ -646,7 +653,7 @@ class FaultTolerantReplicas:
             "optim_progress": loop.automatic_optimization.optim_progress.state_dict(),
             "manual_optim_step_progress": loop.manual_optimization.optim_step_progress.state_dict(),
             # the loggers' step axis; a private counter of Lightning's epoch loop (no public setter in 2.6.6)
-            "batches_that_stepped": loop._batches_that_stepped,
+            "batches_that_stepped": batches_that_stepped(trainer),
         }
 
     def _load_progress(self, progress: dict[str, Any]) -> None:
@@ -661,7 +668,7 @@ class FaultTolerantReplicas:
         loop.scheduler_progress.load_state_dict(progress["scheduler_progress"])
         loop.automatic_optimization.optim_progress.load_state_dict(progress["optim_progress"])
         loop.manual_optimization.optim_step_progress.load_state_dict(progress["manual_optim_step_progress"])
-        loop._batches_that_stepped = progress["batches_that_stepped"]
+        set_batches_that_stepped(trainer, progress["batches_that_stepped"])
         for config, state in zip(trainer.lr_scheduler_configs, progress["schedulers"]):
             config.scheduler.load_state_dict(state)
         live = (fit_loop.epoch_progress.current.processed, loop.batch_progress.current.ready)

@@ -19,7 +19,7 @@ from lightning_par.axis_registry import PlannerTerms
 from lightning_par.comm_cost import all_reduce_bytes, collective_time, ring_steps, zero_step_comm_bytes
 from lightning_par.data_parallel.options import DP_MODES
 from lightning_par.parallel_dims import DERIVED_MESHES, SIZE_FIELDS
-from lightning_par.planner.state import model_state_bytes, rank_param_groups
+from lightning_par.state_cost import model_state_bytes, rank_param_groups
 
 __all__ = ["DATA_PARALLEL_TERMS", "canonical", "check", "state_bytes", "step_comm_s"]
 
@@ -97,7 +97,7 @@ def step_comm_s(ctx: Any, window_s: float) -> float:
 
 def state_bytes(ctx: Any, pp_rank: int) -> float:
     """Bytes of the dense parameters' state on a rank of pipeline rank ``pp_rank``: the ZeRO formula
-    (:func:`~lightning_par.planner.state.model_state_bytes`) with ``N`` the runtime's ``dp_shard_cp`` mesh (HSDP's
+    (:func:`~lightning_par.state_cost.model_state_bytes`) with ``N`` the runtime's ``dp_shard_cp`` mesh (HSDP's
     replicas each hold a whole sharded copy; ddp a whole copy on every rank)."""
     dense = rank_param_groups(ctx.model, ctx.layout, pp_rank)[0]
     return model_state_bytes(dense, ctx.layout.dp_mode, ctx.dims.size("dp_shard_cp"), ctx.precision)

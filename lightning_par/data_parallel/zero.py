@@ -108,11 +108,11 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     grads = [p.grad for p in params]
     for p in params:
         p.grad = torch.zeros_like(p)
-    optimizer._zero_init = True  # type: ignore[attr-defined]  # tells post-step hooks to skip
+    optimizer._lp_zero_init = True  # type: ignore[attr-defined]  # tells post-step hooks to skip
     try:
         optimizer.step()
     finally:
-        del optimizer._zero_init  # type: ignore[attr-defined]
+        del optimizer._lp_zero_init  # type: ignore[attr-defined]
         for group, lr in zip(optimizer.param_groups, lrs):
             group["lr"] = lr
         for p, g in zip(params, grads):
@@ -315,7 +315,7 @@ class ZeroShardedDataParallel(ZeroEngine):
 
     @torch.no_grad()
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if getattr(optimizer, "_zero_init", False):
+        if getattr(optimizer, "_lp_zero_init", False):
             return
         buckets = self._optimizer_buckets.get(id(optimizer), self.layout.buckets)
         self._publish(buckets, deferred=self.overlap_param_gather)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from lightning_par.comm_cost import ring_pass_bytes
 from lightning_par.compat import local_tensor
+from lightning_par.compat.lightning import plain_optimizer
 from lightning_par.memory import model_state_bytes, storage_bytes
 
 __all__ = ["paper_comm_bytes", "paper_state_bytes", "zero_state_bytes"]
@@ -42,7 +43,7 @@ def zero_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimiz
     Returns:
         Bytes of distinct storages, see the module docstring.
     """
-    optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
+    optimizers = [plain_optimizer(o) for o in optimizers]
     counts = model_state_bytes(module, optimizers)
     params = list(module.parameters())
     opt_params = [p for o in optimizers for g in o.param_groups for p in g["params"]]

@@ -15,7 +15,7 @@ from typing import Any
 
 from lightning_par.axis_registry import PlannerTerms
 from lightning_par.comm_cost import all_to_all_bytes, collective_time, ring_steps
-from lightning_par.planner.state import model_state_bytes, rank_param_groups
+from lightning_par.state_cost import model_state_bytes, rank_param_groups
 
 __all__ = [
     "EXPERT_PARALLEL_TERMS", "check", "check_num_experts", "expert_shard_ranks", "layer_all_to_all_bytes", "slot_comm_s",
@@ -103,7 +103,7 @@ def slot_comm_s(ctx: Any) -> float:
 
 def state_bytes(ctx: Any, pp_rank: int) -> float:
     """Bytes of the experts' state on the fullest rank of pipeline rank ``pp_rank``: its ``E / ep`` experts of each of
-    its MoE blocks, the ZeRO formula (:func:`~lightning_par.planner.state.model_state_bytes`) over
+    its MoE blocks, the ZeRO formula (:func:`~lightning_par.state_cost.model_state_bytes`) over
     :func:`expert_shard_ranks` (0 for a dense model)."""
     experts = rank_param_groups(ctx.model, ctx.layout, pp_rank)[1]
     if not experts:

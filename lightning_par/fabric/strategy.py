@@ -38,15 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
@@ -55,6 +47,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par.checkpoint.sharded import save_sharded
+from lightning_par.compat.fabric import BackwardSyncControl as _BackwardSyncControl
+from lightning_par.compat.fabric import FabricSubprocessScriptLauncher as _SubprocessScriptLauncher
+from lightning_par.compat.fabric import default_process_group_backend_for_device as _get_default_process_group_backend_for_device
+from lightning_par.compat.fabric import distributed_is_initialized as _distributed_is_initialized
+from lightning_par.compat.fabric import init_dist_connection as _init_dist_connection
+from lightning_par.compat.fabric import sync_ddp_if_available as _sync_ddp_if_available
 from lightning_par.checkpoint.strategy_io import load_parallel_state
 from lightning_par.fault.process_group_exit import destroy_process_group_at_exit
 from lightning_par.parallel_dims import ParallelDims

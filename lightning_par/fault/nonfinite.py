@@ -37,6 +37,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_par.compat import local_tensor
+from lightning_par.compat.lightning import plain_optimizer
 
 __all__ = ["NONFINITE_ACTIONS", "NonFiniteError", "NonFiniteGuard"]
 
@@ -51,7 +52,7 @@ class NonFiniteError(RuntimeError):
 
 
 def _optimizer_params(trainer: L.Trainer, optimizer: Any) -> list[Tensor]:
-    inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+    inner = plain_optimizer(optimizer)  # LightningOptimizer
     params = [p for group in inner.param_groups for p in group["params"]]
     # The module's own parameters too: a strategy may step copies (ZeRO shards) while the module keeps gradients.
     module = trainer.lightning_module

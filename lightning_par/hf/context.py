@@ -84,7 +84,9 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
 def _register() -> None:
     from transformers import AttentionInterface
 
-    if ATTENTION not in AttentionInterface._global_mapping:
+    from lightning_par.compat.transformers import has_attention_function
+
+    if not has_attention_function(ATTENTION):
         AttentionInterface.register(ATTENTION, _attention)
 
 
@@ -93,13 +95,15 @@ def mask_free_attention(network: nn.Module) -> Generator[None, None, None]:
     """While active, ``network`` (a ``PreTrainedModel``) attends through :data:`ATTENTION` (see the module
     docstring); its previous attention implementation is restored on exit."""
     _register()
+    from lightning_par.compat.transformers import attention_implementation, set_attention_implementation
+
     config = network.config
-    previous = config._attn_implementation
-    config._attn_implementation = ATTENTION
+    previous = attention_implementation(config)
+    set_attention_implementation(config, ATTENTION)
     try:
         yield
     finally:
-        config._attn_implementation = previous
+        set_attention_implementation(config, previous)
 
 
 def attention_windows(network: nn.Module) -> dict[str, int]:
@@ -152,7 +156,9 @@ def check_hf_context_parallel(network: nn.Module, cp_size: int) -> None:
                 f"{intro}: {path} has attention sinks ({path}.sinks, shape {tuple(sinks.shape)}), which the "
                 f"context-parallel attention does not compute. Use cp_size=1."
             )
-    if getattr(type(network), "_supports_sdpa", True) is False:
+    from lightning_par.compat.transformers import supports_sdpa
+
+    if supports_sdpa(type(network)) is False:
         raise ValueError(
             f"{intro}: transformers does not run its attention with SDPA ({type(network).__name__}._supports_sdpa is "
             f"False), and context-parallel attention computes what SDPA does. Use cp_size=1."

@@ -60,13 +60,12 @@ def _attention_backend(hf_config: Any) -> str:
     Under context parallelism every step runs attention through the context-parallel path whatever is chosen here
     (:mod:`lightning_par.hf.context`), which refuses before start attention it cannot compute.
     """
-    from transformers import AutoModelForCausalLM
+    from lightning_par.compat.transformers import chosen_attention_implementation, model_class_for_config, supports_sdpa
 
-    chosen = getattr(hf_config, "_attn_implementation_internal", None)
+    chosen = chosen_attention_implementation(hf_config)
     if isinstance(chosen, str) and chosen:
         return chosen
-    model_class = AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
-    return "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
+    return "sdpa" if supports_sdpa(model_class_for_config(hf_config)) else "eager"
 
 
 def _check(name: str, value: object, ok: bool, valid: str) -> None:

@@ -49,6 +49,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_par.compat.transformers import pipeline_plan_of_class
+
 __all__ = ["HFPipelineStage", "PipelinePlan", "check_stages", "pipeline_layers", "pipeline_stage", "read_plan"]
 
 
@@ -139,7 +141,7 @@ def read_plan(network: nn.Module) -> PipelinePlan:
         entries = [(path, (["x"], ["y"])) for path in _derived_entries(network, base)]
     else:
         entries = [(_join(base, key), value) for key, value in base_plan.items()]
-        head_plan = getattr(type(network), "_pp_plan", None) or {}
+        head_plan = pipeline_plan_of_class(type(network)) or {}
         entries += [(key, value) for key, value in head_plan.items() if key not in dict(entries)]
     lists, before, after = [], [], []
     for path, io in entries:

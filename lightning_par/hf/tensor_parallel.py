@@ -48,6 +48,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_par.compat.transformers import tensor_plan_of_model
 from lightning_par.tensor_parallel.plan import STYLE_NAMES
 
 __all__ = [
@@ -157,7 +158,7 @@ def hf_raw_tp_plan(network: nn.Module) -> dict[str, str]:
     plan = getattr(network, "tp_plan", None)
     if isinstance(plan, Mapping) and plan:
         return {**plan, **_experts_from_ep_plan(network, plan)}
-    out = dict(getattr(network, "_tp_plan", None) or {})
+    out = dict(tensor_plan_of_model(network) or {})
     prefix = getattr(network, "base_model_prefix", "")
     prefix = f"{prefix}." if prefix and isinstance(getattr(network, prefix, None), nn.Module) else ""
     base = getattr(getattr(network, "config", None), "base_model_tp_plan", None) or {}

@@ -62,10 +62,15 @@ import torch
 from torch import Tensor, nn
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from lightning_par.compat import local_tensor
-from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _zeropower_via_newtonschulz
+from lightning_par.compat import local_tensor, muon_reference
 
 __all__ = ["MuonAdamW", "default_is_muon", "muon_param_groups", "muon_split"]
+
+# torch's Muon (torch.optim._muon, through the register): its Newton-Schulz coefficients, defaults and iteration
+_TORCH_MUON = muon_reference()
+DEFAULT_A, DEFAULT_B, DEFAULT_C = _TORCH_MUON.a, _TORCH_MUON.b, _TORCH_MUON.c
+DEFAULT_NS_STEPS, EPS = _TORCH_MUON.ns_steps, _TORCH_MUON.eps
+_zeropower_via_newtonschulz = _TORCH_MUON.zeropower
 
 #: a module whose class name contains one of these keeps its parameters on AdamW.
 _ADAMW_MODULE_WORDS = ("embedding", "router", "norm")

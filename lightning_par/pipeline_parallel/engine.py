@@ -37,15 +37,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map_only
 
 from lightning_par import contract
-from lightning_par.aux_loss import set_aux_loss_scale
+from lightning_par.aux_loss import aux_loss_scaled
 from lightning_par.compat import (
     forward_only_schedule,
     keep_buffers_through_metadata_inference,
     pipeline_stage_meta,
     stage_to_rank_mapping,
+    tree_map_only,
 )
 from lightning_par.pipeline_parallel.bubble import StepRecord, StepTimer
 from lightning_par.pipeline_parallel.options import PipelineOptions
@@ -329,7 +329,6 @@ class PipelineEngine:
         self._targets = split_tree(targets, m) if self.has_last_stage else []
         self.grad_weights, self.log_weights = self._weights(m) if self.has_last_stage else (torch.ones(0), torch.ones(0))
         self._scale = loss_scale / m
-        set_aux_loss_scale(self._scale)  # a MoE router's losses get the micro-batch loss's factor
         self._losses = []
         self._forwarded = set()
         schedule = self._train_schedule(_shape_key(inputs))
@@ -337,7 +336,8 @@ class PipelineEngine:
             dist.barrier(group=self.pp_group)
         self._timer = StepTimer()
         try:
-            with self.step_context():
+            # a MoE router's losses get the micro-batch loss's factor
+            with self.step_context(), aux_loss_scaled(self._scale):
                 args = inputs if self.has_first_stage else ()
                 # the micro-batch indices stay on the host: their one use is int() in _microbatch_loss (on the device
                 # that read was a synchronisation per micro-batch), and torch's schedule only splits them

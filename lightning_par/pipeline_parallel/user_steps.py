@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_par.compat import tree_flatten, tree_unflatten
 
 __all__ = ["TrainingStepCapture", "broadcast_outputs", "network_returns", "split_microbatches"]
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from lightning_par.planner.layouts import Layout, sequence_split
 from lightning_par.planner.model import ModelSpec
 from lightning_par.planner.precision import Precision
-from lightning_par.planner.state import model_state_bytes, rank_param_groups, rank_params, stage_layers
+from lightning_par.state_cost import model_state_bytes, rank_param_groups, rank_params, stage_layers
 
 __all__ = [
     "MemoryBreakdown",

@@ -23,15 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -43,6 +35,13 @@ from typing_extensions import override
 
 from lightning_par.axes import EVERY_AXIS, axis_of_group, check_sizes
 from lightning_par.checkpoint.strategy_io import ShardedCheckpointIO
+from lightning_par.compat.fabric import default_process_group_backend_for_device as _get_default_process_group_backend_for_device
+from lightning_par.compat.fabric import distributed_is_initialized as _distributed_is_initialized
+from lightning_par.compat.fabric import init_dist_connection as _init_dist_connection
+from lightning_par.compat.fabric import optimizers_to_device as _optimizers_to_device
+from lightning_par.compat.fabric import sync_ddp_if_available as _sync_ddp_if_available
+from lightning_par.compat.lightning import SubprocessScriptLauncher as _SubprocessScriptLauncher
+from lightning_par.compat.lightning import before_batch_transfer, data_fetcher, plain_optimizer, set_module_device_mesh
 from lightning_par.data_parallel.fault_tolerance import (
     FaultTolerantReplicas,
     check_fault_tolerance,
@@ -365,7 +364,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         mesh = dims.build_mesh(self.root_device.type)
         self.parallel_dims = dims
         if self.lightning_module is not None:  # as Lightning's ModelParallelStrategy: visible in configure_model
-            self.lightning_module._device_mesh = mesh
+            set_module_device_mesh(self.lightning_module, mesh)
 
     def unparallelize_previous(self) -> None:
         """A module that another strategy's run parallelised (a second, new Trainer on the same module) goes back to
@@ -445,7 +444,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
             if self.options.fault_tolerance.enabled and self.ft is None:
                 self.ft = FaultTolerantReplicas(
                     self.options.fault_tolerance, self.lightning_module,
-                    lambda: [getattr(o, "_optimizer", o) for o in self.optimizers],
+                    lambda: [plain_optimizer(o) for o in self.optimizers],
                     dist.get_rank(), dist.get_world_size(),
                 )
                 if self.options.fault_tolerance.diloco_sync_every:
@@ -454,7 +453,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
                             f"fault_tolerance.diloco_sync_every needs exactly one optimizer (the inner one); "
                             f"configure_optimizers returned {len(self.optimizers)}."
                         )
-                    self.ft.enter_diloco(getattr(self.optimizers[0], "_optimizer", self.optimizers[0]))
+                    self.ft.enter_diloco(plain_optimizer(self.optimizers[0]))
         # Norm clipping must see the whole model's norm: every shard, every stage.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         # Value clipping clamps each rank's gradient shards (torch's clip_grad_value_ refuses DTensor gradients).
@@ -484,7 +483,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         assert self.parallel is not None
         parallel = self.parallel
         for optimizer in self.optimizers:
-            optimizer = getattr(optimizer, "_optimizer", optimizer)
+            optimizer = plain_optimizer(optimizer)
             parallel.engine.shard_optimizer(optimizer)
             if parallel.has_optimizer_step_hooks:  # after the engine's own post-hook (ZeRO's all-gather of the shards)
                 optimizer.register_step_post_hook(lambda *_: parallel.after_optimizer_step())
@@ -601,11 +600,11 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
                 batch = move_train_data(trainer, epoch, ready, take=True)
                 ft.data_moves += 1
                 # Lightning's epoch loop set these from the batch it fetched (the wrong place), before calling here
-                trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = trainer.fit_loop._data_fetcher.done
+                trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = data_fetcher(trainer).done
                 self._ft_batch_idx = ready
                 # what Lightning's epoch loop does to a fetched batch before batch_to_device (2.6.6, advance())
                 batch = trainer.precision_plugin.convert_input(batch)
-                batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=dataloader_idx)
+                batch = before_batch_transfer(trainer.lightning_module, batch, dataloader_idx)
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @override

@@ -138,3 +138,19 @@ def test_grouped_mm_runs_on_cpu_both_forms() -> None:
     torch.testing.assert_close(compat.grouped_mm(x, w, offs), torch.cat([x[:2] @ w[0], x[2:] @ w[1]]))
     per_group = torch.stack([x[:2].t() @ dy[:2], x[2:].t() @ dy[2:]])  # (2, 4, 8)
     torch.testing.assert_close(compat.grouped_mm(x.t(), dy, offs), per_group)
+
+
+def test_the_helpers_moved_into_the_register_resolve() -> None:
+    """The canaries of the names the package used outside the register until issue 46 (each a one-line look-up)."""
+    ref = compat.muon_reference()
+    assert callable(ref.zeropower) and ref.ns_steps > 0 and len({ref.a, ref.b, ref.c}) == 3
+    assert compat.serialization_get_layout()("torch.strided") is torch.strided
+    assert compat.dcp_storage_info_class().__name__ == "_StorageInfo"
+    assert "aot_eager" in compat.dynamo_backends(exclude_tags=())
+    assert isinstance(compat.dynamo_counters()["stats"]["unique_graphs"], int)
+    assert hasattr(compat.dynamo_config(), "recompile_limit")
+    assert isinstance(compat.privateuse1_backend_name(), str)
+    assert isinstance(compat.current_function_mode_stack(), list)
+    leaves, spec = compat.tree_flatten({"a": torch.ones(1), "b": [torch.zeros(2)]})
+    assert len(leaves) == 2 and compat.tree_unflatten(leaves, spec)["b"][0].shape == (2,)
+    assert compat.tree_map_only(torch.Tensor, lambda t: t + 1, [torch.zeros(1)])[0].item() == 1.0

@@ -107,3 +107,44 @@ def test_the_registry_sits_below_parallelize():
     graph = import_graph()
     assert "lightning_par.parallelize" not in graph["lightning_par.axis_registry"]
     assert "lightning_par.parallelize" not in graph["lightning_par.steps"]
+
+
+#: The folders of the parallel axes: the runtime's layer, below the layout planner (which reads their terms).
+AXIS_FOLDERS = ("data_parallel", "tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel")
+
+
+def test_no_axis_folder_imports_the_planner():
+    """The axes' planner terms read the shared formulas from below (``comm_cost``, ``state_cost``), never the planner:
+    the planner depends on the axes, not the reverse."""
+    graph = import_graph()
+    axis_modules = [m for m in graph if m.count(".") and m.split(".")[1] in AXIS_FOLDERS]
+    assert len(axis_modules) > 20  # the scan sees the axis folders
+    upward = {m: sorted(t for t in graph[m] if t.startswith("lightning_par.planner")) for m in axis_modules}
+    assert not {m: t for m, t in upward.items() if t}, upward
+
+
+def test_importing_the_package_does_not_load_the_planner():
+    """``import lightning_par`` (and composing a config) leaves the layout planner (4k+ lines) unloaded: checked in a
+    fresh interpreter, since this test process may have imported it already."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import lightning_par\n"
+        "after_package = sorted(m for m in sys.modules if m.startswith('lightning_par.planner'))\n"
+        "import lightning_par.config.schema\n"
+        "after_config = sorted(m for m in sys.modules if m.startswith('lightning_par.planner'))\n"
+        "print(after_package, after_config)\n"
+        "assert 'lightning_par.strategies' in sys.modules\n"  # the import did load the package's runtime
+        "assert not after_package and not after_config, (after_package, after_config)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_config_names_the_planner_device_presets():
+    from lightning_par.config.schema import DEVICE_PRESET_NAMES
+    from lightning_par.planner.devices import DEVICE_PRESETS
+
+    assert DEVICE_PRESET_NAMES == tuple(DEVICE_PRESETS)

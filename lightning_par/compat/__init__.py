@@ -1,4 +1,7 @@
-"""The one place that touches torch's private names, gated by the torch version.
+"""The one place that touches torch's private names, gated by the torch version (the register's torch part; Lightning's,
+transformers' and torchft's private names are in :mod:`~lightning_par.compat.lightning`,
+:mod:`~lightning_par.compat.fabric`, :mod:`~lightning_par.compat.transformers` and :mod:`~lightning_par.compat.torchft`;
+tests/unit/test_private_api.py fails on a private name of those libraries used outside this folder).
 
 lightning_par builds on torch's distributed engines where they are public; where a feature is only reachable through
 a private name (a DeviceMesh flatten, a DTensor's local shard without a dispatch, the pipelining runtime), that name
@@ -472,3 +475,110 @@ def disable_lightning_signal_handlers(trainer: Any) -> None:
     connector = getattr(trainer, "_signal_connector", None)
     if connector is not None and hasattr(connector, "register_signal_handlers"):
         connector.register_signal_handlers = lambda: None
+
+
+# ----------------------------------------------------------------- moved here from their users (one register, issue 46)
+# Each present in torch 2.10 and checked on 2.13.0 (the lock); tests/unit/test_compat.py resolves every one.
+from torch.overrides import _get_current_function_mode_stack as current_function_mode_stack  # noqa: E402
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten  # noqa: E402
+
+__all__ += [
+    "MuonReference",
+    "compile_caches_off",
+    "current_function_mode_stack",
+    "dcp_metadata_path",
+    "dcp_set_element",
+    "dcp_storage_info_class",
+    "dynamo_backends",
+    "dynamo_config",
+    "dynamo_counters",
+    "muon_reference",
+    "privateuse1_backend_name",
+    "serialization_get_layout",
+    "tree_flatten",
+    "tree_map_only",
+    "tree_unflatten",
+]
+
+
+def privateuse1_backend_name() -> str:
+    """The name the out-of-tree ``PrivateUse1`` device registered under (``torch._C._get_privateuse1_backend_name``;
+    ``"privateuseone"`` when none did)."""
+    return torch._C._get_privateuse1_backend_name()
+
+
+def dynamo_backends(**kwargs: Any) -> list[str]:
+    """``torch._dynamo.list_backends(**kwargs)``: the backend names ``torch.compile`` accepts."""
+    import torch._dynamo
+
+    return torch._dynamo.list_backends(**kwargs)
+
+
+def dynamo_counters() -> Any:
+    """Dynamo's process-wide counters (``torch._dynamo.utils.counters``: ``frames``, ``stats``, ``graph_break``...)."""
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+def dynamo_config() -> Any:
+    """Dynamo's settings module (``torch._dynamo.config``, e.g. ``recompile_limit``)."""
+    import torch._dynamo.config
+
+    return torch._dynamo.config
+
+
+def compile_caches_off() -> None:
+    """Turn off inductor's FX graph cache and AOTAutograd's cache for this process (``torch._inductor.config``,
+    ``torch._functorch.config``), so that every compile is timed from scratch."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+
+
+class MuonReference:
+    """torch's Muon internals (``torch.optim._muon``, torch >= 2.9): the Newton-Schulz coefficients ``a, b, c``,
+    ``ns_steps``, ``eps`` and ``zeropower`` (``_zeropower_via_newtonschulz(grad, ns_coefficients, ns_steps, eps)``)."""
+
+    def __init__(self) -> None:
+        module = importlib.import_module("torch.optim._muon")
+        self.a, self.b, self.c = module.DEFAULT_A, module.DEFAULT_B, module.DEFAULT_C
+        self.ns_steps, self.eps = module.DEFAULT_NS_STEPS, module.EPS
+        self.zeropower = module._zeropower_via_newtonschulz
+
+
+def muon_reference() -> MuonReference:
+    """torch's Muon internals (:class:`MuonReference`).
+
+    Raises:
+        ImportError: a torch without ``torch.optim._muon``.
+    """
+    return MuonReference()
+
+
+def serialization_get_layout() -> Any:
+    """``torch.serialization._get_layout``: what a pickled ``torch.layout`` is rebuilt with."""
+    from torch.serialization import _get_layout
+
+    return _get_layout
+
+
+def dcp_storage_info_class() -> type:
+    """DCP's ``torch.distributed.checkpoint.filesystem._StorageInfo`` (pickled into a checkpoint's ``.metadata``)."""
+    import torch.distributed.checkpoint.filesystem as filesystem
+
+    return filesystem._StorageInfo
+
+
+def dcp_set_element(root: Any, path: Any, value: Any) -> None:
+    """DCP's own ``_traverse.set_element``, as its default load planner uses it to place a loaded value."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(root, path, value)
+
+
+def dcp_metadata_path(reader: Any, rank: int | None) -> Any:
+    """The ``.metadata`` path a ``FileSystemReader`` reads (its ``_get_metadata_path(rank)``)."""
+    return reader._get_metadata_path(rank)
