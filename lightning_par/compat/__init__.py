@@ -21,6 +21,7 @@ a subclass overrides or extends (``DataLoader._index_sampler``, ``ShardedGradSca
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import TYPE_CHECKING, Any
 
@@ -147,20 +148,20 @@ def grouped_mm(mat_a: Tensor, mat_b: Tensor, offs: Tensor) -> Tensor:
     return _private("_grouped_mm")(mat_a, mat_b, offs=offs)
 
 
-_GROUPED_MM_ON_CPU: list[bool] = []
+def has_grouped_mm() -> bool:
+    """Whether this torch has ``torch._grouped_mm`` at all."""
+    return hasattr(torch, "_grouped_mm")
 
 
+@functools.cache
 def grouped_mm_runs_on_cpu() -> bool:
     """Whether :func:`grouped_mm` computes on CPU tensors in this torch (both forms, tried once on a 2 x 4 probe)."""
-    if not _GROUPED_MM_ON_CPU:
-        try:
-            a, b, offs = torch.ones(2, 4), torch.ones(1, 4, 4), torch.tensor([2], dtype=torch.int32)
-            rows = grouped_mm(a, b, offs)  # (2, 4)
-            ok = bool(rows.eq(4).all()) and grouped_mm(a.t(), torch.ones(2, 4), offs).shape == (1, 4, 4)
-        except (RuntimeError, NotImplementedError):
-            ok = False
-        _GROUPED_MM_ON_CPU.append(ok)
-    return _GROUPED_MM_ON_CPU[0]
+    try:
+        a, b, offs = torch.ones(2, 4), torch.ones(1, 4, 4), torch.tensor([2], dtype=torch.int32)
+        rows = grouped_mm(a, b, offs)  # (2, 4)
+        return bool(rows.eq(4).all()) and grouped_mm(a.t(), torch.ones(2, 4), offs).shape == (1, 4, 4)
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 # ------------------------------------------------------------------------------------------------ tensors, DTensor

@@ -66,10 +66,10 @@ def _balance_by_bias(build: Build) -> None:
     for m in build.network.modules():
         if isinstance(m, MoE) and m.router.expert_bias is not None:
             entries.append(lambda m=m: (m.routed_load, m.router.expert_bias, m.bias_update_rate))
-        elif getattr(m, "routed_load", None) is not None and getattr(m, "_bias_router", None):
+        elif getattr(m, "routed_load", None) is not None and getattr(m, "_lp_bias_router", None):
             from lightning_par.hf.experts import BIAS_BUFFER
 
-            entries.append(lambda m=m: (m.routed_load, getattr(m._bias_router[0], BIAS_BUFFER), m.bias_update_rate))
+            entries.append(lambda m=m: (m.routed_load, getattr(m._lp_bias_router[0], BIAS_BUFFER), m.bias_update_rate))
     if not entries or not build.training:
         return
     dims = build.dims

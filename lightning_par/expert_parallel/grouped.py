@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from lightning_par.compat import grouped_mm, grouped_mm_runs_on_cpu
+from lightning_par.compat import grouped_mm, grouped_mm_runs_on_cpu, has_grouped_mm
 
 __all__ = ["FORMS", "choose_form", "expert_ffn", "sorted_counts"]
 
@@ -71,7 +71,7 @@ _CPU_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _grouped_mm_runs(x: Tensor, weights: Sequence[Tensor]) -> bool:
     """``torch._grouped_mm`` (forward and backward) runs here: CUDA sm >= 8.0 in bf16, or the CPU (through
     :class:`_GroupedMatmul`) in fp32/bf16/fp16; every width a multiple of 16 bytes on both."""
-    if not hasattr(torch, "_grouped_mm"):
+    if not has_grouped_mm():
         return False
     if x.device.type == "cuda":
         if x.dtype != torch.bfloat16 or any(w.dtype != torch.bfloat16 for w in weights):

@@ -163,7 +163,7 @@ def balance_by_bias(network: nn.Module, rate: float) -> list[str]:
         experts.register_buffer("routed_load", torch.zeros(bias.shape, dtype=torch.float32, device=bias.device),
                                 persistent=False)
         experts.bias_update_rate = float(rate)
-        experts._bias_router = [router]  # in a list: not a submodule of the experts
+        experts._lp_bias_router = [router]  # in a list: not a submodule of the experts
         balanced.append(path)
     if not balanced:
         raise ValueError(
@@ -178,7 +178,7 @@ def update_hf_expert_bias(experts: list[nn.Module], group: Any = None) -> None:
     routers of ``experts`` (experts modules; those :func:`balance_by_bias` did not enable are skipped), their loads
     summed over ``group`` with one all-reduce. Call it after every optimizer step on every rank of ``group`` (the
     ranks holding other tokens: dp x cp), each passing the same modules in the same order."""
-    update_selection_biases([(m.routed_load, getattr(m._bias_router[0], BIAS_BUFFER), m.bias_update_rate)
+    update_selection_biases([(m.routed_load, getattr(m._lp_bias_router[0], BIAS_BUFFER), m.bias_update_rate)
                              for m in experts if getattr(m, "routed_load", None) is not None], group)
 
 

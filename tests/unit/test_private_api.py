@@ -30,7 +30,7 @@ REGISTER = PACKAGE / "compat"
 LIBRARIES = ("torch", "lightning", "pytorch_lightning", "lightning_fabric", "transformers", "torchft")
 
 #: Private names of the standard library (not in scope: no upstream of ours moves them).
-STDLIB = frozenset({"_exit", "_current_frames", "_Unpickler"})
+STDLIB = frozenset({"_exit", "_current_frames", "_getframe", "_Unpickler"})
 
 _OVERRIDE = ("a subclass overriding or extending its base's private method (only works at the definition; "
              "compat/__init__.py's docstring)")
@@ -52,7 +52,6 @@ NOT_YET_MOVED: dict[tuple[str, str], str] = {
     ("lightning_par/data_parallel/sharded_comm.py", "_foreach_copy_"): _PUBLIC_IN_ALL_BUT_NAME,
     ("lightning_par/data_parallel/zero.py", "_foreach_mul_"): _PUBLIC_IN_ALL_BUT_NAME,
     ("lightning_par/data_parallel/zero.py", "_foreach_norm"): _PUBLIC_IN_ALL_BUT_NAME,
-    ("lightning_par/expert_parallel/grouped.py", "_grouped_mm"): _MOE,
     ("lightning_par/fabric/__init__.py", "_strategy"): _FABRIC + " (Fabric's wrapped module's _strategy)",
     ("lightning_par/fault/nonfinite.py", "_foreach_norm"): _PUBLIC_IN_ALL_BUT_NAME,
     ("lightning_par/fault/step_checkpoint.py", "_monitor_candidates"): _OVERRIDE + ": ModelCheckpoint's save path",
