@@ -41,7 +41,7 @@ test: $(VENV)/.installed
 	$(PYTEST) --durations=25 -m "not slow" tests/e2e $(ARGS)
 
 # The unit and configuration tests (tests/unit, tests/config) without the few end-to-end runs among them: no
-# multi-process world; 160 s on a fresh clone of the idle 2-core machine (README, "Set up and run").
+# multi-process world; about 115 s on a fresh clone of the idle 2-core machine (README, "Set up and run").
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow and not e2e and not distributed" tests/unit tests/config $(ARGS)
 
