@@ -7,7 +7,6 @@ its own cross-entropy loss (also as ``loss_fn`` for pipelining), an optimizer ov
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any
 
@@ -16,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from tests.device_rule import DeviceRule
+from tests.device_rule import rule_report
 from tests.helpers import LossRecorder, TokenDataset, quiet_trainer
 
 STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
@@ -151,22 +150,26 @@ def lora_worker(cases: list[dict[str, Any]], data: TokenDataset) -> list[dict[st
         sampler = DistributedSampler(dataset, num_replicas=dims.dp_size, rank=dp_rank, shuffle=False)
         loader = DataLoader(dataset, batch_size=GLOBAL_BATCH // dims.dp_size, sampler=sampler, drop_last=True)
         recorder = LossRecorder()
-        # "device_rule": NCCL's rule on the CPU (tests/device_rule.py): no collective of the fit may receive a tensor
-        # built on the host
-        rule = DeviceRule() if case.get("device_rule") else None
+
+        def fit() -> L.Trainer:
+            trainer = quiet_trainer(strategy, world, max_steps=case.get("steps", STEPS), limit_val_batches=0,
+                                    callbacks=[recorder])
+            module = make_module(case["model"], case.get("pretrained"))
+            trainer.fit(module, loader, ckpt_path=case.get("resume"))
+            if case.get("save"):
+                trainer.save_checkpoint(case["save"])
+            return trainer
+
+        if case.get("device_rule"):  # NCCL's rule on the CPU: no collective of the fit may get a host-built tensor
+            report: dict[str, Any] = {"name": case["name"]}
+            with rule_report(case, report):
+                fit()
+            out.append(report)
+            continue
         try:
-            with rule if rule is not None else contextlib.nullcontext():
-                trainer = quiet_trainer(strategy, world, max_steps=case.get("steps", STEPS), limit_val_batches=0,
-                                        callbacks=[recorder])
-                module = make_module(case["model"], case.get("pretrained"))
-                trainer.fit(module, loader, ckpt_path=case.get("resume"))
-                if case.get("save"):
-                    trainer.save_checkpoint(case["save"])
+            trainer = fit()
         except Exception as err:  # noqa: BLE001 - returned by name: a refusal test reads it
             out.append({"name": case["name"], "error": f"{type(err).__name__}: {err}"})
-            continue
-        if rule is not None:
-            out.append({"name": case["name"], "collectives": rule.collectives, "violations": rule.violations})
             continue
         out.append({"name": case["name"], "rank": rank, "dp_rank": dp_rank, "losses": recorder.losses,
                     "state": strategy.full_state_dict(), "extras": strategy.summary_extras(),
