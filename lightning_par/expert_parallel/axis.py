@@ -59,6 +59,7 @@ def _balance_by_bias(build: Build) -> None:
     tokens; tp ranks route the same tokens, pp ranks hold other layers) in one all-reduce, so that every replica keeps
     the same bias."""
     from lightning_par.expert_parallel.balance import update_selection_biases
+    from lightning_par.hf.experts import selection_bias_entry
     from lightning_par.models.moe import MoE
 
     assert build.network is not None
@@ -66,10 +67,8 @@ def _balance_by_bias(build: Build) -> None:
     for m in build.network.modules():
         if isinstance(m, MoE) and m.router.expert_bias is not None:
             entries.append(lambda m=m: (m.routed_load, m.router.expert_bias, m.bias_update_rate))
-        elif getattr(m, "routed_load", None) is not None and getattr(m, "_lp_bias_router", None):
-            from lightning_par.hf.experts import BIAS_BUFFER
-
-            entries.append(lambda m=m: (m.routed_load, getattr(m._lp_bias_router[0], BIAS_BUFFER), m.bias_update_rate))
+        elif selection_bias_entry(m) is not None:  # a Hugging Face router's bias (hf.experts.balance_by_bias)
+            entries.append(lambda m=m: selection_bias_entry(m))
     if not entries or not build.training:
         return
     dims = build.dims

@@ -49,7 +49,8 @@ from torch.distributed.tensor import DTensor
 from lightning_par.expert_parallel.balance import update_selection_biases
 from lightning_par.expert_parallel.grouped import expert_ffn, sorted_counts
 
-__all__ = ["BIAS_BUFFER", "ContractExperts", "balance_by_bias", "expert_modules", "update_hf_expert_bias"]
+__all__ = ["BIAS_BUFFER", "ContractExperts", "balance_by_bias", "expert_modules", "selection_bias_entry",
+           "update_hf_expert_bias"]
 
 #: The per-expert selection bias a Hugging Face router may keep (DeepSeek-V3's ``DeepseekV3TopkRouter``).
 BIAS_BUFFER = "e_score_correction_bias"
@@ -178,8 +179,16 @@ def update_hf_expert_bias(experts: list[nn.Module], group: Any = None) -> None:
     routers of ``experts`` (experts modules; those :func:`balance_by_bias` did not enable are skipped), their loads
     summed over ``group`` with one all-reduce. Call it after every optimizer step on every rank of ``group`` (the
     ranks holding other tokens: dp x cp), each passing the same modules in the same order."""
-    update_selection_biases([(m.routed_load, getattr(m._lp_bias_router[0], BIAS_BUFFER), m.bias_update_rate)
-                             for m in experts if getattr(m, "routed_load", None) is not None], group)
+    update_selection_biases([e for e in map(selection_bias_entry, experts) if e is not None], group)
+
+
+def selection_bias_entry(experts: nn.Module) -> tuple[Tensor, Tensor, float] | None:
+    """``(routed load (E,) float32, the router's e_score_correction_bias (E,), update rate)`` of an experts module
+    :func:`balance_by_bias` enabled, read now (``.to()`` may have replaced the buffers); ``None`` for any other module."""
+    router = getattr(experts, "_lp_bias_router", None)
+    if getattr(experts, "routed_load", None) is None or not router:
+        return None
+    return experts.routed_load, getattr(router[0], BIAS_BUFFER), experts.bias_update_rate
 
 
 def _switch(module: nn.Module) -> None:
