@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_par import contract
 
-__all__ = ["dp_token_mean_step", "replica_weight"]
+__all__ = ["dp_token_mean_step", "replica_weight", "replicated_like"]
 
 
 def replica_weight(tokens: Tensor, dp_group: dist.ProcessGroup, cp_group: dist.ProcessGroup | None = None) -> Tensor:
@@ -83,9 +83,9 @@ def dp_token_mean_step(dp_group: dist.ProcessGroup, cp_group: dist.ProcessGroup 
         if not (isinstance(loss, Tensor) and loss.numel() == 1 and loss.requires_grad and torch.is_grad_enabled()):
             return out  # evaluation, manual optimization, a pipelined step: nothing to weigh
         tokens = contract.batch_counted_tokens_tensor(module, batch, loss.device)
-        weight = _like(replica_weight(tokens, dp_group, cp_group).to(loss.dtype), loss)
+        weight = replicated_like(replica_weight(tokens, dp_group, cp_group).to(loss.dtype), loss)
         # no counted token on this rank: its mean is 0/0 (NaN), its gradient zero (its weight is 0)
-        loss = torch.where(_like(tokens == 0, loss), loss.nan_to_num(0.0), loss)
+        loss = torch.where(replicated_like(tokens == 0, loss), loss.nan_to_num(0.0), loss)
         scaled = loss * weight
         weighted = scaled + (loss.detach() - scaled.detach())  # the value of loss, the gradient of loss * weight
         return {**out, "loss": weighted} if isinstance(out, Mapping) else weighted
@@ -93,7 +93,7 @@ def dp_token_mean_step(dp_group: dist.ProcessGroup, cp_group: dist.ProcessGroup 
     return wrap
 
 
-def _like(value: Tensor, loss: Tensor) -> Tensor:
+def replicated_like(value: Tensor, loss: Tensor) -> Tensor:
     """``value`` (a plain 0-dim tensor) as a replicated DTensor on ``loss``'s mesh when ``loss`` is a DTensor."""
     if isinstance(loss, DTensor):
         mesh = loss.device_mesh

@@ -47,12 +47,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_par.checkpoint.sharded import save_sharded
-from lightning_par.compat.fabric import BackwardSyncControl as _BackwardSyncControl
-from lightning_par.compat.fabric import FabricSubprocessScriptLauncher as _SubprocessScriptLauncher
-from lightning_par.compat.fabric import default_process_group_backend_for_device as _get_default_process_group_backend_for_device
-from lightning_par.compat.fabric import distributed_is_initialized as _distributed_is_initialized
-from lightning_par.compat.fabric import init_dist_connection as _init_dist_connection
-from lightning_par.compat.fabric import sync_ddp_if_available as _sync_ddp_if_available
+from lightning_par.compat.fabric import (
+    BackwardSyncControl,
+    FabricSubprocessScriptLauncher,
+    default_process_group_backend_for_device,
+    distributed_is_initialized,
+    init_dist_connection,
+    sync_ddp_if_available,
+)
 from lightning_par.checkpoint.strategy_io import load_parallel_state
 from lightning_par.fault.process_group_exit import destroy_process_group_at_exit
 from lightning_par.parallel_dims import ParallelDims
@@ -151,7 +153,8 @@ class MeshStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = FabricSubprocessScriptLauncher(self.cluster_environment, self.num_processes,
+                                                            self.num_nodes)
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -167,11 +170,11 @@ class MeshStrategy(ParallelStrategy):
         self._set_world_ranks()
         dims = self.core.resolve_parallel_dims(self.num_nodes * self.num_processes)
         self.options.check_layout(dims.pp_size)
-        backend = self.core._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = self.core._process_group_backend or default_process_group_backend_for_device(self.root_device)
         self.core._process_group_backend = backend
         started = not dist.is_initialized()
         assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, backend, timeout=timedelta(seconds=self.core._timeout_s))
+        init_dist_connection(self.cluster_environment, backend, timeout=timedelta(seconds=self.core._timeout_s))
         if started:
             atexit.register(destroy_process_group_at_exit)
         dims.build_mesh(self.root_device.type)
@@ -415,7 +418,7 @@ class MeshStrategy(ParallelStrategy):
         :func:`lightning_par.fabric.token_mean_loss`); ``loss_sum * 0`` (NaN taken as 0) where no dp rank counted a
         token. Collective over the dp group when ``dp_size > 1`` (one all-reduce of one number on the root device);
         the count stays a tensor on the root device and is never read to the host (``docs/host-syncs.md``)."""
-        from lightning_par.data_parallel.token_mean import _like
+        from lightning_par.data_parallel.token_mean import replicated_like
 
         parallel = self.parallel
         if parallel is None:
@@ -433,7 +436,7 @@ class MeshStrategy(ParallelStrategy):
         counted = count > 0
         # dp_size / N in float64 (as a Python float was), then in the loss's dtype; 0 where nothing was counted
         scale = torch.where(counted, dims.dp_size / count, torch.zeros_like(count)).to(loss_sum.dtype)
-        scale, counted = _like(scale, loss_sum), _like(counted, loss_sum)
+        scale, counted = replicated_like(scale, loss_sum), replicated_like(counted, loss_sum)
         return torch.where(counted, loss_sum * scale, loss_sum.nan_to_num(0.0) * 0.0)
 
     def _refuse_split_forward(self, module: nn.Module, args: Any) -> None:
@@ -503,17 +506,17 @@ class MeshStrategy(ParallelStrategy):
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if _distributed_is_initialized():
+        if distributed_is_initialized():
             dist.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if not distributed_is_initialized():
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src)
@@ -726,7 +729,7 @@ def _refuse_pipelined_forward(module: nn.Module, args: Any) -> None:
     )
 
 
-class _MeshBackwardSyncControl(_BackwardSyncControl):
+class _MeshBackwardSyncControl(BackwardSyncControl):
     """``fabric.no_backward_sync(model)``: no dp reduction (and no buffer broadcast) for the backward passes inside."""
 
     def __init__(self, strategy: MeshStrategy) -> None:

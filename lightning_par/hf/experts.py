@@ -184,7 +184,8 @@ def update_hf_expert_bias(experts: list[nn.Module], group: Any = None) -> None:
 
 def selection_bias_entry(experts: nn.Module) -> tuple[Tensor, Tensor, float] | None:
     """``(routed load (E,) float32, the router's e_score_correction_bias (E,), update rate)`` of an experts module
-    :func:`balance_by_bias` enabled, read now (``.to()`` may have replaced the buffers); ``None`` for any other module."""
+    :func:`balance_by_bias` enabled, read now (``.to()`` may have replaced the buffers); ``None`` for any other
+    module."""
     router = getattr(experts, "_lp_bias_router", None)
     if getattr(experts, "routed_load", None) is None or not router:
         return None

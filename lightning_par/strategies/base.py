@@ -35,12 +35,14 @@ from typing_extensions import override
 
 from lightning_par.axes import EVERY_AXIS, axis_of_group, check_sizes
 from lightning_par.checkpoint.strategy_io import ShardedCheckpointIO
-from lightning_par.compat.fabric import default_process_group_backend_for_device as _get_default_process_group_backend_for_device
-from lightning_par.compat.fabric import distributed_is_initialized as _distributed_is_initialized
-from lightning_par.compat.fabric import init_dist_connection as _init_dist_connection
-from lightning_par.compat.fabric import optimizers_to_device as _optimizers_to_device
-from lightning_par.compat.fabric import sync_ddp_if_available as _sync_ddp_if_available
-from lightning_par.compat.lightning import SubprocessScriptLauncher as _SubprocessScriptLauncher
+from lightning_par.compat.fabric import (
+    default_process_group_backend_for_device,
+    distributed_is_initialized,
+    init_dist_connection,
+    optimizers_to_device,
+    sync_ddp_if_available,
+)
+from lightning_par.compat.lightning import SubprocessScriptLauncher
 from lightning_par.compat.lightning import before_batch_transfer, data_fetcher, plain_optimizer, set_module_device_mesh
 from lightning_par.data_parallel.fault_tolerance import (
     FaultTolerantReplicas,
@@ -324,7 +326,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -348,7 +350,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
             ft.bind_host(ft.lighthouse_address())  # and a bind address the job cannot use
             check_lighthouse(ft.lighthouse_address(), ft.connect_timeout_s)
         reset_seed()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+        self._process_group_backend = self._process_group_backend or default_process_group_backend_for_device(
             self.root_device
         )
         assert self.cluster_environment is not None
@@ -356,7 +358,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         if started:  # under torchrun --max-restarts: a group in a store namespace of this attempt (no-op otherwise)
             accelerator = "gpu" if self.root_device.type == "cuda" else "cpu"
             init_process_group_per_attempt(accelerator, self._timeout_s)
-        _init_dist_connection(
+        init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=timedelta(seconds=self._timeout_s)
         )
         if started:
@@ -440,7 +442,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
             # Each rank sees only its gradient shard (ZeRO, TP): skip a step on every rank or on none.
             self.precision_plugin.scaler = distributed_scaler(scaler)
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
             if self.options.fault_tolerance.enabled and self.ft is None:
                 self.ft = FaultTolerantReplicas(
                     self.options.fault_tolerance, self.lightning_module,
@@ -522,7 +524,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
             ("fault tolerance manager", self.ft.shutdown if self.ft is not None else None),
             ("reshard", (lambda: self.parallel.engine.reshard()) if failed and self.parallel is not None else None),
             ("cluster environment", self.cluster_environment.teardown if self.cluster_environment else None),
-            ("optimizers to CPU", lambda: _optimizers_to_device(self.optimizers, torch.device("cpu"))),
+            ("optimizers to CPU", lambda: optimizers_to_device(self.optimizers, torch.device("cpu"))),
             ("module to CPU", module.cpu if module is not None and not keep else None),
             ("precision", self.precision_plugin.teardown),
             ("accelerator", self.accelerator.teardown if self.accelerator is not None else None),
@@ -736,12 +738,12 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
+        if distributed_is_initialized():
             dist.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if not distributed_is_initialized():
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src)
@@ -753,7 +755,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     # ------------------------------------------------------------------ gradients for callbacks
