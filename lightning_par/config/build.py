@@ -126,11 +126,7 @@ def gpt_lightning_module(
     moe_bias_update_rate: float | None = None,
     moe_experts_form: str | None = None,
     optimizer: str = "adamw",
-    muon_lr: float = 0.02,
-    muon_weight_decay: float | None = None,
-    muon_momentum: float = 0.95,
-    muon_adjust_lr_fn: str | None = None,
-    muon_ns_precision: str = "bf16",
+    **optimizer_options: Any,
 ) -> GPTLightningModule:
     """The reference GPT LightningModule from a preset plus overrides: the ``_target_`` of ``model=tiny|small|...``.
 
@@ -141,8 +137,8 @@ def gpt_lightning_module(
         learning_rate, weight_decay, warmup_steps, min_lr_ratio, adam_eps: AdamW and its warmup + cosine schedule.
         max_steps: optimizer step where the cosine ends (raised to ``max(warmup_steps, 1)``); None keeps the rate flat
             after warmup.
-        optimizer, muon_*: ``"adamw"`` or ``"muon"`` and Muon's hyper-parameters
-            (:class:`~lightning_par.models.GPTLightningModule`, docs/muon.md).
+        optimizer, optimizer_options: ``"adamw"`` or a registered optimizer (``"muon"``) and its keywords
+            (``muon_lr``, ...: :mod:`lightning_par.optim.registry`, docs/muon.md).
         num_experts, moe_*: the mixture-of-experts fields of :class:`~lightning_par.models.GPTConfig`, replacing the
             preset's when not None (``moe_capacity_factor=None`` is dropless).
 
@@ -167,11 +163,7 @@ def gpt_lightning_module(
         max_steps=None if max_steps is None else max(max_steps, warmup_steps, 1),
         adam_eps=adam_eps,
         optimizer=optimizer,
-        muon_lr=muon_lr,
-        muon_weight_decay=muon_weight_decay,
-        muon_momentum=muon_momentum,
-        muon_adjust_lr_fn=muon_adjust_lr_fn,
-        muon_ns_precision=muon_ns_precision,
+        **optimizer_options,
     )
 
 

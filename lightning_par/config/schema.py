@@ -6,8 +6,9 @@ extend it (``defaults: [schema_ddp_overlap, _self_]``). A type error (``parallel
 then reported by OmegaConf at compose time; an unknown option of a group (``strategy=foo``) by Hydra, which lists the
 options it has.
 
-Each default is written once: the strategy option groups (``strategy.reducer``, ``.zero``, ``.tensor_parallel``,
-``.pipeline``) are generated from the options dataclasses (:func:`lightning_par.config.option_schema.options_schema`),
+Each option is declared once: the strategy option groups (``strategy.reducer``, ``.zero``, ``.tensor_parallel``,
+``.pipeline``, ``.context_parallel``, ``.compile``, ``.float8``, ``.fault_tolerance``) *are* the options dataclasses
+of their axes (frozen dataclasses that validate themselves; their nodes are stored writable so that overrides merge),
 and the fields every strategy accepts take their defaults from ``MeshStrategy``'s constructor. The YAML options under
 ``conf/strategy/`` set only what makes the preset (``tests/config/test_option_defaults.py`` checks both).
 
@@ -18,7 +19,10 @@ entries (the reference GPT, the byte corpora, Lightning's loggers) have closed s
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
+import typing
 
 from dataclasses import dataclass, field
 from enum import Enum
@@ -29,10 +33,9 @@ from omegaconf import II, MISSING, OmegaConf
 from hydra.core.config_store import ConfigStore
 
 from lightning_par.compile import CompileOptions
-from lightning_par.config.option_schema import options_schema, signature_defaults
 from lightning_par.context_parallel.options import ContextParallelOptions
 from lightning_par.data_parallel.fault_tolerance import FaultToleranceOptions
-from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS, ReducerOptions, ZeroOptions
+from lightning_par.data_parallel.options import ReducerOptions, ZeroGroupOptions
 from lightning_par.fault.preemption import PREEMPTION_SIGNALS
 from lightning_par.float8 import Float8Options
 from lightning_par.pipeline_parallel.options import PipelineOptions
@@ -102,59 +105,37 @@ class ParallelConfig:
     ep_size: int = 1
 
 
-ReducerGroup = options_schema(
-    "ReducerGroup", ReducerOptions, unset=("bucket_cap_mb",), module=__name__,
-    doc="""``strategy.reducer``: the dp axis's bucketed gradient reducer, generated from :class:`lightning_par.
-    data_parallel.options.ReducerOptions` (fields and defaults). ``bucket_cap_mb`` is unset (None: the default, 25;
-    ZeRO-1/2 also bucket their all-gather and reduce-scatter with it; zero3 needs it unset).""",
-)
+@dataclass(frozen=True)
+class ReducerGroup(ReducerOptions):
+    """``strategy.reducer``: :class:`~lightning_par.data_parallel.options.ReducerOptions` itself, but for one default:
+    ``bucket_cap_mb`` is unset here (None, which ReducerOptions documents as its 25 MiB), because ``zero3`` has no
+    buckets and refuses any value, so a preset must be able to leave it out."""
 
-ZeroGroup = options_schema(
-    "ZeroGroup", ZeroOptions, defaults=ZERO_GROUP_DEFAULTS, module=__name__,
-    doc="""``strategy.zero``: ZeRO's options (the stage comes from the strategy name or ``dp_mode``), generated from
-    :data:`lightning_par.data_parallel.options.ZERO_GROUP_DEFAULTS`. ``mixed_precision``: None, a dtype name ("bf16",
-    "fp16") or {"param_dtype": ..., "reduce_dtype": ...}.""",
-)
+    bucket_cap_mb: Optional[float] = None
 
-TensorParallelGroup = options_schema(
-    "TensorParallelGroup", TensorParallelOptions, module=__name__,
-    doc="""``strategy.tensor_parallel``: the tp axis's options, generated from :class:`lightning_par.tensor_parallel.
-    options.TensorParallelOptions`. ``plan`` is typed Any so that a command-line dict works
-    (``strategy.tensor_parallel.plan={up:colwise,down:rowwise}``); None uses the model's own tp_plan().""",
-)
 
-PipelineGroup = options_schema(
-    "PipelineGroup", PipelineOptions, module=__name__,
-    doc="""``strategy.pipeline``: the pp axis's options, generated from :class:`lightning_par.pipeline_parallel.
-    options.PipelineOptions`. ``schedule``: gpipe | 1f1b | interleaved_1f1b | interleaved_zero_bubble |
-    zbv_zero_bubble | dualpipev; ``split`` (typed Any): params | time | size | [layers per virtual stage].""",
-)
+#: The option groups' Hydra schemas are their options dataclasses (each option declared once, with its default, in
+#: its own axis's folder); these names are kept for code that imports them.
+ZeroGroup = ZeroGroupOptions
+TensorParallelGroup = TensorParallelOptions
+PipelineGroup = PipelineOptions
+ContextParallelGroup = ContextParallelOptions
+CompileGroup = CompileOptions
+Float8Group = Float8Options
+FaultToleranceGroup = FaultToleranceOptions
 
-ContextParallelGroup = options_schema(
-    "ContextParallelGroup", ContextParallelOptions, module=__name__,
-    doc="""``strategy.context_parallel``: the cp axis's options, generated from :class:`lightning_par.
-    context_parallel.options.ContextParallelOptions`. ``method``: ring | all_to_all.""",
-)
+def signature_defaults(function: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """The defaults of ``names`` in ``function``'s signature (the constructor that is their one source).
 
-CompileGroup = options_schema(
-    "CompileGroup", CompileOptions, module=__name__,
-    doc="""``strategy.compile``: torch.compile of every block, in every strategy, generated from
-    :class:`lightning_par.compile.CompileOptions`. ``enabled``; ``backend``: inductor | aot_eager | eager | ...;
-    ``mode``: null | default | max-autotune-no-cudagraphs; ``fullgraph``.""",
-)
-Float8Group = options_schema(
-    "Float8Group", Float8Options, module=__name__,
-    defaults={f.name: list(f.default) if isinstance(f.default, tuple) else f.default
-              for f in __import__("dataclasses").fields(Float8Options)},
-    doc="""``strategy.float8``: float8 training through torchao (:mod:`lightning_par.float8`), generated from
-    :class:`lightning_par.float8.Float8Options`. ``recipe``: tensorwise | rowwise; ``include``/``exclude``: module path
-    patterns; ``fsdp_all_gather``: null (on under zero3 with tensorwise) | true | false.""",
-)
-FaultToleranceGroup = options_schema(
-    "FaultToleranceGroup", FaultToleranceOptions, module=__name__,
-    doc="""``strategy.fault_tolerance``: the fault-tolerant replicate axis across replica groups (torchft), generated
-    from :class:`lightning_par.data_parallel.fault_tolerance.FaultToleranceOptions`; docs/fault-tolerance.md.""",
-)
+    Raises:
+        ValueError: a name that is not a parameter of ``function`` with a default.
+    """
+    params = inspect.signature(function).parameters
+    missing = [k for k in names if k not in params or params[k].default is inspect.Parameter.empty]
+    if missing:
+        raise ValueError(f"{missing[0]!r} is not valid for {function.__qualname__}: expected a parameter with a default.")
+    return {k: params[k].default for k in names}
+
 
 #: ``MeshStrategy``'s own keywords, with their defaults (the constructor is their source).
 _STRATEGY_DEFAULTS: dict[str, Any] = signature_defaults(
@@ -241,8 +222,27 @@ GPT_TARGET = "lightning_par.config.build.gpt_lightning_module"
 BYTE_CORPUS_TARGET = "lightning_par.data.ByteCorpusDataModule"
 
 
+def _optimizer_keywords_schema() -> type:
+    """A dataclass of every registered optimizer's keywords (``muon_lr``, ...), typed and defaulted by the optimizer's
+    options dataclass (their one declaration, :mod:`lightning_par.optim.registry`): the base of the model schemas
+    whose modules take them, so that a new optimizer's keywords compose without an edit here."""
+    from lightning_par.optim.registry import OPTIMIZERS
+
+    spec = []
+    for name, entry in OPTIMIZERS:
+        options = entry().options
+        hints = typing.get_type_hints(options)
+        spec += [(f"{name}_{f.name}", hints[f.name], field(default=f.default)) for f in dataclasses.fields(options)]
+    return dataclasses.make_dataclass("OptimizerKeywordsConfig", spec, namespace={"__module__": __name__})
+
+
+#: The registered optimizers' keywords (``model.muon_lr=0.01``), a base of :class:`GPTModelConfig` and
+#: :class:`HFModelConfig`.
+OptimizerKeywordsConfig = _optimizer_keywords_schema()
+
+
 @dataclass
-class GPTModelConfig:
+class GPTModelConfig(OptimizerKeywordsConfig):
     """The reference GPT (``model=tiny|small|gpt2|gpt2-medium``): a preset plus optional overrides, and its optimiser.
 
     Built with ``hydra.utils.instantiate`` like any other ``model`` entry: ``_target_`` is
@@ -281,16 +281,9 @@ class GPTModelConfig:
     moe_bias_update_rate: Optional[float] = None
     #: the experts' form: auto | grouped_mm | bmm | loop (lightning_par/expert_parallel/grouped.py).
     moe_experts_form: Optional[str] = None
-    #: ``adamw`` or ``muon`` (Muon on the hidden matrices, AdamW at ``learning_rate`` on the rest: docs/muon.md).
+    #: ``adamw`` or a registered optimizer, e.g. ``muon`` (Muon on the hidden matrices, AdamW at ``learning_rate``
+    #: on the rest: docs/muon.md); its keywords (``muon_lr``, ...) come from :class:`OptimizerKeywordsConfig`.
     optimizer: str = "adamw"
-    muon_lr: float = 0.02
-    #: null: ``weight_decay``.
-    muon_weight_decay: Optional[float] = None
-    muon_momentum: float = 0.95
-    #: null/``original`` or ``match_rms_adamw`` (torch.optim.Muon's ``adjust_lr_fn``).
-    muon_adjust_lr_fn: Optional[str] = None
-    #: ``bf16`` (torch's Newton-Schulz) or ``fp32`` (layouts agree at 1e-5: docs/muon.md).
-    muon_ns_precision: str = "bf16"
 
 
 #: Kept for code that imports the old name: the reference GPT's schema.
@@ -336,7 +329,7 @@ class HFLoraConfig:
 
 
 @dataclass
-class HFModelConfig:
+class HFModelConfig(OptimizerKeywordsConfig):
     """A Hugging Face causal LM (``model=hf``, :class:`lightning_par.hf.HFCausalLM`): a ``model_type`` built with
     random weights, or a local ``pretrained`` directory (never downloaded); exactly one of the two.
 
@@ -356,16 +349,13 @@ class HFModelConfig:
     #: config fields of a ``model_type`` build under ``config``: a tiny model in conf/model/hf.yaml (vocab 256, as the
     #: byte corpora); ignored with ``pretrained``.
     base_config: dict[str, Any] = field(default_factory=dict)
-    #: ``adamw``, ``sgd`` (with ``momentum``) or ``muon`` (Muon at ``muon_lr`` on the hidden matrices, AdamW at
-    #: ``learning_rate`` on the rest: docs/muon.md).
+    #: ``adamw``, ``sgd`` (with ``momentum``) or a registered optimizer, e.g. ``muon`` (Muon at ``muon_lr`` on the
+    #: hidden matrices, AdamW at ``learning_rate`` on the rest: docs/muon.md; keywords from the base class).
     optimizer: str = "adamw"
     learning_rate: float = 1e-3
     weight_decay: float = 0.0
     momentum: float = 0.9
     adam_eps: float = 1e-8
-    muon_lr: float = 0.02
-    #: ``bf16`` (torch's Newton-Schulz) or ``fp32`` (docs/muon.md).
-    muon_ns_precision: str = "bf16"
     #: LoRA adapters on a frozen base (``model.lora.r=16``; docs/lora.md).
     lora: HFLoraConfig = field(default_factory=HFLoraConfig)
     #: ``null`` or ``bias``: DeepSeek-V3's auxiliary-loss-free balancing of the routers' ``e_score_correction_bias``
@@ -742,6 +732,40 @@ STRATEGY_SCHEMAS: dict[str, type[StrategyConfig]] = {
 }
 
 
+def _class_node(schema: type) -> Any:
+    """The config node of the dataclass ``schema`` from its fields' defaults, nested dataclass groups included.
+
+    OmegaConf builds a nested group from its ``default_factory``, i.e. from an instance, whose ``__post_init__`` may
+    already have resolved a default (``PipelineOptions.virtual_stages`` None -> the schedule's, ``bucket_cap_mb``
+    None -> 25): the node must hold the declared defaults, so each nested group is rebuilt from its class.
+    """
+    node = OmegaConf.structured(schema)
+    for f in dataclasses.fields(schema):
+        factory = f.default_factory
+        if isinstance(factory, type) and dataclasses.is_dataclass(factory):
+            node[f.name] = _class_node(factory)
+    return node
+
+
+def _writable(schema: type) -> Any:
+    """``schema`` as the config node Hydra stores (:func:`_class_node`), every nested node writable.
+
+    The options dataclasses are frozen (a built options object never changes), and OmegaConf makes the node of a
+    frozen dataclass read-only, which would refuse every override and every preset YAML merged onto it; the config
+    is still checked against the dataclass's field types and keys at compose time.
+    """
+    node = _class_node(schema)
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        OmegaConf.set_readonly(current, False)
+        for key in current:
+            if not (OmegaConf.is_missing(current, key) or OmegaConf.is_interpolation(current, key)):
+                if OmegaConf.is_dict(child := current[key]):
+                    stack.append(child)
+    return node
+
+
 def register_configs(cs: ConfigStore | None = None) -> None:
     """Store every schema in Hydra's ConfigStore and register the resolvers the configs use (call before composing)."""
     from lightning_par.config.run_id import register_resolvers
@@ -750,7 +774,7 @@ def register_configs(cs: ConfigStore | None = None) -> None:
     if not OmegaConf.has_resolver(UNLESS_RESOLVER):
         OmegaConf.register_new_resolver(UNLESS_RESOLVER, lambda other, value: value if other in (None, "") else None)
     cs = cs or ConfigStore.instance()
-    cs.store(name="schema_run", node=RunConfig)
+    cs.store(name="schema_run", node=_writable(RunConfig))
     cs.store(group="parallel", name="schema_parallel", node=ParallelConfig)
     cs.store(group="model", name="schema_gpt", node=GPTModelConfig)
     cs.store(group="model", name="schema_custom", node=CustomModelConfig)
@@ -762,4 +786,4 @@ def register_configs(cs: ConfigStore | None = None) -> None:
         cs.store(group="logger", name=f"schema_{name}", node=schema)
     cs.store(group="trainer", name="schema_trainer", node=TrainerConfig)
     for name, schema in STRATEGY_SCHEMAS.items():
-        cs.store(group="strategy", name=f"schema_{name}", node=schema)
+        cs.store(group="strategy", name=f"schema_{name}", node=_writable(schema))

@@ -6,7 +6,7 @@ that build one raise the same ``ValueError`` before any process group starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ __all__ = [
     "ZERO_GROUP_DEFAULTS",
     "ZERO_STAGES",
     "ReducerOptions",
+    "ZeroGroupOptions",
     "ZeroOptions",
     "parse_mixed_precision",
     "resolve_zero_options",
@@ -59,7 +60,8 @@ def zero_stage(dp_mode: str) -> int:
 class ReducerOptions:
     """The bucketed gradient reducer of the dp axis (``dp_mode="ddp"``; ``"zero1"`` all-reduces with it too).
 
-    These defaults are the only ones: the Hydra schema ``strategy.reducer`` is generated from this class, and
+    These defaults are the only ones: the Hydra schema ``strategy.reducer`` is this class (with ``bucket_cap_mb``
+    unset, :class:`lightning_par.config.schema.ReducerGroup`), and
     :class:`~lightning_par.data_parallel.reducer.GradientReducer`, :class:`ZeroOptions` and the strategies take theirs
     from it.
 
@@ -91,7 +93,7 @@ class ReducerOptions:
     broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
-        cap = type(self).bucket_cap_mb if self.bucket_cap_mb is None else self.bucket_cap_mb
+        cap = ReducerOptions.bucket_cap_mb if self.bucket_cap_mb is None else self.bucket_cap_mb
         object.__setattr__(self, "bucket_cap_mb", check_number("bucket_cap_mb", cap, unit="MiB"))
         check_bool("gradient_as_bucket_view", self.gradient_as_bucket_view)
         check_bool("static_graph", self.static_graph)
@@ -108,6 +110,35 @@ class ReducerOptions:
             powersgd_rank=self.powersgd_rank,
             powersgd_start_iter=self.powersgd_start_iter,
         )
+
+
+@dataclass(frozen=True)
+class ZeroGroupOptions:
+    """The ``zero`` option group as a user writes it (``strategy.zero.*``, ``ZeroStrategy(cpu_offload=...)``): the
+    declaration of these options and their defaults, and the Hydra schema of ``strategy.zero`` itself. The stage comes
+    from the strategy name or ``dp_mode``; the bucket and reducer fields of :class:`ZeroOptions` from the reducer
+    group (:func:`resolve_zero_options` joins them).
+
+    Attributes:
+        cpu_offload: keep the shards in (pinned) CPU memory and step on the CPU (stage 3; needs an accelerator).
+        mixed_precision: ``None`` (full precision), a dtype name (``"bf16"``, ``"fp16"``: parameters and reductions
+            in that dtype) or ``{"param_dtype": ..., "reduce_dtype": ...}`` (:func:`parse_mixed_precision`); typed
+            ``Any`` because OmegaConf has no union of a string and a mapping.
+        reshard_after_forward: stage 3: free each block's gathered parameters after its forward (see
+            :class:`ZeroOptions`).
+
+    Raises:
+        ValueError: a non-boolean flag or a bad ``mixed_precision`` (named in the message).
+    """
+
+    cpu_offload: bool = False
+    mixed_precision: Any = None
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        check_bool("cpu_offload", self.cpu_offload)
+        parse_mixed_precision(self.mixed_precision)
+        check_bool("reshard_after_forward", self.reshard_after_forward)
 
 
 @dataclass(frozen=True)
@@ -133,10 +164,10 @@ class ZeroOptions:
     """
 
     stage: int
-    cpu_offload: bool = False
+    cpu_offload: bool = ZeroGroupOptions.cpu_offload
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool = ZeroGroupOptions.reshard_after_forward
     bucket_cap_mb: float = ReducerOptions.bucket_cap_mb
     gradient_as_bucket_view: bool = ReducerOptions.gradient_as_bucket_view
     static_graph: bool = ReducerOptions.static_graph
@@ -146,14 +177,8 @@ class ZeroOptions:
         _check_zero(self)
 
 
-#: The user-facing ``zero`` option group (``strategy.zero.*``) and its defaults, :class:`ZeroOptions`'s:
-#: ``mixed_precision`` stands for ``param_dtype`` and ``reduce_dtype`` (``None``: both ``None``, full precision; see
-#: :func:`parse_mixed_precision`). The stage comes from ``dp_mode``, the other fields from the reducer group.
-ZERO_GROUP_DEFAULTS: dict[str, Any] = {
-    "cpu_offload": ZeroOptions.cpu_offload,
-    "mixed_precision": None,
-    "reshard_after_forward": ZeroOptions.reshard_after_forward,
-}
+#: :class:`ZeroGroupOptions`'s fields and defaults, as a mapping (derived, not a second declaration).
+ZERO_GROUP_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(ZeroGroupOptions)}
 
 
 def _dtype(field: str, value: Any) -> torch.dtype | None:

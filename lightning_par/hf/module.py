@@ -18,12 +18,14 @@ import torch
 from lightning_par.checkpoint.loading import ShardedCheckpointLoading
 from lightning_par.hf.load import fill_from_safetensors, load_hf_weights, tied_aliases, trust_remote_code
 from lightning_par.models.next_token import NextTokenSteps
+from lightning_par.optim.registry import BaseHParams, optimizer_entry, optimizer_keywords
 from lightning_par.tensor_parallel.styles import mask_padded_vocab
 from lightning_par.tensor_parallel.vocab import VOCAB_SIZE_ATTR
 
 __all__ = ["HFCausalLM", "recipe_model"]
 
-OPTIMIZERS = ("adamw", "sgd", "muon")
+#: The optimizers this module builds itself; the others come from :mod:`lightning_par.optim.registry`.
+OPTIMIZERS = ("adamw", "sgd")
 
 
 def _known_model_type(model_type: object) -> bool:
@@ -95,12 +97,13 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
             downloads. Its weights are loaded at once in a single process, and after the strategy has parallelized
             the model under a launcher (``WORLD_SIZE`` > 1), each rank reading only what it holds
             (:meth:`load_pretrained_weights`).
-        optimizer: ``"adamw"`` (default), ``"sgd"`` (with ``momentum``) or ``"muon"``
-            (:class:`~lightning_par.optim.MuonAdamW`: Muon at ``muon_lr`` on the hidden matrices, AdamW at
-            ``learning_rate`` on the embeddings, head, norms, biases and routers; docs/muon.md).
+        optimizer: ``"adamw"`` (default), ``"sgd"`` (with ``momentum``), or an entry of
+            :mod:`lightning_par.optim.registry` by name or import path: ``"muon"`` is
+            :class:`~lightning_par.optim.MuonAdamW`, Muon at ``muon_lr`` on the hidden matrices, AdamW at
+            ``learning_rate`` on the embeddings, head, norms, biases and routers (docs/muon.md).
         learning_rate: the optimizer's learning rate (AdamW's under ``"muon"``).
-        muon_lr: Muon's learning rate under ``optimizer="muon"``.
-        muon_ns_precision: ``"bf16"`` (torch's Newton-Schulz) or ``"fp32"`` (:class:`~lightning_par.optim.MuonAdamW`).
+        **optimizer_options: the registered optimizers' own keywords, ``<name>_<field>`` (``muon_lr``,
+            ``muon_ns_precision``, ...: :class:`~lightning_par.optim.muon.MuonOptions`).
         weight_decay: AdamW's decoupled weight decay (matrices and embeddings only); SGD's L2 term.
         momentum: SGD's momentum.
         adam_eps: AdamW's ``eps``.
@@ -138,11 +141,10 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         weight_decay: float = 0.0,
         momentum: float = 0.9,
         adam_eps: float = 1e-8,
-        muon_lr: float = 0.02,
-        muon_ns_precision: str = "bf16",
         lora: Mapping[str, Any] | None = None,
         moe_balance: str | None = None,
         moe_bias_update_rate: float = 1e-3,
+        **optimizer_options: Any,
     ) -> None:
         super().__init__()
         from lightning_par.hf.lora import lora_options
@@ -152,10 +154,8 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
                "'adamw' or 'sgd' with LoRA (Muon orthogonalises whole hidden matrices, not rank-r adapters)")
         _check("model_type", model_type, (model_type is None) != (pretrained is None),
                "exactly one of model_type and pretrained (a local save_pretrained directory)")
-        _check("optimizer", optimizer, optimizer in OPTIMIZERS, f"one of {OPTIMIZERS}")
+        optimizer_options = optimizer_keywords("HFCausalLM", optimizer, optimizer_options, OPTIMIZERS)
         _check("learning_rate", learning_rate, learning_rate > 0, "a positive float")
-        _check("muon_lr", muon_lr, muon_lr > 0, "a positive float")
-        _check("muon_ns_precision", muon_ns_precision, muon_ns_precision in ("bf16", "fp32"), "'bf16' or 'fp32'")
         _check("moe_balance", moe_balance, moe_balance in (None, "bias"), "None or 'bias'")
         _check("moe_bias_update_rate", moe_bias_update_rate,
                isinstance(moe_bias_update_rate, (int, float)) and 0 < moe_bias_update_rate < float("inf"),
@@ -171,8 +171,8 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         self.save_hyperparameters(
             {"model_type": model_type, "config": config, "pretrained": pretrained, "optimizer": optimizer,
              "learning_rate": learning_rate, "weight_decay": weight_decay, "momentum": momentum, "adam_eps": adam_eps,
-             "muon_lr": muon_lr, "muon_ns_precision": muon_ns_precision, "lora": lora, "moe_balance": moe_balance,
-             "moe_bias_update_rate": moe_bias_update_rate}
+             "lora": lora, "moe_balance": moe_balance, "moe_bias_update_rate": moe_bias_update_rate,
+             **optimizer_options}
         )
         try:
             from transformers import AutoConfig, AutoModelForCausalLM
@@ -317,14 +317,9 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         params = [p for p in self.parameters() if p.requires_grad]
         if hp.optimizer == "sgd":
             return torch.optim.SGD(params, lr=hp.learning_rate, momentum=hp.momentum, weight_decay=hp.weight_decay)
-        if hp.optimizer == "muon":
-            from lightning_par.optim import MuonAdamW, muon_param_groups
-
-            return MuonAdamW(
-                muon_param_groups(self, adamw_weight_decay=hp.weight_decay), lr=hp.get("muon_lr", 0.02),
-                weight_decay=hp.weight_decay, adamw_lr=hp.learning_rate, adamw_eps=hp.adam_eps,
-                adamw_weight_decay=hp.weight_decay, ns_precision=hp.get("muon_ns_precision", "bf16"),
-            )
+        if hp.optimizer not in OPTIMIZERS:  # a registered optimizer (lightning_par.optim.registry), e.g. Muon
+            base = BaseHParams(hp.learning_rate, hp.weight_decay, eps=hp.adam_eps)
+            return optimizer_entry(hp.optimizer).create(self, hp, base)
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},

@@ -17,6 +17,7 @@ import torch
 from lightning_par.checkpoint.loading import ShardedCheckpointLoading
 from lightning_par.models.gpt import GPT, GPTConfig
 from lightning_par.models.next_token import NextTokenSteps
+from lightning_par.optim.registry import optimizer_keywords
 
 __all__ = ["GPTLightningModule", "lr_lambda"]
 
@@ -58,14 +59,13 @@ class GPTLightningModule(NextTokenSteps, ShardedCheckpointLoading, L.LightningMo
         max_steps: optimizer step where the cosine reaches ``min_lr_ratio``; None keeps the rate constant after warmup.
         adam_eps: AdamW's ``eps`` (added to ``sqrt(v)``). Parity tests use 1e-6: at 1e-8 an entry whose gradient
             cancels to fp32 rounding noise gets an update whose size depends on the summation order.
-        optimizer: ``"adamw"`` (every parameter) or ``"muon"``: :class:`~lightning_par.optim.MuonAdamW`, Muon on the
-            hidden matrices (attention and MLP projections, experts), AdamW with ``learning_rate``, ``betas``,
-            ``adam_eps`` and ``weight_decay`` on the embeddings, head, norms, biases and routers (docs/muon.md).
-        muon_lr: Muon's learning rate (before ``adjust_lr_fn``'s shape factor), scheduled like ``learning_rate``.
-        muon_weight_decay: Muon's decoupled weight decay; None takes ``weight_decay``.
-        muon_momentum: Muon's momentum (Nesterov).
-        muon_adjust_lr_fn: ``torch.optim.Muon``'s ``adjust_lr_fn``: None/``"original"`` or ``"match_rms_adamw"``.
-        muon_ns_precision: ``"bf16"`` (torch's Newton-Schulz) or ``"fp32"`` (:class:`~lightning_par.optim.MuonAdamW`).
+        optimizer: ``"adamw"`` (every parameter), or an entry of :mod:`lightning_par.optim.registry` by name or
+            import path: ``"muon"`` is :class:`~lightning_par.optim.MuonAdamW`, Muon on the hidden matrices
+            (attention and MLP projections, experts), AdamW with ``learning_rate``, ``betas``, ``adam_eps`` and
+            ``weight_decay`` on the embeddings, head, norms, biases and routers (docs/muon.md).
+        **optimizer_options: the registered optimizers' own keywords, ``<name>_<field>`` (``muon_lr``,
+            ``muon_weight_decay``, ``muon_momentum``, ``muon_adjust_lr_fn``, ``muon_ns_precision``:
+            :class:`~lightning_par.optim.muon.MuonOptions`); scheduled like ``learning_rate``.
 
     Raises:
         ValueError: an invalid value; the message names the argument, the value and what is valid.
@@ -82,11 +82,7 @@ class GPTLightningModule(NextTokenSteps, ShardedCheckpointLoading, L.LightningMo
         max_steps: int | None = None,
         adam_eps: float = 1e-8,
         optimizer: str = "adamw",
-        muon_lr: float = 0.02,
-        muon_weight_decay: float | None = None,
-        muon_momentum: float = 0.95,
-        muon_adjust_lr_fn: str | None = None,
-        muon_ns_precision: str = "bf16",
+        **optimizer_options: Any,
     ) -> None:
         super().__init__()
         if config is None:
@@ -102,14 +98,7 @@ class GPTLightningModule(NextTokenSteps, ShardedCheckpointLoading, L.LightningMo
         _check("betas", betas, len(betas) == 2 and all(0 <= b < 1 for b in betas), "two floats in [0, 1)")
         _check("warmup_steps", warmup_steps, _is_int(warmup_steps) and warmup_steps >= 0, "an integer >= 0")
         _check("adam_eps", adam_eps, isinstance(adam_eps, (int, float)) and adam_eps > 0, "a positive float")
-        _check("optimizer", optimizer, optimizer in ("adamw", "muon"), "'adamw' or 'muon'")
-        _check("muon_lr", muon_lr, isinstance(muon_lr, (int, float)) and muon_lr > 0, "a positive float")
-        _check("muon_weight_decay", muon_weight_decay, muon_weight_decay is None or muon_weight_decay >= 0,
-               "None or a float >= 0")
-        _check("muon_momentum", muon_momentum, 0 <= muon_momentum < 1, "a float in [0, 1)")
-        _check("muon_adjust_lr_fn", muon_adjust_lr_fn, muon_adjust_lr_fn in (None, "original", "match_rms_adamw"),
-               "None, 'original' or 'match_rms_adamw'")
-        _check("muon_ns_precision", muon_ns_precision, muon_ns_precision in ("bf16", "fp32"), "'bf16' or 'fp32'")
+        optimizer_options = optimizer_keywords("GPTLightningModule", optimizer, optimizer_options)
         _check("min_lr_ratio", min_lr_ratio, 0 <= min_lr_ratio <= 1, "a float in [0, 1]")
         _check(
             "max_steps",
@@ -128,11 +117,7 @@ class GPTLightningModule(NextTokenSteps, ShardedCheckpointLoading, L.LightningMo
                 "max_steps": max_steps,
                 "adam_eps": adam_eps,
                 "optimizer": optimizer,
-                "muon_lr": muon_lr,
-                "muon_weight_decay": muon_weight_decay,
-                "muon_momentum": muon_momentum,
-                "muon_adjust_lr_fn": muon_adjust_lr_fn,
-                "muon_ns_precision": muon_ns_precision,
+                **optimizer_options,
             }
         )
         self.config: GPTConfig = config
@@ -144,25 +129,14 @@ class GPTLightningModule(NextTokenSteps, ShardedCheckpointLoading, L.LightningMo
         return self.model(idx, position_ids=position_ids)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW with weight decay on matrices and embeddings only (or, with ``optimizer="muon"``,
-        :class:`~lightning_par.optim.MuonAdamW`), and a per-step :func:`lr_lambda` schedule."""
+        """AdamW with weight decay on matrices and embeddings only (or the registered optimizer ``optimizer`` names,
+        e.g. :class:`~lightning_par.optim.MuonAdamW`), and a per-step :func:`lr_lambda` schedule."""
         hp = self.hparams
-        if hp.get("optimizer", "adamw") == "muon":
-            from lightning_par.optim import MuonAdamW, muon_param_groups
+        if hp.get("optimizer", "adamw") != "adamw":
+            from lightning_par.optim.registry import BaseHParams, optimizer_entry
 
-            optimizer = MuonAdamW(
-                muon_param_groups(self, adamw_weight_decay=hp.weight_decay),
-                lr=hp.muon_lr,
-                weight_decay=hp.weight_decay if hp.muon_weight_decay is None else hp.muon_weight_decay,
-                momentum=hp.muon_momentum,
-                adjust_lr_fn=hp.muon_adjust_lr_fn,
-                ns_precision=hp.get("muon_ns_precision", "bf16"),
-                adamw_lr=hp.learning_rate,
-                adamw_betas=tuple(hp.betas),
-                adamw_eps=hp.get("adam_eps", 1e-8),
-                adamw_weight_decay=hp.weight_decay,
-            )
-            return self._with_schedule(optimizer)
+            base = BaseHParams(hp.learning_rate, hp.weight_decay, tuple(hp.betas), hp.get("adam_eps", 1e-8))
+            return self._with_schedule(optimizer_entry(hp.optimizer).create(self, hp, base))
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},

@@ -56,15 +56,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from lightning_par.compat import local_tensor, muon_reference
+from lightning_par.optim.registry import OptimizerEntry
 
-__all__ = ["MuonAdamW", "default_is_muon", "muon_param_groups", "muon_split"]
+__all__ = ["MUON", "MuonAdamW", "MuonOptions", "build_muon", "default_is_muon", "muon_param_groups", "muon_split"]
 
 # torch's Muon (torch.optim._muon, through the register): its Newton-Schulz coefficients, defaults and iteration
 _TORCH_MUON = muon_reference()
@@ -489,3 +491,62 @@ class _Matrix:
     def finish_scatter(self) -> None:
         self.ortho = self.received.narrow(self.dim, 0, self.sizes[self.me])
         self.received = None
+
+
+@dataclass(frozen=True)
+class MuonOptions:
+    """Muon's hyper-parameters as a module or a recipe gives them (``muon_lr``, ``model.muon_lr``, ...): their one
+    declaration, read by :data:`MUON` (:mod:`lightning_par.optim.registry`).
+
+    Attributes:
+        lr: Muon's learning rate (before ``adjust_lr_fn``'s shape factor; Keller Jordan's 0.02), scheduled like the
+            module's own rate.
+        weight_decay: Muon's decoupled weight decay; ``None`` takes the module's ``weight_decay``.
+        momentum: Muon's (Nesterov) momentum.
+        adjust_lr_fn: ``torch.optim.Muon``'s ``adjust_lr_fn``: ``None``/``"original"`` or ``"match_rms_adamw"``.
+        ns_precision: ``"bf16"`` (torch's Newton-Schulz) or ``"fp32"`` (layouts agree at 1e-5: docs/muon.md).
+
+    Raises:
+        ValueError: an invalid value, named by its keyword (``muon_lr=-1.0 is not valid: expected ...``).
+    """
+
+    lr: float = 0.02
+    weight_decay: Optional[float] = None
+    momentum: float = 0.95
+    adjust_lr_fn: Optional[str] = None
+    ns_precision: str = "bf16"
+
+    def __post_init__(self) -> None:
+        def check(name: str, ok: bool, valid: str) -> None:
+            if not ok:
+                raise ValueError(f"muon_{name}={getattr(self, name)!r} is not valid: expected {valid}.")
+
+        number = (int, float)
+        check("lr", isinstance(self.lr, number) and not isinstance(self.lr, bool) and self.lr > 0, "a positive float")
+        check("weight_decay", self.weight_decay is None or (isinstance(self.weight_decay, number)
+                                                           and self.weight_decay >= 0), "None or a float >= 0")
+        check("momentum", isinstance(self.momentum, number) and 0 <= self.momentum < 1, "a float in [0, 1)")
+        check("adjust_lr_fn", self.adjust_lr_fn in (None, "original", "match_rms_adamw"),
+              "None, 'original' or 'match_rms_adamw'")
+        check("ns_precision", self.ns_precision in NS_PRECISIONS, "'bf16' or 'fp32'")
+
+
+def build_muon(module: nn.Module, options: MuonOptions, base: Any) -> MuonAdamW:
+    """:class:`MuonAdamW` over ``module`` split by :func:`default_is_muon`: Muon with ``options``, AdamW with the
+    module's own settings ``base`` (:class:`lightning_par.optim.registry.BaseHParams`)."""
+    return MuonAdamW(
+        muon_param_groups(module, adamw_weight_decay=base.weight_decay),
+        lr=options.lr,
+        weight_decay=base.weight_decay if options.weight_decay is None else options.weight_decay,
+        momentum=options.momentum,
+        adjust_lr_fn=options.adjust_lr_fn,
+        ns_precision=options.ns_precision,
+        adamw_lr=base.learning_rate,
+        adamw_betas=tuple(base.betas),
+        adamw_eps=base.eps,
+        adamw_weight_decay=base.weight_decay,
+    )
+
+
+#: Muon's entry in :data:`lightning_par.optim.registry.OPTIMIZERS` (``optimizer="muon"``).
+MUON = OptimizerEntry("muon", MuonOptions, build_muon)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_par.validation import check_bool, check_choice, check_int, check_number
 
@@ -75,7 +76,9 @@ class PipelineOptions:
     schedule: str = "1f1b"
     num_microbatches: int = 4
     virtual_stages: int | None = None
-    split: str | Sequence[int] = field(default="params", hash=False)
+    # ``str | Sequence[int]``, typed Any: this class is also the Hydra schema of ``strategy.pipeline``, and OmegaConf
+    # has no union of a string and a list (``__post_init__`` checks the value).
+    split: Any = field(default="params", hash=False)
     split_timeout_s: float = 1.0
     measure_bubble: bool = True
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +27,9 @@ class TensorParallelOptions:
     """
 
     sequence_parallel: bool = False
-    plan: Mapping[str, Any] | None = field(default=None, hash=False)
+    # ``Mapping[str, str | ParallelStyle] | None``, typed Any: this class is also the Hydra schema of
+    # ``strategy.tensor_parallel``, where a command-line dict (``plan={up:colwise}``) must pass; checked below.
+    plan: Any = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         check_bool("sequence_parallel", self.sequence_parallel)
