@@ -147,7 +147,8 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     module = build_module(cfg)
     datamodule = build_datamodule(cfg, module)
-    strategy = build_strategy(cfg)
+    dims = build_parallel_dims(cfg)  # this process's one layout: the strategy and the Trainer arguments share it
+    strategy = build_strategy(cfg, dims)
     metrics = ParallelMetricsCallback(peak_flops_per_device=t.peak_flops_per_device)
     summary_path = out / "summary.json"
     sources: list[Any] = [LRScalingCallback(**OmegaConf.to_container(cfg.lr_scaling))]
@@ -155,7 +156,7 @@ def train_worker(cfg_dict: dict[str, Any], run_dir: str, ckpt_path: str | None =
         sources.append(TimelineCallback(out / "timeline", cfg.profile_start_step, cfg.profile_steps))
     if callable(getattr(datamodule, "metrics_callback", None)):  # packed documents: tokens that count, padding
         sources.append(datamodule.metrics_callback())
-    trainer_kwargs = build_trainer_kwargs(cfg)
+    trainer_kwargs = build_trainer_kwargs(cfg, dims=dims)
     callbacks: list[Any] = [
         metrics,
         *sources,

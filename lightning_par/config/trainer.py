@@ -39,10 +39,12 @@ def cluster_nodes_and_devices(env: Mapping[str, str] | None = None) -> tuple[int
     return None
 
 
-def _resolve_nodes_and_devices(cfg: Any, env: Mapping[str, str] | None) -> tuple[int, int]:
-    from lightning_par.config.build import build_parallel_dims  # build re-exports this module
+def _resolve_nodes_and_devices(cfg: Any, env: Mapping[str, str] | None, world_size: int | None) -> tuple[int, int]:
+    if world_size is None:  # no layout handed in: validate one (the recipe hands its own, built once per process)
+        from lightning_par.config.build import build_parallel_dims  # build re-exports this module
 
-    world = build_parallel_dims(cfg).world_size
+        world_size = build_parallel_dims(cfg).world_size
+    world = world_size
     num_nodes, devices = cfg.trainer.get("num_nodes"), cfg.trainer.get("devices")
     cluster = cluster_nodes_and_devices(env)
     if cluster is None:
@@ -70,7 +72,7 @@ def _resolve_nodes_and_devices(cfg: Any, env: Mapping[str, str] | None) -> tuple
     return expected
 
 
-def build_trainer_kwargs(cfg: Any, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+def build_trainer_kwargs(cfg: Any, env: Mapping[str, str] | None = None, dims: Any = None) -> dict[str, Any]:
     """The ``lightning.Trainer`` arguments of the ``trainer`` group (all but ``strategy``, ``logger``, ``callbacks``
     and ``default_root_dir``, which the recipe adds).
 
@@ -84,6 +86,8 @@ def build_trainer_kwargs(cfg: Any, env: Mapping[str, str] | None = None) -> dict
     Args:
         cfg: the run config.
         env: the environment to read (``os.environ`` by default).
+        dims: the :class:`~lightning_par.parallel_dims.ParallelDims` already validated from ``cfg.parallel`` (``None``:
+            validated here).
 
     Raises:
         ValueError: an unknown ``trainer`` key (named, with the valid ones), a key the recipe sets elsewhere, or
@@ -110,6 +114,7 @@ def build_trainer_kwargs(cfg: Any, env: Mapping[str, str] | None = None) -> dict
         import torch
 
         kwargs["accelerator"] = "gpu" if torch.cuda.is_available() else "cpu"
-    kwargs["num_nodes"], kwargs["devices"] = _resolve_nodes_and_devices(cfg, env)
+    world = None if dims is None else dims.world_size
+    kwargs["num_nodes"], kwargs["devices"] = _resolve_nodes_and_devices(cfg, env, world)
     kwargs["enable_checkpointing"] = bool(options.get("checkpoint", False))
     return kwargs

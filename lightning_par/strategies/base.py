@@ -247,6 +247,7 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         self.prog_bar = bool(prog_bar)
         self._process_group_backend = process_group_backend
         self.parallel_dims: ParallelDims | None = None
+        self._planned_dims: ParallelDims | None = None  # the caller's layout (use_parallel_dims), meshed in setup
         self.parallel: ParallelModel | None = None
         self._validated: Any = None  # the module validate_model checked (parallelize then does not check it again)
         self._exception: BaseException | None = None  # the run's error (teardown then never raises over it)
@@ -298,12 +299,29 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         return self.parallel_dims._mesh
 
     def resolve_parallel_dims(self, world_size: int) -> ParallelDims:
-        """Validate the requested sizes against ``world_size`` (no process group needed).
+        """Validate the requested sizes against ``world_size`` (no process group needed); the layout handed in by
+        :meth:`use_parallel_dims` when it is for this world and has no mesh yet (one ParallelDims per process).
 
         Raises:
             ValueError: the sizes do not multiply to ``world_size``; the message names the fields and values.
         """
+        planned = self._planned_dims
+        if planned is not None and planned.world_size == world_size and planned._mesh is None:
+            return planned
         return ParallelDims(world_size=world_size, **self._sizes)
+
+    def use_parallel_dims(self, dims: ParallelDims) -> None:
+        """Take ``dims``, validated by the caller from the same sizes (the recipe's ``parallel`` group), as this
+        process's layout: :meth:`setup_environment` builds the mesh on it instead of validating a new one.
+
+        Raises:
+            ValueError: a size of ``dims`` that differs from this strategy's (named, with both values).
+        """
+        for key, value in self._sizes.items():
+            if value != -1 and getattr(dims, key) != value:
+                raise ValueError(f"{key}={getattr(dims, key)} of the layout handed in differs from the strategy's "
+                                 f"{key}={value}: build both from the same sizes.")
+        self._planned_dims = dims
 
     @property
     @override
