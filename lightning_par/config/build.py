@@ -11,6 +11,7 @@ exists.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from lightning_par.config.instantiate import instantiate_entry, plain
@@ -62,7 +63,8 @@ def build_parallel_dims(cfg: Any) -> ParallelDims:
 def build_strategy(cfg: Any, dims: ParallelDims | None = None) -> Any:
     """The strategy named by ``strategy.name`` with the layout of ``parallel`` and its own options (option groups
     nested as in the schemas: ``strategy.pipeline.schedule``, ``strategy.reducer.comm_hook``, ...). ``dims`` is the
-    layout already validated from ``cfg.parallel`` (``None``: validated here).
+    layout already validated from ``cfg.parallel`` (``None``: validated here); it is handed to the strategy
+    (:meth:`~lightning_par.strategies.MeshStrategy.use_parallel_dims`), which then builds no other.
 
     Raises:
         ValueError: an unknown strategy name; an option that contradicts the name (``strategy=gpipe
@@ -95,7 +97,9 @@ def build_strategy(cfg: Any, dims: ParallelDims | None = None) -> Any:
     layout = {k: v for k, v in {"dp_size": dims.dp_size, **layout}.items() if v != 1 or k == "dp_size" or (
         axis_of_size(k) is not None and cls.has_axis(axis_of_size(k).name))}
     options = {k: v for k, v in options.items() if not (k in OPTION_GROUPS and not v)}
-    return cls(**{**preset, **options, **layout})
+    strategy = cls(**{**preset, **options, **layout})
+    strategy.use_parallel_dims(dims)  # this process's one layout: setup_environment builds the mesh on it
+    return strategy
 
 
 def gpt_lightning_module(
@@ -165,6 +169,22 @@ def gpt_lightning_module(
         optimizer=optimizer,
         **optimizer_options,
     )
+
+
+def _signature_with_optimizer_keywords(function: Any) -> Any:
+    """``function`` with its signature showing every registered optimizer's keywords (``muon_lr``, ...) in place of
+    ``**optimizer_options``, so that the recipe's argument check (:func:`instantiate_entry`) still names a misspelt
+    key and lists the valid ones."""
+    from lightning_par.optim.registry import builtin_keywords
+
+    signature = inspect.signature(function)
+    params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in builtin_keywords().items()]
+    function.__signature__ = signature.replace(parameters=params)
+    return function
+
+
+gpt_lightning_module = _signature_with_optimizer_keywords(gpt_lightning_module)
 
 
 def build_module(cfg: Any) -> Any:

@@ -226,11 +226,11 @@ def _optimizer_keywords_schema() -> type:
     """A dataclass of every registered optimizer's keywords (``muon_lr``, ...), typed and defaulted by the optimizer's
     options dataclass (their one declaration, :mod:`lightning_par.optim.registry`): the base of the model schemas
     whose modules take them, so that a new optimizer's keywords compose without an edit here."""
-    from lightning_par.optim.registry import OPTIMIZERS
+    from lightning_par.optim.registry import OPTIMIZERS, optimizer_entry
 
     spec = []
-    for name, entry in OPTIMIZERS:
-        options = entry().options
+    for name, _ in OPTIMIZERS:
+        options = optimizer_entry(name).options
         hints = typing.get_type_hints(options)
         spec += [(f"{name}_{f.name}", hints[f.name], field(default=f.default)) for f in dataclasses.fields(options)]
     return dataclasses.make_dataclass("OptimizerKeywordsConfig", spec, namespace={"__module__": __name__})

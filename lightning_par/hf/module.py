@@ -127,7 +127,8 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
             weights that do not fit the config; an unknown optimizer; a non-positive learning rate; ``moe_balance``
             not ``None`` or ``"bias"``, or ``"bias"`` for a model without a router bias; a non-positive
             ``moe_bias_update_rate``. The message names the argument, the value and what is valid; invalid ``lora``
-            fields (:func:`lightning_par.hf.lora.lora_options`), or ``optimizer="muon"`` with LoRA.
+            fields (:func:`lightning_par.hf.lora.lora_options`), or a registered optimizer (``"muon"``: it orthogonalises
+            whole matrices) with LoRA.
         ImportError: ``transformers`` is not installed (``pip install 'lightning-par[hf]'``), or ``peft`` with LoRA.
     """
 
@@ -150,8 +151,9 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         from lightning_par.hf.lora import lora_options
 
         lora = lora_options(lora)
-        _check("optimizer", optimizer, lora is None or optimizer != "muon",
-               "'adamw' or 'sgd' with LoRA (Muon orthogonalises whole hidden matrices, not rank-r adapters)")
+        _check("optimizer", optimizer, lora is None or optimizer in OPTIMIZERS,
+               "'adamw' or 'sgd' with LoRA (a registered optimizer may work on whole hidden matrices, not on "
+               "rank-r adapters)")
         _check("model_type", model_type, (model_type is None) != (pretrained is None),
                "exactly one of model_type and pretrained (a local save_pretrained directory)")
         optimizer_options = optimizer_keywords("HFCausalLM", optimizer, optimizer_options, OPTIMIZERS)

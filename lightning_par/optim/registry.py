@@ -84,16 +84,10 @@ class OptimizerEntry:
         return self.build(module, self.options_from(keywords), base)
 
 
-def _muon() -> OptimizerEntry:
-    from lightning_par.optim.muon import MUON
-
-    return MUON
-
-
-#: The package's optimizers (besides the hosts' own ``adamw``/``sgd``), each a function returning its entry so that
-#: the optimizer's module is imported only when it is asked for. A new optimizer adds its line here.
-OPTIMIZERS: tuple[tuple[str, Callable[[], OptimizerEntry]], ...] = (
-    ("muon", _muon),
+#: The package's optimizers (besides the hosts' own ``adamw``/``sgd``): name -> the import path of its
+#: :class:`OptimizerEntry`, imported when it is asked for. A new optimizer adds its line here.
+OPTIMIZERS: tuple[tuple[str, str], ...] = (
+    ("muon", "lightning_par.optim.muon:MUON"),
 )
 
 
@@ -114,12 +108,10 @@ def optimizer_entry(name: str, owner: str = "", host_optimizers: tuple[str, ...]
     Raises:
         ValueError: an unknown name, a path that cannot be imported or that names no :class:`OptimizerEntry`.
     """
-    for known, entry in OPTIMIZERS:
-        if name == known:
-            return entry()
+    path = dict(OPTIMIZERS).get(name, name)
     label = f"{owner} optimizer" if owner else "optimizer"
-    if isinstance(name, str) and ":" in name:
-        module_name, _, attribute = name.partition(":")
+    if isinstance(path, str) and ":" in path:
+        module_name, _, attribute = path.partition(":")
         try:
             entry = getattr(importlib.import_module(module_name), attribute)
         except (ImportError, AttributeError) as err:
@@ -134,8 +126,8 @@ def optimizer_entry(name: str, owner: str = "", host_optimizers: tuple[str, ...]
 def builtin_keywords() -> dict[str, Any]:
     """Every keyword of :data:`OPTIMIZERS` with its default (what a host and a model schema accept)."""
     out: dict[str, Any] = {}
-    for _, entry in OPTIMIZERS:
-        out.update(entry().keywords())
+    for name, _ in OPTIMIZERS:
+        out.update(optimizer_entry(name).keywords())
     return out
 
 
