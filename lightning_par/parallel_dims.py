@@ -33,7 +33,7 @@ torch (the planner uses it without one).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from lightning_par.validation import check_int
@@ -103,10 +103,12 @@ class ParallelDims:
     dp_shard_size: int = -1
     cp_size: int = 1
     ep_size: int = 1
-    _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
-    _meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # The mesh cache: plain attributes, not fields, so that this class is also the recipe's ``parallel`` schema
+        # (lightning_par.config.schema), whose nodes hold the sizes only.
+        self._mesh: DeviceMesh | None = None
+        self._meshes: dict[str, DeviceMesh] = {}
         check_int("world_size", self.world_size, 1)
         for name in ("tp_size", "pp_size", "cp_size", "dp_replicate_size", "ep_size"):
             check_int(name, getattr(self, name), 1)

@@ -38,6 +38,7 @@ from lightning_par.data_parallel.fault_tolerance import FaultToleranceOptions
 from lightning_par.data_parallel.options import ReducerOptions, ZeroGroupOptions
 from lightning_par.fault.preemption import PREEMPTION_SIGNALS
 from lightning_par.float8 import Float8Options
+from lightning_par.parallel_dims import ParallelDims
 from lightning_par.pipeline_parallel.options import PipelineOptions
 from lightning_par.strategies import MeshStrategy, Parallel3DStrategy
 from lightning_par.tensor_parallel.options import TensorParallelOptions
@@ -83,26 +84,9 @@ __all__ = [
 ]
 
 
-@dataclass
-class ParallelConfig:
-    """The layout: how many processes, and how they split over the mesh axes (:class:`lightning_par.ParallelDims`)."""
-
-    #: processes to start (one per device; on CPU, gloo processes).
-    world_size: int = 2
-    #: data-parallel ranks (dp_replicate_size * dp_shard_size); -1 infers ``world_size // (tp_size * pp_size)``.
-    dp_size: int = -1
-    #: tensor-parallel ranks per layer.
-    tp_size: int = 1
-    #: pipeline stages.
-    pp_size: int = 1
-    #: HSDP replicas of the sharded model state (1: plain data parallelism).
-    dp_replicate_size: int = 1
-    #: ranks the model state is sharded over (ZeRO's N); -1: dp_size // dp_replicate_size.
-    dp_shard_size: int = -1
-    #: context-parallel ranks per sequence.
-    cp_size: int = 1
-    #: expert-parallel ranks (each holds num_experts / ep_size experts), borrowed from dp_shard_size * cp_size.
-    ep_size: int = 1
+#: The ``parallel`` group's schema is :class:`lightning_par.ParallelDims` itself (the sizes, their defaults and their
+#: checks, declared once); the name is kept for code that imports it.
+ParallelConfig = ParallelDims
 
 
 @dataclass(frozen=True)
@@ -665,7 +649,8 @@ class FitCheckConfig:
 class RunConfig:
     """The root config: one option per group, plus run-wide settings."""
 
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    #: the layout (``conf/parallel/<name>.yaml``): :class:`lightning_par.ParallelDims`'s sizes.
+    parallel: ParallelDims = field(default_factory=ParallelDims)
     strategy: Any = field(default_factory=StrategyConfig)
     #: a ``model`` group entry: the reference GPT (``tiny``, ``small``, ...) or ``custom`` (any ``_target_``).
     model: Any = MISSING
@@ -775,7 +760,7 @@ def register_configs(cs: ConfigStore | None = None) -> None:
         OmegaConf.register_new_resolver(UNLESS_RESOLVER, lambda other, value: value if other in (None, "") else None)
     cs = cs or ConfigStore.instance()
     cs.store(name="schema_run", node=_writable(RunConfig))
-    cs.store(group="parallel", name="schema_parallel", node=ParallelConfig)
+    cs.store(group="parallel", name="schema_parallel", node=_writable(ParallelDims))
     cs.store(group="model", name="schema_gpt", node=GPTModelConfig)
     cs.store(group="model", name="schema_custom", node=CustomModelConfig)
     cs.store(group="model", name="schema_hf", node=HFModelConfig)

@@ -60,6 +60,9 @@ def test_the_stored_strategy_schema_nodes_are_the_options_dataclasses():
     assert [f.name for f in dataclasses.fields(reducer)] == [f.name for f in dataclasses.fields(ReducerOptions)]
     assert node["reducer"]["bucket_cap_mb"] is None
     assert not (PACKAGE / "config" / "option_schema.py").exists()
+    parallel = ConfigStore.instance().repo["parallel"]["schema_parallel.yaml"].node
+    assert OmegaConf.get_type(parallel) is ParallelDims and parallel.dp_size == -1  # the declared default, unresolved
+    assert set(parallel) == {f.name for f in dataclasses.fields(ParallelDims)}  # the sizes only, no mesh cache
 
 
 def test_an_override_merges_into_a_frozen_options_node_and_a_bad_one_names_its_key():
@@ -70,6 +73,9 @@ def test_an_override_merges_into_a_frozen_options_node_and_a_bad_one_names_its_k
     assert "num_microbatches" in str(err.value.__cause__ or err.value)
     with pytest.raises(ConfigCompositionException):
         _compose("strategy=parallel_3d", "strategy.pipeline.num_micro_batches=8")  # not a field of PipelineOptions
+    with pytest.raises(ConfigCompositionException) as err:
+        _compose("parallel.tp_size=two")  # the parallel group is ParallelDims
+    assert "tp_size" in str(err.value.__cause__ or err.value)
 
 
 def test_muon_options_are_declared_once():
