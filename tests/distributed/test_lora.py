@@ -110,6 +110,8 @@ BF16_2 = [
 #: World 4, one launch.
 WORLD4 = [
     _case("hsdp2x2-sgd", "parallel_3d", "peft-sgd", dp_replicate_size=2, dp_shard_size=2, dp_mode="zero3"),
+    _case("hf-pp2tp2sp-sgd", "parallel_3d", "hflora-sgd", pp_size=2, tp_size=2, sequence_parallel=True,
+          schedule="1f1b", num_microbatches=2),
 ]
 #: Extra cells (``slow``): the other optimizer of each layout, and dp2 x tp2 x pp2 (world 8).
 SLOW2 = [
@@ -133,6 +135,8 @@ SLOW2 = [
 SLOW4 = [
     _case("hsdp2x2-adamw", "parallel_3d", "peft-adamw", dp_replicate_size=2, dp_shard_size=2, dp_mode="zero3"),
     _case("tp2pp2-sgd", "parallel_3d", "peft-sgd", tp_size=2, pp_size=2, schedule="1f1b", num_microbatches=2),
+    _case("tp2sppp2-adamw", "parallel_3d", "peft-adamw", tp_size=2, pp_size=2, sequence_parallel=True,
+          schedule="1f1b", num_microbatches=2),
     _case("qlora-hsdp2x2-adamw", "parallel_3d", "hfqlora-adamw", dp_replicate_size=2, dp_shard_size=2,
           dp_mode="zero3"),
     _case("hf-hsdp2x2-adamw", "parallel_3d", "hflora-adamw", dp_replicate_size=2, dp_shard_size=2, dp_mode="zero3"),
