@@ -5,11 +5,12 @@ the same module in one process on the same global batch.
 HFCausalLM's cells start lora_B at PEFT's zero. Its first AdamW step moves each element of lora_B by
 ``lr * g / (|g| + eps)``: an element whose gradient is far below the tensor's largest (and below eps 1e-6) carries the
 fp32 rounding of the whole tensor's scale, divided by ``|g| + eps`` instead of by the largest gradient. Measured under
-tp2 + SP: the element of layer 1's q_proj lora_B with g = 8.1e-8 (largest 2.0e-4) off by 4.0e-11 (0.2 ulp of the
-largest; the losses already differ by 8.6e-8 in the first forward, from the row-parallel layers' split sums) moves
-1.0e-7 off, 3.5e-5 of lora_B's largest entry after step 1, 1.5e-5 after step 3. The same run in float64 matches one
-process at 5.6e-15 (``hflora64``: every tensor and the loss in float64, checked at rel 1e-12), so no scale or reduction
-is wrong; the fp32 tp cells of HFCausalLM use SGD, the AdamW one under tp runs in float64.
+tp2 + SP: the element of layer 1's q_proj lora_B with g = 8.1e-8 (largest 2.0e-4) off by 4.0e-11 (3 ulp of the
+largest; the losses already differ by 8.6e-8 in the first forward, where the adapters add exactly zero: from the
+row-parallel base layers' split sums) moves 1.0e-7 off, 3.5e-5 of lora_B's largest entry after step 1, 1.5e-5 after
+step 3. The same run in float64 matches one process at 5.6e-15 (``hflora64``: every tensor and the loss in float64,
+checked at rel 1e-12), so no scale or reduction is wrong; the fp32 tp cells of HFCausalLM use SGD, the AdamW ones
+under tp run in float64.
 
 Parity (fp32): losses of every step within ``rtol=1e-5``, every parameter within :func:`assert_params_close`, the
 trained LoRA weights within a relative error (max difference / max entry, per tensor) of 1e-5 (QLoRA, whose NF4 base
