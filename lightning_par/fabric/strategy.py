@@ -192,10 +192,7 @@ class MeshStrategy(ParallelStrategy):
         its state (ZeRO), run the axes' optimizer-step hooks after each of its steps, as the Trainer's does."""
         assert self.parallel is not None, "set up the model first: fabric.setup(model, optimizer)"
         step.point_optimizer(self.parallel, optimizer, self._names)
-        self.parallel.engine.shard_optimizer(optimizer)
-        parallel = self.parallel
-        if parallel.has_optimizer_step_hooks:  # after the engine's own post-hook, also for a loop's optimizer.step()
-            optimizer.register_step_post_hook(lambda *_: parallel.after_optimizer_step())
+        step.setup_optimizer(self.parallel, optimizer)
         return optimizer
 
     # ------------------------------------------------------------------ steps (lightning_par.runtime.step)

@@ -44,6 +44,7 @@ __all__ = [
     "optimizer_params",
     "point_optimizer",
     "refuse_pipelined_forward",
+    "setup_optimizer",
     "step_inputs",
     "token_mean",
     "train_step",
@@ -90,6 +91,16 @@ def backward(parallel: Any, run: Callable[[], None], after: Callable[[Any], Any]
         engine.pre_backward()
         run()
         return after(engine.post_backward())
+
+
+def setup_optimizer(parallel: Any, optimizer: Any) -> None:
+    """Shard ``optimizer``'s state over dp (ZeRO's) and run every axis's optimizer-step hooks after each of its steps
+    (:meth:`~lightning_par.parallelize.ParallelModel.after_optimizer_step`: the MoE routers' bias update, float8's
+    scales), after the engine's own post-hook (ZeRO's all-gather of the shards), also for a loop's own
+    ``optimizer.step()``."""
+    parallel.engine.shard_optimizer(optimizer)
+    if parallel.has_optimizer_step_hooks:
+        optimizer.register_step_post_hook(lambda *_: parallel.after_optimizer_step())
 
 
 def optimizer_params(optimizer: Any) -> list[Tensor]:

@@ -385,12 +385,8 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, ParallelStrategy):
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         assert self.parallel is not None
-        parallel = self.parallel
         for optimizer in self.optimizers:
-            optimizer = plain_optimizer(optimizer)
-            parallel.engine.shard_optimizer(optimizer)
-            if parallel.has_optimizer_step_hooks:  # after the engine's own post-hook (ZeRO's all-gather of the shards)
-                optimizer.register_step_post_hook(lambda *_: parallel.after_optimizer_step())
+            step.setup_optimizer(self.parallel, plain_optimizer(optimizer))
 
     @override
     def model_to_device(self) -> None:
