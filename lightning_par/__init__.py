@@ -8,7 +8,7 @@ from lightning_par import quiet
 quiet.install()  # known third-party lines that say nothing to a user (lightning_par/quiet.py)
 
 from lightning_par.parallel_dims import MESH_AXES, ParallelDims  # noqa: E402
-from lightning_par.strategies import DDPOverlapStrategy, MeshStrategy, Parallel3DStrategy, PipelineStrategy, TensorParallelStrategy, ZeroStrategy, register_all
+from lightning_par.strategies import STRATEGIES, DDPOverlapStrategy, MeshStrategy, Parallel3DStrategy, PipelineStrategy, TensorParallelStrategy, ZeroStrategy, register_all
 
 __all__ = ["MESH_AXES", "DDPOverlapStrategy", "MeshStrategy", "Parallel3DStrategy", "ParallelDims", "PipelineStrategy", "TensorParallelStrategy", "ZeroStrategy"]
 __version__ = "0.1.0.dev0"
@@ -17,7 +17,7 @@ register_all()
 
 from lightning_par.fabric import register_all as _register_fabric  # noqa: E402
 
-_register_fabric()  # Fabric(strategy="zero3") and the other names
+_register_fabric(presets=STRATEGIES)  # Fabric(strategy="zero3") and the other names
 
 from lightning_par.checkpoint.loading import install_directory_loading  # noqa: E402
 

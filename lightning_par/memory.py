@@ -62,20 +62,35 @@ def storage_bytes(tensors: Iterable[Tensor]) -> int:
             continue
         if not isinstance(tensor, Tensor):
             raise TypeError(f"storage_bytes expects tensors, got {type(tensor).__name__}.")
-        local = local_tensor(tensor)
-        if local.device.type == "meta":
-            continue
-        key = _storage_key(local)
-        if key in seen:
-            continue
-        seen.add(key)
-        total += local.untyped_storage().nbytes()
+        for local in _leaf_tensors(tensor):
+            if local.device.type == "meta":
+                continue
+            key = _storage_key(local)
+            if key in seen:
+                continue
+            seen.add(key)
+            total += local.untyped_storage().nbytes()
     return total
 
 
-def _storage_key(tensor: Tensor) -> tuple[str, int | None, int]:
-    """Identity of the storage holding ``tensor``'s data on this rank (a ``DTensor``'s local shard's)."""
+def _leaf_tensors(tensor: Tensor) -> Iterator[Tensor]:
+    """The plain tensors holding ``tensor``'s data on this rank: a ``DTensor``'s local shard; a wrapper tensor
+    subclass's inner tensors (its ``__tensor_flatten__``: torchao's ``NF4Tensor`` holds its 4-bit codes and scales
+    there, and has no storage of its own to read: ``untyped_storage()`` raises)."""
     local = local_tensor(tensor)
+    flatten = getattr(local, "__tensor_flatten__", None)
+    if flatten is None:
+        yield local
+        return
+    names, _ = flatten()
+    for name in names:
+        yield from _leaf_tensors(getattr(local, name))
+
+
+def _storage_key(tensor: Tensor) -> tuple[str, int | None, int]:
+    """Identity of the storage holding ``tensor``'s data on this rank (a ``DTensor``'s local shard's; a wrapper
+    subclass's first inner tensor's)."""
+    local = next(_leaf_tensors(tensor))
     return (local.device.type, local.device.index, local.untyped_storage().data_ptr())
 
 

@@ -307,6 +307,11 @@ class ParallelModel:
             batch = transform(batch)
         return batch
 
+    @property
+    def has_batch_transforms(self) -> bool:
+        """Whether an axis transforms the batch before the step sees it (cp: each rank's piece of every sequence)."""
+        return bool(self._batch_transforms)
+
     def transform_batch(self, batch: Any) -> Any:
         """``batch`` as the LightningModule's step sees it on this rank (every axis's batch transform: cp's split of
         the sequence), without :meth:`prepare_batch`'s buffer broadcast (no collective)."""

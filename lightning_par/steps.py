@@ -15,7 +15,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from lightning_par.aux_loss import aux_loss_scaled
+from lightning_par.runtime import step
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -35,27 +35,14 @@ class StepHooks:
 
     def training_step(self, host: Any, call: Callable[[Any], Any], batch: Any, batch_idx: int) -> Any:
         """One training step: ``call(batch)`` runs the LightningModule's ``training_step`` on this rank's batch
-        (:meth:`~lightning_par.parallelize.ParallelModel.prepare_batch`), inside the step's contexts."""
-        batch = self.parallel.prepare_batch(batch)
-        from lightning_par.data.doc_mask import batch_document_ids
-
-        scale = 1.0 / host.lightning_module.trainer.accumulate_grad_batches  # Lightning's loss factor
-        with aux_loss_scaled(scale), self.parallel.loss_context(), self._document_attention(batch_document_ids(batch)):
-            return self.parallel.run_step(call, batch)
-
-    def _document_attention(self, documents: Any) -> AbstractContextManager[None]:
-        """A packed block's document masking (:mod:`lightning_par.data.doc_mask`) around the LightningModule's own
-        step, for any network through the contract (its attention reached unmasked through the network's
-        ``context_parallel_attention``, a Hugging Face model's); a no-op for other batches."""
-        from lightning_par.context_parallel.contract import context_parallel_attention
-        from lightning_par.data.doc_mask import document_attention
-
-        if documents is None:
-            return document_attention(None)
-        return document_attention(documents, context_parallel_attention(self.parallel.network))
+        (:meth:`~lightning_par.parallelize.ParallelModel.prepare_batch`), through the runtime's
+        :func:`~lightning_par.runtime.step.forward` with Lightning's loss factor ``1 / accumulate_grad_batches``."""
+        scale = 1.0 / host.lightning_module.trainer.accumulate_grad_batches
+        return step.forward(self.parallel, call, self.parallel.prepare_batch(batch), scale)
 
     def backward(self, host: Any, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Backward, then the end of the dp reduction, then ``on_after_backward``.
+        """Backward, then the end of the dp reduction, then ``on_after_backward`` (the runtime's
+        :func:`~lightning_par.runtime.step.backward` around the precision plugin's).
 
         Lightning's own ``Strategy.backward`` calls ``on_after_backward`` (in the precision plugin's ``post_backward``)
         before the strategy's ``post_backward``; under ``DDPStrategy`` and ``FSDPStrategy`` the reduction has ended
@@ -63,13 +50,18 @@ class StepHooks:
         over dp. The dp engine here finishes after backward returns, so this runs it before that hook; otherwise the
         hook would see this rank's unreduced gradients (tests/distributed/test_ddp_overlap.py).
         """
-        module, precision, engine = host.lightning_module, host.precision_plugin, self.parallel.engine
-        with self.parallel.loss_context():
-            engine.pre_backward()
-            closure_loss = precision.pre_backward(closure_loss, module)
-            precision.backward(closure_loss, module, optimizer, *args, **kwargs)
-            host.log_comm(engine.post_backward())
-            return precision.post_backward(closure_loss, module)
+        module, precision = host.lightning_module, host.precision_plugin
+        loss = [closure_loss]
+
+        def run() -> None:
+            loss[0] = precision.pre_backward(loss[0], module)
+            precision.backward(loss[0], module, optimizer, *args, **kwargs)
+
+        def after(stats: Any) -> Tensor:
+            host.log_comm(stats)
+            return precision.post_backward(loss[0], module)
+
+        return step.backward(self.parallel, run, after)
 
     def block_sync(self) -> AbstractContextManager[None]:
         """Entered for every batch of an accumulation window but the last: no dp reduction then."""
@@ -77,12 +69,8 @@ class StepHooks:
 
     def eval_step(self, host: Any, stage: str, call: Callable[[Any], Any], batch: Any) -> Any:
         """A validation (``stage="val"``), test or predict step: ``call(batch)`` runs the LightningModule's own on
-        this rank's batch."""
-        batch = self.parallel.prepare_batch(batch)
-        from lightning_par.data.doc_mask import batch_document_ids
-
-        with self.parallel.loss_context(), self._document_attention(batch_document_ids(batch)):
-            return self.parallel.run_step(call, batch)
+        this rank's batch (the runtime's :func:`~lightning_par.runtime.step.evaluate`)."""
+        return step.evaluate(self.parallel, call, self.parallel.prepare_batch(batch))
 
     def summary(self) -> dict[str, Any]:
         """Figures for ``summary.json``."""

@@ -82,8 +82,22 @@ class PeftLlama(L.LightningModule):
         return torch.optim.AdamW(params, lr=3e-3, eps=1e-6)
 
 
+def _float64_causal_lm() -> type:
+    from lightning_par.hf import HFCausalLM
+
+    class Float64CausalLM(HFCausalLM):
+        """``HFCausalLM`` whose loss keeps float64 logits in float64 (the package's loss computes in float32)."""
+
+        @staticmethod
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    return Float64CausalLM
+
+
 def make_module(model: str, pretrained: str | None = None) -> L.LightningModule:
-    """``"peft-<optimizer>"``: :class:`PeftLlama`; ``"dora-<optimizer>"``: with ``use_dora=True``."""
+    """``"peft-<optimizer>"``: :class:`PeftLlama`; ``"dora-<optimizer>"``: with ``use_dora=True``; ``"hflora-..."``:
+    ``HFCausalLM(lora=...)`` (``"hflora64"``: in float64; ``"hflora-moe"``: a qwen3_moe); ``"hfqlora"``: QLoRA."""
     kind, optimizer = model.rsplit("-", 1)
     if kind == "hfqlora":  # QLoRA: the base's linear weights NF4 (bf16 compute), on a Llama of width 64
         from lightning_par.hf import HFCausalLM
@@ -92,6 +106,18 @@ def make_module(model: str, pretrained: str | None = None) -> L.LightningModule:
         lr = {"sgd": 0.1, "adamw": 3e-3}[optimizer]
         return HFCausalLM(model_type="llama", config=QLORA_BASE, optimizer=optimizer, learning_rate=lr, adam_eps=1e-6,
                           lora={"r": 8, "target_modules": list(TARGETS), "quantize_base": "nf4"})
+    if kind == "hflora-moe":  # HFCausalLM(lora=...) on the tiny qwen3_moe, adapters on the attention
+        from lightning_par.hf import HFCausalLM
+
+        torch.manual_seed(0)
+        lr = {"sgd": 0.1, "adamw": 3e-3}[optimizer]
+        return HFCausalLM(model_type="qwen3_moe", config={**BASE, **MOE}, optimizer=optimizer, learning_rate=lr,
+                          adam_eps=1e-6, lora={"r": 8, "target_modules": ["q_proj", "v_proj"]})
+    if kind == "hflora64":  # HFCausalLM(lora=...) in float64, loss too: what fp32 rounding hides, to ~1e-15
+        torch.manual_seed(0)
+        lr = {"sgd": 0.1, "adamw": 3e-3}[optimizer]
+        return _float64_causal_lm()(model_type="llama", config=BASE, optimizer=optimizer, learning_rate=lr,
+                                    adam_eps=1e-6, lora={"r": 8, "target_modules": list(TARGETS)}).double()
     if kind.startswith("hflora"):  # HFCausalLM(lora=...) on the same tiny Llama ("hflora-full": whole checkpoints)
         from lightning_par.hf import HFCausalLM
 
@@ -133,6 +159,8 @@ def lora_worker(cases: list[dict[str, Any]], data: TokenDataset) -> list[dict[st
     """Body of one rank: fit every case (``{"name", "strategy", "options", "model"}``) in one process group."""
     from lightning.pytorch.strategies import StrategyRegistry
 
+    from lightning_par.memory import param_split_bytes
+
     env = dict(os.environ)
     torch.set_num_threads(1)
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -152,8 +180,9 @@ def lora_worker(cases: list[dict[str, Any]], data: TokenDataset) -> list[dict[st
         recorder = LossRecorder()
 
         def fit() -> L.Trainer:
+            precision = {"precision": case["precision"]} if case.get("precision") else {}
             trainer = quiet_trainer(strategy, world, max_steps=case.get("steps", STEPS), limit_val_batches=0,
-                                    callbacks=[recorder])
+                                    callbacks=[recorder], **precision)
             module = make_module(case["model"], case.get("pretrained"))
             trainer.fit(module, loader, ckpt_path=case.get("resume"))
             if case.get("save"):
@@ -173,27 +202,45 @@ def lora_worker(cases: list[dict[str, Any]], data: TokenDataset) -> list[dict[st
             continue
         out.append({"name": case["name"], "rank": rank, "dp_rank": dp_rank, "losses": recorder.losses,
                     "state": strategy.full_state_dict(), "extras": strategy.summary_extras(),
+                    **({"param_split": param_split_bytes(trainer.lightning_module)} if case.get("precision") else {}),
                     **optimizer_numels(trainer)})
     return out
 
 
-_REFERENCES: dict[str, tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
+_REFERENCES: dict[tuple[str, str | None], tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
 
 
-def reference(model: str, data: TokenDataset) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """One process on the global batch: losses, final parameters, and the initial parameters."""
+def _bf16_mixed_module(model: str) -> L.LightningModule:
+    """``make_module(model)`` as ``HFCausalLM.setup`` leaves it under ``"bf16-mixed"``: the frozen linear weights
+    bf16."""
+    from lightning_par.hf.lora import cast_frozen_base
+
+    module = make_module(model)
+    assert cast_frozen_base(module.model, torch.bfloat16)
+    return module
+
+
+def reference(model: str, data: TokenDataset, precision: str | None = None
+              ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One process on the global batch: losses, final parameters, and the initial parameters. ``precision``
+    ``"bf16-mixed"``: the frozen linear weights bf16 and the steps under CPU autocast to bf16, as Lightning runs
+    them."""
     from tests.helpers import reference_fit
     from tests.pp_helpers import one_thread
 
-    if model not in _REFERENCES:
-        initial = values(make_module(model))
+    if (model, precision) not in _REFERENCES:
         with one_thread():
-            if model.startswith("hfqlora"):  # NF4 weights: read as their bf16 values (NF4's clone re-quantizes)
+            if precision == "bf16-mixed":
+                initial = values(_bf16_mixed_module(model))
+                losses, params = _plain_fit(_bf16_mixed_module(model), data, autocast=True)
+            elif model.startswith("hfqlora"):  # NF4 weights: read as their bf16 values (NF4's clone re-quantizes)
+                initial = values(make_module(model))
                 losses, params = _plain_fit(make_module(model), data)
             else:
+                initial = values(make_module(model))
                 losses, params = reference_fit(lambda: make_module(model), data, GLOBAL_BATCH, STEPS)
-        _REFERENCES[model] = (losses, params, initial)
-    return _REFERENCES[model]
+        _REFERENCES[(model, precision)] = (losses, params, initial)
+    return _REFERENCES[(model, precision)]
 
 
 def values(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -205,13 +252,18 @@ def values(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _plain_fit(module: L.LightningModule, data: TokenDataset) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """:func:`tests.helpers.reference_fit`'s loop (one process, global batches) with :func:`values`."""
+def _plain_fit(module: L.LightningModule, data: TokenDataset, autocast: bool = False
+               ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """:func:`tests.helpers.reference_fit`'s loop (one process, global batches) with :func:`values`; ``autocast``:
+    each training step under CPU autocast to bf16 (Lightning's ``"bf16-mixed"``), the backward outside it."""
+    import contextlib
+
     torch.manual_seed(0)
     optimizer = module.configure_optimizers()
     losses = []
     for x, y in list(DataLoader(data, batch_size=GLOBAL_BATCH, shuffle=False, drop_last=True))[:STEPS]:
-        loss = module.training_step((x, y), 0)
+        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            loss = module.training_step((x, y), 0)
         losses.append(float(loss.detach()))
         loss.backward()
         optimizer.step()

@@ -15,51 +15,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_par.checkpoint.adapter_only import adapter_only
 from lightning_par.checkpoint.async_save import PendingSave, start_async_save
-from lightning_par.checkpoint.sharded import load_sharded, save_sharded
+from lightning_par.checkpoint.sharded import save_sharded
 from lightning_par.compat.lightning import plain_optimizer
+from lightning_par.runtime.checkpoint import load_parallel_state, record
 
 __all__ = ["ShardedCheckpointIO", "load_parallel_state"]
-
-
-def load_parallel_state(
-    parallel: Any, path: Path, optimizers: list[Any], before_load: Any = None, skip: set[str] | None = None
-) -> dict[str, Any]:
-    """Load a sharded checkpoint of any layout, dp mode or strategy into this rank's part of ``parallel`` (a
-    :class:`~lightning_par.parallelize.ParallelModel`) and of ``optimizers`` (plain torch optimizers over its
-    parameters, in the saved order). Collective. The Trainer strategies and the Fabric strategies load through it.
-    ``skip``: model entries neither read nor set (an adapter-only checkpoint's frozen base:
-    :mod:`lightning_par.checkpoint.adapter_only`).
-
-    Returns:
-        The metadata (``meta.pt``): everything else the checkpoint holds.
-
-    Raises:
-        FileNotFoundError, ValueError: see :func:`lightning_par.checkpoint.load_sharded`; an optimizer with another
-            number of param groups than the saved one.
-    """
-    engine = parallel.engine
-    model_state = engine.model_state_dict()
-    optimizer_states = [engine.optimizer_state_dict(o) for o in optimizers]
-    parallel.to_one_process(model_state, optimizer_states)
-    for name in skip or ():
-        model_state.pop(name, None)
-    # DCP keeps one copy of a non-tensor entry such as ``param_groups`` (the coordinator's): under pipelining its
-    # parameter names are those of one stage. Keep the saved hyper-parameters and this rank's own names.
-    own_names = [[list(g["params"]) for g in state["param_groups"]] for state in optimizer_states]
-    meta = load_sharded(path, model_state, optimizer_states, before_load=before_load)
-    for state, names in zip(optimizer_states, own_names):
-        if len(state["param_groups"]) != len(names):
-            raise ValueError(
-                f"checkpoint {str(path)!r} has an optimizer with {len(state['param_groups'])} param groups, this "
-                f"one has {len(names)}: build the optimizer with the same groups."
-            )
-        state["param_groups"] = [{**g, "params": n} for g, n in zip(state["param_groups"], names)]
-    engine.load_model_state_dict(model_state)
-    for optimizer, state in zip(optimizers, optimizer_states):
-        engine.load_optimizer_state_dict(optimizer, state)
-    return meta
 
 
 class ShardedCheckpointIO:
@@ -156,20 +117,9 @@ class ShardedCheckpointIO:
         return self.parallel.optimizer_state_dict(plain_optimizer(optimizer))
 
     def checkpoint_record(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """What this strategy writes into a checkpoint's record (``lightning_par.json``)."""
-        dims = self.parallel_dims
-        layout = {} if dims is None else {"tp_size": dims.tp_size, "pp_size": dims.pp_size, **dims.sizes()}
-        return {
-            "strategy": self.strategy_name,
-            "layout": layout,
-            "dp_mode": self.dp_mode,
-            "global_step": checkpoint.get("global_step"),
-            "epoch": checkpoint.get("epoch"),
-            "pp_schedule": self.options.pipeline.schedule if dims is not None and dims.pp_enabled else None,
-            "sequence_parallel": self.options.tensor_parallel.sequence_parallel,
-            "torch": torch.__version__,
-            "adapter_only": adapter_only(self.lightning_module),
-        }
+        """What this strategy writes into a checkpoint's record (``lightning_par.json``:
+        :func:`lightning_par.runtime.checkpoint.record`)."""
+        return record(self, checkpoint, self.lightning_module)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write a sharded checkpoint directory at ``filepath`` atomically (see :mod:`lightning_par.checkpoint`).

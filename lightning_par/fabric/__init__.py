@@ -1,5 +1,5 @@
 """lightning_par for Lightning Fabric: ``Fabric(strategy="zero3")`` and :class:`MeshStrategy` run the same layouts as
-the Trainer strategies, through the same core (see :mod:`lightning_par.fabric.strategy` and ``docs/fabric.md``)."""
+the Trainer strategies, through the same runtime (see :mod:`lightning_par.fabric.strategy` and ``docs/fabric.md``)."""
 
 from __future__ import annotations
 
@@ -94,8 +94,9 @@ def token_mean_loss(model: Any, loss_sum: Any, tokens: Any) -> Any:
     return strategy.token_mean(loss_sum, tokens)
 
 
-def register_all(registry: Any | None = None) -> None:
-    """Register lightning_par's names in Fabric's ``STRATEGY_REGISTRY`` (idempotent)."""
+def register_all(registry: Any | None = None, presets: tuple[Any, ...] = ()) -> None:
+    """Register lightning_par's names in Fabric's ``STRATEGY_REGISTRY`` (idempotent): every registry name of
+    ``presets`` (``import lightning_par`` passes the Trainer strategies, ``lightning_par.strategies.STRATEGIES``)."""
     if registry is None:
         from lightning.fabric.strategies import STRATEGY_REGISTRY as registry
-    MeshStrategy.register_strategies(registry)
+    MeshStrategy.register_strategies(registry, presets)

@@ -46,6 +46,7 @@ __all__ = [
     "PEFT_PREFIX",
     "PeftAdapter",
     "apply_lora",
+    "cast_frozen_base",
     "check_lora_layout",
     "inner_model",
     "is_peft_network",
@@ -193,6 +194,36 @@ def quantize_base_nf4(model: nn.Module) -> list[str]:
             )
         module.weight = nn.Parameter(to_nf4(module.weight.detach(), *blocks), requires_grad=False)
         done.append(name)
+    return done
+
+
+def cast_frozen_base(model: nn.Module, dtype: Any) -> list[str]:
+    """Store the frozen weights (and biases) of ``model``'s ``nn.Linear`` layers in ``dtype`` (bf16 under Lightning's
+    ``"bf16-mixed"``), the trainable ones (LoRA's adapters) staying in theirs (fp32 masters).
+
+    Autocast computes every linear layer in bf16 from a bf16 copy of its fp32 weight, remade at each call; a frozen
+    weight never changes, so storing that copy once gives the same products with half the bytes (the frozen base is
+    most of a LoRA run's parameters). Embeddings and norms keep their dtype: autocast does not cast them, and a bf16
+    embedding would make the residual stream bf16. A linear layer whose weight is also an embedding's (tied LM head)
+    is left as it is. Weights already in another dtype (NF4, bf16) are left as they are.
+
+    Returns:
+        The paths of the layers whose weights were cast.
+    """
+    import torch
+
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    done = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or id(module.weight) in embeddings:
+            continue
+        cast = False
+        for param in (module.weight, module.bias):
+            if param is not None and not param.requires_grad and param.dtype == torch.float32:
+                param.data = param.data.to(dtype)
+                cast = True
+        if cast:
+            done.append(name)
     return done
 
 

@@ -212,6 +212,17 @@ class HFCausalLM(NextTokenSteps, ShardedCheckpointLoading, L.LightningModule):
         elif pretrained is not None and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             self.load_pretrained_weights()  # one process: it holds every weight
 
+    def setup(self, stage: str) -> None:
+        """Under LoRA and Lightning's ``"bf16-mixed"``, the frozen base's linear weights stored in bf16 (the adapters
+        stay fp32 masters; :func:`lightning_par.hf.lora.cast_frozen_base`): run before the strategy parallelizes the
+        model, so every layout holds, shards and gathers them in bf16."""
+        trainer = self._trainer
+        lora = self.hparams.get("lora")
+        if lora and trainer is not None and str(getattr(trainer, "precision", "")) == "bf16-mixed":
+            from lightning_par.hf.lora import cast_frozen_base
+
+            cast_frozen_base(self.model, torch.bfloat16)
+
     def load_pretrained_weights(self, parallel: Any = None) -> int:
         """Read ``pretrained``'s safetensors weights into the model (done once; a no-op without ``pretrained``; on the
         ``meta`` device only a check of the files' names and shapes). Under a lightning_par strategy, each rank reads only the blocks it holds

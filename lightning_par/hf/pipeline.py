@@ -316,6 +316,10 @@ class HFPipelineStage(nn.Module):
     the model's forward returns as ``logits``); else the hidden states after this stage's last layer, with the
     ``position_ids`` when given.
 
+    Under sequence parallelism the hidden states between stages are this rank's share of the sequence
+    (``seq / sequence_shards`` tokens, set by the tp axis); the model's forward then runs on a placeholder of the whole
+    sequence, so that its positions, rotary embedding and mask cover every token, as the first stage's do.
+
     Args:
         network: the whole ``PreTrainedModel``; shared, not copied; only this stage's modules are kept.
         plan: its :class:`PipelinePlan`.
@@ -343,6 +347,8 @@ class HFPipelineStage(nn.Module):
                 f"pipeline stage layers {list(layers)} are not valid: expected contiguous layers in order."
             )
         self.first, self.last = first, last
+        #: Ranks the sequence of the hidden states between stages is split over (sequence parallelism's tp size).
+        self.sequence_shards = 1
         self.config = network.config
         own = [*(plan.before if first else ()), *layers, *(plan.after if last else ())]
         for path in [*own, *plan.shared]:
@@ -406,7 +412,8 @@ class HFPipelineStage(nn.Module):
         if self.first:
             kwargs["input_ids"] = x
         else:
-            kwargs["inputs_embeds"] = torch.zeros_like(x, requires_grad=False)
+            # (batch, seq, hidden): the whole sequence (this rank's x holds seq / sequence_shards tokens under SP)
+            kwargs["inputs_embeds"] = x.new_zeros(x.shape[0], x.shape[1] * self.sequence_shards, *x.shape[2:])
             for receiver in self._receivers:
                 receiver.received = x
         try:

@@ -165,6 +165,11 @@ class PipelinedSteps(StepHooks):
         last = parts[self.parallel.options.pipeline.last_stage_rank(dims.pp_size)]
         return last[0].to(torch.float32)
 
+    def share_loss(self, loss: Tensor | None, device: torch.device) -> Tensor:
+        """The last stage's loss of the step that just ran, on every pp rank (:meth:`_share_step`: collective over
+        the pp group); the runtime's one-call step (:func:`lightning_par.runtime.step.train_step`) reads it."""
+        return self._share_step(loss, device)
+
     def backward(self, host: Any, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """No autograd: hand back the gradients held aside during Lightning's ``zero_grad``, then reduce them over dp
         once at the end of an accumulation window."""

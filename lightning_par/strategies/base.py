@@ -13,13 +13,10 @@ one-process state. Checkpoints are sharded ``torch.distributed.checkpoint`` dire
 
 from __future__ import annotations
 
-import atexit
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
-from datetime import timedelta
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,15 +30,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_par.axes import EVERY_AXIS, axis_of_group, check_sizes
 from lightning_par.checkpoint.strategy_io import ShardedCheckpointIO
-from lightning_par.compat.fabric import (
-    default_process_group_backend_for_device,
-    distributed_is_initialized,
-    init_dist_connection,
-    optimizers_to_device,
-    sync_ddp_if_available,
-)
+from lightning_par.compat.fabric import default_process_group_backend_for_device, optimizers_to_device
 from lightning_par.compat.lightning import SubprocessScriptLauncher
 from lightning_par.compat.lightning import before_batch_transfer, data_fetcher, plain_optimizer, set_module_device_mesh
 from lightning_par.data_parallel.fault_tolerance import (
@@ -56,18 +46,12 @@ from lightning_par.callbacks.model_summary import install as install_model_summa
 from lightning_par.fault.elastic import init_process_group_per_attempt
 from lightning_par.fault.orphan import guard_outside_launcher
 from lightning_par.fault.preemption import PreemptionWatch
-from lightning_par.fault.process_group_exit import FAILED, destroy_process_group_at_exit
+from lightning_par.fault.process_group_exit import FAILED
 from lightning_par.parallel_dims import ParallelDims
-from lightning_par.parallelize import (
-    OPTION_GROUPS,
-    ParallelModel,
-    ParallelOptions,
-    parallel_model_of,
-    parallelize,
-    validate,
-)
-from lightning_par.precision import check_precision, distributed_scaler, fsdp_mixed_precision
-from lightning_par.validation import MAX_TIMEOUT_S, check_number
+from lightning_par.parallelize import ParallelModel, ParallelOptions, parallel_model_of, parallelize, validate
+from lightning_par.precision import check_precision, distributed_scaler
+from lightning_par.runtime import collectives, step
+from lightning_par.runtime.core import StrategyCore
 
 __all__ = ["MeshStrategy"]
 
@@ -147,7 +131,7 @@ def check_callbacks(trainer: Any, module: torch.nn.Module, dims: ParallelDims, d
                        "sharded optimizer state and DTensor shards do not follow.", "dp_mode='ddp' without tp or pp "
                        "(with context or expert parallelism too)")
 
-class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
+class MeshStrategy(StrategyCore, ShardedCheckpointIO, ParallelStrategy):
     """Every registered axis on one mesh, for any LightningModule meeting :mod:`lightning_par.contract`.
 
     Args:
@@ -185,16 +169,6 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
             :func:`lightning_par.parallelize.validate`) or ``cpu_offload`` on a CPU device.
     """
 
-    strategy_name: ClassVar[str] = "mesh"
-    #: The registered axes (``Axis.name``) this strategy refuses: a preset named for one classic technique excludes the
-    #: other classic axes (``tp``, ``pp``); every other registered axis (``cp``, ``ep``, the next one) is in every preset.
-    excluded_axes: ClassVar[frozenset[str]] = frozenset()
-    #: Lightning registry names of the class and the options each name implies.
-    registry_names: ClassVar[tuple[str, ...]] = ()
-    registry_presets: ClassVar[dict[str, dict[str, Any]]] = {}
-    #: one line for ``StrategyRegistry``'s listing.
-    description: ClassVar[str] = ""
-
     def __init__(
         self,
         dp_size: int = -1,
@@ -216,60 +190,27 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         precision_plugin: Any = None,
         **options: Any,
     ) -> None:
-        super().__init__(
+        ParallelStrategy.__init__(
+            self,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        sizes = {"dp_size": dp_size, "tp_size": tp_size, "pp_size": pp_size}
-        sizes.update({k: v for k, v in (("dp_replicate_size", dp_replicate_size), ("dp_shard_size", dp_shard_size))
-                      if v != (-1 if k == "dp_shard_size" else 1)})
-        further = {k: options.pop(k) for k in [k for k in options if k in ParallelDims.size_names()]}
-        sizes.update({k: v for k, v in further.items() if v != 1})
-        self.check_axes(sizes)
-        for key in options:
-            group = key if key in OPTION_GROUPS else next((g for g, n in OPTION_GROUPS.items() if key in n), None)
-            axis = axis_of_group(group) if group is not None else None
-            if axis is not None and not self.has_axis(axis.name):
-                raise ValueError(
-                    f"{key} is an option of the {axis.name} axis, which {type(self).__name__} does not have: "
-                    f"remove it, or use a strategy with that axis ({EVERY_AXIS})."
-                )
-        self.options = ParallelOptions.build(dp_mode, module_attr, activation_checkpointing, **options)
-        self.options.check_layout(pp_size)
-        self._sizes = sizes
+        StrategyCore.__init__(
+            self, dp_size, tp_size, pp_size, dp_mode, dp_replicate_size=dp_replicate_size, dp_shard_size=dp_shard_size,
+            module_attr=module_attr, activation_checkpointing=activation_checkpointing, timeout_s=timeout_s,
+            prog_bar=prog_bar, process_group_backend=process_group_backend, **options,
+        )
+        sizes = self._sizes
         check_fault_tolerance(self.options, sizes)
         self.ft: Any = None  # the FaultTolerantReplicas of this rank (fault_tolerance.enabled), from setup()
         self._ft_batch_idx: int | None = None  # the live group's batch index, for the step a group rejoins in
-        self._timeout_s = check_number("timeout_s", timeout_s, unit="seconds", maximum=MAX_TIMEOUT_S)
-        self.prog_bar = bool(prog_bar)
-        self._process_group_backend = process_group_backend
-        self.parallel_dims: ParallelDims | None = None
-        self._planned_dims: ParallelDims | None = None  # the caller's layout (use_parallel_dims), meshed in setup
         self.parallel: ParallelModel | None = None
         self._validated: Any = None  # the module validate_model checked (parallelize then does not check it again)
         self._exception: BaseException | None = None  # the run's error (teardown then never raises over it)
         self.num_nodes = 1
-
-    @classmethod
-    def has_axis(cls, name: str) -> bool:
-        """Whether this strategy may use the registered axis ``name``."""
-        return name not in cls.excluded_axes
-
-    @classmethod
-    def check_axes(cls, sizes: dict[str, Any], prefix: str = "", label: str | None = None) -> None:
-        """Refuse a size > 1 on an axis this strategy does not have (:func:`lightning_par.axes.check_sizes`).
-
-        Raises:
-            ValueError: naming the field, the value, and what would be valid.
-        """
-        check_sizes(sizes, cls.has_axis, prefix, label or cls.__name__)
-
-    @property
-    def dp_mode(self) -> str:
-        return self.options.dp_mode
 
     # ------------------------------------------------------------------ layout
     @property
@@ -288,42 +229,6 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
-    def device_mesh(self):  # noqa: ANN201 - DeviceMesh, imported lazily
-        """The DeviceMesh of :data:`~lightning_par.parallel_dims.MESH_AXES`.
-
-        Raises:
-            RuntimeError: before :meth:`setup_environment` has built it.
-        """
-        if self.parallel_dims is None or self.parallel_dims._mesh is None:
-            raise RuntimeError("The device mesh exists only after the strategy's setup_environment().")
-        return self.parallel_dims._mesh
-
-    def resolve_parallel_dims(self, world_size: int) -> ParallelDims:
-        """Validate the requested sizes against ``world_size`` (no process group needed); the layout handed in by
-        :meth:`use_parallel_dims` when it is for this world and has no mesh yet (one ParallelDims per process).
-
-        Raises:
-            ValueError: the sizes do not multiply to ``world_size``; the message names the fields and values.
-        """
-        planned = self._planned_dims
-        if planned is not None and planned.world_size == world_size and planned._mesh is None:
-            return planned
-        return ParallelDims(world_size=world_size, **self._sizes)
-
-    def use_parallel_dims(self, dims: ParallelDims) -> None:
-        """Take ``dims``, validated by the caller from the same sizes (the recipe's ``parallel`` group), as this
-        process's layout: :meth:`setup_environment` builds the mesh on it instead of validating a new one.
-
-        Raises:
-            ValueError: a size of ``dims`` that differs from this strategy's (named, with both values).
-        """
-        for key, value in self._sizes.items():
-            if value != -1 and getattr(dims, key) != value:
-                raise ValueError(f"{key}={getattr(dims, key)} of the layout handed in differs from the strategy's "
-                                 f"{key}={value}: build both from the same sizes.")
-        self._planned_dims = dims
-
-    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Shard batches over the dp ranks only: every tp, cp and pp rank of a replica reads the same samples."""
@@ -334,10 +239,6 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
             return {"num_replicas": dims.dp_size * ft.num_replica_groups,
                     "rank": ft.replica_group_id * dims.dp_size + dims.coordinates(self.global_rank)["dp"]}
         return {"num_replicas": dims.dp_size, "rank": dims.coordinates(self.global_rank)["dp"]}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
 
     # ------------------------------------------------------------------ processes
     @override
@@ -372,15 +273,10 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
             self.root_device
         )
         assert self.cluster_environment is not None
-        started = not dist.is_initialized()
-        if started:  # under torchrun --max-restarts: a group in a store namespace of this attempt (no-op otherwise)
-            accelerator = "gpu" if self.root_device.type == "cuda" else "cpu"
-            init_process_group_per_attempt(accelerator, self._timeout_s)
-        init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=timedelta(seconds=self._timeout_s)
-        )
-        if started:
-            atexit.register(destroy_process_group_at_exit)
+        # a group started here: under torchrun --max-restarts, in a store namespace of this attempt (no-op otherwise)
+        accelerator = "gpu" if self.root_device.type == "cuda" else "cpu"
+        collectives.start_process_group(self.cluster_environment, self._process_group_backend, self._timeout_s,
+                                        before=lambda: init_process_group_per_attempt(accelerator, self._timeout_s))
         mesh = dims.build_mesh(self.root_device.type)
         self.parallel_dims = dims
         if self.lightning_module is not None:  # as Lightning's ModelParallelStrategy: visible in configure_model
@@ -485,28 +381,12 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
         """Lightning's precision of this run (``"32-true"`` before the Trainer attaches its plugin)."""
         return str(getattr(self.precision_plugin, "precision", "32-true"))
 
-    def precision_options(self, precision: str | None = None) -> ParallelOptions:
-        """The options :func:`~lightning_par.parallelize.parallelize` runs with under this run's precision: with
-        ``dp_mode="zero3"`` and no ``zero.mixed_precision`` of the user's, FSDP2's mixed precision policy of
-        :func:`lightning_par.precision.fsdp_mixed_precision` (half-precision parameters for compute, fp32 gradient
-        reduction) under ``"bf16-mixed"`` / ``"16-mixed"``; the options as given otherwise. ``precision``: another
-        precision string than the Trainer's (the Fabric strategies pass Fabric's)."""
-        zero = self.options.zero
-        policy = fsdp_mixed_precision(precision or self.precision)
-        if zero is None or zero.stage != 3 or policy is None or (zero.param_dtype, zero.reduce_dtype) != (None, None):
-            return self.options
-        return replace(self.options, zero=replace(zero, param_dtype=policy[0], reduce_dtype=policy[1]))
-
     @override
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         assert self.parallel is not None
-        parallel = self.parallel
         for optimizer in self.optimizers:
-            optimizer = plain_optimizer(optimizer)
-            parallel.engine.shard_optimizer(optimizer)
-            if parallel.has_optimizer_step_hooks:  # after the engine's own post-hook (ZeRO's all-gather of the shards)
-                optimizer.register_step_post_hook(lambda *_: parallel.after_optimizer_step())
+            step.setup_optimizer(self.parallel, plain_optimizer(optimizer))
 
     @override
     def model_to_device(self) -> None:
@@ -684,11 +564,11 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
 
     def _clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
         assert self.parallel is not None
-        self.parallel.clip_grad_value_([p for g in optimizer.param_groups for p in g["params"]], float(clip_val))
+        step.clip_grad_value_(self.parallel, optimizer, float(clip_val))
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         assert self.parallel is not None
-        self.parallel.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], float(clip_val))
+        step.clip_grad_norm_(self.parallel, optimizer, float(clip_val))
 
     def _eval_step(self, stage: str, step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         assert self.parallel is not None
@@ -756,25 +636,16 @@ class MeshStrategy(ShardedCheckpointIO, ParallelStrategy):
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if distributed_is_initialized():
-            dist.barrier()
+        collectives.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        return collectives.broadcast(obj, src)
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
         """As Lightning's; a DTensor (the vocab-parallel loss is a replicated one) is made plain first."""
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
-        if isinstance(tensor, Tensor):
-            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return collectives.reduce(tensor, group, reduce_op)
 
     # ------------------------------------------------------------------ gradients for callbacks
     def grad_norm(self, norm_type: float | str = 2.0) -> Tensor:

@@ -56,6 +56,13 @@ def _split(build: Build) -> None:
     build.step_contexts.append(lambda: local_heads_hint(split, dims.tp_size))
     if pipelined:  # partial gradients of a user's DTensor SequenceParallel: once after the schedule
         build.after_schedule.append(lambda: reduce_partial_grads(network))
+    if pipelined and build.options.tensor_parallel.sequence_parallel:
+        # a stage that rebuilds the whole sequence's positions from its input (a Hugging Face model's stage) reads
+        # how many ranks hold a share of it
+        for part in (network, *(build.stage_modules or ())):
+            for stage in part.modules():
+                if isinstance(getattr(stage, "sequence_shards", None), int):
+                    stage.sequence_shards = dims.tp_size
     tp_group = dims.group("tp")
     # Replicated parameters' partial gradients (sequence-parallel norms): summed once per optimizer step, after the
     # dp reduction (on the dp engine's local shards under ZeRO-1/2).

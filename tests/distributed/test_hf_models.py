@@ -46,6 +46,8 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any]]] = {
     "acsel": ("zero2", {"activation_checkpointing": "selective"}),
     "dp2tp2sp-zero1": ("parallel_3d", {"dp_size": 2, "tp_size": 2, "dp_mode": "zero1", "sequence_parallel": True}),
     "dp2tp2-zero3": ("parallel_3d", {"dp_size": 2, "tp_size": 2, "dp_mode": "zero3"}),
+    "pp2tp2sp": ("parallel_3d", {"pp_size": 2, "tp_size": 2, "sequence_parallel": True, "schedule": "1f1b",
+                                 "num_microbatches": 2}),
 }
 #: (architecture, layout, optimizer): every layout for llama and qwen3, the optimizers spread over them; the MoE
 #: architecture under zero3 and under tp2 + sequence parallelism (experts whole on each tp rank, per-token block).
@@ -60,7 +62,9 @@ CASES = [
 
 #: World 4, one launch: dp2 x tp2, the partial gradients of the replicated norms (q/k norms, sequence-parallel norms)
 #: summed over tp on the ZeRO engine's shards, and FSDP2 over tensor-parallel DTensors.
-CASES4 = [("qwen3", "dp2tp2sp-zero1", "sgd"), ("llama", "dp2tp2-zero3", "adamw")]
+CASES4 = [("qwen3", "dp2tp2sp-zero1", "sgd"), ("llama", "dp2tp2-zero3", "adamw"),
+          # pipelining with sequence parallelism: a later stage's hidden states hold this rank's share of the sequence
+          ("qwen3", "pp2tp2sp", "adamw")]
 
 
 def make_hf(arch: str, optimizer: str) -> Any:

@@ -91,7 +91,8 @@ def test_the_docs_list_at_most_six_files():
 
 #: Modules that name the cp axis today although the page's list does not include them (2026-11-27): the attention a
 #: checkpointed block recomputes under cp (activation_checkpointing), packed documents' masks under cp (data.doc_mask,
-#: both step protocols through the contract's ``context_parallel_attention``), and the token-weighted loss of dp
+#: the runtime's step, lightning_par.runtime.step, through the contract's ``context_parallel_attention``; it was
+#: lightning_par/steps.py's before the runtime took the step), and the token-weighted loss of dp
 #: replicas composed with cp's (data_parallel.axis, data_parallel.token_mean). Each should reach cp through the axis
 #: registry (a recompute context, a token group) instead; until then they are listed here, so a NEW mention elsewhere
 #: still fails. Since issue 45 also the register of the step's host reads (profiling.host_syncs, docs/host-syncs.md is
@@ -99,7 +100,7 @@ def test_the_docs_list_at_most_six_files():
 #: each axis's folder through the registry instead.
 CROSS_CUTTING = {
     "lightning_par/activation_checkpointing.py", "lightning_par/data/doc_mask.py", "lightning_par/data_parallel/axis.py",
-    "lightning_par/data_parallel/token_mean.py", "lightning_par/pipeline_parallel/steps.py", "lightning_par/steps.py",
+    "lightning_par/data_parallel/token_mean.py", "lightning_par/pipeline_parallel/steps.py", "lightning_par/runtime/step.py",
     "lightning_par/profiling/host_syncs.py",
 }
 

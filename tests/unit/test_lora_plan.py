@@ -59,3 +59,28 @@ def test_another_peft_method_is_refused_under_tensor_parallelism():
                                              feedforward_modules=["down_proj"]))
     with pytest.raises(ValueError, match=r"PEFT method \['IA3'\].*tensor parallelism"):
         contract.tp_plan(network, network, None)
+
+
+def test_bf16_frozen_base_changes_nothing_under_autocast():
+    """``cast_frozen_base`` stores the copy autocast makes of each frozen linear weight at every call: under autocast
+    to bf16, three steps give bitwise the same losses and adapters as the fp32 base, with the frozen linear bytes
+    halved and the embeddings, norms and adapters kept fp32."""
+    import torch
+
+    from lightning_par.hf.lora import cast_frozen_base
+    from tests.lora_helpers import GLOBAL_BATCH, SEQ, STEPS, TokenDataset, _plain_fit, make_module
+
+    data = TokenDataset(n=GLOBAL_BATCH * STEPS, seq=SEQ)
+    kept, cast = make_module("hflora-adamw"), make_module("hflora-adamw")
+    layers = cast_frozen_base(cast.model, torch.bfloat16)
+    assert any(n.endswith("q_proj.base_layer") for n in layers) and "lm_head" in {n.rsplit(".", 1)[-1] for n in layers}
+    dtypes = {n: p.dtype for n, p in cast.named_parameters()}
+    assert {dtypes[n] for n in dtypes if "lora_" in n or "norm" in n or "embed_tokens" in n} == {torch.float32}
+    assert {dtypes[n] for n in dtypes if "base_layer" in n} == {torch.bfloat16}
+    assert cast_frozen_base(cast.model, torch.bfloat16) == []  # already bf16: left as they are
+    losses_kept, params_kept = _plain_fit(kept, data, autocast=True)
+    losses_cast, params_cast = _plain_fit(cast, data, autocast=True)
+    assert losses_cast == losses_kept
+    for name, value in params_kept.items():
+        if "lora_" in name:
+            assert torch.equal(params_cast[name], value), name

@@ -117,3 +117,19 @@ def test_step_memory_tracker_counts_live_storages_and_their_peak() -> None:
     assert live.live == 16
     del x
     assert live.live == 0 and live.peak == 16
+
+
+def test_nf4_weight_counts_its_inner_tensors() -> None:
+    """torchao's NF4Tensor (QLoRA's frozen base) has no storage of its own: its codes and scales are counted, and a
+    frozen NF4 parameter splits as frozen (summary.json's frozen_param_bytes of a QLoRA run)."""
+    nf4 = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    from lightning_par.memory import param_split_bytes
+
+    weight = nf4.to_nf4(torch.randn(256, 512, dtype=torch.bfloat16), 64, 256)
+    held = storage_bytes([weight])
+    # 4-bit codes (half a byte per element) plus the double-quantized scales (measured 67,634 bytes): over a quarter
+    # of bf16's 262,144 by the scales only
+    assert 256 * 512 // 2 < held < 256 * 512 * 2 * 0.27, held
+    layer = torch.nn.Linear(512, 256, bias=False)
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    assert param_split_bytes(layer) == {"trainable_param_bytes": 0, "frozen_param_bytes": held}

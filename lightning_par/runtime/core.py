@@ -1,0 +1,163 @@
+"""``StrategyCore``: a strategy's keywords, validated before any process starts, whatever the host.
+
+Lightning's :class:`lightning_par.strategies.MeshStrategy` is a ``StrategyCore`` (and so every preset of it); the
+Fabric strategy (:class:`lightning_par.fabric.MeshStrategy`) holds one as its ``core``. Both then take the same
+keywords, raise the same ``ValueError``\\ s, resolve the same layout and run :func:`~lightning_par.parallelize.
+parallelize` with the same options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, ClassVar
+
+from lightning_par.axes import EVERY_AXIS, axis_of_group, check_sizes
+from lightning_par.parallel_dims import ParallelDims
+from lightning_par.parallelize import OPTION_GROUPS, ParallelOptions
+from lightning_par.precision import fsdp_mixed_precision
+from lightning_par.validation import MAX_TIMEOUT_S, check_number
+
+__all__ = ["StrategyCore"]
+
+
+class StrategyCore:
+    """The sizes, the option groups and the process-group settings of a strategy (see
+    :class:`lightning_par.strategies.MeshStrategy` for every keyword).
+
+    Raises:
+        ValueError: an invalid size, option or combination, or a size or option of an axis this strategy does not
+            have; the message names the field, the value and what is valid.
+    """
+
+    strategy_name: ClassVar[str] = "mesh"
+    #: The registered axes (``Axis.name``) this strategy refuses: a preset named for one classic technique excludes the
+    #: other classic axes (``tp``, ``pp``); every other registered axis (``cp``, ``ep``, the next one) is in every preset.
+    excluded_axes: ClassVar[frozenset[str]] = frozenset()
+    #: Registry names of the class and the options each name implies.
+    registry_names: ClassVar[tuple[str, ...]] = ()
+    registry_presets: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: one line for a registry's listing.
+    description: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        dp_size: int = -1,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        dp_mode: str = ParallelOptions.dp_mode,
+        *,
+        dp_replicate_size: int = 1,
+        dp_shard_size: int = -1,
+        module_attr: str | None = ParallelOptions.module_attr,
+        activation_checkpointing: str = ParallelOptions.activation_checkpointing,
+        timeout_s: float = 1800.0,
+        prog_bar: bool = False,
+        process_group_backend: str | None = None,
+        **options: Any,
+    ) -> None:
+        sizes = {"dp_size": dp_size, "tp_size": tp_size, "pp_size": pp_size}
+        sizes.update({k: v for k, v in (("dp_replicate_size", dp_replicate_size), ("dp_shard_size", dp_shard_size))
+                      if v != (-1 if k == "dp_shard_size" else 1)})
+        further = {k: options.pop(k) for k in [k for k in options if k in ParallelDims.size_names()]}
+        sizes.update({k: v for k, v in further.items() if v != 1})
+        self.check_axes(sizes)
+        for key in options:
+            group = key if key in OPTION_GROUPS else next((g for g, n in OPTION_GROUPS.items() if key in n), None)
+            axis = axis_of_group(group) if group is not None else None
+            if axis is not None and not self.has_axis(axis.name):
+                raise ValueError(
+                    f"{key} is an option of the {axis.name} axis, which {type(self).__name__} does not have: "
+                    f"remove it, or use a strategy with that axis ({EVERY_AXIS})."
+                )
+        self.options = ParallelOptions.build(dp_mode, module_attr, activation_checkpointing, **options)
+        self.options.check_layout(pp_size)
+        self._sizes = sizes
+        self._timeout_s = check_number("timeout_s", timeout_s, unit="seconds", maximum=MAX_TIMEOUT_S)
+        self.prog_bar = bool(prog_bar)
+        self._process_group_backend = process_group_backend
+        self.parallel_dims: ParallelDims | None = None
+        self._planned_dims: ParallelDims | None = None  # the caller's layout (use_parallel_dims), meshed in setup
+
+    @classmethod
+    def has_axis(cls, name: str) -> bool:
+        """Whether this strategy may use the registered axis ``name``."""
+        return name not in cls.excluded_axes
+
+    @classmethod
+    def check_axes(cls, sizes: dict[str, Any], prefix: str = "", label: str | None = None) -> None:
+        """Refuse a size > 1 on an axis this strategy does not have (:func:`lightning_par.axes.check_sizes`).
+
+        Raises:
+            ValueError: naming the field, the value, and what would be valid.
+        """
+        check_sizes(sizes, cls.has_axis, prefix, label or cls.__name__)
+
+    @property
+    def dp_mode(self) -> str:
+        return self.options.dp_mode
+
+    @property
+    def timeout_s(self) -> float:
+        """Seconds a collective may wait for a peer before it raises (the process group's timeout)."""
+        return self._timeout_s
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @process_group_backend.setter
+    def process_group_backend(self, backend: str | None) -> None:
+        self._process_group_backend = backend
+
+    @property
+    def precision(self) -> str:
+        """The host's precision string (``"32-true"`` where the host has none)."""
+        return "32-true"
+
+    @property
+    def device_mesh(self):  # noqa: ANN201 - DeviceMesh, imported lazily
+        """The DeviceMesh of :data:`~lightning_par.parallel_dims.MESH_AXES`.
+
+        Raises:
+            RuntimeError: before the host's ``setup_environment()`` has built it.
+        """
+        if self.parallel_dims is None or self.parallel_dims._mesh is None:
+            raise RuntimeError("The device mesh exists only after the strategy's setup_environment().")
+        return self.parallel_dims._mesh
+
+    def resolve_parallel_dims(self, world_size: int) -> ParallelDims:
+        """Validate the requested sizes against ``world_size`` (no process group needed); the layout handed in by
+        :meth:`use_parallel_dims` when it is for this world and has no mesh yet (one ParallelDims per process).
+
+        Raises:
+            ValueError: the sizes do not multiply to ``world_size``; the message names the fields and values.
+        """
+        planned = self._planned_dims
+        if planned is not None and planned.world_size == world_size and planned._mesh is None:
+            return planned
+        return ParallelDims(world_size=world_size, **self._sizes)
+
+    def use_parallel_dims(self, dims: ParallelDims) -> None:
+        """Take ``dims``, validated by the caller from the same sizes (the recipe's ``parallel`` group), as this
+        process's layout: the host's ``setup_environment`` builds the mesh on it instead of validating a new one.
+
+        Raises:
+            ValueError: a size of ``dims`` that differs from this strategy's (named, with both values).
+        """
+        for key, value in self._sizes.items():
+            if value != -1 and getattr(dims, key) != value:
+                raise ValueError(f"{key}={getattr(dims, key)} of the layout handed in differs from the strategy's "
+                                 f"{key}={value}: build both from the same sizes.")
+        self._planned_dims = dims
+
+    def precision_options(self, precision: str | None = None) -> ParallelOptions:
+        """The options :func:`~lightning_par.parallelize.parallelize` runs with under this run's precision: with
+        ``dp_mode="zero3"`` and no ``zero.mixed_precision`` of the user's, FSDP2's mixed precision policy of
+        :func:`lightning_par.precision.fsdp_mixed_precision` (half-precision parameters for compute, fp32 gradient
+        reduction) under ``"bf16-mixed"`` / ``"16-mixed"``; the options as given otherwise. ``precision``: another
+        precision string than the host's (the Fabric strategies pass Fabric's)."""
+        zero = self.options.zero
+        policy = fsdp_mixed_precision(precision or self.precision)
+        if zero is None or zero.stage != 3 or policy is None or (zero.param_dtype, zero.reduce_dtype) != (None, None):
+            return self.options
+        return replace(self.options, zero=replace(zero, param_dtype=policy[0], reduce_dtype=policy[1]))
