@@ -17,7 +17,7 @@ import atexit
 import logging
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
+from dataclasses import fields, replace
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -155,10 +155,10 @@ class MeshStrategy(ShardedCheckpointIO, StrategyViews, ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         sizes = {"dp_size": dp_size, "tp_size": tp_size, "pp_size": pp_size}
-        sizes.update({k: v for k, v in (("dp_replicate_size", dp_replicate_size), ("dp_shard_size", dp_shard_size))
-                      if v != (-1 if k == "dp_shard_size" else 1)})
-        further = {k: options.pop(k) for k in [k for k in options if k in ParallelDims.size_names()]}
-        sizes.update({k: v for k, v in further.items() if v != 1})
+        further = {"dp_replicate_size": dp_replicate_size, "dp_shard_size": dp_shard_size,
+                   **{k: options.pop(k) for k in [k for k in options if k in ParallelDims.size_names()]}}
+        defaults = {f.name: f.default for f in fields(ParallelDims)}
+        sizes.update({k: v for k, v in further.items() if v != defaults[k]})  # the further sizes given
         self.check_axes(sizes)
         for key in options:
             group = key if key in OPTION_GROUPS else next((g for g, n in OPTION_GROUPS.items() if key in n), None)
