@@ -82,14 +82,16 @@ def move_train_data(trainer: Any, epoch: int, ready: int, take: bool) -> Any:
     Lightning 2.6.6 keeps the training data fetcher and the combined loader only in the private
     ``fit_loop._data_fetcher`` / ``fit_loop._combined_loader`` and has no public way to start an epoch's data at a
     batch other than 0 for a loader without ``state_dict`` (its own mid-epoch resume warns that such a loader starts
-    again from the beginning of its epoch); these are the objects its epoch loop fetches from.
+    again from the beginning of its epoch); these are the objects its epoch loop fetches from, reached and restarted
+    only through the register (:func:`lightning_par.compat.lightning.combined_loader`,
+    :func:`~lightning_par.compat.lightning.restart_training_fetch`).
     """
     from lightning.fabric.utilities.data import sized_len
     from torch.utils.data import BatchSampler
 
-    from lightning_par.compat.lightning import combined_loader, data_fetcher
+    from lightning_par.compat.lightning import combined_loader, restart_training_fetch
 
-    combined, fetcher = combined_loader(trainer), data_fetcher(trainer)
+    combined = combined_loader(trainer)
     loaders = combined.flattened
     for loader in loaders:
         _set_epoch(loader, epoch)
@@ -103,11 +105,8 @@ def move_train_data(trainer: Any, epoch: int, ready: int, take: bool) -> Any:
         batch_sampler.sampler = _SkipOnce(batch_sampler, ready * batch_sampler.batch_size)
     else:
         by_index = False
-    iter(fetcher)  # a new iterator of every loader (the epoch's order), the fetcher's counters reset
-    if by_index:
-        fetcher.fetched = ready
-        fetcher.done = fetcher.length is not None and fetcher.fetched >= fetcher.length
-    else:
+    fetcher = restart_training_fetch(trainer, ready if by_index else None)  # a new iterator: the epoch's order
+    if not by_index:
         for _ in range(ready):
             next(fetcher)
     if not take:
