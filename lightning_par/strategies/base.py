@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_par.axes import EVERY_AXIS, axis_of_group, check_sizes
+from lightning_par.axes import check_options, check_sizes
 from lightning_par.checkpoint.strategy_io import ShardedCheckpointIO
 from lightning_par.compat.fabric import (
     default_process_group_backend_for_device,
@@ -160,14 +160,7 @@ class MeshStrategy(ShardedCheckpointIO, StrategyViews, ParallelStrategy):
         defaults = {f.name: f.default for f in fields(ParallelDims)}
         sizes.update({k: v for k, v in further.items() if v != defaults[k]})  # the further sizes given
         self.check_axes(sizes)
-        for key in options:
-            group = key if key in OPTION_GROUPS else next((g for g, n in OPTION_GROUPS.items() if key in n), None)
-            axis = axis_of_group(group) if group is not None else None
-            if axis is not None and not self.has_axis(axis.name):
-                raise ValueError(
-                    f"{key} is an option of the {axis.name} axis, which {type(self).__name__} does not have: "
-                    f"remove it, or use a strategy with that axis ({EVERY_AXIS})."
-                )
+        check_options(options, OPTION_GROUPS, self.has_axis, type(self).__name__)
         self.options = ParallelOptions.build(dp_mode, module_attr, activation_checkpointing, **options)
         self.options.check_layout(pp_size)
         self._sizes = sizes
