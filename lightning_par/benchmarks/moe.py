@@ -62,6 +62,10 @@ def measure(num_experts: int, dim: int, hidden: int, tokens: int, steps: int, de
     chosen = choose_form(x.reshape(-1, dim), (experts.w1, experts.w2), requested="grouped_mm")
     times: dict[str, list[float]] = {name: [] for name in _FORMS}
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    # on the CPU the step runs on this one thread (torch.set_num_threads(1) in run()): its CPU time, not the wall
+    # clock, which on a machine shared with other jobs also counts the waits for a core (measured here at a load of
+    # 15 on 2 cores: wall times 3-4x the CPU times, loop/grouped ratios 20% apart from run to run)
+    clock = time.perf_counter if device.startswith("cuda") else time.thread_time
 
     def indexed(x: Any, counts: Any, host_counts: Any = None) -> Any:  # GroupedExperts.forward before the forms
         chunks = x.split(counts.tolist())
@@ -75,11 +79,11 @@ def measure(num_experts: int, dim: int, hidden: int, tokens: int, steps: int, de
             experts.forward = indexed if name == "indexed" else plain
             layer.zero_grad(set_to_none=True)
             sync()
-            start = time.perf_counter()
+            start = clock()
             layer(x).float().pow(2).mean().backward()
             sync()
             if step >= 2:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(clock() - start)
     experts.forward = plain
     return {"experts": num_experts, "tokens": tokens, "top_k": top_k, "form": chosen,
             **{f"{k}_s": min(v) for k, v in times.items()}}
@@ -121,8 +125,19 @@ def run(quick: bool = False) -> str:
         curve = [measure(64, spec["dim"], spec["hidden"], t, spec["steps"], top_k=spec["top_k"]) for t in spec["curve"]]
     finally:
         torch.set_num_threads(threads)
-    return render(rows, spec) + "\n\n" + render(curve, spec, title=(
-        "The same at 64 experts over tokens per expert, from few to many:"))
+    return (render(rows, spec) + "\n\n" + render(curve, spec, title=(
+        "The same at 64 experts over tokens per expert, from few to many:")) + "\n\n" + summary(rows + curve))
+
+
+def summary(rows: list[dict[str, Any]], aim: float = 2.0) -> str:
+    """One line: the loop / grouped ratios at 64 experts of ``rows`` and the settings (routed copies per expert) where
+    the grouped form is at least ``aim`` times faster than the loop (issue 49's aim: 2x at 64 experts)."""
+    at64 = sorted((r["tokens"] * r["top_k"] / r["experts"], r["loop_s"] / r["grouped_s"]) for r in rows
+                  if r["experts"] == 64)
+    cells = ", ".join(f"{ratio:.2f} at {copies:g} copies/expert" for copies, ratio in at64)
+    reached = [f"{copies:g}" for copies, ratio in at64 if ratio >= aim]
+    where = f"reached at {', '.join(reached)} copies/expert" if reached else "not reached in this run"
+    return f"64 experts, loop / grouped: {cells}; {aim:g}x {where}."
 
 
 if __name__ == "__main__":

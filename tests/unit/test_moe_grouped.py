@@ -333,6 +333,18 @@ def test_moe_benchmark_table_states_the_ratios():
     assert "| 64 | 2 | 32 | 1 | grouped_mm | 50.0 | 120.0 | 100.0 | 2.00 | 200.0 | 4.00 |" in table
 
 
+def test_moe_benchmark_summary_states_where_the_aim_is_reached():
+    from lightning_par.benchmarks.moe import summary
+
+    def row(experts, tokens, grouped_s):
+        return {"experts": experts, "tokens": tokens, "top_k": 2, "grouped_s": grouped_s, "loop_s": 0.1}
+
+    line = summary([row(64, 128, 0.04), row(64, 4096, 0.08), row(8, 128, 0.01)])
+    assert line == ("64 experts, loop / grouped: 2.50 at 4 copies/expert, 1.25 at 128 copies/expert; "
+                    "2x reached at 4 copies/expert.")
+    assert summary([row(64, 4096, 0.08)]).endswith("2x not reached in this run.")
+
+
 # ------------------------------------------------------- auxiliary-loss-free balancing of Hugging Face routers
 def _hf_skewed(balance: str | None, rate: float = 0.003):
     """A tiny deepseek_v3 (1 MoE layer, 8 experts, top-2, one shared expert) whose router sends most tokens to experts
