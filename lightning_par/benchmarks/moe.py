@@ -108,11 +108,14 @@ def render(rows: list[dict[str, Any]], spec: dict[str, int], device: str = "cpu"
     return "\n".join(lines)
 
 
-def run(quick: bool = False) -> str:
-    """Measure 8, 64 and 256 experts, then the 64-expert curve, on the CPU; return the markdown tables.
+def run(quick: bool = False, curve_only: bool = False) -> str:
+    """Measure 8, 64 and 256 experts, then the 64-expert curve, on the CPU; return the markdown tables and the
+    :func:`summary` line.
 
     Args:
         quick: 2,048 tokens, 5 steps and two points of the curve instead of 4,096, 10 and four.
+        curve_only: only the 64-expert curve, with the experts table's token count among its points (the 8- and
+            256-expert rows skipped: the latter's indexed loop alone takes minutes).
     """
     import torch
 
@@ -120,13 +123,17 @@ def run(quick: bool = False) -> str:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        rows = [measure(e, spec["dim"], spec["hidden"], spec["tokens"], spec["steps"], top_k=spec["top_k"])
-                for e in EXPERTS]
-        curve = [measure(64, spec["dim"], spec["hidden"], t, spec["steps"], top_k=spec["top_k"]) for t in spec["curve"]]
+        rows = [] if curve_only else [
+            measure(e, spec["dim"], spec["hidden"], spec["tokens"], spec["steps"], top_k=spec["top_k"])
+            for e in EXPERTS]
+        points = sorted({*spec["curve"], spec["tokens"]}) if curve_only else spec["curve"]
+        curve = [measure(64, spec["dim"], spec["hidden"], t, spec["steps"], top_k=spec["top_k"]) for t in points]
     finally:
         torch.set_num_threads(threads)
-    return (render(rows, spec) + "\n\n" + render(curve, spec, title=(
-        "The same at 64 experts over tokens per expert, from few to many:")) + "\n\n" + summary(rows + curve))
+    tables = [render(rows, spec)] if rows else []
+    tables.append(render(curve, spec, title=None if curve_only else (
+        "The same at 64 experts over tokens per expert, from few to many:")))
+    return "\n\n".join([*tables, summary(rows + curve)])
 
 
 def summary(rows: list[dict[str, Any]], aim: float = 2.0) -> str:
@@ -145,4 +152,6 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens and steps")
-    print(run(quick=parser.parse_args().quick))
+    parser.add_argument("--curve", action="store_true", help="only the 64-expert curve (and the summary line)")
+    args = parser.parse_args()
+    print(run(quick=args.quick, curve_only=args.curve))
