@@ -17,7 +17,10 @@ Two tables: the experts table (4,096 tokens, top-2, at 8, 64 and 256 experts: 1,
 expert) and the curve (64 experts, top-2, 128 to 8,192 tokens: 4 to 256 routed copies per expert, from few tokens per
 expert, as in DeepSeek-scale layers where each of many experts sees a small share of a micro-batch and the loop's
 per-expert overhead dominates, to many, where the matmuls' arithmetic does). The fastest step of each (2 warm-up steps not counted) is reported: on a machine shared with other
-processes the fastest is the least disturbed.
+processes the fastest is the least disturbed. On the CPU a step's time is this thread's CPU time (``time.thread_time``;
+the block runs on one thread), on CUDA the wall clock after a synchronisation. The last line (:func:`summary`) states
+loop / grouped at 64 experts at each measured setting and where it reaches issue 49's 2x; ``python -m
+lightning_par.benchmarks.moe --curve [--tokens 64,128,4096] [--widths 64,128]`` measures the 64-expert curve alone.
 """
 
 from __future__ import annotations
@@ -108,7 +111,8 @@ def render(rows: list[dict[str, Any]], spec: dict[str, int], device: str = "cpu"
     return "\n".join(lines)
 
 
-def run(quick: bool = False, curve_only: bool = False) -> str:
+def run(quick: bool = False, curve_only: bool = False, tokens: tuple[int, ...] | None = None,
+        widths: tuple[int, int] | None = None) -> str:
     """Measure 8, 64 and 256 experts, then the 64-expert curve, on the CPU; return the markdown tables and the
     :func:`summary` line.
 
@@ -116,17 +120,23 @@ def run(quick: bool = False, curve_only: bool = False) -> str:
         quick: 2,048 tokens, 5 steps and two points of the curve instead of 4,096, 10 and four.
         curve_only: only the 64-expert curve, with the experts table's token count among its points (the 8- and
             256-expert rows skipped: the latter's indexed loop alone takes minutes).
+        tokens: the curve's token counts instead of the default ones (with ``curve_only``).
+        widths: ``(width, expert width)`` instead of ``(128, 256)``.
     """
     import torch
 
-    spec = _QUICK if quick else _FULL
+    spec = dict(_QUICK if quick else _FULL)
+    if tokens:
+        spec["curve"] = tuple(tokens)
+    if widths:
+        spec["dim"], spec["hidden"] = widths
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         rows = [] if curve_only else [
             measure(e, spec["dim"], spec["hidden"], spec["tokens"], spec["steps"], top_k=spec["top_k"])
             for e in EXPERTS]
-        points = sorted({*spec["curve"], spec["tokens"]}) if curve_only else spec["curve"]
+        points = spec["curve"] if tokens or not curve_only else sorted({*spec["curve"], spec["tokens"]})
         curve = [measure(64, spec["dim"], spec["hidden"], t, spec["steps"], top_k=spec["top_k"]) for t in points]
     finally:
         torch.set_num_threads(threads)
@@ -153,5 +163,21 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer tokens and steps")
     parser.add_argument("--curve", action="store_true", help="only the 64-expert curve (and the summary line)")
+    parser.add_argument("--tokens", help="with --curve: comma-separated token counts (e.g. 64,128,4096)")
+    parser.add_argument("--widths", help="width,expert width (default 128,256)")
     args = parser.parse_args()
-    print(run(quick=args.quick, curve_only=args.curve))
+
+    def ints(text: str | None, name: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.split(",")) if text else ()
+        except ValueError:
+            values = (0,)
+        if any(v < 1 for v in values):
+            parser.error(f"--{name}={text!r}: expected comma-separated integers >= 1")
+        return values
+
+    widths = ints(args.widths, "widths")
+    if widths and len(widths) != 2:
+        parser.error(f"--widths={args.widths!r}: expected two integers, width,expert width")
+    print(run(quick=args.quick, curve_only=args.curve, tokens=ints(args.tokens, "tokens") or None,
+              widths=widths or None))  # type: ignore[arg-type]

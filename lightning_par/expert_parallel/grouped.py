@@ -19,12 +19,12 @@ on its segment of tokens sorted by expert, in one of three forms chosen by one f
   CPU where ``grouped_mm`` does not run (float64, widths not a multiple of 16 bytes), the documented fallback for
   skewed routings, and the reference the other two are tested against.
 
-Measured on this 2-core CPU (shared with other jobs), ``python recipes/benchmark.py --only moe`` (one MoE block, width
-128, expert width 256, top-2, fp32, one thread, forward + backward, the forms in turns in one run; two runs; tables in
-``docs/context-expert.md``): at 64 experts the loop takes 1.75-1.90x the CPU ``grouped_mm`` form's time at 4 routed
-copies per expert, 1.5-1.6x at 16, 1.25-1.34x at 64, 1.04-1.21x at 128 and 1.10-1.14x at 256 (where the matmuls'
-arithmetic, the same in both, dominates); the loop as ``GroupedExperts`` ran it before (``w1[e]`` per expert) 4-18x.
-Issue 49's aim, 2x over the loop at 64 experts, is not reached on this CPU.
+Measured on this 2-core CPU (shared with other jobs), ``python -m lightning_par.benchmarks.moe --curve`` (one MoE
+block, width 128, expert width 256, top-2, fp32, one thread, forward + backward, thread CPU time, the forms in turns
+in one run; tables and the breakdown in ``docs/context-expert.md``): at 64 experts the loop takes 1.6-2.5x the CPU
+``grouped_mm`` form's time at 2-16 routed copies per expert and 1.2-1.5x at 64-256, where both run the same MKL
+matmuls (the grouped form's step is its matmuls, GELU and the shared dispatch: at its floor). Issue 49's aim, 2x over
+the loop at 64 experts, is reached here only at 2 (in some runs 4) copies per expert.
 
 All three give the same result up to float rounding (tested at rel <= 1e-5 in fp32 against the loop, forward and
 gradients, ``tests/unit/test_moe_grouped.py``; the CPU ``grouped_mm`` runs each group's product as the same ``mm`` as
