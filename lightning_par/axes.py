@@ -22,7 +22,7 @@ from lightning_par.parallel_dims import AXIS_OF_SIZE
 from lightning_par.pipeline_parallel.axis import PIPELINE_PARALLEL
 from lightning_par.tensor_parallel.axis import TENSOR_PARALLEL
 
-__all__ = ["AXES", "EVERY_AXIS", "axis_of_group", "axis_of_size", "check_sizes"]
+__all__ = ["AXES", "EVERY_AXIS", "axis_of_group", "axis_of_size", "check_options", "check_sizes"]
 
 #: Every registered parallelism.
 AXES: tuple[Axis, ...] = (
@@ -74,4 +74,26 @@ def check_sizes(sizes: dict[str, Any], has_axis: Callable[[str], bool], prefix: 
             raise ValueError(
                 f"{prefix}{name}={value} is not valid for {label}, which has no {axis.name} axis: use "
                 f"{prefix}{name}=1 or a strategy that has it ({EVERY_AXIS})."
+            )
+
+
+def check_options(keys: Any, groups: dict[str, Any], has_axis: Callable[[str], bool], label: str) -> None:
+    """Refuse an option of an axis a strategy does not have (no process group needed).
+
+    Args:
+        keys: the option keys given, flat (``"sequence_parallel"``) or an option group's name (``"pipeline"``).
+        groups: option group -> its option names (:data:`lightning_par.parallelize.OPTION_GROUPS`).
+        has_axis: whether the strategy has a registered axis (by ``Axis.name``).
+        label: how the strategy is named in the message.
+
+    Raises:
+        ValueError: naming the option, its axis, and the strategies that have it.
+    """
+    for key in keys:
+        group = key if key in groups else next((g for g, names in groups.items() if key in names), None)
+        axis = axis_of_group(group) if group is not None else None
+        if axis is not None and not has_axis(axis.name):
+            raise ValueError(
+                f"{key} is an option of the {axis.name} axis, which {label} does not have: remove it, or use a "
+                f"strategy with that axis ({EVERY_AXIS})."
             )

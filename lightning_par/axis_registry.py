@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # options an axis reads are typed ``Any`` here (they are a ``lightning_par.parallelize.ParallelOptions``), and no import
 # circle runs through the registry (tests/unit/test_import_layers.py).
 
-__all__ = ["PHASES", "Axis", "Build", "Check", "PlannerTerms", "StateTransform"]
+__all__ = ["CALLBACK_KINDS", "PHASES", "Axis", "Build", "Check", "PlannerTerms", "StateTransform"]
 
 #: ``parallelize()``'s order: a step's phase places it (Megatron-LM's PTD-P order as torchtitan applies it: the pipeline
 #: cut, tensor parallelism, context parallelism, activation checkpointing inside the tp styles' hooks and outside the dp
@@ -42,6 +42,11 @@ __all__ = ["PHASES", "Axis", "Build", "Check", "PlannerTerms", "StateTransform"]
 PHASES: dict[str, int] = {
     "read": 0, "cut": 1, "split": 2, "context": 3, "recompute": 4, "compile": 5, "data": 6, "schedule": 7,
 }
+
+#: The kinds of Lightning callback an axis may refuse (:attr:`Axis.refused_callbacks`): ``weight_averaging``
+#: (``StochasticWeightAveraging``, ``WeightAveraging``), ``finetuning`` (``BaseFinetuning``), ``pruning``
+#: (``ModelPruning``); what each does wrong under which layout: :func:`lightning_par.callbacks.refusals.check_callbacks`.
+CALLBACK_KINDS: tuple[str, ...] = ("weight_averaging", "finetuning", "pruning")
 
 #: ``check(module, network, dims, options)``: raise ``ValueError`` naming the field and value if the layout cannot run.
 Check = Callable[["nn.Module", "nn.Module", "ParallelDims", Any], None]
@@ -196,6 +201,11 @@ class Axis:
             called for every build and decides from ``build.dims`` and ``build.options`` whether there is anything to
             do.
         planner: its terms in the layout planner (``None``: the planner has none for it).
+        refused_callbacks: the kinds of Lightning callback this axis cannot train with under a layout, read before the
+            first step (:func:`lightning_par.callbacks.refusals.check_callbacks`): called with the
+            :class:`~lightning_par.parallel_dims.ParallelDims` and the options, it returns ``{kind: what rules it
+            out}`` (a size or mode, ``"tp_size=2"``) for the kinds of :data:`CALLBACK_KINDS` it refuses there
+            (``None``: none ever).
     """
 
     name: str
@@ -204,3 +214,4 @@ class Axis:
     check: Check | None = None
     steps: tuple[tuple[str, Callable[[Build], None]], ...] = ()
     planner: PlannerTerms | None = None
+    refused_callbacks: Callable[[ParallelDims, Any], dict[str, str]] | None = None

@@ -45,7 +45,7 @@ from lightning_par.compile import CompileOptions
 from lightning_par.context_parallel.options import ContextParallelOptions
 from lightning_par.data_parallel.engine import DataParallelEngine
 from lightning_par.data_parallel.options import DP_MODES, ReducerOptions, ZeroOptions, resolve_zero_options, zero_stage
-from lightning_par.data_parallel.fault_tolerance import FaultToleranceOptions
+from lightning_par.fault_tolerance.options import FaultToleranceOptions
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS
 from lightning_par.float8 import Float8Options
 from lightning_par.parallel_dims import ParallelDims
@@ -102,7 +102,7 @@ class ParallelOptions:
         compile: ``torch.compile`` of every block (:mod:`lightning_par.compile`).
         float8: float8 training of the selected ``nn.Linear`` layers (:mod:`lightning_par.float8`).
         fault_tolerance: the fault-tolerant replicate axis across replica groups (torchft;
-            :mod:`lightning_par.data_parallel.fault_tolerance`).
+            :mod:`lightning_par.fault_tolerance`).
         module_attr: attribute of the LightningModule holding the network (see :mod:`lightning_par.contract`).
         activation_checkpointing: ``"none"``, ``"full"`` (every block) or ``"selective"`` (the attention of every
             block; :mod:`lightning_par.activation_checkpointing`).

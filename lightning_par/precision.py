@@ -41,6 +41,7 @@ __all__ = [
     "compute_dtype",
     "distributed_scaler",
     "fsdp_mixed_precision",
+    "route_clipping",
 ]
 
 #: Lightning precisions that autocast with fp32 parameters, and their compute dtype.
@@ -149,3 +150,22 @@ def distributed_scaler(scaler: Any, process_group: Any = None) -> Any:
     if state:
         new.load_state_dict(state)
     return new
+
+
+def route_clipping(plugin: Any, parallel: Any, clip_norm: Any, clip_value: Any) -> None:
+    """Make Lightning's precision plugin ``plugin`` clip through the parallel model ``parallel``
+    (:class:`~lightning_par.parallelize.ParallelModel`) with the runtime's clipping functions ``clip_norm`` and
+    ``clip_value`` (``(parallel, optimizer, value)``: :func:`lightning_par.runtime.step.clip_grad_norm_` by the whole
+    model's norm, every shard and stage; :func:`~lightning_par.runtime.step.clip_grad_value_` on each rank's gradient
+    shards, as torch's ``clip_grad_value_`` refuses DTensor gradients), the ones the Fabric adapter calls too.
+    Lightning 2.6's ``Precision.clip_gradients`` calls the plugin's ``clip_grad_by_norm`` / ``clip_grad_by_value``
+    with ``(optimizer, clip_val)``; they are set on this instance only."""
+
+    def by_norm(optimizer: Any, clip_val: float) -> None:
+        clip_norm(parallel, optimizer, float(clip_val))
+
+    def by_value(optimizer: Any, clip_val: float) -> None:
+        clip_value(parallel, optimizer, float(clip_val))
+
+    plugin.clip_grad_by_norm = by_norm
+    plugin.clip_grad_by_value = by_value

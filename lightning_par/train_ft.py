@@ -35,7 +35,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from lightning_par.data_parallel.fault_tolerance import FaultToleranceOptions, check_lighthouse, url_host
+from lightning_par.fault_tolerance.options import FaultToleranceOptions, check_lighthouse, url_host
 from lightning_par.launcher import find_free_port
 
 __all__ = ["launch_ft_job", "main", "run_ft_recipe"]

@@ -173,11 +173,12 @@ class ShardedCheckpointIO:
         fitting = trainer is not None and getattr(trainer.state.fn, "value", None) == "fit"
         datamodule = getattr(trainer, "datamodule", None) if fitting else None
         dims = getattr(self, "parallel_dims", None)
-        # the dp size decides whether a data module's new batch size keeps the global batch of a mid-epoch position;
-        # under fault tolerance the data is split over every replica group's dp ranks
-        ft = getattr(getattr(self, "options", None), "fault_tolerance", None)
-        groups = int(ft.num_replica_groups) if ft is not None and ft.enabled else 1
-        replicas = int(dims.dp_size) * groups if fitting and dims is not None else None
+        # the ranks the data is split over decide whether a data module's new batch size keeps the global batch of a
+        # mid-epoch position (under fault tolerance: every replica group's dp ranks, FaultToleranceHooks.sampler_kwargs)
+        ft = getattr(self, "fault_tolerance", None)
+        replicas = None
+        if fitting and dims is not None:
+            replicas = ft.sampler_kwargs(int(dims.dp_size), 0)["num_replicas"] if ft is not None else int(dims.dp_size)
         check_resume(path, meta, getattr(module, "hparams", None), getattr(datamodule, "hparams", None), replicas)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

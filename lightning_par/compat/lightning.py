@@ -24,6 +24,7 @@ __all__ = [
     "before_batch_transfer",
     "checkpoint_loader",
     "data_fetcher",
+    "restart_training_fetch",
     "combined_loader",
     "is_dataloader_iter_fetcher",
     "plain_optimizer",
@@ -70,6 +71,20 @@ def data_fetcher(trainer: Any) -> Any:
 def combined_loader(trainer: Any) -> Any:
     """The training ``CombinedLoader`` of the Trainer's fit loop (``fit_loop._combined_loader``)."""
     return trainer.fit_loop._combined_loader
+
+
+def restart_training_fetch(trainer: Any, passed: int | None = None) -> Any:
+    """Start the Trainer's training data over: a new iterator of every loader behind the fit loop's data fetcher (the
+    order of the epoch the samplers are set to; the fetcher's counters reset), and with ``passed`` the fetcher told
+    that the epoch's first ``passed`` batches are fetched already (the loaders skip them themselves). Lightning 2.6.6
+    has no public way to start an epoch's data at a batch other than 0 mid-fit; its epoch loop fetches from this
+    fetcher (:func:`data_fetcher`), whose ``fetched``/``done`` counters it reads. Returns the fetcher."""
+    fetcher = data_fetcher(trainer)
+    iter(fetcher)
+    if passed is not None:
+        fetcher.fetched = passed
+        fetcher.done = fetcher.length is not None and fetcher.fetched >= fetcher.length
+    return fetcher
 
 
 def is_dataloader_iter_fetcher(fetcher: Any) -> bool:

@@ -1,5 +1,5 @@
 """The register's torchft part: the private names of ``torchft`` the package uses (fault tolerance,
-:mod:`lightning_par.data_parallel.fault_tolerance`), each behind a helper of ours. torchft (the ``ft`` extra) is
+:mod:`lightning_par.fault_tolerance`), each behind a helper of ours. torchft (the ``ft`` extra) is
 imported only when a helper runs.
 
 Checked on torchft 0.2.0. Each entry of :data:`PRIVATE_USES` is looked up by the canary in

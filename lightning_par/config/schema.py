@@ -34,7 +34,7 @@ from hydra.core.config_store import ConfigStore
 
 from lightning_par.compile import CompileOptions
 from lightning_par.context_parallel.options import ContextParallelOptions
-from lightning_par.data_parallel.fault_tolerance import FaultToleranceOptions
+from lightning_par.fault_tolerance.options import FaultToleranceOptions
 from lightning_par.data_parallel.options import ReducerOptions, ZeroGroupOptions
 from lightning_par.fault.preemption import PREEMPTION_SIGNALS
 from lightning_par.float8 import Float8Options

@@ -187,7 +187,7 @@ class ResumableDataLoader(DataLoader):
         """Make the next pass over the data skip its first ``batches`` batches (indices only: the skipped samples are
         never loaded) and count them as yielded, in whatever epoch the sampler is set to: how a fault-tolerant replica
         group that rejoins starts reading at the live group's place in the epoch
-        (:func:`lightning_par.data_parallel.fault_tolerance.move_train_data`, after ``set_epoch``). A checkpoint saved
+        (:func:`lightning_par.fault_tolerance.data.move_train_data`, after ``set_epoch``). A checkpoint saved
         later in that pass holds the position counted from the epoch's start."""
         self._skip, self._skip_epoch = int(batches), None
         self._restore_start, self._restore_generator = None, None

@@ -50,6 +50,21 @@ def _apply(build: Build) -> None:
         build.token_groups.append(dp_group)
 
 
+def _refused_callbacks(dims: Any, options: Any) -> dict[str, str]:
+    """Weight averaging under ``zero3`` (DTensor shards); finetuning where the dp gradient reducer (``ddp``,
+    ``zero1``, ``zero2``) averages over more than one rank (it is built for the parameters that train at the start, so
+    later-unfrozen ones are never averaged); pruning under any dp mode but ``ddp`` (the sharded optimizer state does
+    not follow the re-registered ``<name>_orig``)."""
+    mode = options.dp_mode
+    replicas = dims.size("dp_cp")  # the ranks the dp gradient reducer averages over
+    out = {"weight_averaging": "dp_mode='zero3'"} if mode == "zero3" else {}
+    if mode != "zero3" and replicas > 1:
+        out["finetuning"] = f"dp_mode={mode!r} over {replicas} ranks that average gradients"
+    if mode != "ddp":
+        out["pruning"] = f"dp_mode={mode!r}"
+    return out
+
+
 #: Data parallelism (ddp, ZeRO-1/2/3) over dp_replicate x dp_shard, HSDP when dp_replicate_size > 1.
 DATA_PARALLEL = Axis(
     name="dp",
@@ -58,4 +73,5 @@ DATA_PARALLEL = Axis(
     check=_check,
     steps=(("data", _apply),),
     planner=DATA_PARALLEL_TERMS,
+    refused_callbacks=_refused_callbacks,
 )

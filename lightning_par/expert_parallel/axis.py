@@ -133,6 +133,11 @@ def _has(network: nn.Module, path: str) -> bool:
     return True
 
 
+def _refused_callbacks(dims: Any, options: Any) -> dict[str, str]:
+    """Weight averaging: the experts are DTensor shards, which an averaged copy of whole tensors refuses."""
+    return {"weight_averaging": f"ep_size={dims.ep_size}"} if dims.ep_size > 1 else {}
+
+
 #: Expert parallelism: each mixture-of-experts layer's experts split over ep ranks borrowed from ``dp_shard x cp``.
 EXPERT_PARALLEL = Axis(
     name="ep",
@@ -141,4 +146,5 @@ EXPERT_PARALLEL = Axis(
     check=_check,
     steps=(("read", _read), ("context", _apply)),
     planner=EXPERT_PARALLEL_TERMS,
+    refused_callbacks=_refused_callbacks,
 )

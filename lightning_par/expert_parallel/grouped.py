@@ -19,12 +19,12 @@ on its segment of tokens sorted by expert, in one of three forms chosen by one f
   CPU where ``grouped_mm`` does not run (float64, widths not a multiple of 16 bytes), the documented fallback for
   skewed routings, and the reference the other two are tested against.
 
-Measured on this 2-core CPU (shared with other jobs), ``python recipes/benchmark.py --only moe`` (one MoE block, width
-128, expert width 256, top-2, fp32, one thread, forward + backward, the forms in turns in one run; two runs; tables in
-``docs/context-expert.md``): at 64 experts the loop takes 1.75-1.90x the CPU ``grouped_mm`` form's time at 4 routed
-copies per expert, 1.5-1.6x at 16, 1.25-1.34x at 64, 1.04-1.21x at 128 and 1.10-1.14x at 256 (where the matmuls'
-arithmetic, the same in both, dominates); the loop as ``GroupedExperts`` ran it before (``w1[e]`` per expert) 4-18x.
-Issue 49's aim, 2x over the loop at 64 experts, is not reached on this CPU.
+Measured on this 2-core CPU (shared with other jobs), ``python -m lightning_par.benchmarks.moe --curve`` (one MoE
+block, width 128, expert width 256, top-2, fp32, one thread, forward + backward, thread CPU time, the forms in turns
+in one run; tables and the breakdown in ``docs/context-expert.md``): at 64 experts the loop takes 1.6-2.5x the CPU
+``grouped_mm`` form's time at 2-16 routed copies per expert and 1.2-1.5x at 64-256, where both run the same MKL
+matmuls (the grouped form's step is its matmuls, GELU and the shared dispatch: at its floor). Issue 49's aim, 2x over
+the loop at 64 experts, is reached here only at 2 (in some runs 4) copies per expert.
 
 All three give the same result up to float rounding (tested at rel <= 1e-5 in fp32 against the loop, forward and
 gradients, ``tests/unit/test_moe_grouped.py``; the CPU ``grouped_mm`` runs each group's product as the same ``mm`` as
@@ -92,6 +92,11 @@ def _grouped_mm_runs(x: Tensor, weights: Sequence[Tensor]) -> bool:
     return x.shape[-1] % per_row == 0 and all(s % per_row == 0 for w in weights for s in w.shape[1:])
 
 
+def _is_transposed(w: Tensor) -> bool:
+    """``w`` ``(groups, in, out)`` is the transpose of a contiguous ``(groups, out, in)`` tensor."""
+    return w.shape[1] > 1 and w.shape[2] > 1 and w.transpose(1, 2).is_contiguous()
+
+
 class _GroupedMatmul(torch.autograd.Function):
     """``y[s:e] = x[s:e] @ w[g]`` for every group ``g`` of rows ``s:e`` (``offs``: the groups' end offsets, int32),
     forward *and* backward as ``torch._grouped_mm`` calls, for the CPU, where torch 2.13 has the forward but no
@@ -99,7 +104,12 @@ class _GroupedMatmul(torch.autograd.Function):
     ``dw[g] = x[s:e]^T dy[s:e]``, the 2-d x 2-d form of ``grouped_mm`` with the offsets along the reduced dimension
     (a group without rows gets a zero gradient). Each group's product is one ``mm`` of ATen's C++ fallback, so it
     matches the per-expert loop bitwise (``tests/unit/test_moe_grouped.py``) at the cost of one autograd node per
-    matrix instead of a few per expert."""
+    matrix instead of a few per expert. Where ``w`` is a transposed view of ``(groups, out, in)`` weights
+    (transformers' experts layout, ``gate_up_proj`` and ``down_proj``), ``dw`` is computed in that layout,
+    ``grouped_mm(dy^T, x)``, and handed back transposed: the parameter's gradient then needs no copy (in ``w``'s own
+    layout autograd copied the non-contiguous ``(groups, in, out)`` gradient into the parameter's strides; measured on
+    this CPU, one thread, 64 experts, width 128, SwiGLU expert width 128: the grouped step 40% faster at 4 rows per
+    group, 15% at 128, the gradients equal bitwise)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
@@ -115,7 +125,15 @@ class _GroupedMatmul(torch.autograd.Function):
             return x.new_zeros(x.shape), w.new_zeros(w.shape), None
         dy = dy.contiguous()  # an expanded gradient (a sum's) has zero strides, which grouped_mm refuses
         dx = grouped_mm(dy, w.transpose(1, 2), offs) if ctx.needs_input_grad[0] else None
-        dw = grouped_mm(x.t(), dy, offs) if ctx.needs_input_grad[1] else None
+        dw = None
+        if ctx.needs_input_grad[1] and _is_transposed(w):
+            # w is a transposed view of (groups, out, in) weights (transformers' experts layout): the gradient
+            # computed in that layout, dw[g]^T = dy[s:e]^T x[s:e], and handed back transposed reaches the parameter
+            # without a copy; in w's own layout it would be a non-contiguous (groups, in, out) tensor, which autograd
+            # copies into the parameter's strides
+            dw = grouped_mm(dy.t(), x, offs).transpose(1, 2)
+        elif ctx.needs_input_grad[1]:
+            dw = grouped_mm(x.t(), dy, offs)
         return dx, dw, None
 
 

@@ -108,7 +108,9 @@ class ContractExperts(nn.Module):
             with torch.no_grad():
                 load += counts.to(load.dtype)
         token = order // top_k
-        y = nn.Module.__call__(self, hidden_states[token], counts)  # (T * k, d), sorted by expert; ep hooks here
+        # index_select: one gather whose backward is one index_add_ (indexing's goes through index_put_ with accumulate)
+        # (T * k, d), sorted by expert; ep hooks here
+        y = nn.Module.__call__(self, hidden_states.index_select(0, token), counts)
         y = y * top_k_weights.reshape(-1)[order, None]  # as transformers: the weight's dtype may promote
         return torch.zeros_like(hidden_states).index_add_(0, token, y.to(hidden_states.dtype))
 

@@ -237,7 +237,11 @@ class MoE(nn.Module):
         group = shard.group if shard is not None and shard.size > 1 else None
         full_seq = seq * (shard.size if group is not None else 1)
         # load balance, per sequence (sums over the cp ranks' pieces)
-        counts = F.one_hot(experts, self.num_experts).sum((1, 2)).float()  # (batch, E)
+        # copies per expert per sequence: a scatter-add of ones (exact: integers in float32), not a one-hot
+        # (batch, seq, top_k, E) int64 summed, which wrote E times more memory
+        choices = experts.reshape(batch, -1)
+        counts = x.new_zeros(batch, self.num_experts, dtype=torch.float32).scatter_add_(
+            1, choices, torch.ones(choices.shape, dtype=torch.float32, device=x.device))  # (batch, E)
         if self.training and self.router.expert_bias is not None:
             # this rank's routed copies (before capacity), for the bias update; a recomputed forward (activation
             # checkpointing) counts every copy twice, which leaves sign(mean - load) unchanged
@@ -253,15 +257,21 @@ class MoE(nn.Module):
         keep = self._within_capacity(experts, shard if group is not None else None, full_seq)
         # dispatch: every kept (token, choice), sorted by expert
         flat_x = x.reshape(-1, dim)
-        token = torch.arange(batch * seq, device=x.device).repeat_interleave(self.top_k)
         expert, weight = experts.reshape(-1), weights.reshape(-1)
-        if keep is not None:
+        if keep is None:  # copy i of the flat (token, choice) order belongs to token i // top_k
+            sorted_expert, order = torch.sort(expert, stable=True)
+            token = torch.div(order, self.top_k, rounding_mode="floor")
+        else:
             kept = keep.reshape(-1)
-            token, expert, weight = token[kept], expert[kept], weight[kept]
-        order = torch.argsort(expert, stable=True)
-        token, weight = token[order], weight[order]
-        per_expert = sorted_counts(expert[order], self.num_experts)  # no host read (bincount's on CUDA)
-        out = self.experts(flat_x[token], per_expert)
+            token = torch.arange(batch * seq, device=x.device).repeat_interleave(self.top_k)[kept]
+            expert, weight = expert[kept], weight[kept]
+            sorted_expert, order = torch.sort(expert, stable=True)
+            token = token[order]
+        weight = weight.index_select(0, order)
+        per_expert = sorted_counts(sorted_expert, self.num_experts)  # no host read (bincount's on CUDA)
+        # index_select, not flat_x[token]: one gather, whose backward is one index_add_ (measured on the CPU, one
+        # thread: advanced indexing's backward goes through index_put_ with accumulate)
+        out = self.experts(flat_x.index_select(0, token), per_expert)
         y = torch.zeros_like(flat_x).index_add_(0, token, out * weight.unsqueeze(-1).to(out.dtype))
         y = y.reshape(batch, seq, dim)
         if self.shared is not None:

@@ -84,6 +84,15 @@ def _schedule(build: Build) -> None:
     build.steps = PipelinedSteps
 
 
+def _refused_callbacks(dims: Any, options: Any) -> dict[str, str]:
+    """Every callback kind (:data:`~lightning_par.axis_registry.CALLBACK_KINDS`): each stage holds part of the model and
+    steps its own optimizer, so an averaged copy, a late-unfrozen module or a pruning mask is not the whole model's
+    (measured: SWA and finetuning hung until the collective timeout)."""
+    if dims.pp_size == 1:
+        return {}
+    return dict.fromkeys(("weight_averaging", "finetuning", "pruning"), f"pp_size={dims.pp_size}")
+
+
 #: GPipe / 1F1B / interleaved pipelining across stages (torch.distributed.pipelining).
 PIPELINE_PARALLEL = Axis(
     name="pp",
@@ -92,4 +101,5 @@ PIPELINE_PARALLEL = Axis(
     check=_check,
     steps=(("cut", _cut), ("schedule", _schedule)),
     planner=PIPELINE_PARALLEL_TERMS,
+    refused_callbacks=_refused_callbacks,
 )

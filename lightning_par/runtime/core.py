@@ -8,10 +8,10 @@ parallelize` with the same options.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any, ClassVar
 
-from lightning_par.axes import EVERY_AXIS, axis_of_group, check_sizes
+from lightning_par.axes import check_options, check_sizes
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.parallelize import OPTION_GROUPS, ParallelOptions
 from lightning_par.precision import fsdp_mixed_precision
@@ -56,19 +56,12 @@ class StrategyCore:
         **options: Any,
     ) -> None:
         sizes = {"dp_size": dp_size, "tp_size": tp_size, "pp_size": pp_size}
-        sizes.update({k: v for k, v in (("dp_replicate_size", dp_replicate_size), ("dp_shard_size", dp_shard_size))
-                      if v != (-1 if k == "dp_shard_size" else 1)})
-        further = {k: options.pop(k) for k in [k for k in options if k in ParallelDims.size_names()]}
-        sizes.update({k: v for k, v in further.items() if v != 1})
+        further = {"dp_replicate_size": dp_replicate_size, "dp_shard_size": dp_shard_size,
+                   **{k: options.pop(k) for k in [k for k in options if k in ParallelDims.size_names()]}}
+        defaults = {f.name: f.default for f in fields(ParallelDims)}
+        sizes.update({k: v for k, v in further.items() if v != defaults[k]})  # the further sizes given
         self.check_axes(sizes)
-        for key in options:
-            group = key if key in OPTION_GROUPS else next((g for g, n in OPTION_GROUPS.items() if key in n), None)
-            axis = axis_of_group(group) if group is not None else None
-            if axis is not None and not self.has_axis(axis.name):
-                raise ValueError(
-                    f"{key} is an option of the {axis.name} axis, which {type(self).__name__} does not have: "
-                    f"remove it, or use a strategy with that axis ({EVERY_AXIS})."
-                )
+        check_options(options, OPTION_GROUPS, self.has_axis, type(self).__name__)
         self.options = ParallelOptions.build(dp_mode, module_attr, activation_checkpointing, **options)
         self.options.check_layout(pp_size)
         self._sizes = sizes

@@ -33,23 +33,19 @@ from typing_extensions import override
 from lightning_par.checkpoint.strategy_io import ShardedCheckpointIO
 from lightning_par.compat.fabric import default_process_group_backend_for_device, optimizers_to_device
 from lightning_par.compat.lightning import SubprocessScriptLauncher
-from lightning_par.compat.lightning import before_batch_transfer, data_fetcher, plain_optimizer, set_module_device_mesh
-from lightning_par.data_parallel.fault_tolerance import (
-    FaultTolerantReplicas,
-    check_fault_tolerance,
-    check_lighthouse,
-    check_train_data,
-    move_train_data,
-)
+from lightning_par.compat.lightning import plain_optimizer, set_module_device_mesh
 from lightning_par.callbacks.metrics import log_comm_stats, log_host_number
 from lightning_par.callbacks.model_summary import install as install_model_summary
+from lightning_par.callbacks.refusals import check_callbacks
+from lightning_par.callbacks.views import StrategyViews
 from lightning_par.fault.elastic import init_process_group_per_attempt
 from lightning_par.fault.orphan import guard_outside_launcher
 from lightning_par.fault.preemption import PreemptionWatch
 from lightning_par.fault.process_group_exit import FAILED
+from lightning_par.fault_tolerance.hooks import FaultToleranceHooks
 from lightning_par.parallel_dims import ParallelDims
 from lightning_par.parallelize import ParallelModel, ParallelOptions, parallel_model_of, parallelize, validate
-from lightning_par.precision import check_precision, distributed_scaler
+from lightning_par.precision import check_precision, distributed_scaler, route_clipping
 from lightning_par.runtime import collectives, step
 from lightning_par.runtime.core import StrategyCore
 
@@ -66,72 +62,7 @@ def _split_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tu
 
 
 
-def check_callbacks(trainer: Any, module: torch.nn.Module, dims: ParallelDims, dp_mode: str) -> None:
-    """Refuse, before the first step, Lightning callbacks that would crash or train wrongly under this layout.
-
-    Each was run under every registered strategy and layout by the Lightning feature matrix (``tests/lightning/``,
-    2026-11-28) against one process:
-
-    - ``StochasticWeightAveraging`` and ``WeightAveraging`` (``EMAWeightAveraging``) keep a deep copy of the module and
-      copy whole tensors in and out of it. Where parameters are DTensor shards (``tp_size``/``ep_size`` > 1,
-      ``dp_mode="zero3"``) the first average raised ``aten.copy_.default got mixed torch.Tensor and DTensor``; under
-      pipelining the stages' optimizer steps fell out of step and the run hung until the collective timeout.
-      Lightning refuses SWA for its own FSDP the same way.
-    - ``BaseFinetuning`` (``BackboneFinetuning``) freezes modules before training and adds them to the optimizer
-      later. The dp gradient reducer (``ddp``, ``zero1``, ``zero2``, over dp and cp ranks) is built for the parameters
-      that train at the start, so the unfrozen ones were never averaged: each replica stepped on its own gradient and
-      the replicas drifted apart silently (Lightning's own DDP does the same); ZeRO-1/2 raised ``KeyError`` on the new
-      param group; pipelining hung. FSDP2 (``zero3``) and tensor parallelism without dp replicas match one process.
-    - ``ModelPruning`` re-registers each pruned weight as ``<name>_orig`` and a mask. ZeRO-1/2 then trained wrongly
-      from the first step after pruning (loss rel 8.5e-3), and DTensor shards refused the masked in-place update.
-      Plain ``dp_mode="ddp"`` (with cp or ep) matches one process.
-
-    Raises:
-        ValueError: naming the callback, the sizes or dp mode that rule it out, and the layouts where it runs.
-    """
-    from lightning.pytorch.callbacks import (
-        BaseFinetuning,
-        ModelPruning,
-        StochasticWeightAveraging,
-        WeightAveraging,
-    )
-
-    callbacks = list(trainer.callbacks)
-    sizes = [f"{k}={v}" for k, v in (("pp_size", dims.pp_size), ("tp_size", dims.tp_size), ("ep_size", dims.ep_size))
-             if v > 1]
-    mode = [f"dp_mode={dp_mode!r}"] if dp_mode != "ddp" else []
-
-    def refuse(callback: Any, why: list[str], detail: str, runs: str) -> None:
-        raise ValueError(f"{type(callback).__name__} is not supported with {', '.join(why)}: {detail} It runs under "
-                         f"{runs}; remove the callback or train under one of those.")
-
-    for callback in callbacks:
-        if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
-            why = sizes + (["dp_mode='zero3'"] if dp_mode == "zero3" else [])
-            if not why and any(isinstance(p, DTensor) for p in module.parameters()):
-                why = ["DTensor parameters"]
-            if why:
-                refuse(callback, why, "its averaged copy of the model holds whole tensors, and here each rank holds "
-                       "shards or one pipeline stage of the parameters.", "ddp_overlap, zero1, zero2 and context "
-                       "parallelism (whole parameters on every rank)")
-        elif isinstance(callback, BaseFinetuning):
-            replicas = dims.size("dp_cp")  # the ranks the dp gradient reducer averages over
-            why = [f"pp_size={dims.pp_size}"] if dims.pp_size > 1 else []
-            if dp_mode != "zero3" and replicas > 1:
-                why.append(f"dp_mode={dp_mode!r} over {replicas} ranks that average gradients")
-            if why:
-                refuse(callback, why, "the gradient reducer is built for the parameters that train at the start, so "
-                       "modules it unfreezes later would not be averaged across replicas (each would drift on its own "
-                       "gradient).", "dp_mode='zero3' (FSDP2, with tp too) and tp without dp replicas")
-        elif isinstance(callback, ModelPruning):
-            why = sizes[:1] if dims.pp_size > 1 else []
-            why += [s for s in sizes if s.startswith("tp_size")] + mode
-            if why:
-                refuse(callback, why, "pruning re-registers each pruned weight as '<name>_orig' with a mask, which the "
-                       "sharded optimizer state and DTensor shards do not follow.", "dp_mode='ddp' without tp or pp "
-                       "(with context or expert parallelism too)")
-
-class MeshStrategy(StrategyCore, ShardedCheckpointIO, ParallelStrategy):
+class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStrategy):
     """Every registered axis on one mesh, for any LightningModule meeting :mod:`lightning_par.contract`.
 
     Args:
@@ -203,14 +134,17 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, ParallelStrategy):
             module_attr=module_attr, activation_checkpointing=activation_checkpointing, timeout_s=timeout_s,
             prog_bar=prog_bar, process_group_backend=process_group_backend, **options,
         )
-        sizes = self._sizes
-        check_fault_tolerance(self.options, sizes)
-        self.ft: Any = None  # the FaultTolerantReplicas of this rank (fault_tolerance.enabled), from setup()
-        self._ft_batch_idx: int | None = None  # the live group's batch index, for the step a group rejoins in
+        self.fault_tolerance = FaultToleranceHooks(self.options, self._sizes)  # torchft replica groups, or no-ops
         self.parallel: ParallelModel | None = None
         self._validated: Any = None  # the module validate_model checked (parallelize then does not check it again)
         self._exception: BaseException | None = None  # the run's error (teardown then never raises over it)
         self.num_nodes = 1
+
+    @property
+    def ft(self) -> Any:
+        """This rank's :class:`~lightning_par.fault_tolerance.replicas.FaultTolerantReplicas` (``fault_tolerance.
+        enabled``, from :meth:`setup`), else ``None``."""
+        return self.fault_tolerance.replicas
 
     # ------------------------------------------------------------------ layout
     @property
@@ -234,11 +168,7 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, ParallelStrategy):
         """Shard batches over the dp ranks only: every tp, cp and pp rank of a replica reads the same samples."""
         dims = self.parallel_dims
         assert dims is not None
-        ft = self.options.fault_tolerance
-        if ft.enabled:  # every replica group's dp ranks, in group order: a group that is down leaves its share out
-            return {"num_replicas": dims.dp_size * ft.num_replica_groups,
-                    "rank": ft.replica_group_id * dims.dp_size + dims.coordinates(self.global_rank)["dp"]}
-        return {"num_replicas": dims.dp_size, "rank": dims.coordinates(self.global_rank)["dp"]}
+        return self.fault_tolerance.sampler_kwargs(dims.dp_size, dims.coordinates(self.global_rank)["dp"])
 
     # ------------------------------------------------------------------ processes
     @override
@@ -264,10 +194,7 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, ParallelStrategy):
         # Validate the layout, and the model against it, before any process group starts.
         dims = self.resolve_parallel_dims(self.num_nodes * self.num_processes)
         self.validate_model(dims)
-        ft = self.options.fault_tolerance
-        if ft.enabled:  # an unreachable lighthouse is named now, within connect_timeout_s, before any process group
-            ft.bind_host(ft.lighthouse_address())  # and a bind address the job cannot use
-            check_lighthouse(ft.lighthouse_address(), ft.connect_timeout_s)
+        self.fault_tolerance.setup_environment()
         reset_seed()
         self._process_group_backend = self._process_group_backend or default_process_group_backend_for_device(
             self.root_device
@@ -348,7 +275,7 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, ParallelStrategy):
                 step_context=self._step_context, check=self._validated is not self.lightning_module,
             )
         if trainer.state.fn == TrainerFn.FITTING:
-            check_callbacks(trainer, self.model, self.parallel_dims, self.dp_mode)
+            check_callbacks(trainer.callbacks, self.model, self.parallel_dims, self.options)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         scaler = getattr(self.precision_plugin, "scaler", None)
@@ -357,23 +284,9 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, ParallelStrategy):
             self.precision_plugin.scaler = distributed_scaler(scaler)
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
-            if self.options.fault_tolerance.enabled and self.ft is None:
-                self.ft = FaultTolerantReplicas(
-                    self.options.fault_tolerance, self.lightning_module,
-                    lambda: [plain_optimizer(o) for o in self.optimizers],
-                    dist.get_rank(), dist.get_world_size(),
-                )
-                if self.options.fault_tolerance.diloco_sync_every:
-                    if len(self.optimizers) != 1:
-                        raise ValueError(
-                            f"fault_tolerance.diloco_sync_every needs exactly one optimizer (the inner one); "
-                            f"configure_optimizers returned {len(self.optimizers)}."
-                        )
-                    self.ft.enter_diloco(plain_optimizer(self.optimizers[0]))
-        # Norm clipping must see the whole model's norm: every shard, every stage.
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
-        # Value clipping clamps each rank's gradient shards (torch's clip_grad_value_ refuses DTensor gradients).
-        self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
+            self.fault_tolerance.setup(self.lightning_module, lambda: self.optimizers, dist.get_rank(),
+                                       dist.get_world_size())
+        route_clipping(self.precision_plugin, self.parallel, step.clip_grad_norm_, step.clip_grad_value_)  # whole model
         install_model_summary(trainer)  # Lightning's ModelSummary counts the whole model, not this rank's part
 
     @property
@@ -419,7 +332,7 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, ParallelStrategy):
         failed = self._exception is not None
         keep = module is not None and self.parallel is not None and parallel_model_of(module) is self.parallel
         parts: list[tuple[str, Any]] = [
-            ("fault tolerance manager", self.ft.shutdown if self.ft is not None else None),
+            ("fault tolerance manager", self.fault_tolerance.teardown),
             ("reshard", (lambda: self.parallel.engine.reshard()) if failed and self.parallel is not None else None),
             ("cluster environment", self.cluster_environment.teardown if self.cluster_environment else None),
             ("optimizers to CPU", lambda: optimizers_to_device(self.optimizers, torch.device("cpu"))),
@@ -455,23 +368,7 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, ParallelStrategy):
         assert self.parallel is not None
         batch, rest, kwargs = _split_batch(args, kwargs)
         batch_idx = rest[0] if rest else kwargs.get("batch_idx", 0)
-        if self.ft is not None and self.ft.diloco is None:
-            if not self.ft.in_step:  # the quorum is taken in batch_to_device; a loop that skipped it takes it here
-                self.ft.begin_step()
-                if self.ft.take_data_position() is not None:
-                    raise RuntimeError(
-                        "This replica group rejoined at a training_step whose batch did not pass through "
-                        "MeshStrategy.batch_to_device, so it cannot be moved to the live group's place in the data: "
-                        "call super().batch_to_device in an override of it."
-                    )
-            for name, value in self.ft.figures().items():
-                log_host_number(self.lightning_module, f"parallel/{name}", value, on_step=True, on_epoch=False)
-            if self._ft_batch_idx is not None:  # the step it rejoined in: the live group's index in the epoch
-                batch_idx, self._ft_batch_idx = self._ft_batch_idx, None
-                if rest:
-                    rest = (batch_idx, *rest[1:])
-                elif "batch_idx" in kwargs:
-                    kwargs = {**kwargs, "batch_idx": batch_idx}
+        batch_idx, rest, kwargs = self.fault_tolerance.training_step(self.lightning_module, batch_idx, rest, kwargs)
         out = self.parallel.steps.training_step(
             self, lambda b: super(MeshStrategy, self).training_step(b, *rest, **kwargs), batch, batch_idx
         )
@@ -482,29 +379,10 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, ParallelStrategy):
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        """Under fault tolerance, a training window's first batch takes the quorum of the live replica groups first
-        (:meth:`~lightning_par.data_parallel.fault_tolerance.FaultTolerantReplicas.begin_step`): Lightning calls this
-        right after it fetched the batch and before any hook or ``training_step`` sees it. A group that joins there
-        receives the live group's state and its place in the data; where its own loader was elsewhere (a restarted
-        process starts at epoch 0, batch 0), the loader is moved there
-        (:func:`~lightning_par.data_parallel.fault_tolerance.move_train_data`) and the batch of the live group's place
-        replaces the one fetched, so hooks and ``training_step`` see the batch the group would have read had it never
-        failed."""
-        ft = self.ft
-        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
-        if ft is not None and ft.diloco is None and not ft.in_step and trainer is not None and trainer.training:
-            ft.begin_step()
-            position = ft.take_data_position()
-            if position is not None:
-                epoch, ready = position
-                batch = move_train_data(trainer, epoch, ready, take=True)
-                ft.data_moves += 1
-                # Lightning's epoch loop set these from the batch it fetched (the wrong place), before calling here
-                trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = data_fetcher(trainer).done
-                self._ft_batch_idx = ready
-                # what Lightning's epoch loop does to a fetched batch before batch_to_device (2.6.6, advance())
-                batch = trainer.precision_plugin.convert_input(batch)
-                batch = before_batch_transfer(trainer.lightning_module, batch, dataloader_idx)
+        """Under fault tolerance, a training window's first batch takes the quorum of the live replica groups first,
+        and a group that joins there trains on the live group's place in the data
+        (:meth:`lightning_par.fault_tolerance.hooks.FaultToleranceHooks.batch_to_device`)."""
+        batch = self.fault_tolerance.batch_to_device(self.lightning_module, batch, dataloader_idx)
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
@@ -532,22 +410,11 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, ParallelStrategy):
             parallel.finish_gradients()
             return out
 
-        ft = self.ft
-        if ft is None or ft.diloco is not None:  # DiLoCo: its hooks on the optimizer sync every H steps
-            out = super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
-            position = ft.take_data_position() if ft is not None else None
-            if position is not None:  # joined at this sync (inside the step): the next fetch reads the live group's
-                move_train_data(self.lightning_module.trainer, *position, take=False)
-                ft.data_moves += 1
-            return out
-        # Across replica groups: this rank's gradients (its shard under ZeRO) averaged over the live groups, then the
-        # commit vote; a step some live group could not finish is skipped by every group (no update, no state).
-        out = closure_then_finish()
-        ft.average_gradients([p for g in optimizer.param_groups for p in g["params"]])
-        if not ft.commit():
-            optimizer.zero_grad(set_to_none=True)
-            return out
-        return super().optimizer_step(optimizer, lambda: out, model, **kwargs)
+        # fault tolerance: the mean over the live replica groups and the commit vote (or DiLoCo's sync) around it
+        return self.fault_tolerance.optimizer_step(
+            self.lightning_module, optimizer, closure_then_finish,
+            lambda c: super(MeshStrategy, self).optimizer_step(optimizer, c, model, **kwargs),
+        )
 
     @contextmanager
     @override
@@ -561,14 +428,6 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, ParallelStrategy):
     def handles_gradient_accumulation(self) -> bool:
         """False: Lightning counts the accumulation window and steps the optimizer at its end."""
         return False
-
-    def _clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
-        assert self.parallel is not None
-        step.clip_grad_value_(self.parallel, optimizer, float(clip_val))
-
-    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        assert self.parallel is not None
-        step.clip_grad_norm_(self.parallel, optimizer, float(clip_val))
 
     def _eval_step(self, stage: str, step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         assert self.parallel is not None
@@ -591,12 +450,11 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, ParallelStrategy):
     def on_train_start(self) -> None:
         """Refuse, before any step, a loader batch size the layout cannot split (a pipeline's micro-batches), and under
         fault tolerance a training loop whose data a rejoining group could not be moved in
-        (:func:`~lightning_par.data_parallel.fault_tolerance.check_train_data`)."""
+        (:meth:`~lightning_par.fault_tolerance.hooks.FaultToleranceHooks.on_train_start`)."""
         super().on_train_start()
         loader = getattr(self.lightning_module.trainer, "train_dataloader", None) if self.lightning_module else None
         self.options.check_batch_size(getattr(loader, "batch_size", None), self._sizes["pp_size"])
-        if self.ft is not None:  # a rejoining group must be able to move to the live group's place in the data
-            check_train_data(self.lightning_module.trainer)
+        self.fault_tolerance.on_train_start(self.lightning_module.trainer)
 
     @override
     def on_predict_start(self) -> None:
@@ -646,62 +504,6 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, ParallelStrategy):
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
         """As Lightning's; a DTensor (the vocab-parallel loss is a replicated one) is made plain first."""
         return collectives.reduce(tensor, group, reduce_op)
-
-    # ------------------------------------------------------------------ gradients for callbacks
-    def grad_norm(self, norm_type: float | str = 2.0) -> Tensor:
-        """The global gradient norm the optimizer step will see: over every dp shard, tp shard and pipeline stage
-        (what norm clipping computes; one process's ``torch.nn.utils.get_total_norm`` of all gradients). Call it from
-        ``on_before_optimizer_step`` (gradients reduced, before clipping) on every rank: it is collective.
-
-        Returns:
-            A float32 scalar tensor (CPU), the same on every rank.
-        """
-        assert self.parallel is not None
-        params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
-        return self.parallel.grad_norm(params, float(norm_type))
-
-    def full_grads(self) -> dict[str, Tensor]:
-        """Every parameter's gradient in full, keyed by its one-process name (``{"model.0.weight": (out, in)}``),
-        on every rank (CPU; gathered over dp shards, tp shards and pipeline stages: collective, and the whole gradient
-        on each rank). Call it from ``on_before_optimizer_step``."""
-        assert self.parallel is not None
-        return self.parallel.full_grads()
-
-    def grad_norms(self, norm_type: float | str = 2.0) -> dict[str, float]:
-        """Lightning's ``lightning.pytorch.utilities.grad_norm(module, norm_type)`` for the whole model, whatever the
-        layout: ``{"grad_{q}_norm/{name}": norm of each parameter's gradient, "grad_{q}_norm_total": the global
-        norm}`` (from :meth:`full_grads`: collective, for small models; :meth:`grad_norm` is the cheap total)."""
-        q = float(norm_type)
-        norms = {f"grad_{q}_norm/{n}": g.float().norm(q) for n, g in self.full_grads().items()}
-        if norms:
-            norms[f"grad_{q}_norm_total"] = torch.stack(list(norms.values())).norm(q)
-        return {k: float(v) for k, v in norms.items()}
-
-    # ------------------------------------------------------------------ reporting
-    def summary_extras(self) -> dict[str, Any]:
-        """Strategy figures for ``summary.json``: layout, dp mode, and every axis's figures."""
-        dims = self.parallel_dims
-        if dims is None:
-            return {}
-        extras: dict[str, Any] = {
-            "dp_size": dims.dp_size,
-            "tp_size": dims.tp_size,
-            "pp_size": dims.pp_size,
-            **dims.sizes(),
-            "dp_mode": self.dp_mode,
-            "sequence_parallel": self.options.tensor_parallel.sequence_parallel,
-            "activation_checkpointing": self.options.activation_checkpointing,
-            "precision": self.precision,
-        }
-        zero = self.precision_options().zero
-        if zero is not None and (zero.param_dtype or zero.reduce_dtype):
-            extras["zero_param_dtype"] = str(zero.param_dtype) if zero.param_dtype else None
-            extras["zero_reduce_dtype"] = str(zero.reduce_dtype) if zero.reduce_dtype else None
-        if self.parallel is not None:
-            extras.update(self.parallel.summary())
-        if self.ft is not None:
-            extras.update(self.ft.summary())
-        return extras
 
     @classmethod
     @override

@@ -90,6 +90,12 @@ def _split(build: Build) -> None:
     build.summaries.append(summary)
 
 
+def _refused_callbacks(dims: Any, options: Any) -> dict[str, str]:
+    """Weight averaging and pruning: parameters are DTensor shards, which an averaged copy of whole tensors and a
+    pruning mask's in-place update refuse."""
+    return dict.fromkeys(("weight_averaging", "pruning"), f"tp_size={dims.tp_size}") if dims.tp_size > 1 else {}
+
+
 #: Megatron-style tensor parallelism inside each pipeline stage (DTensor styles from the model's plan).
 TENSOR_PARALLEL = Axis(
     name="tp",
@@ -98,4 +104,5 @@ TENSOR_PARALLEL = Axis(
     check=_check,
     steps=(("read", _read_plan), ("split", _split)),
     planner=TENSOR_PARALLEL_TERMS,
+    refused_callbacks=_refused_callbacks,
 )

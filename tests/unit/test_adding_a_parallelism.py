@@ -122,3 +122,83 @@ def test_the_check_finds_a_mention():
     """The check can fail: a module naming the axis is found."""
     found = cp_mentions(PACKAGE / "context_parallel" / "axis.py")
     assert any(name == "cp_size" for _, name in found), found
+
+
+# ---------------------------------------------------------------------------------------------------- every axis
+#: The two host adapters (Lightning's Strategy, Fabric's Strategy): they translate their host's hooks and must not
+#: decide anything per axis; every axis-specific choice is made by the axis's folder through the registry (the
+#: registry presets may set defaults, which are data, not conditions).
+ADAPTERS = ("lightning_par/strategies/", "lightning_par/fabric/")
+
+#: Conditions on an axis that the adapters still hold, each with its reason and owner (may only shrink; empty since
+#: Fabric's step, with its token mean over dp, moved into lightning_par/runtime/).
+ADAPTER_AXIS_CONDITIONS: set[tuple[str, str]] = set()
+
+
+def _axis_word() -> re.Pattern[str]:
+    """Every name of an axis: the mesh axes, the derived meshes, the registered axes, their size fields and
+    ``<axis>_enabled`` switches."""
+    from lightning_par.axes import AXES
+    from lightning_par.parallel_dims import MESH_AXES, ParallelDims
+
+    axes = {*MESH_AXES, *DERIVED_MESHES, *(a.name for a in AXES if a.size_fields)}
+    words = axes | set(ParallelDims.size_names()) | {f"{a}_enabled" for a in axes}
+    return re.compile("|".join(sorted(map(re.escape, words), key=len, reverse=True)))
+
+
+def _conditions(tree: ast.AST) -> list[ast.AST]:
+    out: list[ast.AST] = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.If, ast.IfExp, ast.While, ast.Assert)):
+            out.append(node.test)
+        elif isinstance(node, ast.comprehension):
+            out.extend(node.ifs)
+        elif isinstance(node, (ast.Compare, ast.BoolOp, ast.match_case)):
+            out.append(node)
+    return out
+
+
+def axis_conditions(source: str) -> list[tuple[int, str]]:
+    """``(line, name)`` of every axis name (a size, a mesh axis, a switch: as an identifier, attribute, keyword or
+    string) inside a condition (``if``/``while``/``assert``/conditional expression/comprehension filter, a comparison
+    or boolean operation, a ``match`` case) of ``source``."""
+    word = _axis_word()
+    found = set()
+    for cond in _conditions(ast.parse(source)):
+        for node in ast.walk(cond):
+            for name in _names(node):
+                if word.fullmatch(name):
+                    found.add((getattr(cond, "lineno", getattr(node, "lineno", 0)), name))
+    return sorted(found)
+
+
+def test_no_adapter_branches_on_an_axis():
+    """Issue 46: neither adapter branches on an axis (pp, dp_replicate, dp_shard, cp, tp, ep, dp): no condition on an
+    axis's name or size in ``lightning_par/strategies/`` or ``lightning_par/fabric/``."""
+    outside = {}
+    for folder in ADAPTERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            found = [(line, name) for line, name in axis_conditions(path.read_text())
+                     if (rel, name) not in ADAPTER_AXIS_CONDITIONS]
+            if found:
+                outside[rel] = found
+    assert not outside, "\n".join(f"{f}: {m}" for f, m in outside.items())
+
+
+def test_the_listed_adapter_conditions_are_still_there():
+    """The allow-list only shrinks: an entry whose condition is gone must be removed."""
+    for rel, name in ADAPTER_AXIS_CONDITIONS:
+        assert any(n == name for _, n in axis_conditions((ROOT / rel).read_text())), (rel, name)
+
+
+def test_the_axis_condition_check_finds_each_axis():
+    """The check can fail, for every axis: a size test, a switch, a mesh name compared and a size in a filter."""
+    for axis in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "dp"):
+        src = (f"if dims.{axis}_size > 1:\n    pass\n"
+               f"x = 1 if dims.{axis}_enabled else 2\n"
+               f"y = name == {axis!r}\n"
+               f"z = [k for k in sizes if k != '{axis}_size']\n")
+        names = {n for _, n in axis_conditions(src)}
+        assert names == {f"{axis}_size", f"{axis}_enabled", axis}, (axis, names)
+    assert axis_conditions("sizes = {'tp_size': 2}\nmesh = dims.group('tp')\n") == []  # data, not conditions

@@ -45,6 +45,35 @@ def test_grouped_forms_match_the_loop_forward_and_backward(num_experts, tokens, 
     assert counts[1] == 0 and results[form][2][1].abs().max() == 0  # an expert without tokens gets no gradient
 
 
+@pytest.mark.parametrize("num_experts, tokens", [(8, 100), (64, 512)])
+def test_grouped_mm_on_transformers_layout_matches_the_loop_with_gradients_in_the_stored_layout(num_experts, tokens):
+    """Weights stored ``(E, out, in)`` and passed transposed (the Hugging Face experts): the CPU grouped backward
+    computes their gradient in the stored layout, equal to the loop's (the parameters then take it without a copy
+    into their strides)."""
+    if choose_form(torch.zeros(1, 16), (torch.zeros(1, 16, 32),), requested="grouped_mm") != "grouped_mm":
+        pytest.skip("torch._grouped_mm does not run on this CPU")
+    torch.manual_seed(0)
+    d, h = 16, 32
+    counts = _segments(num_experts, tokens, empty=1)
+    x = torch.randn(tokens, d, requires_grad=True)
+    gate_up = torch.randn(num_experts, 2 * h, d, requires_grad=True)
+    down = torch.randn(num_experts, d, h, requires_grad=True)
+
+    def swiglu(t: torch.Tensor) -> torch.Tensor:
+        return F.silu(t[:, :h]) * t[:, h:]
+
+    results = {}
+    for name in ("loop", "grouped_mm"):
+        w_in, w_out = gate_up.transpose(1, 2), down.transpose(1, 2)
+        y = expert_ffn(x, counts, w_in, w_out, swiglu, form=name)
+        results[name] = (y, *torch.autograd.grad(y.pow(2).sum(), (x, w_in, w_out)))
+    for got, want in zip(results["grouped_mm"], results["loop"]):
+        assert _rel(got, want) <= 1e-6
+    # the views' gradients are transposes of contiguous (E, out, in) tensors: the stored weights' own layout
+    assert all(g.transpose(1, 2).is_contiguous() for g in results["grouped_mm"][2:])
+    assert counts[1] == 0 and results["grouped_mm"][2][1].abs().max() == 0
+
+
 def test_no_tokens_still_depends_on_the_tokens():
     """Under ep a rank may receive no token: its output must still lead back to the (empty) tokens, so that the
     combine's backward all-to-all runs on every rank."""
@@ -331,6 +360,18 @@ def test_moe_benchmark_table_states_the_ratios():
              "loop_s": 0.1, "indexed_s": 0.2}]
     table = render(rows, {"dim": 8, "hidden": 16, "tokens": 32, "steps": 2})
     assert "| 64 | 2 | 32 | 1 | grouped_mm | 50.0 | 120.0 | 100.0 | 2.00 | 200.0 | 4.00 |" in table
+
+
+def test_moe_benchmark_summary_states_where_the_aim_is_reached():
+    from lightning_par.benchmarks.moe import summary
+
+    def row(experts, tokens, grouped_s):
+        return {"experts": experts, "tokens": tokens, "top_k": 2, "grouped_s": grouped_s, "loop_s": 0.1}
+
+    line = summary([row(64, 128, 0.04), row(64, 4096, 0.08), row(8, 128, 0.01)])
+    assert line == ("64 experts, loop / grouped: 2.50 at 4 copies/expert, 1.25 at 128 copies/expert; "
+                    "2x reached at 4 copies/expert.")
+    assert summary([row(64, 4096, 0.08)]).endswith("2x not reached in this run.")
 
 
 # ------------------------------------------------------- auxiliary-loss-free balancing of Hugging Face routers

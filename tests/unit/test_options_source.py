@@ -21,7 +21,7 @@ from lightning_par.compile import CompileOptions
 from lightning_par.config.build import build_parallel_dims, build_strategy, build_trainer_kwargs
 from lightning_par.config.schema import register_configs
 from lightning_par.context_parallel.options import ContextParallelOptions
-from lightning_par.data_parallel.fault_tolerance import FaultToleranceOptions
+from lightning_par.fault_tolerance.options import FaultToleranceOptions
 from lightning_par.data_parallel.options import ReducerOptions, ZeroGroupOptions
 from lightning_par.float8 import Float8Options
 from lightning_par.optim.muon import MuonOptions
