@@ -13,13 +13,14 @@ parameter (tensor parallelism, ZeRO-3, expert stacks) carries its placements; a 
 optimizer that has ``set_global_views(views)`` (``{id(chunk): chunk-shaped tensor -> DTensor of the whole
 parameter}``, :meth:`lightning_par.data_parallel.zero.ZeroShardedDataParallel.shard_optimizer`). So a new optimizer is one file
 plus one entry in :data:`OPTIMIZERS` (docs/adding-an-optimizer.md); an optimizer outside the package is named by its
-import path instead (``optimizer="my_pkg.optim:SIGN"``), with no entry here at all.
+import path instead (``optimizer="my_pkg.optim:SIGN"``, a module the program has imported; the name is
+never imported here, as it may come from a checkpoint), with no entry here at all.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -112,10 +113,13 @@ def optimizer_entry(name: str, owner: str = "", host_optimizers: tuple[str, ...]
     label = f"{owner} optimizer" if owner else "optimizer"
     if isinstance(path, str) and ":" in path:
         module_name, _, attribute = path.partition(":")
-        try:
-            entry = getattr(importlib.import_module(module_name), attribute)
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"{label}={name!r} is not valid: {err}.") from err
+        # Looked up among the modules this process has already imported, never imported here: the name can come from
+        # a checkpoint's hyper-parameters (load_from_checkpoint), and a checkpoint never runs code.
+        module = sys.modules.get(module_name)
+        if module is None or not hasattr(module, attribute):
+            raise ValueError(f"{label}={name!r} is not valid: no imported module {module_name!r} has {attribute!r} "
+                             f"(import the module that defines the OptimizerEntry before building the model).")
+        entry = getattr(module, attribute)
         if isinstance(entry, OptimizerEntry):
             return entry
         raise ValueError(f"{label}={name!r} is not valid: it names a {type(entry).__name__}, not an OptimizerEntry.")

@@ -68,3 +68,20 @@ def test_a_new_optimizer_touches_at_most_four_package_files():
                     if any(re.search("muon", n, re.IGNORECASE) for n in code_names(p)))
     assert set(naming) - set(EXTRAS) <= set(files), sorted(set(naming) - set(EXTRAS) - set(files))
     assert set(EXTRAS) <= set(naming)  # an extra that no longer names Muon leaves this list
+
+
+def test_an_import_path_is_looked_up_never_imported():
+    """A checkpoint's hyper-parameters may name the optimizer: an import path is only looked up among the modules the
+    program imported, so naming one never runs a module's code."""
+    import sys
+
+    import pytest
+
+    from lightning_par.optim.registry import optimizer_entry
+
+    name = "lightning_par_never_imported_module_xyz"
+    with pytest.raises(ValueError, match="no imported module 'lightning_par_never_imported_module_xyz'"):
+        optimizer_entry(f"{name}:ENTRY", "GPTLightningModule")
+    assert name not in sys.modules
+    with pytest.raises(ValueError, match="not an OptimizerEntry"):
+        optimizer_entry("sys:path")
