@@ -55,7 +55,9 @@ from lightning_par.steps import StepHooks
 from lightning_par.tensor_parallel.options import TensorParallelOptions
 from lightning_par.validation import check_choice
 
-__all__ = ["OPTION_GROUPS", "ParallelModel", "ParallelOptions", "parallel_model_of", "parallelize", "validate"]
+__all__ = [
+    "OPTION_GROUPS", "ParallelModel", "ParallelOptions", "parallel_model_of", "parallelize", "parallelize_order", "validate",
+]
 
 #: Attribute of a module :func:`parallelize` changed: the :class:`ParallelModel` that owns it (in a box that deep
 #: copies and pickles as ``None``: a copy of a parallelised module owns nothing).
@@ -547,6 +549,14 @@ def validate(module: nn.Module, dims: ParallelDims, options: ParallelOptions) ->
             axis.check(module, network, dims, options)
 
 
+def parallelize_order() -> list[tuple[str, str, Callable[[Build], None]]]:
+    """``(phase, axis name, step)`` of every registered axis's steps, in the order :func:`parallelize` runs them: by
+    phase (:data:`~lightning_par.axis_registry.PHASES`), then by the axis's place in :data:`~lightning_par.axes.AXES`.
+    ``docs/architecture.md`` lists it (a unit test keeps the page equal to it)."""
+    steps = [(PHASES[phase], n, phase, axis.name, step) for n, axis in enumerate(AXES) for phase, step in axis.steps]
+    return [(phase, name, step) for _, _, phase, name, step in sorted(steps, key=lambda t: t[:2])]
+
+
 def parallelize(
     module: nn.Module,
     dims: ParallelDims,
@@ -591,8 +601,7 @@ def parallelize(
         network=contract.find_network(module, options.module_attr, dims.pp_enabled),
     )
     snapshot = ModuleSnapshot(module)
-    steps = [(PHASES[phase], n, step) for n, axis in enumerate(AXES) for phase, step in axis.steps]
-    for _, _, step in sorted(steps, key=lambda t: t[:2]):
+    for _, _, step in parallelize_order():
         step(build)
     snapshot.seal(live=build.stage_modules)
     model = ParallelModel(build, snapshot)
