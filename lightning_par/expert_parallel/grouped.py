@@ -27,7 +27,7 @@ arithmetic, the same in both, dominates); the loop as ``GroupedExperts`` ran it 
 Issue 49's aim, 2x over the loop at 64 experts, is not reached on this CPU.
 
 All three give the same result up to float rounding (tested at rel <= 1e-5 in fp32 against the loop, forward and
-gradients, ``tests/unit/test_moe_grouped.py``; the CPU ``grouped_mm`` runs each group's product as the same ``mm`` as
+gradients, ``tests/expert_parallel/test_moe_grouped.py``; the CPU ``grouped_mm`` runs each group's product as the same ``mm`` as
 the loop and matches it bitwise there).
 """
 
@@ -98,7 +98,7 @@ class _GroupedMatmul(torch.autograd.Function):
     backward (``Invalid strides/sizes``): ``dx = grouped_mm(dy, w^T)`` with the same row offsets, and
     ``dw[g] = x[s:e]^T dy[s:e]``, the 2-d x 2-d form of ``grouped_mm`` with the offsets along the reduced dimension
     (a group without rows gets a zero gradient). Each group's product is one ``mm`` of ATen's C++ fallback, so it
-    matches the per-expert loop bitwise (``tests/unit/test_moe_grouped.py``) at the cost of one autograd node per
+    matches the per-expert loop bitwise (``tests/expert_parallel/test_moe_grouped.py``) at the cost of one autograd node per
     matrix instead of a few per expert."""
 
     @staticmethod

@@ -85,7 +85,7 @@ def _split_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tu
 def check_callbacks(trainer: Any, module: torch.nn.Module, dims: ParallelDims, dp_mode: str) -> None:
     """Refuse, before the first step, Lightning callbacks that would crash or train wrongly under this layout.
 
-    Each was run under every registered strategy and layout by the Lightning feature matrix (``tests/lightning/``,
+    Each was run under every registered strategy and layout by the Lightning feature matrix (``tests/strategies/test_lightning_matrix.py``,
     2026-11-28) against one process:
 
     - ``StochasticWeightAveraging`` and ``WeightAveraging`` (``EMAWeightAveraging``) keep a deep copy of the module and

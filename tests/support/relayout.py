@@ -151,6 +151,11 @@ def plan(root: Path = ROOT) -> dict[str, str]:
     for old, new in HELPERS.items():
         if (root / old).exists():
             out[old] = new
+    for path in sorted((root / "tests").glob("*.py")):  # a helper added at tests/ root since
+        rel = path.relative_to(root).as_posix()
+        if path.name not in {"conftest.py", "__init__.py"} and rel not in out:
+            out[rel] = f"tests/support/{path.stem.removesuffix('_helpers')}.py"
+            print(f"guessed (not in HELPERS): {rel} -> {out[rel]}", file=sys.stderr)
     taken = {p.relative_to(root).as_posix() for p in (root / "tests").rglob("*.py")}
     for kind in KINDS:
         if kind == "config":
@@ -209,7 +214,15 @@ def rewrite_references(moves: dict[str, str]) -> list[str]:
         head, _, name = module(old).rpartition(".")
         nhead, _, nname = module(new).rpartition(".")
         subs[f"from {head} import {name}"] = f"from {nhead} import {nname}"
-    pattern = re.compile("|".join(rf"(?<![\w./]){re.escape(k)}(?![\w])" for k in sorted(subs, key=len, reverse=True)))
+    keys = sorted(subs, key=len, reverse=True)
+    candidate = re.compile(r"(?<![\w./])(?:from tests import \w+|tests[./][\w./]*)")
+
+    def replace(match: re.Match) -> str:  # the longest old name the candidate starts with, ending at a name boundary
+        text = match.group(0)
+        for key in keys:
+            if text.startswith(key) and not text[len(key):len(key) + 1].isalnum() and text[len(key):][:1] != "_":
+                return subs[key] + text[len(key):]
+        return text
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     changed = []
     for rel in files.split("\0"):
@@ -221,7 +234,9 @@ def rewrite_references(moves: dict[str, str]) -> list[str]:
             text = path.read_text()
         except UnicodeDecodeError:
             continue
-        new = pattern.sub(lambda m: subs[m.group(0)], text)
+        if "tests" not in text:
+            continue
+        new = candidate.sub(replace, text)
         if new != text:
             path.write_text(new)
             changed.append(rel)
