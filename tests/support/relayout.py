@@ -256,7 +256,8 @@ def apply(moves: dict[str, str]) -> None:
         if kind in KIND_MARKER and Path(new).name.startswith("test_"):
             if add_marker(target, KIND_MARKER[kind]):
                 print(f"marker {KIND_MARKER[kind]} added: {new}")
-    for rel in rewrite_references(moves):
+    # the whole table too: code added elsewhere since may still import a helper or test module by its old name
+    for rel in rewrite_references({**full_map(), **moves}):
         print(f"references rewritten: {rel}")
     for kind in KINDS:
         folder = ROOT / "tests" / kind
