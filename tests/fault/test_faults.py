@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from lightning_par.config.schema import register_configs
 from lightning_par.fault.heartbeat import beat, read_beats
@@ -265,12 +266,32 @@ def _assert_same_losses(reference: dict[int, list[float]], resumed: dict[int, li
     return worst
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """``uninterrupted(*overrides)``: the run directory of an uninterrupted run of ``_cfg(*overrides)``, checked to
+    have run ``trainer.max_steps`` steps. Tests whose overrides compose the same config (the whole composed config
+    compared) share one run: the kill-and-resume test under ``ddp_overlap``, the default strategy, and the torchrun
+    restart test each launched the same 10-step run before."""
+    runs: dict[str, Path] = {}
+
+    def run(*overrides: str) -> Path:
+        cfg = _cfg(*overrides)
+        key = OmegaConf.to_yaml(cfg)
+        if key not in runs:
+            run_dir = tmp_path_factory.mktemp("uninterrupted") / "reference"
+            summary = launch_job(cfg, run_dir)
+            assert summary is not None and summary["steps"] == cfg.trainer.max_steps
+            runs[key] = run_dir
+        return runs[key]
+
+    return run
+
+
 @pytest.mark.parametrize("strategy", ["ddp_overlap", "zero2"])
-def test_a_run_killed_and_resumed_matches_the_uninterrupted_run(tmp_path, strategy):
+def test_a_run_killed_and_resumed_matches_the_uninterrupted_run(tmp_path, strategy, uninterrupted):
     steps = 10
     overrides = (f"strategy={strategy}", f"trainer.max_steps={steps}")
-    reference = launch_job(_cfg(*overrides), tmp_path / "reference")
-    assert reference is not None and reference["steps"] == steps
+    reference = uninterrupted(*overrides)  # its summary checked: `steps` steps
 
     run_dir = tmp_path / "run"
     killed: dict[str, Any] = {}
@@ -284,17 +305,16 @@ def test_a_run_killed_and_resumed_matches_the_uninterrupted_run(tmp_path, strate
     assert summary is not None and summary["steps"] == steps
     resumed_from = Path(summary["resumed_from"]).name
     assert resumed_from.startswith("step-") and 2 <= int(resumed_from[5:-5]) < steps, resumed_from
-    worst = _assert_same_losses(_losses(tmp_path / "reference"), _losses(run_dir), steps)
+    worst = _assert_same_losses(_losses(reference), _losses(run_dir), steps)
     print(f"{strategy}: resumed from {resumed_from}; max |loss difference| over {steps} steps = {worst:.3g}")
 
 
-def test_torchrun_max_restarts_resumes_from_the_latest_checkpoint(tmp_path):
+def test_torchrun_max_restarts_resumes_from_the_latest_checkpoint(tmp_path, uninterrupted):
     """Restart-safety under ``torchrun --max-restarts 1``: a rank killed mid-run, the agent restarts the world, the
     recipe finds its run directory (outputs/torchrun-<rdzv id>) and resumes; the losses are the uninterrupted run's."""
     steps = 10
     overrides = TINY + [f"trainer.max_steps={steps}"]
-    reference = launch_job(_cfg(f"trainer.max_steps={steps}"), tmp_path / "reference")
-    assert reference is not None
+    reference = uninterrupted(f"trainer.max_steps={steps}")  # its summary checked: `steps` steps
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
@@ -318,7 +338,7 @@ def test_torchrun_max_restarts_resumes_from_the_latest_checkpoint(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     summary = json.loads((run_dirs[0] / "summary.json").read_text())
     assert summary["resumed_from"] is not None and summary["steps"] == steps
-    _assert_same_losses(_losses(tmp_path / "reference"), _losses(run_dirs[0]), steps)
+    _assert_same_losses(_losses(reference), _losses(run_dirs[0]), steps)
 
 
 def test_two_jobs_started_in_the_same_second_write_to_their_own_directories(tmp_path):

@@ -74,19 +74,27 @@ def signal_at_step(beat_dir: Path, step: int, targets: str, launcher_pid: int | 
     return sent
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run the preemption tests compare with: one run of ``OVERRIDES`` and ``SLOW_STEPS`` for the
+    module (each test launched the same run, with the same overrides, before)."""
+    run_dir = tmp_path_factory.mktemp("preemption") / "reference"
+    summary = launch_job(_cfg(*OVERRIDES, *SLOW_STEPS), run_dir)
+    assert summary is not None and summary["steps"] == STEPS
+    return run_dir
+
+
 def _saved_step(preempted: Preempted, sig: str = "SIGTERM") -> int:
     text = str(preempted)
     assert f"preempted by {sig} at step " in text, text
     return int(text.split("at step ")[1].split()[0])
 
 
-def test_sigterm_to_a_rank_all_ranks_or_the_launcher_saves_and_resumes_exactly(tmp_path):
+def test_sigterm_to_a_rank_all_ranks_or_the_launcher_saves_and_resumes_exactly(tmp_path, reference):
     """One run, preempted five times (SIGTERM to rank 1, rank 0, both ranks, the launcher; then SIGUSR1 to rank 1 with
     trainer.preemption_signal=SIGUSR1), each attempt resuming the one before with ckpt_path=last; then it finishes.
     Every preemption ends the job within the grace period with code 75 and a checkpoint of the step it stopped at;
-    the losses of all 12 steps equal an uninterrupted run's exactly."""
-    reference = launch_job(_cfg(*OVERRIDES, *SLOW_STEPS), tmp_path / "reference")
-    assert reference is not None and reference["steps"] == STEPS
+    the losses of all 12 steps equal an uninterrupted run's exactly (``reference``, checked to have run 12 steps)."""
     run_dir = tmp_path / "run"
     last = 0
     for attempt, (target, sig) in enumerate([("1", "SIGTERM"), ("0", "SIGTERM"), ("all", "SIGTERM"),
@@ -107,7 +115,7 @@ def test_sigterm_to_a_rank_all_ranks_or_the_launcher_saves_and_resumes_exactly(t
         last = step
     summary = launch_job(_cfg(*ONLY_PREEMPTION_SAVES, "ckpt_path=last"), run_dir)
     assert summary is not None and summary["steps"] == STEPS and summary["resumed_from"].endswith(f"step-{last}.ckpt")
-    ref, got = _losses(tmp_path / "reference"), _losses(run_dir)
+    ref, got = _losses(reference), _losses(run_dir)
     assert sorted(got) == list(range(STEPS)) == sorted(ref)
     worst = max(abs(v - ref[s][0]) for s in got for v in got[s])
     assert worst == 0.0, {s: (ref[s], got[s]) for s in range(STEPS)}
@@ -129,7 +137,7 @@ def torchrun_cmd(run_dir: Path, *overrides: str) -> tuple[list[str], dict[str, s
 
 
 @pytest.mark.parametrize("target", TORCHRUN_TARGETS)
-def test_under_torchrun_sigterm_saves_and_the_rerun_resumes_exactly(tmp_path, target):
+def test_under_torchrun_sigterm_saves_and_the_rerun_resumes_exactly(tmp_path, reference, target):
     """torchrun --standalone: SIGTERM to a rank, both, or torchrun's agent (which forwards it) makes both workers save
     the same step and exit with 75 (torchrun reports them, and exits 1 itself); resuming with ckpt_path=last matches
     a run without signal step by step."""
@@ -137,8 +145,6 @@ def test_under_torchrun_sigterm_saves_and_the_rerun_resumes_exactly(tmp_path, ta
     target, _, sig = target.partition(":")
     sig = sig or "SIGTERM"
     cmd, env = torchrun_cmd(run_dir, *ONLY_PREEMPTION_SAVES, f"trainer.preemption_signal={sig}")
-    reference = launch_job(_cfg(*OVERRIDES, *SLOW_STEPS), tmp_path / "reference")
-    assert reference is not None
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         sent = signal_at_step(run_dir / ".heartbeat", 2, "launcher" if target == "agent" else target,
@@ -162,7 +168,7 @@ def test_under_torchrun_sigterm_saves_and_the_rerun_resumes_exactly(tmp_path, ta
         assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     else:
         assert launch_job(_cfg(*ONLY_PREEMPTION_SAVES, "ckpt_path=last"), run_dir)["steps"] == STEPS
-    ref, got = _losses(tmp_path / "reference"), _losses(run_dir)
+    ref, got = _losses(reference), _losses(run_dir)
     assert sorted(got) == list(range(STEPS))
     assert max(abs(v - ref[s][0]) for s in got for v in got[s]) == 0.0
 
