@@ -27,23 +27,23 @@ install: $(VENV)/.installed
 train: $(VENV)/.installed
 	$(PY) recipes/train.py $(ARGS)
 
-# Staged, each stage stopping the run when it fails: (1) every package module imports (seconds), (2) the unit and
-# configuration tests (no process group), (3) the distributed tests (gloo worlds) and the few unit/config tests that
-# start processes, (4) the end-to-end runs of the recipes; the 25 slowest tests of each stage are printed. Together the
-# stages run every test that is not `slow`, each once.
+# Staged by marker (tests/ mirrors lightning_par/, the process kind is a marker: tests/README.md), each stage stopping
+# the run when it fails: (1) every package module imports (seconds), (2) the tests without processes, (3) the
+# distributed tests (gloo worlds; `gpu` ones skip without CUDA), (4) the end-to-end runs of the recipes; the 25 slowest
+# tests of each stage are printed. Together the stages run every test that is not `slow`, each once
+# (tests/support/check_stages.py checks it).
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+FAST := not slow and not e2e and not distributed and not gpu
 test: $(VENV)/.installed
-	$(PYTEST) tests/unit/test_every_module_imports.py $(ARGS)
-	$(PYTEST) --durations=25 -m "not slow and not e2e and not distributed" tests/unit tests/config \
-	    --deselect tests/unit/test_every_module_imports.py $(ARGS)
-	$(PYTEST) --durations=25 -m "not slow" tests/distributed tests/lightning tests/gpu $(ARGS)
-	$(PYTEST) --durations=25 -m "not slow and (e2e or distributed)" tests/unit tests/config $(ARGS)
-	$(PYTEST) --durations=25 -m "not slow" tests/e2e $(ARGS)
+	$(PYTEST) tests/core/test_every_module_imports.py $(ARGS)
+	$(PYTEST) --durations=25 -m "$(FAST)" tests --deselect tests/core/test_every_module_imports.py $(ARGS)
+	$(PYTEST) --durations=25 -m "not slow and not e2e and (distributed or gpu)" tests $(ARGS)
+	$(PYTEST) --durations=25 -m "not slow and e2e" tests $(ARGS)
 
-# The unit and configuration tests (tests/unit, tests/config) without the few end-to-end runs among them: no
-# multi-process world; about 115 s on a fresh clone of the idle 2-core machine (README, "Set up and run").
+# The tests without processes (no multi-process world, no recipe run); about 115 s on a fresh clone of the idle 2-core
+# machine (README, "Set up and run").
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not slow and not e2e and not distributed" tests/unit tests/config $(ARGS)
+	$(PY) -m pytest -q -m "$(FAST)" tests $(ARGS)
 
 # The matrix cells CI leaves out (marked `slow`).
 test-slow: $(VENV)/.installed
@@ -67,10 +67,9 @@ test-latest:
 	$(LATEST)/bin/python -m pip freeze --all | grep -viE '^(-e |pip==|lightning[-_]par|# )' \
 	    | sed -E 's/^(torch==[0-9.]+)\+cpu$$/\1/' | sort > $(LATEST)/freeze.txt
 	grep -v '^#' .ci/constraints.txt | sort | comm -23 $(LATEST)/freeze.txt - | sed 's/^/not in the lock: /'
-	$(LATEST)/bin/python -m pytest -q -p no:cacheprovider -m "not slow and not e2e and not distributed" tests/unit \
-	    tests/config $(ARGS)
-	$(LATEST)/bin/python -m pytest -q -p no:cacheprovider -m "not slow" tests/distributed/test_hf_matrix.py \
-	    tests/lightning/test_matrix.py $(ARGS)
+	$(LATEST)/bin/python -m pytest -q -p no:cacheprovider -m "$(FAST)" tests $(ARGS)
+	$(LATEST)/bin/python -m pytest -q -p no:cacheprovider -m "not slow" tests/hf/test_hf_matrix_distributed.py \
+	    tests/strategies/test_lightning_matrix.py $(ARGS)
 
 # Rewrite .ci/constraints.txt from .venv (after `make test` passed on it): the versions CI installs next time.
 lock: $(VENV)/.installed
@@ -81,6 +80,6 @@ lock: $(VENV)/.installed
 benchmark: $(VENV)/.installed
 	$(PY) recipes/benchmark.py $(ARGS)
 
-# The documentation site (docs/ -> site/), strict: a broken link or anchor fails it (tests/unit/test_docs.py too).
+# The documentation site (docs/ -> site/), strict: a broken link or anchor fails it (tests/core/test_docs.py too).
 docs: $(VENV)/.installed
 	$(PY) -m mkdocs build --strict

@@ -20,10 +20,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = [
-    "tests/e2e/test_preemption.py",
-    "tests/e2e/test_faults.py::test_a_rank_stuck_in_its_forward_is_named_not_the_peer_waiting_for_it",
-    "tests/e2e/test_faults.py::test_a_stopped_rank_ends_the_recipe_in_seconds",
-    "tests/e2e/test_faults.py::test_a_killed_rank_is_named_with_its_signal",
+    "tests/fault/test_preemption.py",
+    "tests/fault/test_faults.py::test_a_rank_stuck_in_its_forward_is_named_not_the_peer_waiting_for_it",
+    "tests/fault/test_faults.py::test_a_stopped_rank_ends_the_recipe_in_seconds",
+    "tests/fault/test_faults.py::test_a_killed_rank_is_named_with_its_signal",
 ]
 RESULT = re.compile(r"^(PASSED|FAILED|ERROR) (\S+)")
 

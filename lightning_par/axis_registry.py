@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 # The registry sits below parallelize(): it never imports lightning_par.parallelize, not even for annotations, so the
 # options an axis reads are typed ``Any`` here (they are a ``lightning_par.parallelize.ParallelOptions``), and no import
-# circle runs through the registry (tests/unit/test_import_layers.py).
+# circle runs through the registry (tests/core/test_import_layers.py).
 
 __all__ = ["CALLBACK_KINDS", "PHASES", "Axis", "Build", "Check", "PlannerTerms", "StateTransform"]
 

@@ -5,7 +5,7 @@ The one home of these formulas, beside :mod:`lightning_par.comm_cost`: the axes'
 They sit below both, so this module imports nothing of the planner, the registry or the axes at run time: ``model`` is
 a :class:`~lightning_par.planner.model.ModelSpec` (or any object with its methods), ``layout`` any object with the
 :class:`~lightning_par.planner.layouts.Layout` fields named, ``precision`` a
-:class:`~lightning_par.planner.precision.Precision` (tests/unit/test_import_layers.py: no axis folder imports the
+:class:`~lightning_par.planner.precision.Precision` (tests/core/test_import_layers.py: no axis folder imports the
 planner, ``import lightning_par`` does not load it). Pure Python: no torch import.
 """
 

@@ -48,7 +48,7 @@ class StepHooks:
         before the strategy's ``post_backward``; under ``DDPStrategy`` and ``FSDPStrategy`` the reduction has ended
         inside backward by then, so a user's ``on_after_backward`` (gradient-norm logging, say) sees gradients averaged
         over dp. The dp engine here finishes after backward returns, so this runs it before that hook; otherwise the
-        hook would see this rank's unreduced gradients (tests/distributed/test_ddp_overlap.py).
+        hook would see this rank's unreduced gradients (tests/data_parallel/test_ddp_overlap.py).
         """
         module, precision = host.lightning_module, host.precision_plugin
         loss = [closure_loss]

@@ -4,14 +4,14 @@
 #      optimizer steps with two ranks (four for HSDP) on the one GPU, under the backend map cuda:gloo (NCCL refuses two
 #      ranks on one device; a map without a cpu entry keeps NCCL's device rule), one launch per layout with a time
 #      limit, the table written to ${OUT%.md}.layouts.md (lightning_par/benchmarks/gpu_check.py --layouts);
-#   1. the host synchronisations of one training step of every layout (tests/gpu/test_host_syncs.py: the same two
+#   1. the host synchronisations of one training step of every layout (tests/profiling/test_host_syncs_gpu.py: the same two
 #      ranks on the one GPU under cuda:gloo, torch.cuda.set_sync_debug_mode("warn"), each synchronisation attributed to
 #      a function of the package and checked against docs/host-syncs.md), the table written to ${OUT%.md}.host-syncs.md;
 #   2. the throughput table: tokens/s, MFU and peak memory of a ~1B Llama-shaped model, bf16, seq 2048, eager /
 #      per-block compiled / compiled + float8, under Lightning's plain single-device strategy and lightning_par's zero3
 #      at world 1 (lightning_par/benchmarks/gpu_check.py), written to $OUT (default gpu_check.md), then the MoE row:
 #      one MoE block at 64 experts in bf16, torch._grouped_mm vs the per-expert loop;
-#   3. the other tests with a CUDA path (tests/gpu: nccl at world 1, float8 on CUDA), with
+#   3. the other tests with a CUDA path (marker gpu: nccl at world 1, float8 on CUDA), with
 #      LP_REQUIRE_CUDA=1 so that a test skipped for want of CUDA fails instead.
 # On a machine without a CUDA device it fails at once (exit 2). `scripts/gpu_check.sh --dry-run` runs every piece of
 # step 2 on the CPU with a tiny model, runs steps 0 and 1 on the CPU (gloo, every rank on the CPU; step 1 then counts
@@ -49,14 +49,14 @@ if [[ $DRY == 1 ]]; then
   part host-syncs timeout 90 "$PY" -m lightning_par.benchmarks.gpu_check --host-syncs --dry-run --out "$SYNCS_OUT"
 else
   part host-syncs env LP_REQUIRE_CUDA=1 LP_HOST_SYNCS_OUT="$SYNCS_OUT" timeout 90 "$PY" -m pytest -q \
-    -p no:cacheprovider tests/gpu/test_host_syncs.py
+    -p no:cacheprovider tests/profiling/test_host_syncs_gpu.py
 fi
 part throughput timeout 235 "$PY" -m lightning_par.benchmarks.gpu_check --out "$OUT" "$@"
 if [[ $DRY == 1 ]]; then
-  part tests timeout 60 "$PY" -m pytest -qq --collect-only -p no:cacheprovider tests/gpu
+  part tests timeout 60 "$PY" -m pytest -qq --collect-only -p no:cacheprovider -m "gpu and not slow" tests
 else
-  part tests env LP_REQUIRE_CUDA=1 timeout 60 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests/gpu \
-    --ignore=tests/gpu/test_host_syncs.py
+  part tests env LP_REQUIRE_CUDA=1 timeout 60 "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not slow" tests \
+    --ignore=tests/profiling/test_host_syncs_gpu.py
 fi
 echo
 cat "$LAYOUTS_OUT" 2>/dev/null || echo "gpu_check: no layout table ($LAYOUTS_OUT): the part timed out or failed to start"

@@ -40,3 +40,17 @@ def no_process_group_left_behind():
         # and free the group's objects here, where its threads are: a world forked while they wait in this process's
         # garbage inherits them (the launcher's ranks freeze what they inherit, see lightning_par.launcher._child)
         gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def cuda_device(request) -> torch.device | None:
+    """The tests marked ``gpu`` (a CUDA path): skipped without a CUDA device, except under ``LP_REQUIRE_CUDA=1``
+    (``scripts/gpu_check.sh``), where a missing device fails them instead, so the GPU check cannot pass by skipping.
+    Their CUDA device; None for the other tests."""
+    if request.node.get_closest_marker("gpu") is None:
+        return None
+    if not torch.cuda.is_available():
+        if os.environ.get("LP_REQUIRE_CUDA") == "1":
+            pytest.fail("LP_REQUIRE_CUDA=1 but torch.cuda.is_available() is False: no CUDA device to test on.")
+        pytest.skip("needs a CUDA device (run scripts/gpu_check.sh on a GPU machine)")
+    return torch.device("cuda", 0)

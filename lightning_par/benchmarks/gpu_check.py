@@ -335,7 +335,7 @@ class _LastStepSyncs:
 
 
 def sync_worker(names: list[str], accelerator: str, backend: str, steps: int = 2) -> list[dict[str, Any]]:
-    """One rank of the host-sync count (``tests/gpu/test_host_syncs.py``): each layout of ``names`` (all of one world
+    """One rank of the host-sync count (``tests/profiling/test_host_syncs_gpu.py``): each layout of ``names`` (all of one world
     size) in turn in this process group, its last step's synchronisations counted (``_layout_worker(...,
     count_syncs=True)``); a layout's exception is returned as its ``"error"``, and the next layout runs."""
     env = dict(os.environ)

@@ -21,7 +21,7 @@ One process-group launch of 2 ranks (CPU, gloo, fp32 AdamW, the reference GPT) m
   less as tensors grow.
 
 Communication volume per step against the paper's §7 is pinned by the test suite
-(``tests/distributed/test_zero.py::test_communication_volume``), not timed here.
+(``tests/data_parallel/test_zero.py::test_communication_volume``), not timed here.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def _kind(callback: Any) -> str | None:
 def check_callbacks(callbacks: list[Any], module: torch.nn.Module, dims: Any, options: Any) -> None:
     """Refuse, before the first step, Lightning callbacks that would crash or train wrongly under this layout.
 
-    Each was run under every registered strategy and layout by the Lightning feature matrix (``tests/lightning/``,
+    Each was run under every registered strategy and layout by the Lightning feature matrix (``tests/strategies/test_lightning_matrix.py``,
     2026-11-28) against one process:
 
     - ``StochasticWeightAveraging`` and ``WeightAveraging`` (``EMAWeightAveraging``) keep a deep copy of the module and

@@ -1,7 +1,7 @@
 """The one place that touches torch's private names, gated by the torch version (the register's torch part; Lightning's,
 transformers' and torchft's private names are in :mod:`~lightning_par.compat.lightning`,
 :mod:`~lightning_par.compat.fabric`, :mod:`~lightning_par.compat.transformers` and :mod:`~lightning_par.compat.torchft`;
-tests/unit/test_private_api.py fails on a private name of those libraries used outside this folder).
+tests/compat/test_private_api.py fails on a private name of those libraries used outside this folder).
 
 lightning_par builds on torch's distributed engines where they are public; where a feature is only reachable through
 a private name (a DeviceMesh flatten, a DTensor's local shard without a dispatch, the pipelining runtime), that name
@@ -479,7 +479,7 @@ def disable_lightning_signal_handlers(trainer: Any) -> None:
 
 
 # ----------------------------------------------------------------- moved here from their users (one register, issue 46)
-# Each present in torch 2.10 and checked on 2.13.0 (the lock); tests/unit/test_compat.py resolves every one.
+# Each present in torch 2.10 and checked on 2.13.0 (the lock); tests/compat/test_compat.py resolves every one.
 from torch.overrides import _get_current_function_mode_stack as current_function_mode_stack  # noqa: E402
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten  # noqa: E402
 

@@ -2,7 +2,7 @@
 names of ours. Imports ``lightning.fabric`` only (never ``lightning.pytorch``), so the Fabric adapter can use it.
 
 Checked on lightning 2.6.6 (the lock); each entry of :data:`PRIVATE_USES` is looked up by the canary in
-tests/unit/test_private_api.py, which fails naming the entry when upstream moves it.
+tests/compat/test_private_api.py, which fails naming the entry when upstream moves it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ moves a rejoining group's data to the live group's place through them), the epoc
 and its per-batch SIGTERM broadcast, the optimizer a ``LightningOptimizer`` wraps, the module's ``_device_mesh`` that
 Lightning's own ``ModelParallelStrategy`` sets, the batch hooks its epoch loop runs, the loader behind
 ``load_from_checkpoint``. Each entry of :data:`PRIVATE_USES` is looked up by the canary in
-tests/unit/test_private_api.py, which fails naming the entry when upstream moves it.
+tests/compat/test_private_api.py, which fails naming the entry when upstream moves it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 Each :class:`PrivateName` says where upstream keeps the name, how we use it, the versions it was checked on and the
 helper of ours that wraps it. :func:`check_entry` is the canary: it looks the name up in the installed library without
-running anything, and says in one line what moved (tests/unit/test_private_api.py runs it over every entry of :data:`REGISTER_MODULES`).
+running anything, and says in one line what moved (tests/compat/test_private_api.py runs it over every entry of :data:`REGISTER_MODULES`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 imported only when a helper runs.
 
 Checked on torchft 0.2.0. Each entry of :data:`PRIVATE_USES` is looked up by the canary in
-tests/unit/test_private_api.py, which fails naming the entry when upstream moves it (skipped without torchft).
+tests/compat/test_private_api.py, which fails naming the entry when upstream moves it (skipped without torchft).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 support, :mod:`lightning_par.hf`), each behind a helper of ours. transformers is imported only when a helper runs.
 
 Checked on transformers 5.24 and 5.25. Each entry of :data:`PRIVATE_USES` is looked up by the canary in
-tests/unit/test_private_api.py, which fails naming the entry when upstream moves it.
+tests/compat/test_private_api.py, which fails naming the entry when upstream moves it.
 """
 
 from __future__ import annotations

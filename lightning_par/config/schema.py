@@ -625,7 +625,7 @@ class LRScalingConfig:
 
 
 #: The names of the planner's device presets (:data:`lightning_par.planner.devices.DEVICE_PRESETS`), written here so
-#: that composing a config does not load the planner (tests/unit/test_import_layers.py checks they are the same).
+#: that composing a config does not load the planner (tests/core/test_import_layers.py checks they are the same).
 DEVICE_PRESET_NAMES: tuple[str, ...] = ("a100-40gb", "a100-80gb", "h100-80gb", "h200")
 
 #: The planner's device presets as a config type: ``planner.device=h100-80gb`` is checked against them when the config

@@ -244,7 +244,7 @@ def _pieces(q_pos: Sequence[int] | Tensor, k_pos: Sequence[int] | Tensor, is_cau
 
     The positions are host lists (the ring's forward reads them in one ``.tolist()``): deciding on device tensors
     read each block's minima and maxima to the host, 14 to 28 reads per layer at cp 2 (measured with the CPU stand-in
-    of ``tests/distributed/test_host_reads.py``).
+    of ``tests/profiling/test_host_reads.py``).
     """
     q_pos, k_pos = (p.tolist() if isinstance(p, Tensor) else p for p in (q_pos, k_pos))
     sq, sk = len(q_pos), len(k_pos)

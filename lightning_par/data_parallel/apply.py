@@ -1,7 +1,7 @@
 """Build the dp engine of a layout: ``ddp`` (the bucketed reducer), ZeRO-1/2 (:mod:`~lightning_par.data_parallel.zero`),
 ZeRO-3 (FSDP2, :mod:`~lightning_par.data_parallel.fsdp`), one per parameter group on its own meshes
 (:mod:`~lightning_par.data_parallel.grouped`). It sits above the engines it builds, which import only the base classes of
-:mod:`~lightning_par.data_parallel.engine` (no import circle: tests/unit/test_import_layers.py)."""
+:mod:`~lightning_par.data_parallel.engine` (no import circle: tests/core/test_import_layers.py)."""
 
 from __future__ import annotations
 

@@ -362,7 +362,7 @@ class GradientReducer:
         in reverse registration order). Every rank builds its buckets from this order, as torch DDP broadcasts rank
         0's bucket assignment: where gradients arrive in another order on another rank, buckets built from the local
         order would hold different parameters on different ranks and the all-reduce would add unrelated gradients
-        (tests/distributed/test_reducer.py)."""
+        (tests/data_parallel/test_reducer.py)."""
         index = {id(p): i for i, p in enumerate(self.params)}
         arrived = {id(p) for p in self._arrival}
         order = self._arrival + [p for p in reversed(self.params) if id(p) not in arrived]

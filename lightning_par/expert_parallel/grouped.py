@@ -27,7 +27,7 @@ matmuls (the grouped form's step is its matmuls, GELU and the shared dispatch: a
 the loop at 64 experts, is reached here only at 2 (in some runs 4) copies per expert.
 
 All three give the same result up to float rounding (tested at rel <= 1e-5 in fp32 against the loop, forward and
-gradients, ``tests/unit/test_moe_grouped.py``; the CPU ``grouped_mm`` runs each group's product as the same ``mm`` as
+gradients, ``tests/expert_parallel/test_moe_grouped.py``; the CPU ``grouped_mm`` runs each group's product as the same ``mm`` as
 the loop and matches it bitwise there).
 """
 
@@ -103,7 +103,7 @@ class _GroupedMatmul(torch.autograd.Function):
     backward (``Invalid strides/sizes``): ``dx = grouped_mm(dy, w^T)`` with the same row offsets, and
     ``dw[g] = x[s:e]^T dy[s:e]``, the 2-d x 2-d form of ``grouped_mm`` with the offsets along the reduced dimension
     (a group without rows gets a zero gradient). Each group's product is one ``mm`` of ATen's C++ fallback, so it
-    matches the per-expert loop bitwise (``tests/unit/test_moe_grouped.py``) at the cost of one autograd node per
+    matches the per-expert loop bitwise (``tests/expert_parallel/test_moe_grouped.py``) at the cost of one autograd node per
     matrix instead of a few per expert. Where ``w`` is a transposed view of ``(groups, out, in)`` weights
     (transformers' experts layout, ``gate_up_proj`` and ``down_proj``), ``dw`` is computed in that layout,
     ``grouped_mm(dy^T, x)``, and handed back transposed: the parameter's gradient then needs no copy (in ``w``'s own

@@ -105,7 +105,7 @@ def _clear_stale_manager_address(group_rank: int, timeout: timedelta) -> None:
     the same processes (a second ``fit``, e.g. a resume after a first fit, in one script) meets the first one's key:
     rank 1 could read the address of the server rank 0 shut down at the end of the first fit before rank 0 wrote the
     new one, and fail with ``failed to connect to http://...: Connection refused`` (seen in 3 of 4 tries of
-    ``tests/distributed/test_device_rule.py``'s fault-tolerant case). Rank 0 deletes the old keys and then sets a key
+    ``tests/core/test_device_rule.py``'s fault-tolerant case). Rank 0 deletes the old keys and then sets a key
     of this manager's generation; the others wait for that key, so their ``get`` blocks until rank 0's new manager
     writes its address.
     """

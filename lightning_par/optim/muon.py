@@ -6,7 +6,7 @@ Newton-Schulz orthogonalisation. :class:`MuonAdamW` runs torch 2.13's ``torch.op
 momentum (``buf.lerp_(g, 1 - mu)``, Nesterov ``g.lerp(buf, mu)``), the same bf16 quintic iteration
 (``torch.optim._muon._zeropower_via_newtonschulz``, called, not copied), the same ``adjust_lr_fn`` and decoupled
 weight decay; the other parameters take torch's own ``AdamW`` step. In one process it equals ``torch.optim.Muon``
-plus ``torch.optim.AdamW`` bit for bit (``tests/unit/test_muon.py``).
+plus ``torch.optim.AdamW`` bit for bit (``tests/optim/test_muon.py``).
 
 Distribution: the scheme and why
 --------------------------------
@@ -177,7 +177,7 @@ def _newton_schulz_fp32(grad: Tensor, coefficients: tuple[float, float, float], 
     Why: bf16 rounds each entry to 8 bits, so two layouts whose reduced gradients differ by one fp32 ulp (a tensor-
     parallel partial sum, a context-parallel gradient summed in another order) can round an entry of the iteration's
     input to neighbouring bf16 values, and the 8-step trajectories then drift apart at ~1e-4 (measured in
-    tests/distributed/test_muon.py). In fp32 the same layouts agree at 1e-5: use it to check a layout, bf16 to train.
+    tests/optim/test_muon_distributed.py). In fp32 the same layouts agree at 1e-5: use it to check a layout, bf16 to train.
     """
     a, b, c = coefficients
     ortho = grad.float()

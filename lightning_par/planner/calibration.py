@@ -3,7 +3,7 @@ latency per operation and link.
 
 The figures live in ``lightning_par/planner/data/calibration.json`` (package data), each number with its source
 (title, URL, table or figure) or marked ``"assumption"`` with the reasoning; none is fitted to Megatron-LM's PTD-P
-Table 1 (Narayanan et al. 2021), which validates the planner (``tests/unit/test_planner_megatron.py``).
+Table 1 (Narayanan et al. 2021), which validates the planner (``tests/planner/test_planner_megatron.py``).
 
 * **GEMM efficiency** of an ``(m x k) @ (k x n)`` product (:meth:`DeviceCalibration.gemm_efficiency`): the best
   bf16 matmul rate measured over a shape sweep (the "maximum achievable matmul FLOPS", a fraction ``plateau`` of the

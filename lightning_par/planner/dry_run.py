@@ -20,7 +20,7 @@ ep). Then, from what was built:
   (a tensor-parallel DTensor's gradient is not: it is held twice, as itself and in its bucket slot).
 
 All counts are bytes of local shapes (``numel * element_size``), so they are what a real run of the same layout holds
-(the gloo runs' storage counts agree, ``tests/e2e/test_plan_dry_run.py``) and scale to thousands of ranks in
+(the gloo runs' storage counts agree, ``tests/planner/test_plan_dry_run.py``) and scale to thousands of ranks in
 milliseconds. The process group lives only inside each call; a caller that already has one cannot dry-run.
 """
 

@@ -28,7 +28,7 @@ from typing import Any
 __all__ = ["GPT_BLOCK_OPS", "ModelSpec", "model_spec"]
 
 #: aten operators one forward + backward of the reference GPT's block dispatches (counted with a TorchDispatchMode;
-#: ``tests/unit/test_planner.py`` recounts it).
+#: ``tests/planner/test_planner.py`` recounts it).
 GPT_BLOCK_OPS = 136
 
 

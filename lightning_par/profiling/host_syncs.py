@@ -1,5 +1,5 @@
 """The register of the training step's host reads: the one source of ``docs/host-syncs.md``'s table and of the CUDA
-test that counts them (``tests/gpu/test_host_syncs.py``).
+test that counts them (``tests/profiling/test_host_syncs_gpu.py``).
 
 A read of a device value to the host (``.item()``, ``float(t)``, ``.tolist()``, ``bool(t)``) and a blocking copy
 between host and device (``torch.tensor(list, device="cuda")``, ``t.cpu()``) wait for every kernel queued before them.
@@ -13,12 +13,12 @@ one with no frame of ours, Lightning's own loop, counts as ``other``), as ``"<fi
 (:data:`lightning_par.benchmarks.gpu_check.LAYOUTS`: the tiny GPT or MoE GPT, fp32, no clipping, no asynchronous
 save, no non-finite guard), on one rank (:class:`StepFacts`). The counts are read from the code (they count host reads
 and blocking uploads) and from a CPU stand-in that warns at every read of a tensor that would live on the GPU
-(``tests/device_rule.HostReads``, run on every layout by ``tests/distributed/test_host_reads.py``, which CI runs); not
+(``tests/device_rule.HostReads``, run on every layout by ``tests/profiling/test_host_reads.py``, which CI runs); not
 yet measured on a GPU: the CUDA test fails on a site that synchronises more often than its count, or that is not
 listed, and prints what it measured.
 
 Run ``python -m lightning_par.profiling.host_syncs`` to print the Markdown table of ``docs/host-syncs.md``
-(``tests/unit/test_host_syncs.py`` checks that the docs hold exactly it).
+(``tests/profiling/test_host_syncs.py`` checks that the docs hold exactly it).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@
 
 The two hosts are adapters: :class:`lightning_par.strategies.MeshStrategy` (Lightning's hooks) and
 :class:`lightning_par.fabric.MeshStrategy` (Fabric's). This package imports neither of them, nor ``lightning.pytorch``,
-nor the layout planner (``tests/unit/test_runtime_layers.py``). A host hands its own parts in as arguments (its
+nor the layout planner (``tests/runtime/test_runtime_layers.py``). A host hands its own parts in as arguments (its
 precision plugin's backward, its collective helpers), so one implementation of the step serves both.
 
 This file imports nothing: ``lightning_par.parallelize`` reaches :mod:`lightning_par.runtime.step` through

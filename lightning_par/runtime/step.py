@@ -6,7 +6,7 @@ precision plugin, its backward. The Trainer adapter reaches these through the st
 (:class:`lightning_par.steps.StepHooks`: ``training_step`` -> :func:`forward`, ``backward`` -> :func:`backward`,
 ``eval_step`` -> :func:`evaluate`); the Fabric adapter through :func:`train_step` (which calls :func:`forward` and
 :func:`backward` too) and the clipping functions. Hosts call them as attributes of this module (``step.forward``), so
-replacing one here replaces it under both (``tests/unit/test_one_step.py``).
+replacing one here replaces it under both (``tests/runtime/test_one_step.py``).
 
 The order within a step (torchtitan's ``forward_backward_step`` has the same): every axis's batch transform (cp: this
 rank's piece of each sequence and its global positions), the forward and the loss inside the step contexts (the

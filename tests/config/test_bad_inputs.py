@@ -50,7 +50,7 @@ PREFLIGHT = [
     ("seed=4294967296", "seed=4294967296 is not valid: expected an integer in [0, 4294967295]"),
     ("ckpt_path=last", "ckpt_path='last' is not valid here: there is no complete checkpoint"),
     ("ckpt_path=/no/such/step-3.ckpt", "ckpt_path='/no/such/step-3.ckpt' is not valid: it does not exist"),
-    # checkpoints the format's own check refuses (see tests/unit/test_checkpoint_verify.py for every kind)
+    # checkpoints the format's own check refuses (see tests/checkpoint/test_checkpoint_verify.py for every kind)
     ("ckpt_path={tmp}/small.txt", "ckpt_path='{tmp}/small.txt' is not valid: checkpoint '{tmp}/small.txt' is a file"),
     ("ckpt_path={tmp}", "ckpt_path='{tmp}' is not valid: checkpoint '{tmp}' is incomplete or not a lightning_par "
                         "checkpoint"),

@@ -26,10 +26,10 @@ from lightning_par.config.build import (
 from lightning_par.config.schema import TRAINER_RECIPE_KEYS, TrainerConfig, register_configs
 from lightning_par.models import GPTLightningModule
 from lightning_par.train import validate_run
-from tests.e2e.user_lm import UserLM
+from tests.recipes.user_lm import UserLM
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
-USER = ["model=custom", "model._target_=tests.e2e.user_lm.UserLM", "+model.hidden=40"]
+USER = ["model=custom", "model._target_=tests.recipes.user_lm.UserLM", "+model.hidden=40"]
 
 register_configs()
 
