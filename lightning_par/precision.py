@@ -32,7 +32,13 @@ from typing import Any
 import torch
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from lightning_par.compat import grad_scaler_init_kwargs, local_tensor, multi_device_replicator, replicated_tensors
+from lightning_par.compat import (
+    foreach_non_finite_check_and_unscale_,
+    grad_scaler_init_kwargs,
+    local_tensor,
+    multi_device_replicator,
+    replicated_tensors,
+)
 
 __all__ = [
     "DistributedGradScaler",
@@ -114,7 +120,7 @@ class DistributedGradScaler(ShardedGradScaler):
                     grads[grad.device][grad.dtype].append(grad)
             for device, per_dtype in grads.items():
                 for tensors in per_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(
+                    foreach_non_finite_check_and_unscale_(
                         tensors, per_device_found_inf.get(device), per_device_inv_scale.get(device)
                     )
         if not replicated_tensors(per_device_found_inf):  # a rank with no gradient still takes part in the all-reduce

@@ -191,8 +191,9 @@ def measure_row(layout: str, mode: str, *, config: dict[str, Any], seq: int, bat
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer], use_distributed_sampler=False,
     )
-    from torch._dynamo.utils import counters
+    from lightning_par.compat import dynamo_counters
 
+    counters = dynamo_counters()
     graphs_before = counters["stats"]["unique_graphs"]
     trainer.fit(module, loader)
     elapsed = timer.end - timer.start

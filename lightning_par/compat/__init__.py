@@ -12,8 +12,9 @@ Supported: torch ``>= 2.10, < 2.16`` (pyproject.toml; the suite passed on 2.10.0
 says which private name it wraps and since when torch has it; "present in 2.10" means it exists in every supported
 torch but was not traced further back. Where a name moved between versions, both places are tried, newest first.
 
-Left where they are: ``torch._foreach_*`` and ``torch._amp_foreach_non_finite_check_and_unscale_`` (the kernels
-torch's own optimizers and gradient scaler call, public in all but name), ``Tensor._values()`` of a sparse gradient
+The multi-tensor kernels torch's own optimizers and gradient scaler call (``torch._foreach_copy_``, ``_foreach_mul_``,
+``_foreach_norm``, ``_amp_foreach_non_finite_check_and_unscale_``; public in all but name) are wrapped here too
+(:func:`foreach_copy_` ...). Left where they are: ``Tensor._values()`` of a sparse gradient
 (as torch's scalers read it), ``nn.Module``'s ``_modules`` / ``_parameters`` / ``_buffers``, and the private methods
 a subclass overrides or extends (``DataLoader._index_sampler``, ``ShardedGradScaler._unscale_grads_``,
 ``ParallelStyle._apply``), which only work at their definition.
@@ -52,6 +53,10 @@ __all__ = [
     "disable_lightning_signal_handlers",
     "dtensor_spec",
     "fake_store",
+    "foreach_copy_",
+    "foreach_mul_",
+    "foreach_norm",
+    "foreach_non_finite_check_and_unscale_",
     "clear_dtensor_sharding_cache",
     "flash_attention_cpu",
     "flash_attention_cpu_backward",
@@ -117,6 +122,10 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "_clear_sharding_prop_cache": ("torch.distributed.tensor.debug",),
     "_module_state_mapping": ("torch.distributed._composable_state",),
     "_grouped_mm": ("torch",),
+    "_foreach_copy_": ("torch",),
+    "_foreach_mul_": ("torch",),
+    "_foreach_norm": ("torch",),
+    "_amp_foreach_non_finite_check_and_unscale_": ("torch",),
 }
 
 
@@ -137,6 +146,30 @@ def _private(name: str) -> Any:
     raise RuntimeError(
         f"torch {torch.__version__} has no {name} in {', '.join(places)}: lightning_par needs torch >= 2.10, < 2.16."
     )
+
+
+# ------------------------------------------------------------------------------------------------ multi-tensor kernels
+def foreach_copy_(dsts: list[Tensor], srcs: list[Tensor]) -> None:
+    """``dst.copy_(src)`` for each pair in one kernel launch per device and dtype (``torch._foreach_copy_``, present
+    in 2.10; what torch's optimizers use)."""
+    _private("_foreach_copy_")(dsts, srcs)
+
+
+def foreach_mul_(tensors: list[Tensor], scalar: Any) -> None:
+    """``t.mul_(scalar)`` for each tensor in one launch (``torch._foreach_mul_``, present in 2.10)."""
+    _private("_foreach_mul_")(tensors, scalar)
+
+
+def foreach_norm(tensors: list[Tensor], ord: float = 2.0) -> list[Tensor]:  # noqa: A002 - torch's keyword
+    """Each tensor's ``ord``-norm, a 0-dim tensor each, in one launch (``torch._foreach_norm``, present in 2.10; what
+    ``clip_grad_norm_`` uses)."""
+    return _private("_foreach_norm")(tensors, ord)
+
+
+def foreach_non_finite_check_and_unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    """Multiply each gradient by ``inv_scale`` in place and set ``found_inf`` to 1 if any is not finite
+    (``torch._amp_foreach_non_finite_check_and_unscale_``, present in 2.10; the gradient scalers' kernel)."""
+    _private("_amp_foreach_non_finite_check_and_unscale_")(grads, found_inf, inv_scale)
 
 
 # ------------------------------------------------------------------------------------------------ grouped matmul

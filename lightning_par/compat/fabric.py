@@ -7,6 +7,8 @@ tests/compat/test_private_api.py, which fails naming the entry when upstream mov
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.distributed import (
@@ -24,6 +26,7 @@ __all__ = [
     "BackwardSyncControl",
     "FabricSubprocessScriptLauncher",
     "default_process_group_backend_for_device",
+    "fabric_module_strategy",
     "distributed_is_initialized",
     "init_dist_connection",
     "optimizers_to_device",
@@ -48,7 +51,16 @@ FabricSubprocessScriptLauncher = _SubprocessScriptLauncher
 #: Fabric's base of a strategy's ``no_backward_sync`` control.
 BackwardSyncControl = _BackwardSyncControl
 
+
+
+def fabric_module_strategy(module: Any) -> Any:
+    """The strategy of a module Fabric's ``setup`` wrapped (``_FabricModule._strategy``), ``None`` for another."""
+    return getattr(module, "_strategy", None)
+
+
 PRIVATE_USES: tuple[PrivateName, ...] = (
+    PrivateName("lightning", "lightning.fabric.wrappers._FabricModule", "_strategy", "instance", _CHECKED,
+                "fabric_module_strategy"),
     PrivateName("lightning", _DISTRIBUTED, "_init_dist_connection", "attribute", _CHECKED, "init_dist_connection"),
     PrivateName("lightning", _DISTRIBUTED, "_distributed_is_initialized", "attribute", _CHECKED,
                 "distributed_is_initialized"),

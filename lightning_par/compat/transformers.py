@@ -15,6 +15,7 @@ __all__ = [
     "PRIVATE_USES",
     "attention_implementation",
     "chosen_attention_implementation",
+    "experts_gate_function",
     "has_attention_function",
     "model_class_for_config",
     "pipeline_plan_of_class",
@@ -73,7 +74,16 @@ def tensor_plan_of_model(network: Any) -> Any:
     return getattr(network, "_tp_plan", None)
 
 
+def experts_gate_function(experts: Any) -> Any:
+    """The gating function ``act(gate) * up`` of an experts module whose class defines one (``_apply_gate``, on the
+    experts classes of some architectures, e.g. ``BeamExperts``), else ``None``."""
+    apply = getattr(experts, "_apply_gate", None)
+    return apply if callable(apply) else None
+
+
 PRIVATE_USES: tuple[PrivateName, ...] = (
+    PrivateName("transformers", "transformers.models.beam.modeling_beam.BeamExperts", "_apply_gate", "attribute",
+                _CHECKED, "experts_gate_function"),
     PrivateName("transformers", "transformers.AttentionInterface", "_global_mapping", "attribute", _CHECKED,
                 "has_attention_function"),
     PrivateName("transformers", "transformers.PretrainedConfig", "_attn_implementation", "attribute", _CHECKED,

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_par.compat import local_tensor
+from lightning_par.compat import foreach_copy_, local_tensor
 from lightning_par.data_parallel.compression import CAST_DTYPES, PowerSGDState
 from lightning_par.data_parallel.options import ReducerOptions
 
@@ -429,7 +429,7 @@ class GradientReducer:
             into.append(local_tensor(grad))
             sources.append(reduced)
         if into:
-            torch._foreach_copy_(into, sources)  # one call per bucket instead of one per parameter
+            foreach_copy_(into, sources)  # one call per bucket instead of one per parameter
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (the reducer is then inert)."""

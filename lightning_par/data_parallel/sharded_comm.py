@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_par.data_parallel.reducer import CommStats
-from lightning_par.compat import local_tensor
+from lightning_par.compat import foreach_copy_, local_tensor
 from lightning_par.data_parallel.shard_layout import LayoutBucket, ParamShard, ShardLayout
 from lightning_par.memory import LiveStorageBytes
 
@@ -331,7 +331,7 @@ class ParamGather:
                 self.wait([bucket])
             plan = self._plan(bucket)
             if plan.in_dsts:
-                torch._foreach_copy_(plan.in_dsts, plan.in_srcs)
+                foreach_copy_(plan.in_dsts, plan.in_srcs)
             out = torch.empty(layout.world * bucket.chunk_numel, dtype=bucket.dtype, device=bucket.device)
             work = _all_gather_tensor(out, plan.chunk, group=layout.group, async_op=True)
             self.bytes_per_gather += out.numel() * out.element_size()
@@ -348,7 +348,7 @@ class ParamGather:
             plan = self._plan(layout.buckets[index])
             slots = out.view(layout.world, -1).split(plan.sizes, dim=1)  # (N, chunk_numel of each tensor)
             if plan.out_dsts:
-                torch._foreach_copy_(plan.out_dsts, [slots[i] for i in plan.even])
+                foreach_copy_(plan.out_dsts, [slots[i] for i in plan.even])
             for i in plan.uneven:
                 s = plan.shards[i]
                 layout.copy_out(out, s, local_tensor(s.param).data)

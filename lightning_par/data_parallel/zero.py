@@ -56,7 +56,15 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_par.compat import concatenate_meshes, dtensor_spec, is_view, local_tensor, strided_shard
+from lightning_par.compat import (
+    concatenate_meshes,
+    dtensor_spec,
+    foreach_mul_,
+    foreach_norm,
+    is_view,
+    local_tensor,
+    strided_shard,
+)
 from lightning_par.data_parallel.reducer import CommStats, GradientReducer
 from lightning_par.data_parallel.shard_layout import LayoutBucket, ParamShard, ShardLayout
 from lightning_par.data_parallel.engine import ZeroEngine, sync_off
@@ -620,7 +628,7 @@ def clip_by_total_norm(
     coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     plain = [p.grad for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
     if plain:
-        torch._foreach_mul_(plain, coef)
+        foreach_mul_(plain, coef)
     for p in params:
         if isinstance(p.grad, DTensor):
             p.grad.mul_(coef)
@@ -642,7 +650,7 @@ def _sharded_mesh_groups(param: Tensor) -> tuple[dist.ProcessGroup, ...]:
 
 def _local_powered_sum(grads: list[Tensor], q: float) -> Tensor:
     """``sum_g ||g||_q^q`` (``max_g ||g||_inf`` for ``q = inf``) over plain local tensors, as a float32 scalar."""
-    norms = torch._foreach_norm(grads, q)
+    norms = foreach_norm(grads, q)
     stacked = torch.stack([n.float() for n in norms])
     return stacked.max() if q == float("inf") else stacked.pow(q).sum()
 

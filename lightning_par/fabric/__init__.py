@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_par.compat.fabric import fabric_module_strategy
 from lightning_par.fabric.strategy import MeshStrategy
 
 __all__ = ["MeshStrategy", "register_all", "token_mean_loss", "train_step"]
@@ -48,7 +49,7 @@ def train_step(model: Any, batch: Any, *, loss_scale: float = 1.0, loss_fn: Any 
         ValueError: no loss function; ``loss_fn`` under pipelining; a batch that is not ``(inputs, targets)`` and no
             ``pipeline_batch`` (see :func:`lightning_par.contract.pipeline_batch`).
     """
-    strategy = getattr(model, "_strategy", None)
+    strategy = fabric_module_strategy(model)
     if not isinstance(strategy, MeshStrategy):
         raise RuntimeError(
             f"train_step(model, batch) takes what fabric.setup returned under a lightning_par Fabric strategy; got "
@@ -85,7 +86,7 @@ def token_mean_loss(model: Any, loss_sum: Any, tokens: Any) -> Any:
         RuntimeError: ``model`` is not set up by a lightning_par Fabric strategy, or the layout has ``cp_size > 1``
             (:func:`train_step` does this there itself).
     """
-    strategy = getattr(model, "_strategy", None)
+    strategy = fabric_module_strategy(model)
     if not isinstance(strategy, MeshStrategy):
         raise RuntimeError(
             f"token_mean_loss(model, ...) takes what fabric.setup returned under a lightning_par Fabric strategy; got "

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_par.compat import local_tensor
+from lightning_par.compat import foreach_norm, local_tensor
 from lightning_par.compat.lightning import plain_optimizer
 
 __all__ = ["NONFINITE_ACTIONS", "NonFiniteError", "NonFiniteGuard"]
@@ -71,7 +71,7 @@ def _grads_finite(params: Iterable[Tensor]) -> bool:
         by_device.setdefault((g.device, g.dtype), []).append(g)
     for same in by_device.values():
         # One max-abs per tensor (no overflow, unlike a 2-norm); NaN propagates through max.
-        norms = torch._foreach_norm(same, math.inf)
+        norms = foreach_norm(same, math.inf)
         if not bool(torch.stack(norms).isfinite().all()):
             return False
     return True

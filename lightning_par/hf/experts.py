@@ -46,6 +46,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_par.compat.transformers import experts_gate_function
 from lightning_par.expert_parallel.balance import update_selection_biases
 from lightning_par.expert_parallel.grouped import expert_ffn, sorted_counts
 
@@ -69,8 +70,8 @@ def _local(w: Tensor) -> Tensor:
 
 def _gate(experts: nn.Module, gate_up_out: Tensor) -> Tensor:
     """``act(gate) * up`` as the experts class computes it (``_apply_gate`` where ``transformers`` defines it)."""
-    apply = getattr(experts, "_apply_gate", None)
-    if callable(apply):
+    apply = experts_gate_function(experts)
+    if apply is not None:
         return apply(gate_up_out)
     gate, up = gate_up_out.chunk(2, dim=-1)
     return experts.act_fn(gate) * up
@@ -228,7 +229,7 @@ def _why_not(experts: nn.Module) -> str | None:
     for flag, want in _LAYOUT_FLAGS.items():
         if getattr(experts, flag, want) != want:
             return f"{flag}={getattr(experts, flag)!r}, expected {want!r}"
-    if not callable(getattr(experts, "act_fn", None)) and not callable(getattr(experts, "_apply_gate", None)):
+    if not callable(getattr(experts, "act_fn", None)) and experts_gate_function(experts) is None:
         return "it has no act_fn"
     return None
 

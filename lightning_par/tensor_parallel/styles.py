@@ -55,7 +55,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
-from lightning_par.compat import local_tensor
+from lightning_par.compat import foreach_copy_, local_tensor
 from lightning_par.tensor_parallel.vocab import VOCAB_SIZE_ATTR, mask_padded_logits, pad_rows, padded_vocab_size
 
 __all__ = [
@@ -409,7 +409,7 @@ def sync_partial_grads(grads: Iterable[Tensor | None], tp_group: dist.ProcessGro
     for same in by_kind.values():  # one all-reduce per dtype (usually one)
         flat = torch.cat([t.reshape(-1) for t in same])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=tp_group)
-        torch._foreach_copy_(same, [c.view_as(t) for c, t in zip(flat.split([t.numel() for t in same]), same)])
+        foreach_copy_(same, [c.view_as(t) for c, t in zip(flat.split([t.numel() for t in same]), same)])
         total += flat.numel()
     return total
 

@@ -34,44 +34,29 @@ STDLIB = frozenset({"_exit", "_current_frames", "_getframe", "_Unpickler"})
 
 _OVERRIDE = ("a subclass overriding or extending its base's private method (only works at the definition; "
              "compat/__init__.py's docstring)")
-_PUBLIC_IN_ALL_BUT_NAME = ("torch's foreach/amp kernels, which its own optimizers and scalers call: public in all but "
-                           "name (compat/__init__.py's docstring)")
-_MOE = "in a file the MoE work is changing now: moved with it (only import lines may change here this round)"
-_FABRIC = "in fabric/, which the Fabric work is changing now: only import lines may change here this round"
 
 _MODULE_INTERNALS = ("nn.Module's own containers (_modules, _parameters), which wrappers of modules read and edit in "
                      "place; public in all but name, as compat/__init__.py's docstring says")
-_GPU_WORK = "in a file the GPU-readiness work is changing now: moved with it (only import lines may change this round)"
 
 #: ``(path relative to the repository, private name) -> why it is not in the register yet``. Shrink only.
 NOT_YET_MOVED: dict[tuple[str, str], str] = {
-    ("lightning_par/benchmarks/gpu_check.py", "_dynamo"): _GPU_WORK + " (compat.dynamo_counters is its register helper)",
     ("lightning_par/callbacks/model_summary.py", "_model"): _OVERRIDE + ": a ModelSummary subclass reading its module",
     ("lightning_par/contract.py", "_modules"): _MODULE_INTERNALS,
-    ("lightning_par/data_parallel/reducer.py", "_foreach_copy_"): _PUBLIC_IN_ALL_BUT_NAME,
-    ("lightning_par/data_parallel/sharded_comm.py", "_foreach_copy_"): _PUBLIC_IN_ALL_BUT_NAME,
-    ("lightning_par/data_parallel/zero.py", "_foreach_mul_"): _PUBLIC_IN_ALL_BUT_NAME,
-    ("lightning_par/data_parallel/zero.py", "_foreach_norm"): _PUBLIC_IN_ALL_BUT_NAME,
-    ("lightning_par/fabric/__init__.py", "_strategy"): _FABRIC + " (Fabric's wrapped module's _strategy)",
-    ("lightning_par/fault/nonfinite.py", "_foreach_norm"): _PUBLIC_IN_ALL_BUT_NAME,
     ("lightning_par/fault/step_checkpoint.py", "_monitor_candidates"): _OVERRIDE + ": ModelCheckpoint's save path",
     ("lightning_par/fault/step_checkpoint.py", "_save_last_checkpoint"): _OVERRIDE + ": ModelCheckpoint's save path",
     ("lightning_par/fault/step_checkpoint.py", "_save_topk_checkpoint"): _OVERRIDE + ": ModelCheckpoint's save path",
     ("lightning_par/fault/step_checkpoint.py", "_should_skip_saving_checkpoint"):
         _OVERRIDE + ": ModelCheckpoint's save path",
     ("lightning_par/hf/context.py", "_parameters"): _MODULE_INTERNALS,
-    ("lightning_par/hf/experts.py", "_apply_gate"): _MOE,
     ("lightning_par/hf/pipeline.py", "_modules"): _MODULE_INTERNALS,
     ("lightning_par/hf/tensor_parallel.py", "_modules"): _MODULE_INTERNALS,
     ("lightning_par/hf/tensor_parallel.py", "_parameters"): _MODULE_INTERNALS,
     ("lightning_par/pipeline_parallel/split.py", "_modules"): _MODULE_INTERNALS,
     ("lightning_par/pipeline_parallel/split.py", "_parameters"): _MODULE_INTERNALS,
-    ("lightning_par/precision.py", "_amp_foreach_non_finite_check_and_unscale_"): _PUBLIC_IN_ALL_BUT_NAME,
     ("lightning_par/precision.py", "_values"): "a sparse gradient's values, read as torch's own gradient scalers read "
                                                "them (compat/__init__.py's docstring)",
     ("lightning_par/restore.py", "_parameters"): _MODULE_INTERNALS,
     ("lightning_par/tensor_parallel/plan.py", "_modules"): _MODULE_INTERNALS,
-    ("lightning_par/tensor_parallel/styles.py", "_foreach_copy_"): _PUBLIC_IN_ALL_BUT_NAME,
     ("lightning_par/tensor_parallel/styles.py", "_prepare_input_fn"): _OVERRIDE + ": torch's ParallelStyle subclasses",
     ("lightning_par/tensor_parallel/styles.py", "_prepare_output_fn"): _OVERRIDE + ": torch's ParallelStyle subclasses",
 }
