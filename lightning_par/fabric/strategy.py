@@ -19,20 +19,14 @@ from typing import Any
 
 import torch
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_par.compat.fabric import (
-    BackwardSyncControl,
-    FabricSubprocessScriptLauncher,
-    default_process_group_backend_for_device,
-)
+from lightning_par.compat.fabric import BackwardSyncControl, FabricSubprocessScriptLauncher
 from lightning_par.parallel_dims import ParallelDims
-from lightning_par.parallelize import ParallelModel, parallelize, validate
-from lightning_par.runtime import checkpoint, collectives, step
+from lightning_par.parallelize import ParallelModel, validate
+from lightning_par.runtime import checkpoint, collectives, host, step
 from lightning_par.runtime.core import StrategyCore
 
 __all__ = ["MeshStrategy", "FABRIC_KEYS"]
@@ -127,17 +121,8 @@ class MeshStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         """Validate the layout against the world, then start the process group and build the mesh."""
         super().setup_environment()
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-        dims = self.core.resolve_parallel_dims(self.num_nodes * self.num_processes)
-        self.options.check_layout(dims.pp_size)
-        backend = self.core.process_group_backend or default_process_group_backend_for_device(self.root_device)
-        self.core.process_group_backend = backend
-        collectives.start_process_group(self.cluster_environment, backend, self.core.timeout_s)
-        dims.build_mesh(self.root_device.type)
-        self.parallel_dims = self.core.parallel_dims = dims
+        host.set_world_ranks(self)
+        self.parallel_dims = host.start_layout(self.core, self)  # (lightning_par.runtime.host)
 
     @property
     def device_mesh(self) -> Any:
@@ -162,8 +147,8 @@ class MeshStrategy(ParallelStrategy):
         if self.parallel is None:
             validate(module, self.parallel_dims, self.options)
             self._names = {id(p): n for n, p in module.named_parameters()}
-            self.parallel = parallel = parallelize(
-                module, self.parallel_dims, self.core.precision_options(self.precision_name),
+            self.parallel = parallel = host.setup_parallel_model(
+                module, None, self.parallel_dims, self.core.precision_options(self.precision_name),
                 device=self.root_device, step_context=self._step_context, check=False,
             )
             step.check_loop(parallel)

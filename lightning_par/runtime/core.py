@@ -117,6 +117,11 @@ class StrategyCore:
             raise RuntimeError("The device mesh exists only after the strategy's setup_environment().")
         return self.parallel_dims._mesh
 
+    def group(self, axis: str) -> Any:
+        """The process group of one mesh axis or derived mesh (:meth:`ParallelDims.get_mesh`) containing this rank."""
+        assert self.parallel_dims is not None
+        return self.parallel_dims.group(axis)
+
     def resolve_parallel_dims(self, world_size: int) -> ParallelDims:
         """Validate the requested sizes against ``world_size`` (no process group needed).
 
