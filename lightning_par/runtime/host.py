@@ -22,8 +22,8 @@ from lightning_par.parallelize import ParallelModel, parallel_model_of, parallel
 from lightning_par.precision import check_precision
 from lightning_par.runtime import collectives
 
-__all__ = ["refuse_stage", "reshard", "run_parts", "set_world_ranks", "setup_parallel_model", "split_batch", "start_layout",
-           "unparallelize_previous", "validate_model"]
+__all__ = ["refuse_stage", "reshard", "run_parts", "set_world_ranks", "setup_parallel_model", "split_batch",
+           "start_layout", "unparallelize_previous", "validate_model"]
 
 _log = logging.getLogger(__name__)
 
@@ -63,9 +63,9 @@ def start_layout(core: Any, host: Any, check: Callable[[ParallelDims], None] | N
 def validate_model(core: Any, dims: ParallelDims, module: Any, device: Callable[[], Any], scaler: bool,
                    later: bool) -> bool:
     """Check ``module`` against the layout before the process group starts: the layout's options, the precision
-    (``core.precision``; ``scaler``: fp16 loss scaling is on), ``cpu_offload`` against ``device()`` (asked only then), and all of
-    :func:`lightning_par.parallelize.validate` unless ``later`` (the layers are built later) or ``module`` was
-    parallelised already (it is reused as it is). Returns whether ``validate`` ran.
+    (``core.precision``; ``scaler``: fp16 loss scaling is on), ``cpu_offload`` against ``device()`` (asked only
+    then), and all of :func:`lightning_par.parallelize.validate` unless ``later`` (the layers are built later) or
+    ``module`` was parallelised already (it is reused as it is). Returns whether ``validate`` ran.
 
     Raises:
         ValueError: see :func:`lightning_par.parallelize.validate`; ``cpu_offload=True`` on a CPU device; fp16 loss

@@ -24,9 +24,7 @@ class TensorParallelStrategy(MeshStrategy):
     ``"sequence_parallel"``, ``"position_embedding"``, ``"replicate"``, ``"vocab_embedding"``, ``"vocab_head"``,
     ``"colwise_gather"``, ``"rowwise_split"``, ``"replicate_grad_sum"``, ``"vocab_embedding_full"``,
     ``"sequence_scatter"`` (:mod:`lightning_par.tensor_parallel.plan`). A preset of :class:`MeshStrategy` with
-    ``dp_mode="ddp"`` and every axis but pp.
-
-    Registered as ``"tensor_parallel"``.
+    ``dp_mode="ddp"`` and every axis but pp. Registered as ``"tensor_parallel"``.
 
     Args:
         tp_size: tensor-parallel size.

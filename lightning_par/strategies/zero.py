@@ -1,10 +1,10 @@
-"""``ZeroStrategy``: ZeRO stages 1, 2 and 3 on the data-parallel axes of the mesh (HSDP with ``dp_replicate_size > 1``)."""
+"""``ZeroStrategy``: ZeRO stages 1, 2 and 3 on the dp axes of the mesh (HSDP with ``dp_replicate_size > 1``)."""
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from lightning_par.data_parallel.options import ZERO_STAGES
+from lightning_par.data_parallel.options import ZERO_STAGES, zero_dp_mode
 from lightning_par.strategies.base import MeshStrategy
 
 __all__ = ["ZeroStrategy"]
@@ -22,9 +22,8 @@ class ZeroStrategy(MeshStrategy):
 
     Clipping by norm is global; gradient accumulation works at every stage; checkpoints are sharded directories that
     load into another stage, dp size, strategy or one process. A preset of :class:`MeshStrategy` with
-    ``dp_mode=f"zero{stage}"`` and every axis but tp and pp.
-
-    Registered as ``"zero1"``, ``"zero2"`` and ``"zero3"`` (the stage preset).
+    ``dp_mode=f"zero{stage}"`` and every axis but tp and pp. Registered as ``"zero1"``, ``"zero2"`` and ``"zero3"``
+    (the stage preset).
 
     Args:
         stage: 1, 2 or 3.
@@ -47,12 +46,7 @@ class ZeroStrategy(MeshStrategy):
     registry_presets: ClassVar[dict[str, dict[str, Any]]] = {f"zero{k}": {"stage": k} for k in ZERO_STAGES}
 
     def __init__(self, stage: int = 3, dp_size: int = -1, **options: Any) -> None:
-        if isinstance(stage, bool) or stage not in ZERO_STAGES:
-            raise ValueError(
-                f"stage={stage!r} is not valid: expected one of {list(ZERO_STAGES)} (1: optimizer state, 2: + "
-                f"gradients, 3: + parameters). For plain data parallelism (stage 0) use strategy='ddp_overlap'."
-            )
-        super().__init__(dp_size=dp_size, dp_mode=f"zero{stage}", **options)
+        super().__init__(dp_size=dp_size, dp_mode=zero_dp_mode(stage), **options)
         self.strategy_name = f"zero{stage}"  # type: ignore[misc]  # summary.json's "strategy"
 
     @property
