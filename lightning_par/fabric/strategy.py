@@ -348,12 +348,9 @@ class MeshStrategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any, presets: tuple[type[StrategyCore], ...] = ()) -> None:
         """Register this class under each registry name of ``presets`` (the Trainer's), with that name's preset."""
         for preset in presets:
-            for name in preset.registry_names or (preset.strategy_name,):
-                if name not in strategy_registry:
-                    strategy_registry.register(
-                        name, cls, description=f"{preset.description} (lightning_par, Fabric)", _preset=preset,
-                        **preset.registry_presets.get(name, {}),
-                    )
+            for name, options in preset.registry_entries(strategy_registry):
+                strategy_registry.register(name, cls, description=f"{preset.description} (lightning_par, Fabric)",
+                                           _preset=preset, **options)
 
 
 class _MeshBackwardSyncControl(BackwardSyncControl):

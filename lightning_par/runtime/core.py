@@ -146,6 +146,12 @@ class StrategyCore:
             raise RuntimeError("The device mesh exists only after the strategy's setup_environment().")
         return self.parallel_dims._mesh
 
+    @classmethod
+    def registry_entries(cls, registry: Any) -> list[tuple[str, dict[str, Any]]]:
+        """``(name, the options it implies)`` of each registry name of this class that ``registry`` does not hold."""
+        return [(n, cls.registry_presets.get(n, {})) for n in cls.registry_names or (cls.strategy_name,)
+                if n not in registry]
+
     def group(self, axis: str) -> Any:
         """The process group of one mesh axis or derived mesh (:meth:`ParallelDims.get_mesh`) containing this rank."""
         assert self.parallel_dims is not None

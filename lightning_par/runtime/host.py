@@ -22,7 +22,7 @@ from lightning_par.parallelize import ParallelModel, parallel_model_of, parallel
 from lightning_par.precision import check_precision
 from lightning_par.runtime import collectives
 
-__all__ = ["refuse_stage", "reshard", "run_parts", "set_world_ranks", "setup_parallel_model", "split_batch",
+__all__ = ["refuse_stage", "reshard", "run_parts", "set_world_ranks", "is_set_up", "setup_parallel_model", "split_batch",
            "start_layout", "unparallelize_previous", "validate_model"]
 
 _log = logging.getLogger(__name__)
@@ -102,6 +102,15 @@ def unparallelize_previous(module: Any, current: ParallelModel | None) -> None:
             f"checkpoint (lightning_par.checkpoint.load_from_checkpoint), or keep the process group alive."
         )
     previous.unparallelize()
+
+
+def is_set_up(module: Any, parallel: ParallelModel | None) -> bool:
+    """Whether ``module`` is the one ``parallel`` (this host's) holds: then it is on its device and converted already,
+    and is reused as it is. Moving or converting it again would replace every DTensor parameter's tensor
+    (``nn.Module._apply`` swaps tensor subclasses), which drops the gradient hooks of the dp reducer and of tensor
+    parallelism: measured, 0 hook calls after ``.cpu()`` on CPU, and zero gradients for the split parameters at dp 2 x
+    tp 2."""
+    return parallel is not None and parallel_model_of(module) is parallel
 
 
 def setup_parallel_model(module: Any, current: ParallelModel | None, dims: ParallelDims, options: Any,

@@ -33,7 +33,7 @@ from lightning_par.fault.preemption import PreemptionWatch
 from lightning_par.fault.process_group_exit import FAILED
 from lightning_par.fault_tolerance.hooks import FaultToleranceHooks
 from lightning_par.parallel_dims import ParallelDims
-from lightning_par.parallelize import ParallelModel, ParallelOptions, parallel_model_of
+from lightning_par.parallelize import ParallelModel, ParallelOptions
 from lightning_par.precision import check_precision, distributed_scaler, route_clipping
 from lightning_par.runtime import collectives, host, step
 from lightning_par.runtime.core import StrategyCore
@@ -139,24 +139,14 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStr
             set_module_device_mesh(self.lightning_module, self.device_mesh)
 
     def unparallelize_previous(self) -> None:
-        """A module another strategy's run parallelised (a second Trainer on it) goes back to its plain form first
-        (:func:`lightning_par.runtime.host.unparallelize_previous`); the one this strategy parallelised (``fit`` again
-        on the same Trainer) is kept as it is.
-
-        Raises:
-            RuntimeError: the process group the module was parallelised with is gone.
-        """
+        """A module another run parallelised (a second Trainer on it) goes back to its plain form first, the one this
+        strategy parallelised is kept (:func:`lightning_par.runtime.host.unparallelize_previous`, which raises)."""
         host.unparallelize_previous(self.lightning_module, self.parallel)
 
     def validate_model(self, dims: ParallelDims) -> None:
-        """Check the LightningModule against the layout before the process group starts
-        (:func:`lightning_par.runtime.host.validate_model`; when ``configure_model`` builds the layers, :meth:`setup`
-        checks them).
-
-        Raises:
-            ValueError: see :func:`lightning_par.parallelize.validate`; ``cpu_offload=True`` on a CPU device; fp16
-                loss scaling (``"16-mixed"``) with pipelining.
-        """
+        """Check the LightningModule against the layout before the process group starts (when ``configure_model``
+        builds the layers, :meth:`setup` does). Raises the ``ValueError`` of :func:`lightning_par.runtime.host.
+        validate_model`."""
         module = self.lightning_module
         later = module is not None and is_overridden("configure_model", module)
         if host.validate_model(self, dims, module, lambda: self.root_device, self._scaler, later):
@@ -171,12 +161,7 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStr
         assert self.model is not None and self.accelerator is not None and self.parallel_dims is not None
         check_precision(self.precision, self.parallel_dims.pp_size, self._scaler)
         self.accelerator.setup(trainer)
-        # fit / validate again on this Trainer: the module this strategy parallelised is on its device and converted
-        # already, and is reused as it is. Moving or converting it again would replace every DTensor parameter's
-        # tensor (nn.Module._apply swaps tensor subclasses), which drops the gradient hooks of the dp reducer and of
-        # tensor parallelism: measured, 0 hook calls after `.cpu()` on CPU, and zero gradients for the split
-        # parameters at dp 2 x tp 2.
-        if self.parallel is None or parallel_model_of(self.model) is not self.parallel:
+        if not host.is_set_up(self.model, self.parallel):  # fit / validate again on this Trainer: reused as it is
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
         self.parallel = host.setup_parallel_model(
@@ -227,14 +212,11 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStr
     @override
     def teardown(self) -> None:
         """Lightning's teardown (``ParallelStrategy.teardown`` and ``Strategy.teardown`` of Lightning 2.6), except that
-        a module this strategy parallelised stays where it is: moving it to the CPU replaces its DTensor parameters'
-        tensors and drops the engines' gradient hooks (see :meth:`setup`), so a later ``fit`` on this Trainer would
-        train wrongly; a new Trainer takes it back to its plain form first (:meth:`unparallelize_previous`). After the
-        run's error every part is tried, the parameters resharded first (:func:`lightning_par.runtime.host.run_parts`:
-        FSDP2 left mid-forward by the error cannot even be moved).
-        """
+        a module this strategy parallelised stays where it is (:func:`lightning_par.runtime.host.is_set_up`; a new
+        Trainer takes it back to its plain form first). After the run's error every part is tried, the parameters
+        resharded first (:func:`lightning_par.runtime.host.run_parts`)."""
         module, parallel, failed = self.lightning_module, self.parallel, self._exception is not None
-        keep = module is not None and parallel is not None and parallel_model_of(module) is parallel
+        keep = module is not None and host.is_set_up(module, parallel)
         host.run_parts([
             ("fault tolerance manager", self.fault_tolerance.teardown),
             ("reshard", (lambda: parallel.engine.reshard()) if failed and parallel is not None else None),
@@ -293,20 +275,12 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStr
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Once the step's last backward and its dp reduction are done (inside ``closure``), the parallel model's
-        gradient finishers (tp: replicated parameters' partial gradients summed), before clipping and the step."""
-        parallel = self.parallel
-        if parallel is None:
+        """The gradient finishers after ``closure`` (:func:`lightning_par.runtime.step.finishing`), before clipping and
+        the step; under fault tolerance, the mean over the live replica groups and the commit vote around it."""
+        if self.parallel is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-        def closure_then_finish() -> Any:
-            out = closure()
-            parallel.finish_gradients()
-            return out
-
-        # fault tolerance: the mean over the live replica groups and the commit vote (or DiLoCo's sync) around it
         return self.fault_tolerance.optimizer_step(
-            self.lightning_module, optimizer, closure_then_finish,
+            self.lightning_module, optimizer, step.finishing(self.parallel, closure),
             lambda c: super(MeshStrategy, self).optimizer_step(optimizer, c, model, **kwargs),
         )
 
@@ -352,12 +326,8 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStr
 
     @override
     def on_predict_start(self) -> None:
-        """Refuse, before the first batch, predicting under a layout that cannot
-        (:func:`lightning_par.runtime.host.refuse_stage`).
-
-        Raises:
-            ValueError: the axis's reason (e.g. a sequence split over ranks).
-        """
+        """Refuse predicting under a layout that cannot, before the first batch (:func:`lightning_par.runtime.host.
+        refuse_stage`: a ``ValueError``)."""
         super().on_predict_start()
         host.refuse_stage(self.parallel, "predict")
 
@@ -391,8 +361,5 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStr
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register every name of :attr:`registry_names` with its preset options (names already taken are kept)."""
-        for name in cls.registry_names or (cls.strategy_name,):
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name, cls, description=cls.description, **cls.registry_presets.get(name, {})
-                )
+        for name, presets in cls.registry_entries(strategy_registry):
+            strategy_registry.register(name, cls, description=cls.description, **presets)
