@@ -35,7 +35,7 @@ __all__ = ["MeshStrategy", "FABRIC_KEYS"]
 FABRIC_KEYS = checkpoint.STATE_KEYS
 
 
-class MeshStrategy(ParallelStrategy):
+class MeshStrategy(host.HostDevices, ParallelStrategy):
     """Every registered axis on one mesh (pp and cp through :meth:`train_step`), for ``lightning.fabric.Fabric`` and
     any ``nn.Module`` meeting :mod:`lightning_par.contract` (under pipelining the network is at ``module_attr``).
 
@@ -85,22 +85,12 @@ class MeshStrategy(ParallelStrategy):
         return self.core.options
 
     @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
     def num_nodes(self) -> int:
         return self._num_nodes
 
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
     @override
@@ -182,9 +172,9 @@ class MeshStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ steps (lightning_par.runtime.step)
     def loss_context(self) -> AbstractContextManager[Any]:
-        """The context a loss is computed in (a tp ``vocab_head``'s vocab-parallel loss); ``fabric.backward`` enters
-        it itself."""
-        return self.parallel.loss_context() if self.parallel is not None else nullcontext()
+        """The context a loss is computed in (:func:`lightning_par.runtime.host.loss_context`); ``fabric.backward``
+        enters it itself."""
+        return host.loss_context(self.parallel)
 
     @override
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
@@ -209,11 +199,9 @@ class MeshStrategy(ParallelStrategy):
         if not self._sync_blocked:
             self._grads_pending = True
 
-    @contextmanager
-    def _step_context(self) -> Generator[None, None, None]:
+    def _step_context(self) -> AbstractContextManager[None]:
         """Around each pipeline schedule run: Fabric's precision (autocast) and the loss context."""
-        with self.precision.forward_context(), self.loss_context():
-            yield
+        return host.step_context(self.precision, self.parallel)
 
     def train_step(self, batch: Any, loss_scale: float = 1.0, loss_fn: Any = None) -> Tensor:
         """One forward and backward over ``batch`` (see :func:`lightning_par.fabric.train_step`): the runtime's

@@ -10,9 +10,11 @@ run, tear down.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning_utilities.core.rank_zero import rank_zero_only
 
@@ -22,10 +24,27 @@ from lightning_par.parallelize import ParallelModel, parallel_model_of, parallel
 from lightning_par.precision import check_precision
 from lightning_par.runtime import collectives
 
-__all__ = ["refuse_stage", "reshard", "run_parts", "set_world_ranks", "is_set_up", "setup_parallel_model", "split_batch",
-           "start_layout", "unparallelize_previous", "validate_model"]
+__all__ = ["HostDevices", "loss_context", "refuse_stage", "reshard", "run_parts", "set_world_ranks", "is_set_up", "setup_parallel_model", "split_batch",
+           "start_layout", "step_context", "unparallelize_previous", "validate_model"]
 
 _log = logging.getLogger(__name__)
+
+
+class HostDevices:
+    """The devices of a host's strategy (a mixin of both adapters): one per local process, this one's by local
+    rank."""
+
+    parallel_devices: list[torch.device] | None
+    local_rank: int
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
 
 def set_world_ranks(host: Any) -> None:
@@ -123,6 +142,20 @@ def setup_parallel_model(module: Any, current: ParallelModel | None, dims: Paral
     if current is not None:
         current.remove_hooks()
     return parallelize(module, dims, options, **kwargs)
+
+
+def loss_context(parallel: ParallelModel | None) -> AbstractContextManager[Any]:
+    """The context a loss's forward and backward must run in (the vocab-parallel loss of a tp ``vocab_head``), else a
+    no-op context."""
+    return parallel.loss_context() if parallel is not None else nullcontext()
+
+
+@contextmanager
+def step_context(precision: Any, parallel: ParallelModel | None) -> Generator[None, None, None]:
+    """Around each forward of a step the runtime runs itself (a pipeline schedule): the host precision plugin's
+    ``forward_context()`` (autocast) and :func:`loss_context`."""
+    with precision.forward_context(), loss_context(parallel):
+        yield
 
 
 def refuse_stage(parallel: ParallelModel | None, stage: str) -> None:

@@ -41,7 +41,7 @@ from lightning_par.runtime.core import StrategyCore
 __all__ = ["MeshStrategy"]
 
 
-class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStrategy):
+class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, host.HostDevices, ParallelStrategy):
     """Every registered axis on one mesh, for any LightningModule meeting :mod:`lightning_par.contract`.
 
     Args:
@@ -50,6 +50,7 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStr
             settings, the same under both hosts: see :class:`~lightning_par.runtime.core.StrategyCore`.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for Lightning's
             ``DDPStrategy`` (the Trainer fills them in).
+
     Raises:
         ValueError: here, an invalid size, option or combination, or a size or option of an axis this strategy does
             not have; before the process group starts (:meth:`validate_model`), a model the layout cannot run (see
@@ -89,16 +90,6 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStr
     def is_distributed(self) -> bool:
         """Always ``True``: Lightning then injects a ``DistributedSampler`` (over the dp axis, see below)."""
         return True
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
     @override
@@ -230,14 +221,11 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStr
 
     # ------------------------------------------------------------------ steps (the parallel model's step hooks)
     def loss_context(self) -> Any:
-        """The context the loss's forward and backward must run in (the vocab-parallel loss of a tp ``vocab_head``),
-        else a no-op context."""
-        return self.parallel.loss_context() if self.parallel is not None else nullcontext()
+        """The context the loss must run in (:func:`lightning_par.runtime.host.loss_context`)."""
+        return host.loss_context(self.parallel)
 
-    @contextmanager
-    def _step_context(self) -> Generator[None, None, None]:
-        with self.precision_plugin.forward_context(), self.loss_context():
-            yield
+    def _step_context(self) -> Any:
+        return host.step_context(self.precision_plugin, self.parallel)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

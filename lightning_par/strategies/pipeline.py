@@ -32,10 +32,10 @@ class PipelineStrategy(MeshStrategy):
     Args:
         pp_size: pipeline ranks.
         dp_size: data-parallel replicas (``-1``: the rest of the processes).
-        schedule: ``"gpipe"`` (the default), ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_zero_bubble"``,
-            ``"zbv_zero_bubble"`` or ``"dualpipev"`` (see :data:`lightning_par.pipeline_parallel.options.SCHEDULES`).
-        **options: the rest of the pipeline group (``num_microbatches``, ``virtual_stages``, ``split``,
-            ``split_timeout_s``, ``measure_bubble``), the reducer group, and :class:`MeshStrategy`'s keywords.
+        schedule: ``"gpipe"`` (the default), ``"1f1b"``, or another key of
+            :data:`lightning_par.pipeline_parallel.options.SCHEDULES`.
+        **options: the rest of the pipeline group (:class:`~lightning_par.pipeline_parallel.options.PipelineOptions`),
+            the reducer group, and :class:`MeshStrategy`'s keywords.
 
     Raises:
         ValueError: an invalid option, named in the message; before the process group starts, a model that does not

@@ -28,10 +28,9 @@ class ZeroStrategy(MeshStrategy):
     Args:
         stage: 1, 2 or 3.
         dp_size: data-parallel size (``-1``: all processes).
-        **options: the zero group (``cpu_offload`` (stage 3, needs an accelerator), ``mixed_precision`` (``None``,
-            ``"bf16"``/``"fp16"`` or ``{"param_dtype": ..., "reduce_dtype": ...}``), ``reshard_after_forward``
-            (stage 3)), the reducer group (``bucket_cap_mb`` for stages 1-2, ``gradient_as_bucket_view``,
-            ``static_graph``, ``comm_hook`` for stage 1), and :class:`MeshStrategy`'s keywords.
+        **options: the zero group (:class:`~lightning_par.data_parallel.options.ZeroOptions`: ``cpu_offload``,
+            ``mixed_precision``, ``reshard_after_forward``), the reducer group (stages 1-2), and
+            :class:`MeshStrategy`'s keywords.
 
     Raises:
         ValueError: an invalid stage or option (see :func:`~lightning_par.data_parallel.options.resolve_zero_options`);
