@@ -24,8 +24,10 @@ from lightning_par.parallelize import ParallelModel, parallel_model_of, parallel
 from lightning_par.precision import check_precision
 from lightning_par.runtime import collectives
 
-__all__ = ["HostDevices", "loss_context", "refuse_stage", "reshard", "run_parts", "set_world_ranks", "is_set_up", "setup_parallel_model", "split_batch",
-           "start_layout", "step_context", "unparallelize_previous", "validate_model"]
+__all__ = [
+    "HostDevices", "is_set_up", "loss_context", "refuse_stage", "reshard", "run_parts", "set_world_ranks",
+    "setup_parallel_model", "split_batch", "start_layout", "step_context", "unparallelize_previous", "validate_model",
+]
 
 _log = logging.getLogger(__name__)
 
