@@ -124,8 +124,8 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, host.HostDe
             reset_seed()
 
         # a group started here: under torchrun --max-restarts, in a store namespace of this attempt (no-op otherwise)
-        accelerator = "gpu" if self.root_device.type == "cuda" else "cpu"
-        host.start_layout(self, self, check, lambda: init_process_group_per_attempt(accelerator, self._timeout_s))
+        host.start_layout(self, self, check, lambda: init_process_group_per_attempt(
+            "gpu" if self.root_device.type == "cuda" else "cpu", self._timeout_s))
         if self.lightning_module is not None:  # as Lightning's ModelParallelStrategy: visible in configure_model
             set_module_device_mesh(self.lightning_module, self.device_mesh)
 
