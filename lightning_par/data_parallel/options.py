@@ -24,6 +24,7 @@ __all__ = [
     "ZeroOptions",
     "parse_mixed_precision",
     "resolve_zero_options",
+    "zero_dp_mode",
     "zero_stage",
 ]
 
@@ -222,13 +223,23 @@ def parse_mixed_precision(value: Any) -> tuple[torch.dtype | None, torch.dtype |
     )
 
 
-def _check_zero(o: ZeroOptions) -> None:
-    stage = o.stage
+def zero_dp_mode(stage: Any) -> str:
+    """The ``dp_mode`` of ZeRO ``stage`` (``"zero1"``, ...).
+
+    Raises:
+        ValueError: ``stage`` is not one of :data:`ZERO_STAGES`.
+    """
     if isinstance(stage, bool) or stage not in ZERO_STAGES:
         raise ValueError(
             f"stage={stage!r} is not valid: expected one of {list(ZERO_STAGES)} (1: optimizer state, 2: + gradients, "
             f"3: + parameters). For plain data parallelism (stage 0) use strategy='ddp_overlap'."
         )
+    return f"zero{stage}"
+
+
+def _check_zero(o: ZeroOptions) -> None:
+    stage = o.stage
+    zero_dp_mode(stage)
     check_bool("cpu_offload", o.cpu_offload)
     if o.cpu_offload and stage < 3:
         raise ValueError(

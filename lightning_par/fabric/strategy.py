@@ -19,20 +19,14 @@ from typing import Any
 
 import torch
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_par.compat.fabric import (
-    BackwardSyncControl,
-    FabricSubprocessScriptLauncher,
-    default_process_group_backend_for_device,
-)
+from lightning_par.compat.fabric import BackwardSyncControl, FabricSubprocessScriptLauncher
 from lightning_par.parallel_dims import ParallelDims
-from lightning_par.parallelize import ParallelModel, parallelize, validate
-from lightning_par.runtime import checkpoint, collectives, step
+from lightning_par.parallelize import ParallelModel, validate
+from lightning_par.runtime import checkpoint, collectives, host, step
 from lightning_par.runtime.core import StrategyCore
 
 __all__ = ["MeshStrategy", "FABRIC_KEYS"]
@@ -41,7 +35,7 @@ __all__ = ["MeshStrategy", "FABRIC_KEYS"]
 FABRIC_KEYS = checkpoint.STATE_KEYS
 
 
-class MeshStrategy(ParallelStrategy):
+class MeshStrategy(host.HostDevices, ParallelStrategy):
     """Every registered axis on one mesh (pp and cp through :meth:`train_step`), for ``lightning.fabric.Fabric`` and
     any ``nn.Module`` meeting :mod:`lightning_par.contract` (under pipelining the network is at ``module_attr``).
 
@@ -91,22 +85,12 @@ class MeshStrategy(ParallelStrategy):
         return self.core.options
 
     @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
     def num_nodes(self) -> int:
         return self._num_nodes
 
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
     @override
@@ -127,17 +111,8 @@ class MeshStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         """Validate the layout against the world, then start the process group and build the mesh."""
         super().setup_environment()
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-        dims = self.core.resolve_parallel_dims(self.num_nodes * self.num_processes)
-        self.options.check_layout(dims.pp_size)
-        backend = self.core.process_group_backend or default_process_group_backend_for_device(self.root_device)
-        self.core.process_group_backend = backend
-        collectives.start_process_group(self.cluster_environment, backend, self.core.timeout_s)
-        dims.build_mesh(self.root_device.type)
-        self.parallel_dims = self.core.parallel_dims = dims
+        host.set_world_ranks(self)
+        self.parallel_dims = host.start_layout(self.core, self)  # (lightning_par.runtime.host)
 
     @property
     def device_mesh(self) -> Any:
@@ -162,8 +137,8 @@ class MeshStrategy(ParallelStrategy):
         if self.parallel is None:
             validate(module, self.parallel_dims, self.options)
             self._names = {id(p): n for n, p in module.named_parameters()}
-            self.parallel = parallel = parallelize(
-                module, self.parallel_dims, self.core.precision_options(self.precision_name),
+            self.parallel = parallel = host.setup_parallel_model(
+                module, None, self.parallel_dims, self.core.precision_options(self.precision_name),
                 device=self.root_device, step_context=self._step_context, check=False,
             )
             step.check_loop(parallel)
@@ -197,9 +172,9 @@ class MeshStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ steps (lightning_par.runtime.step)
     def loss_context(self) -> AbstractContextManager[Any]:
-        """The context a loss is computed in (a tp ``vocab_head``'s vocab-parallel loss); ``fabric.backward`` enters
-        it itself."""
-        return self.parallel.loss_context() if self.parallel is not None else nullcontext()
+        """The context a loss is computed in (:func:`lightning_par.runtime.host.loss_context`); ``fabric.backward``
+        enters it itself."""
+        return host.loss_context(self.parallel)
 
     @override
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
@@ -224,11 +199,9 @@ class MeshStrategy(ParallelStrategy):
         if not self._sync_blocked:
             self._grads_pending = True
 
-    @contextmanager
-    def _step_context(self) -> Generator[None, None, None]:
+    def _step_context(self) -> AbstractContextManager[None]:
         """Around each pipeline schedule run: Fabric's precision (autocast) and the loss context."""
-        with self.precision.forward_context(), self.loss_context():
-            yield
+        return host.step_context(self.precision, self.parallel)
 
     def train_step(self, batch: Any, loss_scale: float = 1.0, loss_fn: Any = None) -> Tensor:
         """One forward and backward over ``batch`` (see :func:`lightning_par.fabric.train_step`): the runtime's
@@ -363,12 +336,9 @@ class MeshStrategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any, presets: tuple[type[StrategyCore], ...] = ()) -> None:
         """Register this class under each registry name of ``presets`` (the Trainer's), with that name's preset."""
         for preset in presets:
-            for name in preset.registry_names or (preset.strategy_name,):
-                if name not in strategy_registry:
-                    strategy_registry.register(
-                        name, cls, description=f"{preset.description} (lightning_par, Fabric)", _preset=preset,
-                        **preset.registry_presets.get(name, {}),
-                    )
+            for name, options in preset.registry_entries(strategy_registry):
+                strategy_registry.register(name, cls, description=f"{preset.description} (lightning_par, Fabric)",
+                                           _preset=preset, **options)
 
 
 class _MeshBackwardSyncControl(BackwardSyncControl):

@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning_par.validation import check_bool, check_choice, check_int, check_number
 
-__all__ = ["SCHEDULES", "SPLIT_METHODS", "PipelineOptions", "ScheduleSpec"]
+__all__ = ["SCHEDULES", "SPLIT_METHODS", "PipelineOptions", "ScheduleSpec", "take_schedule"]
 
 #: Automatic ways of placing the stage boundaries (an explicit list of layer counts is the other way).
 SPLIT_METHODS: tuple[str, ...] = ("params", "time", "size")
@@ -168,3 +168,15 @@ class PipelineOptions:
                 f"weight-gradient step, or wrong gradients for dualpipev). Use reshard_after_forward=False, another "
                 f"dp_mode, or schedule in ['gpipe', '1f1b', 'interleaved_1f1b']."
             )
+
+
+def take_schedule(schedule: str | None, options: dict[str, Any], default: str) -> str:
+    """The schedule a pipeline preset runs: ``schedule`` if given, else the nested ``options["pipeline"]["schedule"]``
+    (the Hydra schema's ``strategy.pipeline.schedule``, taken out of ``options``), else ``default``."""
+    if schedule is not None:
+        return schedule
+    nested = dict(options.get("pipeline") or {})
+    schedule = nested.pop("schedule", None) or default
+    if "pipeline" in options:
+        options["pipeline"] = nested
+    return schedule

@@ -7,6 +7,10 @@
   preparation (every axis's batch transform), forward and loss (aux-loss factor, document masks, the axes' step
   wrappers: token weighting over cp and dp), backward between the dp engine's hooks, the gradient finishers, clipping,
   evaluation, the global token mean, and the one-call step of a loop that gives the batch and a loss function.
+* :mod:`lightning_par.runtime.host` — what a host's strategy does around the step: world ranks, the process group and
+  the mesh, the model's checks before the group, building or reusing the ParallelModel, stage refusals, resharding,
+  teardown, the loss and step contexts.
+* :mod:`lightning_par.runtime.collectives` — the process group's start and the host's collectives.
 * :mod:`lightning_par.runtime.checkpoint` — the model's and optimizers' state for sharded checkpoints, and the record
   written beside it.
 

@@ -21,8 +21,37 @@ __all__ = ["StrategyCore"]
 
 
 class StrategyCore:
-    """The sizes, the option groups and the process-group settings of a strategy (see
-    :class:`lightning_par.strategies.MeshStrategy` for every keyword).
+    """The sizes, the option groups and the process-group settings of a strategy: the keywords of
+    :class:`lightning_par.strategies.MeshStrategy` (the Trainer's), of its presets and of
+    :class:`lightning_par.fabric.MeshStrategy`.
+
+    Args:
+        dp_size: data-parallel ranks (different batches), ``dp_replicate_size * dp_shard_size``; ``-1`` infers
+            ``world_size // (pp_size * cp_size * tp_size)``.
+        tp_size: tensor-parallel ranks per stage.
+        pp_size: pipeline ranks.
+        dp_mode: ``"ddp"`` (bucketed all-reduce overlapped with backward), ``"zero1"``, ``"zero2"`` or ``"zero3"``.
+        dp_replicate_size: HSDP replicas (``> 1``: each dp mode shards within ``dp_shard`` and reduces across the
+            replicas; ``ddp`` all-reduces over all of them).
+        dp_shard_size: ranks the model state is sharded over (ZeRO's ``N``); ``-1``: ``dp_size // dp_replicate_size``.
+        module_attr: attribute of the LightningModule (or Fabric's module) holding the network (see
+            :mod:`lightning_par.contract`).
+        activation_checkpointing: ``"none"``, ``"full"`` (recompute every block in backward) or ``"selective"`` (the
+            attention of every block); applied after tensor parallelism and before the dp mode.
+        timeout_s: seconds a collective may wait for a peer before it raises (gloo and nccl), so that a dead or
+            stuck rank ends the job with an error instead of a hang.
+        prog_bar: also show the strategy's own figures (``parallel/...``) in the progress bar.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; default: nccl on CUDA, gloo on CPU.
+        **options: the size of every further registered axis (a size field of
+            :class:`~lightning_par.parallel_dims.ParallelDims`: ``cp_size`` context-parallel ranks, ``ep_size``
+            expert-parallel ranks borrowed from ``dp_shard_size * cp_size``; 1 by default), and the option groups,
+            flat or nested (:data:`lightning_par.parallelize.OPTION_GROUPS`):
+            ``reducer`` (``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``, ``comm_hook``,
+            ``powersgd_rank``, ``powersgd_start_iter``), ``zero`` (``cpu_offload``, ``mixed_precision``,
+            ``reshard_after_forward``), ``tensor_parallel`` (``sequence_parallel``, ``plan``), ``pipeline``
+            (``schedule``, ``num_microbatches``, ``virtual_stages``, ``split``, ``split_timeout_s``,
+            ``measure_bubble``), ``compile`` (``enabled``, ``backend``, ``mode``, ``fullgraph``; given nested only,
+            ``compile={"enabled": True}``: ``torch.compile`` of every block, docs/compile.md).
 
     Raises:
         ValueError: an invalid size, option or combination, or a size or option of an axis this strategy does not
@@ -117,6 +146,17 @@ class StrategyCore:
         if self.parallel_dims is None or self.parallel_dims._mesh is None:
             raise RuntimeError("The device mesh exists only after the strategy's setup_environment().")
         return self.parallel_dims._mesh
+
+    @classmethod
+    def registry_entries(cls, registry: Any) -> list[tuple[str, dict[str, Any]]]:
+        """``(name, the options it implies)`` of each registry name of this class that ``registry`` does not hold."""
+        return [(n, cls.registry_presets.get(n, {})) for n in cls.registry_names or (cls.strategy_name,)
+                if n not in registry]
+
+    def group(self, axis: str) -> Any:
+        """The process group of one mesh axis or derived mesh (:meth:`ParallelDims.get_mesh`) containing this rank."""
+        assert self.parallel_dims is not None
+        return self.parallel_dims.group(axis)
 
     def resolve_parallel_dims(self, world_size: int) -> ParallelDims:
         """Validate the requested sizes against ``world_size`` (no process group needed); the layout handed in by

@@ -36,6 +36,7 @@ __all__ = [
     "check_loop",
     "check_positions",
     "clip_grad_norm_",
+    "finishing",
     "clip_grad_value_",
     "document_attention",
     "evaluate",
@@ -130,6 +131,18 @@ def clip_grad_value_(parallel: Any, optimizer: Any, clip_value: float) -> None:
     """Clamp every gradient of ``optimizer`` to ``[-clip_value, clip_value]`` on each rank's shard (exactly the one
     process's clamp: :meth:`~lightning_par.parallelize.ParallelModel.clip_grad_value_`)."""
     parallel.clip_grad_value_(optimizer_params(optimizer), float(clip_value))
+
+
+def finishing(parallel: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
+    """``closure`` (a host's optimizer closure: the step's last backward and its dp reduction), then the parallel
+    model's gradient finishers (tp: replicated parameters' partial gradients summed), once per optimizer step."""
+
+    def run() -> Any:
+        out = closure()
+        parallel.finish_gradients()
+        return out
+
+    return run
 
 
 def global_mean(parallel: Any, local: Tensor, tokens: Tensor) -> Tensor:

@@ -1,19 +1,12 @@
-"""``MeshStrategy``: the one strategy core. Every lightning_par strategy is a preset of it.
-
-It is Lightning's adapter for the parallel model: it owns the validated :class:`~lightning_par.parallel_dims.
-ParallelDims`, the process group (with a collective timeout, so a dead rank ends the job instead of hanging it), the
-device mesh of named axes, data sharding over the **dp** ranks only (the tp, cp and pp ranks of one replica see the
-same batch), and it drives the :class:`~lightning_par.parallelize.ParallelModel` that :func:`lightning_par.parallelize.
-parallelize` builds from the registered axes, through one step protocol (:class:`~lightning_par.steps.StepHooks`):
-Lightning's ``training_step``, ``backward``, ``block_backward_sync`` and the evaluation steps go to
-``parallel.steps``; the gradient finishers run once per optimizer step; checkpoints take the parallel model's
-one-process state. Checkpoints are sharded ``torch.distributed.checkpoint`` directories committed atomically
-(:mod:`lightning_par.checkpoint`), loadable into any layout, strategy and one process.
+"""``MeshStrategy``: Lightning's adapter for the parallel runtime (:mod:`lightning_par.runtime`); every lightning_par
+Trainer strategy is a preset of it. It translates Lightning's hooks into runtime calls: the layout and process group
+(:mod:`lightning_par.runtime.host`), the step (``parallel.steps``, :mod:`lightning_par.runtime.step`), sharded
+``torch.distributed.checkpoint`` directories (:mod:`lightning_par.checkpoint`), fault tolerance
+(:mod:`lightning_par.fault_tolerance`).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -24,16 +17,12 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_par.checkpoint.strategy_io import ShardedCheckpointIO
-from lightning_par.compat.fabric import default_process_group_backend_for_device, optimizers_to_device
-from lightning_par.compat.lightning import SubprocessScriptLauncher
-from lightning_par.compat.lightning import plain_optimizer, set_module_device_mesh
+from lightning_par.compat.fabric import optimizers_to_device
+from lightning_par.compat.lightning import SubprocessScriptLauncher, plain_optimizer, set_module_device_mesh
 from lightning_par.callbacks.metrics import log_comm_stats, log_host_number
 from lightning_par.callbacks.model_summary import install as install_model_summary
 from lightning_par.callbacks.refusals import check_callbacks
@@ -44,55 +33,23 @@ from lightning_par.fault.preemption import PreemptionWatch
 from lightning_par.fault.process_group_exit import FAILED
 from lightning_par.fault_tolerance.hooks import FaultToleranceHooks
 from lightning_par.parallel_dims import ParallelDims
-from lightning_par.parallelize import ParallelModel, ParallelOptions, parallel_model_of, parallelize, validate
+from lightning_par.parallelize import ParallelModel, ParallelOptions
 from lightning_par.precision import check_precision, distributed_scaler, route_clipping
-from lightning_par.runtime import collectives, step
+from lightning_par.runtime import collectives, host, step
 from lightning_par.runtime.core import StrategyCore
 
 __all__ = ["MeshStrategy"]
 
-_log = logging.getLogger(__name__)
 
-def _split_batch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
-    """``(batch, the other positional arguments, the other keyword arguments)`` of a Lightning step call."""
-    if args:
-        return args[0], args[1:], kwargs
-    rest = dict(kwargs)
-    return rest.pop("batch", None), (), rest
-
-
-
-class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStrategy):
+class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, host.HostDevices, ParallelStrategy):
     """Every registered axis on one mesh, for any LightningModule meeting :mod:`lightning_par.contract`.
 
     Args:
-        dp_size: data-parallel ranks (different batches), ``dp_replicate_size * dp_shard_size``; ``-1`` infers
-            ``world_size // (pp_size * cp_size * tp_size)``.
-        tp_size: tensor-parallel ranks per stage.
-        pp_size: pipeline ranks.
-        dp_mode: ``"ddp"`` (bucketed all-reduce overlapped with backward), ``"zero1"``, ``"zero2"`` or ``"zero3"``.
-        dp_replicate_size: HSDP replicas (``> 1``: each dp mode shards within ``dp_shard`` and reduces across the
-            replicas; ``ddp`` all-reduces over all of them).
-        dp_shard_size: ranks the model state is sharded over (ZeRO's ``N``); ``-1``: ``dp_size // dp_replicate_size``.
-        module_attr: attribute of the LightningModule holding the network (see :mod:`lightning_par.contract`).
-        activation_checkpointing: ``"none"``, ``"full"`` (recompute every block in backward) or ``"selective"`` (the
-            attention of every block); applied after tensor parallelism and before the dp mode.
-        timeout_s: seconds a collective may wait for a peer before it raises (gloo and nccl), so that a dead or
-            stuck rank ends the job with an error instead of a hang.
-        prog_bar: also show the strategy's own figures (``parallel/...``) in the progress bar.
-        process_group_backend: ``"gloo"`` or ``"nccl"``; default: nccl on CUDA, gloo on CPU.
+        dp_size, tp_size, pp_size, dp_mode, dp_replicate_size, dp_shard_size, module_attr, activation_checkpointing,
+            timeout_s, prog_bar, process_group_backend, **options: the layout's sizes, option groups and process-group
+            settings, the same under both hosts: see :class:`~lightning_par.runtime.core.StrategyCore`.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for Lightning's
             ``DDPStrategy`` (the Trainer fills them in).
-        **options: the size of every further registered axis (a size field of
-            :class:`~lightning_par.parallel_dims.ParallelDims`: ``cp_size`` context-parallel ranks, ``ep_size``
-            expert-parallel ranks borrowed from ``dp_shard_size * cp_size``; 1 by default), and the option groups,
-            flat or nested (:data:`lightning_par.parallelize.OPTION_GROUPS`):
-            ``reducer`` (``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``, ``comm_hook``,
-            ``powersgd_rank``, ``powersgd_start_iter``), ``zero`` (``cpu_offload``, ``mixed_precision``,
-            ``reshard_after_forward``), ``tensor_parallel`` (``sequence_parallel``, ``plan``), ``pipeline``
-            (``schedule``, ``num_microbatches``, ``virtual_stages``, ``split``, ``split_timeout_s``,
-            ``measure_bubble``), ``compile`` (``enabled``, ``backend``, ``mode``, ``fullgraph``; given nested only,
-            ``compile={"enabled": True}``: ``torch.compile`` of every block, docs/compile.md).
 
     Raises:
         ValueError: here, an invalid size, option or combination, or a size or option of an axis this strategy does
@@ -101,34 +58,16 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStr
     """
 
     def __init__(
-        self,
-        dp_size: int = -1,
-        tp_size: int = 1,
-        pp_size: int = 1,
-        dp_mode: str = ParallelOptions.dp_mode,
-        *,
-        dp_replicate_size: int = 1,
-        dp_shard_size: int = -1,
-        module_attr: str | None = ParallelOptions.module_attr,
-        activation_checkpointing: str = ParallelOptions.activation_checkpointing,
-        timeout_s: float = 1800.0,
-        prog_bar: bool = False,
-        process_group_backend: str | None = None,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
-        **options: Any,
+        self, dp_size: int = -1, tp_size: int = 1, pp_size: int = 1, dp_mode: str = ParallelOptions.dp_mode, *,
+        dp_replicate_size: int = 1, dp_shard_size: int = -1, module_attr: str | None = ParallelOptions.module_attr,
+        activation_checkpointing: str = ParallelOptions.activation_checkpointing, timeout_s: float = 1800.0,
+        prog_bar: bool = False, process_group_backend: str | None = None, accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None, checkpoint_io: Any = None,
+        precision_plugin: Any = None, **options: Any,
     ) -> None:
-        ParallelStrategy.__init__(
-            self,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        ParallelStrategy.__init__(self, accelerator=accelerator, parallel_devices=parallel_devices,
+                                  cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                                  precision_plugin=precision_plugin)
         StrategyCore.__init__(
             self, dp_size, tp_size, pp_size, dp_mode, dp_replicate_size=dp_replicate_size, dp_shard_size=dp_shard_size,
             module_attr=module_attr, activation_checkpointing=activation_checkpointing, timeout_s=timeout_s,
@@ -154,16 +93,6 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStr
 
     @property
     @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Shard batches over the dp ranks only: every tp, cp and pp rank of a replica reads the same samples."""
         dims = self.parallel_dims
@@ -178,10 +107,7 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStr
             self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        host.set_world_ranks(self)
 
     @override
     def setup_environment(self) -> None:
@@ -191,89 +117,48 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStr
         self.set_world_ranks()
         self._exception = None
         self.unparallelize_previous()
-        # Validate the layout, and the model against it, before any process group starts.
-        dims = self.resolve_parallel_dims(self.num_nodes * self.num_processes)
-        self.validate_model(dims)
-        self.fault_tolerance.setup_environment()
-        reset_seed()
-        self._process_group_backend = self._process_group_backend or default_process_group_backend_for_device(
-            self.root_device
-        )
-        assert self.cluster_environment is not None
+
+        def check(dims: ParallelDims) -> None:  # the layout, and the model against it, before any process group
+            self.validate_model(dims)
+            self.fault_tolerance.setup_environment()
+            reset_seed()
+
         # a group started here: under torchrun --max-restarts, in a store namespace of this attempt (no-op otherwise)
-        accelerator = "gpu" if self.root_device.type == "cuda" else "cpu"
-        collectives.start_process_group(self.cluster_environment, self._process_group_backend, self._timeout_s,
-                                        before=lambda: init_process_group_per_attempt(accelerator, self._timeout_s))
-        mesh = dims.build_mesh(self.root_device.type)
-        self.parallel_dims = dims
+        host.start_layout(self, self, check, lambda: init_process_group_per_attempt(
+            "gpu" if self.root_device.type == "cuda" else "cpu", self._timeout_s))
         if self.lightning_module is not None:  # as Lightning's ModelParallelStrategy: visible in configure_model
-            set_module_device_mesh(self.lightning_module, mesh)
+            set_module_device_mesh(self.lightning_module, self.device_mesh)
 
     def unparallelize_previous(self) -> None:
-        """A module that another strategy's run parallelised (a second, new Trainer on the same module) goes back to
-        its plain form with the trained values before this run checks and parallelises it
-        (:meth:`~lightning_par.parallelize.ParallelModel.unparallelize`: collective, with that run's meshes). The
-        module this strategy itself parallelised (``fit`` again on the same Trainer) is kept as it is.
-
-        Raises:
-            RuntimeError: the process group the module was parallelised with is gone.
-        """
-        module = self.lightning_module
-        previous = parallel_model_of(module) if module is not None else None
-        if previous is None or previous is self.parallel:
-            return
-        if not dist.is_initialized():
-            raise RuntimeError(
-                f"{type(module).__name__} was parallelised by an earlier lightning_par run whose process group is "
-                f"gone, so its shards cannot be gathered back: build a new module and load the earlier run's "
-                f"checkpoint (lightning_par.checkpoint.load_from_checkpoint), or keep the process group alive."
-            )
-        previous.unparallelize()
+        """A module another run parallelised (a second Trainer on it) goes back to its plain form first, the one this
+        strategy parallelised is kept (:func:`lightning_par.runtime.host.unparallelize_previous`, which raises)."""
+        host.unparallelize_previous(self.lightning_module, self.parallel)
 
     def validate_model(self, dims: ParallelDims) -> None:
-        """Check the LightningModule against the layout before the process group starts (all of
-        :func:`lightning_par.parallelize.validate`, unless ``configure_model`` builds the layers later; then
-        :meth:`setup` checks them).
-
-        Raises:
-            ValueError: see :func:`lightning_par.parallelize.validate`; ``cpu_offload=True`` on a CPU device; fp16
-                loss scaling (``"16-mixed"``) with pipelining.
-        """
-        self.options.check_layout(dims.pp_size)
-        check_precision(self.precision, dims.pp_size, getattr(self.precision_plugin, "scaler", None) is not None)
-        if self.options.zero is not None and self.options.zero.cpu_offload and self.root_device.type == "cpu":
-            raise ValueError(
-                "cpu_offload=True is not valid on a CPU device: FSDP2's CPUOffloadPolicy moves shards between an "
-                "accelerator and the CPU. Run on a GPU or set cpu_offload=False."
-            )
+        """Check the LightningModule against the layout before the process group starts (when ``configure_model``
+        builds the layers, :meth:`setup` does). Raises the ``ValueError`` of :func:`lightning_par.runtime.host.
+        validate_model`."""
         module = self.lightning_module
-        # A module this strategy already parallelised (fit again) was checked then; it is reused as it is.
-        if module is not None and not is_overridden("configure_model", module) and parallel_model_of(module) is None:
-            validate(module, dims, self.options)
+        later = module is not None and is_overridden("configure_model", module)
+        if host.validate_model(self, dims, module, lambda: self.root_device, self._scaler, later):
             self._validated = module
+
+    @property
+    def _scaler(self) -> bool:
+        return getattr(self.precision_plugin, "scaler", None) is not None
 
     @override
     def setup(self, trainer: Any) -> None:
         assert self.model is not None and self.accelerator is not None and self.parallel_dims is not None
-        check_precision(self.precision, self.parallel_dims.pp_size,
-                        getattr(self.precision_plugin, "scaler", None) is not None)
+        check_precision(self.precision, self.parallel_dims.pp_size, self._scaler)
         self.accelerator.setup(trainer)
-        # fit / validate again on this Trainer: the module this strategy parallelised is on its device and converted
-        # already, and is reused as it is. Moving or converting it again would replace every DTensor parameter's
-        # tensor (nn.Module._apply swaps tensor subclasses), which drops the gradient hooks of the dp reducer and of
-        # tensor parallelism: measured, 0 hook calls after `.cpu()` on CPU, and zero gradients for the split
-        # parameters at dp 2 x tp 2.
-        reuse = self.parallel is not None and parallel_model_of(self.model) is self.parallel
-        if not reuse:
+        if not host.is_set_up(self.model, self.parallel):  # fit / validate again on this Trainer: reused as it is
             self.model = self.precision_plugin.convert_module(self.model)
             self.model_to_device()
-        if self.parallel is None or self.parallel.module is not self.model:
-            if self.parallel is not None:  # another module: its engines stay, undone if it is parallelised again
-                self.parallel.remove_hooks()
-            self.parallel = parallelize(
-                self.model, self.parallel_dims, self.precision_options(), device=self.root_device,
-                step_context=self._step_context, check=self._validated is not self.lightning_module,
-            )
+        self.parallel = host.setup_parallel_model(
+            self.model, self.parallel, self.parallel_dims, self.precision_options(), device=self.root_device,
+            step_context=self._step_context, check=self._validated is not self.lightning_module,
+        )
         if trainer.state.fn == TrainerFn.FITTING:
             check_callbacks(trainer.callbacks, self.model, self.parallel_dims, self.options)
             self.setup_optimizers(trainer)
@@ -318,55 +203,34 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStr
     @override
     def teardown(self) -> None:
         """Lightning's teardown (``ParallelStrategy.teardown`` and ``Strategy.teardown`` of Lightning 2.6), except that
-        a module this strategy parallelised stays where it is: moving it to the CPU replaces its DTensor parameters'
-        tensors and drops the engines' gradient hooks (see :meth:`setup`), so a later ``fit`` on this Trainer would
-        train wrongly; a new Trainer takes it back to its plain form first
-        (:meth:`~lightning_par.parallelize.ParallelModel.unparallelize`).
-
-        After the run's error (Lightning tears down while that error propagates) every part is tried and none of its
-        own errors replaces the user's: an error raised here would be printed last, the user's exception buried above
-        it (FSDP2 left mid-forward by the error cannot even be moved: ``'Parameter' object has no attribute
-        '_local_tensor'``). The parameters are resharded first then.
-        """
-        module = self.lightning_module
-        failed = self._exception is not None
-        keep = module is not None and self.parallel is not None and parallel_model_of(module) is self.parallel
-        parts: list[tuple[str, Any]] = [
+        a module this strategy parallelised stays where it is (:func:`lightning_par.runtime.host.is_set_up`; a new
+        Trainer takes it back to its plain form first). After the run's error every part is tried, the parameters
+        resharded first (:func:`lightning_par.runtime.host.run_parts`)."""
+        module, parallel, failed = self.lightning_module, self.parallel, self._exception is not None
+        keep = module is not None and host.is_set_up(module, parallel)
+        host.run_parts([
             ("fault tolerance manager", self.fault_tolerance.teardown),
-            ("reshard", (lambda: self.parallel.engine.reshard()) if failed and self.parallel is not None else None),
+            ("reshard", (lambda: parallel.engine.reshard()) if failed and parallel is not None else None),
             ("cluster environment", self.cluster_environment.teardown if self.cluster_environment else None),
             ("optimizers to CPU", lambda: optimizers_to_device(self.optimizers, torch.device("cpu"))),
             ("module to CPU", module.cpu if module is not None and not keep else None),
             ("precision", self.precision_plugin.teardown),
             ("accelerator", self.accelerator.teardown if self.accelerator is not None else None),
             ("checkpoint io", self.checkpoint_io.teardown),
-        ]
-        for name, part in parts:
-            if part is None:
-                continue
-            if not failed:
-                part()
-                continue
-            try:
-                part()
-            except Exception as err:  # noqa: BLE001 - the user's error is the one to see
-                _log.debug("teardown after the run's error: %s failed: %r", name, err)
+        ], failed)
 
     # ------------------------------------------------------------------ steps (the parallel model's step hooks)
     def loss_context(self) -> Any:
-        """The context the loss's forward and backward must run in (the vocab-parallel loss of a tp ``vocab_head``),
-        else a no-op context."""
-        return self.parallel.loss_context() if self.parallel is not None else nullcontext()
+        """The context the loss must run in (:func:`lightning_par.runtime.host.loss_context`)."""
+        return host.loss_context(self.parallel)
 
-    @contextmanager
-    def _step_context(self) -> Generator[None, None, None]:
-        with self.precision_plugin.forward_context(), self.loss_context():
-            yield
+    def _step_context(self) -> Any:
+        return host.step_context(self.precision_plugin, self.parallel)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.parallel is not None
-        batch, rest, kwargs = _split_batch(args, kwargs)
+        batch, rest, kwargs = host.split_batch(args, kwargs)
         batch_idx = rest[0] if rest else kwargs.get("batch_idx", 0)
         batch_idx, rest, kwargs = self.fault_tolerance.training_step(self.lightning_module, batch_idx, rest, kwargs)
         out = self.parallel.steps.training_step(
@@ -399,20 +263,12 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStr
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Once the step's last backward and its dp reduction are done (inside ``closure``), the parallel model's
-        gradient finishers (tp: replicated parameters' partial gradients summed), before clipping and the step."""
-        parallel = self.parallel
-        if parallel is None:
+        """The gradient finishers after ``closure`` (:func:`lightning_par.runtime.step.finishing`), before clipping and
+        the step; under fault tolerance, the mean over the live replica groups and the commit vote around it."""
+        if self.parallel is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-        def closure_then_finish() -> Any:
-            out = closure()
-            parallel.finish_gradients()
-            return out
-
-        # fault tolerance: the mean over the live replica groups and the commit vote (or DiLoCo's sync) around it
         return self.fault_tolerance.optimizer_step(
-            self.lightning_module, optimizer, closure_then_finish,
+            self.lightning_module, optimizer, step.finishing(self.parallel, closure),
             lambda c: super(MeshStrategy, self).optimizer_step(optimizer, c, model, **kwargs),
         )
 
@@ -431,7 +287,7 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStr
 
     def _eval_step(self, stage: str, step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         assert self.parallel is not None
-        batch, rest, kwargs = _split_batch(args, kwargs)
+        batch, rest, kwargs = host.split_batch(args, kwargs)
         return self.parallel.steps.eval_step(self, stage, lambda b: step(b, *rest, **kwargs), batch)
 
     @override
@@ -458,40 +314,24 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStr
 
     @override
     def on_predict_start(self) -> None:
-        """Refuse, before the first batch, predicting under a layout that cannot (an axis's
-        :attr:`~lightning_par.axis_registry.Build.refused_stages`).
-
-        Raises:
-            ValueError: the axis's reason (e.g. a sequence split over ranks: each ``predict_step`` would see its piece
-                of every sequence only, and return outputs for that piece).
-        """
+        """Refuse predicting under a layout that cannot, before the first batch (:func:`lightning_par.runtime.host.
+        refuse_stage`: a ``ValueError``)."""
         super().on_predict_start()
-        reason = self.parallel.refused_stages.get("predict") if self.parallel is not None else None
-        if reason:
-            raise ValueError(reason)
-
-    def _reshard(self) -> None:
-        if self.parallel is not None:
-            self.parallel.engine.reshard()
+        host.refuse_stage(self.parallel, "predict")
 
     @override
     def on_validation_end(self) -> None:
-        self._reshard()
+        host.reshard(self.parallel)
 
     @override
     def on_test_end(self) -> None:
-        self._reshard()
+        host.reshard(self.parallel)
 
     @override
     def on_predict_end(self) -> None:
-        self._reshard()
+        host.reshard(self.parallel)
 
     # ------------------------------------------------------------------ collectives
-    def group(self, axis: str) -> dist.ProcessGroup:
-        """The process group of one mesh axis or derived mesh (:meth:`ParallelDims.get_mesh`) containing this rank."""
-        assert self.parallel_dims is not None
-        return self.parallel_dims.group(axis)
-
     @override
     def barrier(self, name: str | None = None) -> None:
         collectives.barrier()
@@ -509,8 +349,5 @@ class MeshStrategy(StrategyCore, ShardedCheckpointIO, StrategyViews, ParallelStr
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register every name of :attr:`registry_names` with its preset options (names already taken are kept)."""
-        for name in cls.registry_names or (cls.strategy_name,):
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name, cls, description=cls.description, **cls.registry_presets.get(name, {})
-                )
+        for name, presets in cls.registry_entries(strategy_registry):
+            strategy_registry.register(name, cls, description=cls.description, **presets)

@@ -17,16 +17,13 @@ class DDPOverlapStrategy(MeshStrategy):
     Li et al., VLDB 2020, §3.2); the optimizer step waits for the rest. Over Lightning's ``DDPStrategy`` it adds: it
     works on the data-parallel ranks of the mesh (the same reducer serves the dp axis of 2D/3D layouts,
     where torch's DDP does not compose), and it measures the communication left exposed after backward
-    (``parallel/comm_exposed_ms`` in the logs, ``comm_exposed_s`` in ``summary.json``). A preset of :class:`MeshStrategy` with
-    ``dp_mode="ddp"`` and every axis but tp and pp.
-
-    Registered as ``"ddp_overlap"``.
+    (``parallel/comm_exposed_ms`` in the logs, ``comm_exposed_s`` in ``summary.json``). A preset of
+    :class:`MeshStrategy` with ``dp_mode="ddp"`` and every axis but tp and pp. Registered as ``"ddp_overlap"``.
 
     Args:
         dp_size: data-parallel size (``-1``: all processes).
-        **options: the reducer group (``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``, ``comm_hook``
-            ``"none"``/``"fp16"``/``"bf16"``/``"powersgd"``, ``powersgd_rank``, ``powersgd_start_iter``), and
-            :class:`MeshStrategy`'s keywords (``timeout_s``, ``module_attr``, ...).
+        **options: the reducer group (``comm_hook`` ``"none"``/``"fp16"``/``"bf16"``/``"powersgd"``, ...) and
+            :class:`MeshStrategy`'s keywords.
 
     Raises:
         ValueError: an invalid option, or one of an axis this strategy does not have (named in the message).

@@ -1,5 +1,4 @@
-"""``Parallel3DStrategy``: tensor parallelism inside each pipeline stage, pipelining across stages, data parallelism
-across replicas (ddp, ZeRO-1, ZeRO-2 or ZeRO-3), on one mesh of named axes."""
+"""``Parallel3DStrategy``: TP inside each pipeline stage, PP across stages, DP (ddp or ZeRO) across replicas."""
 
 from __future__ import annotations
 
@@ -16,21 +15,8 @@ class Parallel3DStrategy(MeshStrategy):
 
     The layout of Megatron-LM's "PTD-P" (Narayanan et al. 2021, §2.3: tp innermost, pp outermost), applied by
     :func:`lightning_par.parallelize.parallelize` in its fixed order: pipeline cut -> tensor parallel -> dp mode ->
-    schedule. It is :class:`MeshStrategy` with every axis and every option; ``pp_size=1`` runs the LightningModule's
-    own steps (no pipeline).
-
-    Registered as ``"parallel_3d"``.
-
-    Args:
-        dp_size: data-parallel replicas (``-1``: ``world_size // (tp_size * pp_size)``).
-        tp_size: tensor-parallel ranks per stage.
-        pp_size: pipeline ranks.
-        dp_mode: ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"zero3"`` (Rajbhandari et al. 2020).
-        **options: the option groups (reducer, zero, tensor_parallel, pipeline), flat or nested, and
-            :class:`MeshStrategy`'s keywords; see :class:`MeshStrategy`.
-
-    Raises:
-        ValueError: see :class:`MeshStrategy`.
+    schedule. It is :class:`MeshStrategy` with every axis and every option (its keywords and errors);
+    ``pp_size=1`` runs the LightningModule's own steps (no pipeline). Registered as ``"parallel_3d"``.
     """
 
     strategy_name: ClassVar[str] = "parallel_3d"

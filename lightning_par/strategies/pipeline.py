@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from lightning_par.pipeline_parallel.options import take_schedule
 from lightning_par.strategies.base import MeshStrategy
 
 __all__ = ["PipelineStrategy"]
@@ -25,17 +26,16 @@ class PipelineStrategy(MeshStrategy):
     called: see :mod:`lightning_par.contract`. It logs ``train_loss``, ``val_loss``, ``parallel/pp_bubble`` (the
     measured idle share of the step, mean over pp ranks) and ``parallel/pp_bubble_formula``; ``summary_extras()``
     reports busy and idle time per pp rank and the peak micro-batches whose activations a rank held. A preset of
-    :class:`MeshStrategy` with ``dp_mode="ddp"`` and every axis but tp.
-
-    Registered as ``"gpipe"`` and ``"1f1b"`` (the schedule preset) and ``"pipeline"`` (any schedule).
+    :class:`MeshStrategy` with ``dp_mode="ddp"`` and every axis but tp. Registered as ``"gpipe"`` and ``"1f1b"`` (the
+    schedule preset) and ``"pipeline"`` (any schedule).
 
     Args:
         pp_size: pipeline ranks.
         dp_size: data-parallel replicas (``-1``: the rest of the processes).
-        schedule: ``"gpipe"`` (the default), ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_zero_bubble"``,
-            ``"zbv_zero_bubble"`` or ``"dualpipev"`` (see :data:`lightning_par.pipeline_parallel.options.SCHEDULES`).
-        **options: the rest of the pipeline group (``num_microbatches``, ``virtual_stages``, ``split``,
-            ``split_timeout_s``, ``measure_bubble``), the reducer group, and :class:`MeshStrategy`'s keywords.
+        schedule: ``"gpipe"`` (the default), ``"1f1b"``, or another key of
+            :data:`lightning_par.pipeline_parallel.options.SCHEDULES`.
+        **options: the rest of the pipeline group (:class:`~lightning_par.pipeline_parallel.options.PipelineOptions`),
+            the reducer group, and :class:`MeshStrategy`'s keywords.
 
     Raises:
         ValueError: an invalid option, named in the message; before the process group starts, a model that does not
@@ -54,13 +54,8 @@ class PipelineStrategy(MeshStrategy):
     }
 
     def __init__(self, pp_size: int = 2, dp_size: int = -1, schedule: str | None = None, **options: Any) -> None:
-        if schedule is None:  # given nested (the Hydra schema's strategy.pipeline.schedule), or the default
-            nested = dict(options.get("pipeline") or {})
-            # A bare PipelineStrategy() is the preset of its strategy_name, "gpipe", as documented (and so is
-            # Trainer(strategy="pipeline"), which builds one); Hydra's strategy=pipeline and parallel_3d take
-            # PipelineOptions.schedule, "1f1b", instead.
-            schedule = nested.pop("schedule", None) or self.registry_presets[self.strategy_name]["schedule"]
-            if "pipeline" in options:
-                options["pipeline"] = nested
+        # A bare PipelineStrategy() (and Trainer(strategy="pipeline")) is the preset of its strategy_name, "gpipe", as
+        # documented; Hydra's strategy=pipeline and parallel_3d take PipelineOptions.schedule, "1f1b", instead.
+        schedule = take_schedule(schedule, options, self.registry_presets[self.strategy_name]["schedule"])
         super().__init__(dp_size=dp_size, pp_size=pp_size, dp_mode="ddp", schedule=schedule, **options)
         self.strategy_name = schedule if schedule in ("gpipe", "1f1b") else "pipeline"  # type: ignore[misc]

@@ -20,13 +20,8 @@ class TensorParallelStrategy(MeshStrategy):
 
     The plan, relative to the network (``lightning_module.model``, or the LightningModule itself when it has no
     ``model``): the ``plan`` option, else ``tp_plan()`` of the network or of the LightningModule (the reference GPT
-    has one); see :mod:`lightning_par.contract`. Styles: ``"colwise"``, ``"rowwise"``, ``"colwise_input"``,
-    ``"sequence_parallel"``, ``"position_embedding"``, ``"replicate"``, ``"vocab_embedding"``, ``"vocab_head"``,
-    ``"colwise_gather"``, ``"rowwise_split"``, ``"replicate_grad_sum"``, ``"vocab_embedding_full"``,
-    ``"sequence_scatter"`` (:mod:`lightning_par.tensor_parallel.plan`). A preset of :class:`MeshStrategy` with
-    ``dp_mode="ddp"`` and every axis but pp.
-
-    Registered as ``"tensor_parallel"``.
+    has one); see :mod:`lightning_par.contract`; its styles: :mod:`lightning_par.tensor_parallel.plan`. A preset of
+    :class:`MeshStrategy` with ``dp_mode="ddp"`` and every axis but pp. Registered as ``"tensor_parallel"``.
 
     Args:
         tp_size: tensor-parallel size.

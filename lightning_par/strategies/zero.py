@@ -1,10 +1,10 @@
-"""``ZeroStrategy``: ZeRO stages 1, 2 and 3 on the data-parallel axes of the mesh (HSDP with ``dp_replicate_size > 1``)."""
+"""``ZeroStrategy``: ZeRO stages 1, 2 and 3 on the dp axes of the mesh (HSDP with ``dp_replicate_size > 1``)."""
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from lightning_par.data_parallel.options import ZERO_STAGES
+from lightning_par.data_parallel.options import ZERO_STAGES, zero_dp_mode
 from lightning_par.strategies.base import MeshStrategy
 
 __all__ = ["ZeroStrategy"]
@@ -22,17 +22,15 @@ class ZeroStrategy(MeshStrategy):
 
     Clipping by norm is global; gradient accumulation works at every stage; checkpoints are sharded directories that
     load into another stage, dp size, strategy or one process. A preset of :class:`MeshStrategy` with
-    ``dp_mode=f"zero{stage}"`` and every axis but tp and pp.
-
-    Registered as ``"zero1"``, ``"zero2"`` and ``"zero3"`` (the stage preset).
+    ``dp_mode=f"zero{stage}"`` and every axis but tp and pp. Registered as ``"zero1"``, ``"zero2"`` and ``"zero3"``
+    (the stage preset).
 
     Args:
         stage: 1, 2 or 3.
         dp_size: data-parallel size (``-1``: all processes).
-        **options: the zero group (``cpu_offload`` (stage 3, needs an accelerator), ``mixed_precision`` (``None``,
-            ``"bf16"``/``"fp16"`` or ``{"param_dtype": ..., "reduce_dtype": ...}``), ``reshard_after_forward``
-            (stage 3)), the reducer group (``bucket_cap_mb`` for stages 1-2, ``gradient_as_bucket_view``,
-            ``static_graph``, ``comm_hook`` for stage 1), and :class:`MeshStrategy`'s keywords.
+        **options: the zero group (:class:`~lightning_par.data_parallel.options.ZeroOptions`: ``cpu_offload``,
+            ``mixed_precision``, ``reshard_after_forward``), the reducer group (stages 1-2), and
+            :class:`MeshStrategy`'s keywords.
 
     Raises:
         ValueError: an invalid stage or option (see :func:`~lightning_par.data_parallel.options.resolve_zero_options`);
@@ -47,12 +45,7 @@ class ZeroStrategy(MeshStrategy):
     registry_presets: ClassVar[dict[str, dict[str, Any]]] = {f"zero{k}": {"stage": k} for k in ZERO_STAGES}
 
     def __init__(self, stage: int = 3, dp_size: int = -1, **options: Any) -> None:
-        if isinstance(stage, bool) or stage not in ZERO_STAGES:
-            raise ValueError(
-                f"stage={stage!r} is not valid: expected one of {list(ZERO_STAGES)} (1: optimizer state, 2: + "
-                f"gradients, 3: + parameters). For plain data parallelism (stage 0) use strategy='ddp_overlap'."
-            )
-        super().__init__(dp_size=dp_size, dp_mode=f"zero{stage}", **options)
+        super().__init__(dp_size=dp_size, dp_mode=zero_dp_mode(stage), **options)
         self.strategy_name = f"zero{stage}"  # type: ignore[misc]  # summary.json's "strategy"
 
     @property
