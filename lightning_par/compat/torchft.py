@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning_par.compat.register import PrivateName
 
-__all__ = ["PRIVATE_USES", "http_server_class", "set_http_server_class", "transport_server"]
+__all__ = ["PRIVATE_USES", "http_server_class", "quorum_id", "set_http_server_class", "transport_server"]
 
 _CHECKED = "torchft 0.2.0"
 _HTTP = "torchft.checkpointing.http_transport"
@@ -37,7 +37,14 @@ def transport_server(transport: Any) -> Any:
     return transport._server
 
 
+def quorum_id(manager: Any) -> Any:
+    """The id of the quorum a torchft ``Manager`` last joined (``manager._quorum_id``; it changes when a replica group
+    leaves or joins; torchft 0.2.0 has no public reader)."""
+    return manager._quorum_id
+
+
 PRIVATE_USES: tuple[PrivateName, ...] = (
+    PrivateName("torchft", "torchft.manager.Manager", "_quorum_id", "instance", _CHECKED, "quorum_id"),
     PrivateName("torchft", _HTTP, "_IPv6HTTPServer", "attribute", _CHECKED, "http_server_class, set_http_server_class"),
     PrivateName("torchft", f"{_HTTP}.HTTPTransport", "_server", "instance", _CHECKED, "transport_server"),
 )

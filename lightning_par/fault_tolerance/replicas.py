@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_par.compat.lightning import batches_that_stepped, set_batches_that_stepped
+from lightning_par.compat.torchft import quorum_id as torchft_quorum_id
 from lightning_par.fault_tolerance.options import (
     FaultToleranceOptions,
     _ip,
@@ -355,7 +356,7 @@ class FaultTolerantReplicas:
         if self.recoveries > before:
             self.recovery_s = time.perf_counter() - t0
             self.joined_at_step = self.manager.current_step()
-        quorum_id = self.manager._quorum_id
+        quorum_id = torchft_quorum_id(self.manager)
         if quorum_id != self._quorum_id:
             self.quorum_changes += self._quorum_id is not None
             self._quorum_id = quorum_id
