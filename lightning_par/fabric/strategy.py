@@ -221,10 +221,6 @@ class MeshStrategy(host.HostDevices, ParallelStrategy):
             self._grads_pending = True
         return loss
 
-    def _global_mean(self, local: Tensor, tokens: Tensor) -> Tensor:
-        """The global batch's token mean (:func:`lightning_par.runtime.step.global_mean`)."""
-        return step.global_mean(self.parallel, local, tokens)
-
     def token_mean(self, loss_sum: Tensor, tokens: Tensor | float) -> Tensor:
         """``loss_sum * dp_size / N`` (see :func:`lightning_par.fabric.token_mean_loss` and
         :func:`lightning_par.runtime.step.token_mean`)."""

@@ -24,7 +24,7 @@ from lightning_par.config.schema import (
 from lightning_par.compile import CompileOptions
 from lightning_par.context_parallel.options import ContextParallelOptions
 from lightning_par.float8 import Float8Options
-from lightning_par.data_parallel.fault_tolerance import FaultToleranceOptions
+from lightning_par.fault_tolerance import FaultToleranceOptions
 from lightning_par.data_parallel.options import ZERO_GROUP_DEFAULTS, ReducerOptions, ZeroOptions, parse_mixed_precision
 from lightning_par.parallelize import ParallelOptions
 from lightning_par.pipeline_parallel.options import PipelineOptions

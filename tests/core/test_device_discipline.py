@@ -105,20 +105,21 @@ def _fabric_token_means_on_meta() -> None:
 
     from lightning_par.compat import fake_store
     from lightning_par.fabric.strategy import MeshStrategy
+    from lightning_par.runtime import step
 
     dist.init_process_group("meta:fake", store=fake_store(), rank=0, world_size=4)
     try:
         group = dist.new_group([0, 1, 2, 3])
         mesh = types.SimpleNamespace(size=lambda: 4, get_group=lambda: group)
         dims = types.SimpleNamespace(dp_size=4, group=lambda name: group, get_mesh=lambda name: mesh)
-        # Fabric's strategy as token_mean and _global_mean see it: the dp group, the dp_cp mesh, the root device
+        # Fabric's strategy as token_mean and the runtime's global_mean (train_step's) see it: the dp group, the dp_cp mesh, the root device
         host = types.SimpleNamespace(parallel=types.SimpleNamespace(dims=dims, _batch_transforms=[]),
                                      root_device=torch.device("meta"))
         loss_sum = torch.randn((), device="meta", requires_grad=True)
         tokens = torch.ones((), device="meta")
         loss = MeshStrategy.token_mean(host, loss_sum, tokens)  # float(count) on meta raised here before issue 45
         assert loss.device.type == "meta" and loss.requires_grad
-        mean = MeshStrategy._global_mean(host, loss_sum, tokens)
+        mean = step.global_mean(host.parallel, loss_sum, tokens)
         assert mean.device.type == "meta" and mean.shape == ()
     finally:
         dist.destroy_process_group()

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from lightning_par.data_parallel.fault_tolerance import FaultToleranceOptions, check_lighthouse
+from lightning_par.fault_tolerance import FaultToleranceOptions, check_lighthouse
 from lightning_par.strategies.base import MeshStrategy
 from tests.support.helpers import quiet_trainer
 from tests.support.user_models import make_mlp

@@ -1,7 +1,7 @@
 """Moving a Trainer's training data to a replica group's place (epoch, batches already read): what a rejoining group
-does under fault tolerance (:func:`~lightning_par.data_parallel.fault_tolerance.move_train_data`), in one process,
+does under fault tolerance (:func:`~lightning_par.fault_tolerance.move_train_data`), in one process,
 with the index-skipping path (one ``DataLoader`` with a ``BatchSampler``) and the read-through path (a batch sampler
-of the user's own); and the loops it refuses (:func:`~lightning_par.data_parallel.fault_tolerance.check_train_data`)."""
+of the user's own); and the loops it refuses (:func:`~lightning_par.fault_tolerance.check_train_data`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
 from lightning_par.data.resumable import ResumableDataLoader
-from lightning_par.data_parallel.fault_tolerance import check_train_data, move_train_data
+from lightning_par.fault_tolerance import check_train_data, move_train_data
 
 N, B = 40, 4  # 10 batches an epoch
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_par.data_parallel.fault_tolerance import FaultToleranceOptions, FaultTolerantReplicas
+from lightning_par.fault_tolerance import FaultToleranceOptions, FaultTolerantReplicas
 
 pytest.importorskip("torchft")
 
