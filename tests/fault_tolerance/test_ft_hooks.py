@@ -1,6 +1,6 @@
 """The fault-tolerance component the Lightning strategy holds (:class:`lightning_par.fault_tolerance.hooks.
 FaultToleranceHooks`), without processes: disabled, every hook hands its input back; enabled, the data is split over
-every replica group's dp ranks. (What the hooks do in a run: tests/data_parallel/test_fault_tolerance.py.)"""
+every replica group's dp ranks. (What the hooks do in a run: tests/fault_tolerance/test_fault_tolerance.py.)"""
 
 from __future__ import annotations
 

@@ -200,7 +200,7 @@ def test_the_servers_listen_on_loopback_and_a_dead_lighthouse_is_named(tmp_path:
     import time
 
     from tests.fault.test_faults import _assert_all_gone
-    from tests.data_parallel.test_ft_servers_bind import _is_loopback, _listening
+    from tests.fault_tolerance.test_ft_servers_bind import _is_loopback, _listening
 
     connect_s = 5.0
     proc = _train_ft_until_both_groups_train(tmp_path, f"strategy.fault_tolerance.connect_timeout_s={connect_s}",
