@@ -17,7 +17,7 @@ register_all()
 
 from lightning_par.fabric import register_all as _register_fabric  # noqa: E402
 
-_register_fabric(presets=STRATEGIES)  # Fabric(strategy="zero3") and the other names
+_register_fabric()  # Fabric(strategy="zero3") and the other names (lightning_par.runtime.presets)
 
 from lightning_par.checkpoint.loading import install_directory_loading  # noqa: E402
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning_par.compat.fabric import fabric_module_strategy
 from lightning_par.fabric.strategy import MeshStrategy
+from lightning_par.runtime.presets import PRESETS
 
 __all__ = ["MeshStrategy", "register_all", "token_mean_loss", "train_step"]
 
@@ -95,9 +96,9 @@ def token_mean_loss(model: Any, loss_sum: Any, tokens: Any) -> Any:
     return strategy.token_mean(loss_sum, tokens)
 
 
-def register_all(registry: Any | None = None, presets: tuple[Any, ...] = ()) -> None:
+def register_all(registry: Any | None = None, presets: tuple[Any, ...] = PRESETS) -> None:
     """Register lightning_par's names in Fabric's ``STRATEGY_REGISTRY`` (idempotent): every registry name of
-    ``presets`` (``import lightning_par`` passes the Trainer strategies, ``lightning_par.strategies.STRATEGIES``)."""
+    ``presets`` (the Trainer's too: :data:`lightning_par.runtime.presets.PRESETS`), each with its core."""
     if registry is None:
         from lightning.fabric.strategies import STRATEGY_REGISTRY as registry
     MeshStrategy.register_strategies(registry, presets)

@@ -43,8 +43,9 @@ class MeshStrategy(host.HostDevices, ParallelStrategy):
         *args, **kwargs: the keywords of the Trainer strategy (:class:`lightning_par.strategies.MeshStrategy`:
             ``dp_size``, ``tp_size``, ``dp_mode``, ``dp_replicate_size``, ``dp_shard_size``, ``ep_size``,
             ``timeout_s``, the option groups ...; or those of the preset given as ``_preset``).
-        _preset: the class whose keywords and axes this is (a :class:`~lightning_par.runtime.core.StrategyCore`; the
-            registry names give the Trainer presets: ``Fabric(strategy="zero3")`` is ``ZeroStrategy(stage=3)``'s).
+        _preset: the class whose keywords and axes this is (a :class:`~lightning_par.runtime.core.StrategyCore`; a
+            registry name gives its preset, the Trainer's too: ``Fabric(strategy="zero3")`` holds ``ZeroCore(stage=3)``
+            of :mod:`lightning_par.runtime.presets`).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: filled in by Fabric.
 
     Raises:

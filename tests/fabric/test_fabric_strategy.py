@@ -18,11 +18,17 @@ def test_registry_names_build_the_fabric_strategy(name: str) -> None:
 
 
 def test_presets_are_the_trainer_strategies() -> None:
-    """One core: the registry name's preset is the Trainer strategy with the same keywords."""
+    """One core: the registry name's preset is the class the Trainer strategy of that name is made of (the preset on
+    the Trainer's MeshStrategy), with the same keywords; Fabric's core is the preset alone, no Trainer strategy."""
+    from lightning.pytorch.strategies import Strategy as TrainerStrategy
+
+    from lightning_par.runtime.presets import TensorParallelCore, ZeroCore
+
     zero3 = L.Fabric(strategy="zero3", accelerator="cpu", devices=2).strategy
-    assert isinstance(zero3.core, ZeroStrategy) and zero3.core.stage == 3
+    assert issubclass(ZeroStrategy, ZeroCore) and type(zero3.core) is ZeroCore and zero3.core.stage == 3
     tp = L.Fabric(strategy="tensor_parallel", accelerator="cpu", devices=2).strategy
-    assert isinstance(tp.core, TensorParallelStrategy)
+    assert issubclass(TensorParallelStrategy, TensorParallelCore) and type(tp.core) is TensorParallelCore
+    assert not isinstance(zero3.core, TrainerStrategy) and not isinstance(tp.core, TrainerStrategy)
     assert tp.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
 
 

@@ -6,7 +6,8 @@
 * ``lightning_par/fabric/`` imports neither ``lightning.pytorch`` nor ``lightning_par.strategies``, as Lightning's own
   Fabric never imports its Trainer package.
 * the adapters stay thin: ``fabric/strategy.py`` at most 400 lines, ``fabric/`` at most 500 in all; the Lightning
-  ``Strategy`` (``strategies/base.py``) at most 400 lines.
+  ``Strategy`` (``strategies/base.py``) at most 400 lines, ``strategies/`` at most 500 in all (issue 46: the presets
+  only set defaults, in ``runtime/presets.py``; what each strategy does is told in ``docs/strategies.md``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ FORBIDDEN = {
     "fabric": ("lightning.pytorch", "pytorch_lightning", "lightning_par.strategies"),
 }
 #: (path relative to lightning_par/, the most lines it may have); a folder counts all its ``.py`` files.
-LINE_BOUNDS = (("fabric/strategy.py", 400), ("fabric", 500), ("strategies/base.py", 400))
+LINE_BOUNDS = (("fabric/strategy.py", 400), ("fabric", 500), ("strategies/base.py", 400), ("strategies", 500))
 
 
 def imported(path: Path, text: str | None = None) -> list[tuple[int, str]]:
