@@ -28,11 +28,14 @@ uninterrupted one would. :class:`ResumableDataLoader` keeps
 Lightning re-creates the loader with a ``DistributedSampler`` under a distributed strategy; the subclass survives
 that. A sampler that shuffles from the global RNG (``shuffle=True`` without a ``generator``) cannot be replayed: pass
 a generator. torchdata's ``StatefulDataLoader`` does the same job, with more (worker state); this one has no extra
-dependency.
+dependency. Unlike it, a ``load_state_dict`` made while a pass runs moves that pass (at its next batch; ``state_at``
+gives the state of a place, ``next_batch`` takes the batch there): how a fault-tolerant replica group that rejoins
+reads on at the live group's place without touching Lightning's loop (:mod:`lightning_par.fault_tolerance.data`).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -100,6 +103,9 @@ class ResumableDataLoader(DataLoader):
         self._offset = 0  # batches consumed before this pass's sampler start (a re-split resume)
         self._pass_start = 0
         self._pass_skip = 0
+        self._live: weakref.ref[Iterator[Any]] | None = None  # the pass in progress (next_batch)
+        self._pass_token: object | None = None  # the pass that started last
+        self._moved: object | None = None  # that pass, when a load_state_dict came while it ran
 
     def _resplits(self) -> bool:
         return isinstance(self.sampler, ResumableDistributedSampler)
@@ -121,10 +127,34 @@ class ResumableDataLoader(DataLoader):
         return _SkipFirst(base, self._pending_skip) if self._pending_skip else base
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        """A pass over the data. A :meth:`load_state_dict` made while the pass runs moves it: its next batch is the
+        one at the loaded place (a new inner iterator, so nothing read ahead from the old place is returned)."""
+        live = self._pass()
+        self._live = weakref.ref(live)
+        return live
+
+    def _pass(self) -> Iterator[Any]:
         # A generator: this body runs at the first next(), after Lightning has called set_epoch.
+        token = self._pass_token = object()
+        batches = self._start_pass(moved=False)
+        while True:
+            if self._moved is token:  # load_state_dict during this pass: go on from the loaded place
+                self._moved = None
+                batches = self._start_pass(moved=True)
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self._yielded += 1
+            yield batch
+
+    def _start_pass(self, moved: bool) -> Iterator[Any]:
+        """The inner iterator of a pass that starts (or, ``moved``, goes on) at the place the state says."""
         gen = self._generator()
         if self._restore_generator is not None and gen is not None:
             gen.set_state(self._restore_generator)
+        elif moved and self._pass_generator_state is not None and gen is not None:
+            gen.set_state(self._pass_generator_state)  # the same pass's order, from another place in it
         self._restore_generator = None
         self._pass_generator_state = gen.get_state().clone() if gen is not None else None
         restore, self._restore_start = self._restore_start, None
@@ -137,7 +167,7 @@ class ResumableDataLoader(DataLoader):
         skip = self._skip if self._skip_epoch is None or self._skip_epoch == self._epoch() else 0
         self._skip, self._skip_epoch = 0, None
         self._yielded, self._pass_started = skip, True
-        if skip:
+        if skip or moved:
             self._iterator = None  # a persistent-worker iterator keeps its old sampler; build a fresh one
         if skip and restore is not None and self._resplits():
             # the sampler starts the global order after the consumed samples, split over the replicas there are now
@@ -154,9 +184,7 @@ class ResumableDataLoader(DataLoader):
             self._pending_skip = 0
         self._pass_start = restore[0] if self._offset else 0
         self._pass_skip = skip if self._offset else 0
-        for batch in batches:
-            self._yielded += 1
-            yield batch
+        return iter(batches)
 
     def _check_resplit(self, state: dict[str, Any], batches: int) -> None:
         """Refuse a mid-epoch resume whose global order or global batch differs from the checkpoint's."""
@@ -183,14 +211,31 @@ class ResumableDataLoader(DataLoader):
     def _replicas(self) -> int:
         return int(self.sampler.num_replicas) if isinstance(self.sampler, DistributedSampler) else 1
 
-    def start_pass_at(self, batches: int) -> None:
-        """Make the next pass over the data skip its first ``batches`` batches (indices only: the skipped samples are
-        never loaded) and count them as yielded, in whatever epoch the sampler is set to: how a fault-tolerant replica
-        group that rejoins starts reading at the live group's place in the epoch
-        (:func:`lightning_par.fault_tolerance.data.move_train_data`, after ``set_epoch``). A checkpoint saved
-        later in that pass holds the position counted from the epoch's start."""
-        self._skip, self._skip_epoch = int(batches), None
-        self._restore_start, self._restore_generator = None, None
+    def state_at(self, batches: int) -> dict[str, Any]:
+        """The state :meth:`load_state_dict` takes to move this loader ``batches`` batches into the pass over the
+        epoch its sampler is set to (indices only: the samples passed over are never loaded), counting them as
+        yielded: how a fault-tolerant replica group that rejoins reads on at the live group's place
+        (:func:`lightning_par.fault_tolerance.data.move_train_data`, after ``set_epoch``). A pass in progress moves at
+        its next batch; a checkpoint saved later in that pass holds the position counted from the epoch's start."""
+        shape = {"batch_size": self.batch_size, "replicas": self._replicas()}
+        if self._resplits():
+            shape["epoch_offset"] = int(self.sampler.epoch_offset)
+        return {"batches": int(batches), "consumed": None, "generator": None, "epoch": None, **shape}
+
+    def next_batch(self) -> Any:
+        """The next batch of the pass in progress (the one the loop iterating it reads next, which then reads the one
+        after), counted as yielded.
+
+        Raises:
+            RuntimeError: no pass is in progress (``iter`` not called), or it is over.
+        """
+        live = self._live() if self._live is not None else None
+        if live is None:
+            raise RuntimeError("ResumableDataLoader.next_batch() needs a pass in progress: iterate the loader first.")
+        try:
+            return next(live)
+        except StopIteration:
+            raise RuntimeError("ResumableDataLoader.next_batch(): the pass in progress is over.") from None
 
     def state_dict(self) -> dict[str, Any]:
         """``{"batches", "samples", "consumed", "batch_size", "replicas", "generator", "epoch"}`` of the current pass,
@@ -218,7 +263,8 @@ class ResumableDataLoader(DataLoader):
                 "generator": self._pass_generator_state, "epoch": self._epoch()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Make the next pass start where the saved one stopped.
+        """Make the next pass start where the saved one stopped; during a pass, that pass goes on from there at its
+        next batch (how :meth:`state_at` moves it).
 
         Raises:
             ValueError: the saved position is inside an epoch and was counted with another global batch, sampler seed
@@ -231,6 +277,7 @@ class ResumableDataLoader(DataLoader):
             self._check_resplit(state_dict, batches)
             self._restore_start = (int(consumed), state_dict.get("epoch"))
         else:
+            self._restore_start = None
             for field, saved, now in (("batch_size", state_dict.get("batch_size"), self.batch_size),
                                       ("data-parallel replicas", state_dict.get("replicas"), self._replicas())):
                 if batches and saved is not None and saved != now:
@@ -246,3 +293,4 @@ class ResumableDataLoader(DataLoader):
         self._skip = batches
         self._skip_epoch = state_dict.get("epoch")
         self._restore_generator = state_dict.get("generator")
+        self._moved = self._pass_token  # a pass in progress goes on from here at its next batch

@@ -1,9 +1,11 @@
 """A replica group that rejoins is moved to the live group's place in the training data
 (:mod:`lightning_par.fault_tolerance`): the checks on the training loop, and the move itself.
 
-Lightning 2.6.6 has no public way to start an epoch's data at a batch other than 0 for a loader without
-``state_dict``; the move reaches the fit loop's data fetcher and combined loader through the register
-(:func:`lightning_par.compat.lightning.data_fetcher`, :func:`~lightning_par.compat.lightning.combined_loader`).
+A stateful loader that a ``load_state_dict`` moves while it is read
+(:class:`~lightning_par.data.resumable.ResumableDataLoader`, the recipe's) is moved through its own
+``load_state_dict``: nothing of Lightning's loop is touched. Lightning 2.6.6 has no public way to start an epoch's data
+at a batch other than 0 for any other loader; that one is moved by restarting the fit loop's data fetcher, reached
+through the register (:func:`lightning_par.compat.lightning.restart_training_fetch`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-__all__ = ["check_train_data", "move_train_data"]
+__all__ = ["check_train_data", "mark_last_batch", "moves_by_state", "move_train_data"]
 
 
 class _SkipOnce:
@@ -64,33 +66,58 @@ def check_train_data(trainer: Any) -> None:
         )
 
 
+def moves_by_state(loader: Any) -> bool:
+    """Whether ``loader`` is moved through its own state: a stateful loader that gives the state of a place
+    (``state_at(batches)``), goes there at its next batch when ``load_state_dict`` is called while it is read, and
+    hands out that batch (``next_batch()``), as :class:`~lightning_par.data.resumable.ResumableDataLoader`."""
+    return all(callable(getattr(loader, name, None)) for name in ("state_at", "load_state_dict", "next_batch"))
+
+
+def mark_last_batch(trainer: Any) -> None:
+    """Set the epoch loop's ``is_last_batch`` for the batch just fetched from the loop's own count of the epoch's
+    batches and the loader's length. Lightning sets it from its data fetcher's count, which starts where the fetcher's
+    iterator started: after a loader moved by its state that is the epoch's start, not the place moved to."""
+    from lightning.fabric.utilities.data import sized_len
+
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    length = sized_len(trainer.train_dataloader)
+    if length is not None:  # called before the loop counts this batch as ready
+        progress.is_last_batch = progress.current.ready + 1 >= length
+
+
 def move_train_data(trainer: Any, epoch: int, ready: int, take: bool) -> Any:
     """Move the Trainer's training data to ``ready`` batches into epoch ``epoch``: the sampler's epoch set (its
     shuffle), a new iterator of Lightning's data fetcher, the first ``ready`` batches of the epoch passed over; then,
     with ``take``, the next batch fetched and returned (the one to train on now), else ``None`` (the next fetch of
     Lightning's loop reads it).
 
-    With ``take``, a single loader skips the indices only (no sample is loaded) where it can: one with a
-    ``start_pass_at(batches)`` method of its own (:class:`~lightning_par.data.resumable.ResumableDataLoader`, which
-    then also counts the skipped batches in its ``state_dict``), or a ``DataLoader`` with a ``BatchSampler`` and no
-    ``state_dict`` (Lightning's injected sampler). Any other loader (several loaders, an iterable dataset, a custom
-    batch sampler, a loader with a state of its own that a skip behind its back would falsify), and every loader
-    without ``take``, is read through and its batches dropped, which costs their loading time (no forward or
-    backward). (Without ``take`` the new iterator may not be read before ``fit`` ends, and a skip left armed would
-    apply to a later ``fit``.)
+    One training loader that is moved by its state (:func:`moves_by_state`: the recipe's
+    :class:`~lightning_par.data.resumable.ResumableDataLoader`) is moved by its own ``load_state_dict`` (the state of
+    the place, ``state_at(ready)``: indices skipped, no sample loaded, the batches counted in its ``state_dict``), with
+    or without ``take``; Lightning's loop then reads on from the loaded place, and nothing of it is touched.
 
-    Lightning 2.6.6 keeps the training data fetcher and the combined loader only in the private
-    ``fit_loop._data_fetcher`` / ``fit_loop._combined_loader`` and has no public way to start an epoch's data at a
-    batch other than 0 for a loader without ``state_dict`` (its own mid-epoch resume warns that such a loader starts
-    again from the beginning of its epoch); these are the objects its epoch loop fetches from, reached and restarted
-    only through the register (:func:`lightning_par.compat.lightning.combined_loader`,
-    :func:`~lightning_par.compat.lightning.restart_training_fetch`).
+    Any other loader is moved by restarting Lightning's data fetcher: Lightning 2.6.6 has no public way to start an
+    epoch's data at a batch other than 0 for a loader without such a state (its own mid-epoch resume warns that a
+    loader without ``state_dict`` starts again from the beginning of its epoch), and keeps the fetcher and the
+    combined loader only in ``fit_loop._data_fetcher`` / ``fit_loop._combined_loader``, reached and restarted only
+    through the register (:func:`lightning_par.compat.lightning.combined_loader`,
+    :func:`~lightning_par.compat.lightning.restart_training_fetch`). With ``take``, a ``DataLoader`` with a
+    ``BatchSampler`` and no ``state_dict`` (Lightning's injected sampler) skips the indices only; any other (several
+    loaders, an iterable dataset, a custom batch sampler, a loader with a state of its own that a skip behind its back
+    would falsify), and every such loader without ``take``, is read through and its batches dropped, which costs their
+    loading time (no forward or backward). (Without ``take`` the new iterator may not be read before ``fit`` ends, and
+    a skip left armed would apply to a later ``fit``.)
     """
     from lightning.fabric.utilities.data import sized_len
     from torch.utils.data import BatchSampler
 
     from lightning_par.compat.lightning import combined_loader, restart_training_fetch
 
+    data = trainer.train_dataloader  # the loaders as given (one, or a collection)
+    if moves_by_state(data):
+        _set_epoch(data, epoch)
+        data.load_state_dict(data.state_at(ready))
+        return data.next_batch() if take else None
     combined = combined_loader(trainer)
     loaders = combined.flattened
     for loader in loaders:
@@ -99,9 +126,7 @@ def move_train_data(trainer: Any, epoch: int, ready: int, take: bool) -> Any:
     loader = loaders[0] if len(loaders) == 1 else None
     batch_sampler = getattr(loader, "batch_sampler", None)
     by_index = take and loader is not None and length is not None and 0 < ready < length
-    if by_index and callable(getattr(loader, "start_pass_at", None)):
-        loader.start_pass_at(ready)
-    elif by_index and isinstance(batch_sampler, BatchSampler) and not callable(getattr(loader, "state_dict", None)):
+    if by_index and isinstance(batch_sampler, BatchSampler) and not callable(getattr(loader, "state_dict", None)):
         batch_sampler.sampler = _SkipOnce(batch_sampler, ready * batch_sampler.batch_size)
     else:
         by_index = False

@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning_par.callbacks.metrics import log_host_number
 from lightning_par.compat.lightning import before_batch_transfer, data_fetcher, plain_optimizer
-from lightning_par.fault_tolerance.data import check_train_data, move_train_data
+from lightning_par.fault_tolerance.data import check_train_data, mark_last_batch, move_train_data, moves_by_state
 from lightning_par.fault_tolerance.options import FaultToleranceOptions, check_fault_tolerance, check_lighthouse
 
 __all__ = ["FaultToleranceHooks"]
@@ -44,6 +44,7 @@ class FaultToleranceHooks:
         self.options: FaultToleranceOptions = options.fault_tolerance
         self.replicas: Any = None  # this rank's FaultTolerantReplicas (enabled), from setup()
         self._batch_idx: int | None = None  # the live group's batch index, for the step a group rejoins in
+        self._loop_counts_last = False  # a loader was moved by its state: is_last_batch from the loop's count
 
     # ------------------------------------------------------------------ per run
     def sampler_kwargs(self, dp_size: int, dp_rank: int) -> dict[str, int]:
@@ -111,7 +112,11 @@ class FaultToleranceHooks:
         ``training_step`` see the batch the group would have read had it never failed."""
         ft = self.replicas
         trainer = getattr(module, "_trainer", None) if module is not None else None
-        if ft is None or ft.diloco is not None or ft.in_step or trainer is None or not trainer.training:
+        if ft is None or trainer is None or not trainer.training:
+            return batch
+        if self._loop_counts_last:
+            mark_last_batch(trainer)
+        if ft.diloco is not None or ft.in_step:
             return batch
         ft.begin_step()
         position = ft.take_data_position()
@@ -121,7 +126,11 @@ class FaultToleranceHooks:
         batch = move_train_data(trainer, epoch, ready, take=True)
         ft.data_moves += 1
         # Lightning's epoch loop set these from the batch it fetched (the wrong place), before calling here
-        trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = data_fetcher(trainer).done
+        self._loop_counts_last = moves_by_state(trainer.train_dataloader)
+        if self._loop_counts_last:
+            mark_last_batch(trainer)
+        else:
+            trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = data_fetcher(trainer).done
         self._batch_idx = ready
         # what Lightning's epoch loop does to a fetched batch before batch_to_device (2.6.6, advance())
         batch = trainer.precision_plugin.convert_input(batch)
@@ -170,6 +179,7 @@ class FaultToleranceHooks:
             if position is not None:  # joined at this sync (inside the step): the next fetch reads the live group's
                 move_train_data(module.trainer, *position, take=False)
                 ft.data_moves += 1
+                self._loop_counts_last = moves_by_state(module.trainer.train_dataloader)
             return out
         out = closure()
         ft.average_gradients([p for g in optimizer.param_groups for p in g["params"]])

@@ -296,8 +296,9 @@ def _expected_indices(sampler: dict, epoch: int, batch_idx: int) -> list[int]:
     return order[batch_idx * b:(batch_idx + 1) * b]
 
 
-@pytest.mark.parametrize("accumulate", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_rejoined_group_reads_its_place_in_the_data(tmp_path: Path, accumulate: int) -> None:
+@pytest.mark.parametrize(("accumulate", "loader"), [(1, "plain"), (1, "resumable"),
+                                                    pytest.param(2, "plain", marks=pytest.mark.slow)])
+def test_rejoined_group_reads_its_place_in_the_data(tmp_path: Path, accumulate: int, loader: str) -> None:
     """SIGKILL group 1 (zero2 dp2, Lightning's injected shuffling DistributedSampler over the 4 dp ranks of both
     groups, 16 batches per epoch), restart it once group 0, stepping alone, is in a later epoch: the restarted
     group joins mid-run and, from the step it joins in, reads at every step exactly the samples it reads in an
@@ -306,13 +307,16 @@ def test_rejoined_group_reads_its_place_in_the_data(tmp_path: Path, accumulate: 
     the same group reads batch ``p % 16`` of epoch ``p // 16`` (``p``: micro-batches before) at global step
     ``(p + 1) // accumulate``: checked on group 0 all along, and the indices of every recorded batch are those the
     injected sampler gives for its epoch and batch index. (Group 1's first process may itself join after group 0's
-    first steps, min_replicas=1: it then moves too, and is held to the same.)"""
+    first steps, min_replicas=1: it then moves too, and is held to the same.) ``loader``: a plain ``DataLoader``
+    (moved by restarting Lightning's data fetcher) or the recipe's ``ResumableDataLoader`` (moved by its own
+    ``load_state_dict``, Lightning's loop untouched; its injected sampler is Lightning's ``DistributedSampler`` made
+    a ``ResumableDistributedSampler``, with the same order)."""
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=5000, heartbeat_timeout_ms=2000)
     stop = tmp_path / "stop"
     cfg = dict(lighthouse=lighthouse.address(), groups=2, world=2, dp_mode="zero2", optimizer="adamw",
                micro_batch=MICRO, steps=5000, dir=str(tmp_path), min_replicas=1, step_timeout_s=5.0, sleep_s=0.05,
                stop_file=str(stop), lightning_sampler=True, record_data=True, dataset_n=DATA_N,
-               accumulate=accumulate)
+               accumulate=accumulate, loader=loader)
     batches = DATA_N // (4 * MICRO)
     procs = [start_group({**cfg, "group": g}) for g in range(2)]
     try:
@@ -346,8 +350,9 @@ def test_rejoined_group_reads_its_place_in_the_data(tmp_path: Path, accumulate: 
         for r in (0, 1):
             sampler = json.loads((tmp_path / f"sampler_g{g}_r{r}.json").read_text())
             # the sampler Lightning injected: every group's dp ranks in group order, shuffled, the same seed
+            injected = "ResumableDistributedSampler" if loader == "resumable" else "DistributedSampler"
             assert (sampler["type"], sampler["num_replicas"], sampler["rank"], sampler["shuffle"]) == (
-                "DistributedSampler", 4, 2 * g + r, True), sampler
+                injected, 4, 2 * g + r, True), sampler
             assert sampler["num_training_batches"] == batches, sampler
             lines = progress(tmp_path, g, r)
             for l in lines:

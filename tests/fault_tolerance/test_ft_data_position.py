@@ -87,13 +87,23 @@ class Move(L.Callback):
 
 @pytest.mark.parametrize("kind", ["batch_sampler", "own_batch_sampler", "resumable"])
 @pytest.mark.parametrize("take", [True, False])
-def test_move_train_data_reads_the_batch_at_the_place(kind: str, take: bool) -> None:
+def test_move_train_data_reads_the_batch_at_the_place(kind: str, take: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Moved to 3 batches into epoch 2: the batch taken (``take``) or the next batch Lightning's loop fetches is
     batch 3 of epoch 2 of the shuffling sampler (``set_epoch(2)``: another order than epoch 0's), and the ones after
-    it follow in order. With the batch taken now, one ``DataLoader`` with a ``BatchSampler`` and a
-    ``ResumableDataLoader`` pass over the 3 batches by index (no sample loaded); a batch sampler of the user's own is
-    read through. A :class:`~lightning_par.data.resumable.ResumableDataLoader` counts the batches passed over
-    in its ``state_dict`` (a checkpoint saved later holds the position from the epoch's start)."""
+    it follow in order. A :class:`~lightning_par.data.resumable.ResumableDataLoader` is moved by its own
+    ``load_state_dict`` and passes over the 3 batches by index (no sample loaded), taken now or read by the loop's next
+    fetch; with the batch taken now, one ``DataLoader`` with a ``BatchSampler`` passes over them by index too; a batch
+    sampler of the user's own, and a plain loader without ``take``, is read through. The ``ResumableDataLoader``
+    counts the batches passed over in its ``state_dict`` (a checkpoint saved later holds the position from the epoch's
+    start), and its move reaches none of the fit loop's private data objects (the register's accessors raise here)."""
+    if kind == "resumable":
+        import lightning_par.compat.lightning as register
+
+        def refused(*args: Any) -> Any:
+            raise AssertionError("a loader moved by its state reached the fit loop's data fetcher")
+
+        for name in ("restart_training_fetch", "combined_loader", "data_fetcher"):
+            monkeypatch.setattr(register, name, refused)
     dataset = CountingDataset()
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
     if kind == "own_batch_sampler":
@@ -119,8 +129,9 @@ def test_move_train_data_reads_the_batch_at_the_place(kind: str, take: bool) -> 
         assert module.seen[0] == _order(0)[:B]  # the first batch, before the move
         assert module.seen[1:] == batches[3:5]
     assert order[:B] != _order(0)[:B]  # the epochs' shuffles differ, so the place's epoch took effect
-    # skipped by index (no sample loaded) where the batch is taken now from a loader that can: else read through
-    passed_over = 0 if take and kind != "own_batch_sampler" else 3
+    # skipped by index (no sample loaded) by a loader moved by its state, and where the batch is taken now from a
+    # plain loader that can: else read through
+    passed_over = 0 if kind == "resumable" or (take and kind != "own_batch_sampler") else 3
     assert dataset.loaded == B * (passed_over + take + len(module.seen)), dataset.loaded
     if kind == "resumable":  # every batch of the pass counted: the 3 passed over, the one taken, the loop's
         assert loader.state_dict()["batches"] == 3 + take + len(module.seen) - (not take)

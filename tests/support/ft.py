@@ -26,6 +26,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from lightning_par.data.resumable import ResumableDataLoader
 from lightning_par.launcher import run_distributed
 from lightning_par.strategies.base import MeshStrategy
 from tests.support.helpers import LossRecorder, full_state_dict, quiet_trainer
@@ -134,7 +135,16 @@ def ft_worker(cfg: dict[str, Any]) -> dict[str, Any]:
     dataset = train_dataset(cfg)
     extra: dict[str, Any] = {}
     if cfg.get("lightning_sampler"):  # Lightning injects its shuffling DistributedSampler over the strategy's dp ranks
-        loader = DataLoader(dataset, batch_size=cfg["micro_batch"], drop_last=True)
+        # "resumable": the recipe's loader, which a rejoining group moves through its own load_state_dict
+        loader_cls = ResumableDataLoader if cfg.get("loader") == "resumable" else DataLoader
+        if loader_cls is ResumableDataLoader:  # its move must not reach the fit loop's data fetcher (this process only)
+            import lightning_par.compat.lightning as register
+
+            def refused(*args: Any) -> Any:
+                raise AssertionError("a loader moved by its state reached the fit loop's data fetcher")
+
+            register.restart_training_fetch = register.combined_loader = refused
+        loader = loader_cls(dataset, batch_size=cfg["micro_batch"], drop_last=True)
         extra["use_distributed_sampler"] = True
     else:
         sampler = DistributedSampler(dataset, num_replicas=dp * groups, rank=cfg["group"] * dp + rank // tp,
