@@ -251,7 +251,7 @@ def pipeline_stage(network: nn.Module, layers: Sequence[str], *, first: bool, la
     if callable(method):
         return method(list(layers), first=first, last=last)
     pipeline_layers(network)  # raises for unsupported networks
-    return nn.Sequential(OrderedDict((name, network._modules[name]) for name in layers))
+    return nn.Sequential(OrderedDict((name, network.get_submodule(name)) for name in layers))
 
 
 def pipeline_loss(module: nn.Module) -> Callable[[Any, Any], Tensor]:

@@ -116,7 +116,7 @@ class DistributedGradScaler(ShardedGradScaler):
                     if not allow_fp16 and grad.dtype == torch.float16:
                         raise ValueError("Attempting to unscale FP16 gradients.")
                     if grad.is_sparse:
-                        grad = grad.coalesce()._values()
+                        grad = grad.coalesce().values()
                     grads[grad.device][grad.dtype].append(grad)
             for device, per_dtype in grads.items():
                 for tensors in per_dtype.values():

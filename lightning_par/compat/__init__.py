@@ -14,10 +14,10 @@ torch but was not traced further back. Where a name moved between versions, both
 
 The multi-tensor kernels torch's own optimizers and gradient scaler call (``torch._foreach_copy_``, ``_foreach_mul_``,
 ``_foreach_norm``, ``_amp_foreach_non_finite_check_and_unscale_``; public in all but name) are wrapped here too
-(:func:`foreach_copy_` ...). Left where they are: ``Tensor._values()`` of a sparse gradient
-(as torch's scalers read it), ``nn.Module``'s ``_modules`` / ``_parameters`` / ``_buffers``, and the private methods
-a subclass overrides or extends (``DataLoader._index_sampler``, ``ShardedGradScaler._unscale_grads_``,
-``ParallelStyle._apply``), which only work at their definition.
+(:func:`foreach_copy_` ...), and so is a module's copy with tables of its own (:func:`module_copy`). Left where they
+are: ``nn.Module``'s ``_parameters`` / ``_buffers`` where :mod:`lightning_par.restore` records and puts back a
+module's own state, and the private methods a subclass overrides or extends (``DataLoader._index_sampler``,
+``ShardedGradScaler._unscale_grads_``, ``ParallelStyle._apply``), which only work at their definition.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ __all__ = [
     "is_view",
     "local_chunk",
     "local_tensor",
+    "module_copy",
     "multi_device_replicator",
     "op_name",
     "pipeline_stage_meta",
@@ -286,6 +287,23 @@ def is_compiled_module(module: Any) -> bool:
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     optimized = getattr(eval_frame, "OptimizedModule", None) if eval_frame is not None else None
     return optimized is not None and isinstance(module, optimized)
+
+
+def module_copy(module: torch.nn.Module, *, parameters: bool = True) -> torch.nn.Module:
+    """A shallow copy of ``module`` (same class and attributes) with an empty table of children of its own, to fill
+    with ``add_module``; ``parameters=False``: an empty table of parameters of its own too (``register_parameter``) and
+    its own copy of the table of buffers. ``copy.copy`` alone shares the tables with ``module``: they are
+    ``nn.Module``'s instance dicts ``_modules``, ``_parameters`` and ``_buffers`` (present in 2.10; a canary in
+    tests/compat/test_compat.py)."""
+    import copy
+    from collections import OrderedDict
+
+    out = copy.copy(module)
+    out._modules = OrderedDict()
+    if not parameters:
+        out._parameters = OrderedDict()
+        out._buffers = OrderedDict(module._buffers)
+    return out
 
 
 def has_composable_state(module: Any) -> bool:

@@ -150,7 +150,7 @@ def check_hf_context_parallel(network: nn.Module, cp_size: int) -> None:
                 f"context-parallel attention (plain softmax over ring or all-to-all pieces) does not compute. Use "
                 f"cp_size=1 (tensor or data parallelism split this model)."
             )
-        sinks = module._parameters.get("sinks")
+        sinks = dict(module.named_parameters(recurse=False)).get("sinks")
         if sinks is not None:
             raise ValueError(
                 f"{intro}: {path} has attention sinks ({path}.sinks, shape {tuple(sinks.shape)}), which the "

@@ -39,9 +39,7 @@ stages attend causally over the whole sequence, as training on packed windows do
 
 from __future__ import annotations
 
-import copy
 import weakref
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_par.compat import module_copy
 from lightning_par.compat.transformers import pipeline_plan_of_class
 
 __all__ = ["HFPipelineStage", "PipelinePlan", "check_stages", "pipeline_layers", "pipeline_stage", "read_plan"]
@@ -230,8 +229,8 @@ def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
     *parents, leaf = path.split(".")
     node = root
     for part in parents:
-        child = node._modules.get(part)
-        if child is None:
+        child = getattr(node, part, None)
+        if not isinstance(child, nn.Module):
             child = nn.Module()
             node.add_module(part, child)
         node = child
@@ -281,7 +280,7 @@ class _Last(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["layer"], name)
+            return getattr(super().__getattr__("layer"), name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.layer(*args, **kwargs)
@@ -360,8 +359,7 @@ class HFPipelineStage(nn.Module):
         copies: dict[str, nn.Module] = {}
         for path in plan.spine:
             original = network.get_submodule(path)
-            skeleton = copy.copy(original)
-            skeleton._modules = OrderedDict()
+            skeleton = module_copy(original)
             for child_name, child in original.named_children():
                 child_path = _join(path, child_name)
                 if child_path in plan.spine:
@@ -370,11 +368,11 @@ class HFPipelineStage(nn.Module):
                     child = self._slots(child, plan, start, end)
                 elif child_path not in own and child_path not in plan.shared:
                     child = _Elsewhere(child, child_path)
-                skeleton._modules[child_name] = child
+                skeleton.add_module(child_name, child)
             copies[path] = skeleton
         for path in plan.spine[1:]:
             parent, _, leaf = path.rpartition(".")
-            copies[parent]._modules[leaf] = copies[path]
+            copies[parent].add_module(leaf, copies[path])
         self._skeleton = [copies[""]]  # a list: not a submodule
         self._spine = list(copies.values())
         receiver = self._slot_list[start - 1] if not first and start > 0 else None

@@ -217,10 +217,8 @@ def _targets(network: nn.Module, key: str) -> list[tuple[str, Any]]:
                 continue
             if segment == "*":
                 nxt.extend((f"{prefix}{n}.", c) for n, c in obj.named_children())
-            elif obj._modules.get(segment) is not None:
-                nxt.append((f"{prefix}{segment}.", obj._modules[segment]))
-            elif segment in obj._parameters and obj._parameters[segment] is not None:
-                nxt.append((f"{prefix}{segment}.", obj._parameters[segment]))
+            elif isinstance(child := getattr(obj, segment, None), (nn.Module, nn.Parameter)):
+                nxt.append((f"{prefix}{segment}.", child))
         found = nxt
     return [(p[:-1], o) for p, o in found]
 

@@ -23,8 +23,6 @@ paths are relative to the network) and checkpoints see the same names as in one 
 
 from __future__ import annotations
 
-import copy
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_par import contract
+from lightning_par.compat import module_copy
 from lightning_par.pipeline_parallel.options import SPLIT_METHODS
 
 __all__ = [
@@ -261,17 +260,17 @@ def prune_to(module: nn.Module, keep: set[int]) -> nn.Module:
     own = list(module.parameters())
     if all(id(p) in keep for p in own):
         return module
-    pruned = copy.copy(module)
-    pruned._parameters = OrderedDict((n, p) for n, p in module._parameters.items() if p is not None and id(p) in keep)
-    pruned._buffers = OrderedDict(module._buffers)
-    pruned._modules = OrderedDict()
-    for name, child in module._modules.items():
-        if child is None:
-            continue
+    pruned = module_copy(module, parameters=False)
+    for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
+        if id(p) in keep:
+            pruned.register_parameter(name, p)
+    # every name of every child (a child under two names keeps both), not only the first as named_children gives
+    children = [(n, c) for n, c in module.named_modules(remove_duplicate=False) if n and "." not in n]
+    for name, child in children:
         child_params = list(child.parameters())
         if child_params and not any(id(p) in keep for p in child_params):
             continue
-        pruned._modules[name] = prune_to(child, keep)
+        pruned.add_module(name, prune_to(child, keep))
     return pruned
 
 

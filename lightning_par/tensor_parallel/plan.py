@@ -236,11 +236,11 @@ def _match(root: nn.Module, path: str, skip_absent: bool) -> list[str]:
         for prefix, module in found:
             if any(ch in segment for ch in "*?["):
                 children = [(n, c) for n, c in module.named_children() if fnmatchcase(n, segment)]
-            elif segment in module._modules and module._modules[segment] is not None:
-                children = [(segment, module._modules[segment])]
+            elif isinstance(child := getattr(module, segment, None), nn.Module):
+                children = [(segment, child)]
             elif skip_absent:  # a part another pipeline stage holds (the plan was checked on the whole network)
                 continue
-            elif segment in module._modules:
+            elif hasattr(module, segment) and child is None:
                 raise ValueError(f"plan path {path!r} names module {prefix + segment!r}, which is None.")
             else:
                 names = sorted(n for n, _ in module.named_children())

@@ -154,3 +154,20 @@ def test_the_helpers_moved_into_the_register_resolve() -> None:
     leaves, spec = compat.tree_flatten({"a": torch.ones(1), "b": [torch.zeros(2)]})
     assert len(leaves) == 2 and compat.tree_unflatten(leaves, spec)["b"][0].shape == (2,)
     assert compat.tree_map_only(torch.Tensor, lambda t: t + 1, [torch.zeros(1)])[0].item() == 1.0
+
+
+def test_module_copy_has_tables_of_its_own() -> None:
+    """The canary of :func:`lightning_par.compat.module_copy`: filling the copy leaves the original as it was (a torch
+    that renamed ``nn.Module``'s tables would make the copy share them, and the original would change)."""
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    net.register_buffer("b", torch.zeros(1))
+    shell = compat.module_copy(net)
+    shell.add_module("extra", torch.nn.ReLU())
+    assert [n for n, _ in net.named_children()] == ["0"] and [n for n, _ in shell.named_children()] == ["extra"]
+    assert shell.b is net.b and type(shell) is torch.nn.Sequential
+    linear = torch.nn.Linear(2, 2)
+    pruned = compat.module_copy(linear, parameters=False)
+    pruned.register_parameter("weight", linear.weight)
+    pruned.register_buffer("scale", torch.ones(1))
+    assert [n for n, _ in pruned.named_parameters()] == ["weight"] and pruned.weight is linear.weight
+    assert [n for n, _ in linear.named_parameters()] == ["weight", "bias"] and not list(linear.buffers())

@@ -41,22 +41,12 @@ _MODULE_INTERNALS = ("nn.Module's own containers (_modules, _parameters), which 
 #: ``(path relative to the repository, private name) -> why it is not in the register yet``. Shrink only.
 NOT_YET_MOVED: dict[tuple[str, str], str] = {
     ("lightning_par/callbacks/model_summary.py", "_model"): _OVERRIDE + ": a ModelSummary subclass reading its module",
-    ("lightning_par/contract.py", "_modules"): _MODULE_INTERNALS,
     ("lightning_par/fault/step_checkpoint.py", "_monitor_candidates"): _OVERRIDE + ": ModelCheckpoint's save path",
     ("lightning_par/fault/step_checkpoint.py", "_save_last_checkpoint"): _OVERRIDE + ": ModelCheckpoint's save path",
     ("lightning_par/fault/step_checkpoint.py", "_save_topk_checkpoint"): _OVERRIDE + ": ModelCheckpoint's save path",
     ("lightning_par/fault/step_checkpoint.py", "_should_skip_saving_checkpoint"):
         _OVERRIDE + ": ModelCheckpoint's save path",
-    ("lightning_par/hf/context.py", "_parameters"): _MODULE_INTERNALS,
-    ("lightning_par/hf/pipeline.py", "_modules"): _MODULE_INTERNALS,
-    ("lightning_par/hf/tensor_parallel.py", "_modules"): _MODULE_INTERNALS,
-    ("lightning_par/hf/tensor_parallel.py", "_parameters"): _MODULE_INTERNALS,
-    ("lightning_par/pipeline_parallel/split.py", "_modules"): _MODULE_INTERNALS,
-    ("lightning_par/pipeline_parallel/split.py", "_parameters"): _MODULE_INTERNALS,
-    ("lightning_par/precision.py", "_values"): "a sparse gradient's values, read as torch's own gradient scalers read "
-                                               "them (compat/__init__.py's docstring)",
     ("lightning_par/restore.py", "_parameters"): _MODULE_INTERNALS,
-    ("lightning_par/tensor_parallel/plan.py", "_modules"): _MODULE_INTERNALS,
     ("lightning_par/tensor_parallel/styles.py", "_prepare_input_fn"): _OVERRIDE + ": torch's ParallelStyle subclasses",
     ("lightning_par/tensor_parallel/styles.py", "_prepare_output_fn"): _OVERRIDE + ": torch's ParallelStyle subclasses",
 }
