@@ -38,16 +38,18 @@ class WholeModelSummary(ModelSummary):
                  forward_example: bool = True) -> None:
         self._counts = counts
         self._forward_example = forward_example
+        self._summarized = model  # our own reference (Lightning keeps its own in a private attribute)
         super().__init__(model, max_depth)
 
     def summarize(self) -> dict[str, LayerSummary]:
         if self._forward_example:
             return super().summarize()
-        example, self._model.example_input_array = self._model.example_input_array, None
+        model = self._summarized
+        example, model.example_input_array = model.example_input_array, None
         try:
             return super().summarize()
         finally:
-            self._model.example_input_array = example
+            model.example_input_array = example
 
     @property
     def param_nums(self) -> list[int]:

@@ -40,7 +40,6 @@ _MODULE_INTERNALS = ("nn.Module's own containers (_modules, _parameters), which 
 
 #: ``(path relative to the repository, private name) -> why it is not in the register yet``. Shrink only.
 NOT_YET_MOVED: dict[tuple[str, str], str] = {
-    ("lightning_par/callbacks/model_summary.py", "_model"): _OVERRIDE + ": a ModelSummary subclass reading its module",
     ("lightning_par/fault/step_checkpoint.py", "_monitor_candidates"): _OVERRIDE + ": ModelCheckpoint's save path",
     ("lightning_par/fault/step_checkpoint.py", "_save_last_checkpoint"): _OVERRIDE + ": ModelCheckpoint's save path",
     ("lightning_par/fault/step_checkpoint.py", "_save_topk_checkpoint"): _OVERRIDE + ": ModelCheckpoint's save path",
