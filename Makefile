@@ -38,8 +38,8 @@ FAST := not slow and not e2e and not distributed and not gpu
 test: $(VENV)/.installed
 	$(PYTEST) --staged --durations=25 -m "not slow" tests $(ARGS)
 
-# The tests without processes (no multi-process world, no recipe run); about 115 s on a fresh clone of the idle 2-core
-# machine (README, "Set up and run").
+# The tests without processes (no multi-process world, no recipe run, no fresh interpreter): stages 1 and 2 of
+# `make test`; about 115 s on a fresh clone of the idle 2-core machine (README, "Set up and run").
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "$(FAST)" tests $(ARGS)
 
