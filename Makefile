@@ -27,21 +27,19 @@ install: $(VENV)/.installed
 train: $(VENV)/.installed
 	$(PY) recipes/train.py $(ARGS)
 
-# Staged by marker (tests/ mirrors lightning_par/, the process kind is a marker: tests/README.md), each stage stopping
-# the run when it fails: (1) every package module imports (seconds), (2) the tests without processes, (3) the
-# distributed tests (gloo worlds; `gpu` ones skip without CUDA), (4) the end-to-end runs of the recipes; the 25 slowest
-# tests of each stage are printed. Together the stages run every test that is not `slow`, each once
-# (tests/support/check_stages.py checks it).
+# Staged by marker (tests/ mirrors lightning_par/, the process kind is a marker: tests/README.md), in one pytest run
+# (`--staged`, tests/conftest.py: one collection of the tree, not one per stage) that runs the stages in order and stops
+# at the end of the first one with a failure: (1) every package module imports (seconds), (2) the tests without
+# processes, (3) the distributed tests (gloo worlds; `gpu` ones skip without CUDA), (4) the end-to-end runs of the
+# recipes; the 25 slowest tests and each stage's count and time are printed at the end. Together the stages run every
+# test that is not `slow`, each once (tests/support/check_stages.py checks it).
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 FAST := not slow and not e2e and not distributed and not gpu
 test: $(VENV)/.installed
-	$(PYTEST) tests/core/test_every_module_imports.py $(ARGS)
-	$(PYTEST) --durations=25 -m "$(FAST)" tests --deselect tests/core/test_every_module_imports.py $(ARGS)
-	$(PYTEST) --durations=25 -m "not slow and not e2e and (distributed or gpu)" tests $(ARGS)
-	$(PYTEST) --durations=25 -m "not slow and e2e" tests $(ARGS)
+	$(PYTEST) --staged --durations=25 -m "not slow" tests $(ARGS)
 
-# The tests without processes (no multi-process world, no recipe run); about 115 s on a fresh clone of the idle 2-core
-# machine (README, "Set up and run").
+# The tests without processes (no multi-process world, no recipe run, no fresh interpreter): stages 1 and 2 of
+# `make test`; about 115 s on a fresh clone of the idle 2-core machine (README, "Set up and run").
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "$(FAST)" tests $(ARGS)
 

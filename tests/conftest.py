@@ -2,6 +2,7 @@
 
 import gc
 import os
+import time
 
 import pytest
 import torch
@@ -54,3 +55,101 @@ def cuda_device(request) -> torch.device | None:
             pytest.fail("LP_REQUIRE_CUDA=1 but torch.cuda.is_available() is False: no CUDA device to test on.")
         pytest.skip("needs a CUDA device (run scripts/gpu_check.sh on a GPU machine)")
     return torch.device("cuda", 0)
+
+
+# --- CI's stages in one pytest run (`make test`: `pytest --staged`) ------------------------------------------------
+# One collection of the tree instead of one per stage (each imports every test module: ~15 s of a core), the tests run
+# stage by stage, and the run stops at the end of the first stage with a failure: a broken import fails in the first
+# stage, a failing fast test before any process group starts. `--stage NAME` selects one stage (check_stages uses it).
+
+#: The stages in the order they run; a test's stage is the first whose rule matches (see :func:`stage_of`).
+STAGES = ("imports", "fast", "distributed", "e2e")
+#: Stage 1: every package module imports (seconds); first, so that a broken import fails CI before anything else.
+IMPORTS_FILE = "tests/core/test_every_module_imports.py"
+
+
+def stage_of(item: pytest.Item) -> str:
+    """The CI stage of ``item``, by marker (tests/README.md): the module import checks, then ``e2e`` (a recipe
+    interpreter; also when marked ``distributed``), ``distributed`` or ``gpu``, and the rest (no processes)."""
+    if item.nodeid.split("::", 1)[0] == IMPORTS_FILE:
+        return "imports"
+    if item.get_closest_marker("e2e") is not None:
+        return "e2e"
+    if item.get_closest_marker("distributed") is not None or item.get_closest_marker("gpu") is not None:
+        return "distributed"
+    return "fast"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("lightning_par stages")
+    group.addoption("--staged", action="store_true",
+                    help="run the tests stage by stage (" + ", ".join(STAGES) + ") and stop after the first stage "
+                         "with a failure (make test)")
+    group.addoption("--stage", choices=STAGES, default=None, help="only the tests of this stage")
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` and `-k` deselected theirs
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    only = config.getoption("--stage")
+    if only is not None:
+        keep = [item for item in items if stage_of(item) == only]
+        config.hook.pytest_deselected(items=[item for item in items if stage_of(item) != only])
+        items[:] = keep
+    if config.getoption("--staged"):
+        items.sort(key=lambda item: STAGES.index(stage_of(item)))  # stable: file order within a stage
+
+
+class _StageState:
+    """Per run: the stages that had a failure, and each stage's test count and wall seconds (the terminal summary)."""
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+        self.counts: dict[str, int] = {}
+        self.started: dict[str, float] = {}
+        self.ended: dict[str, float] = {}
+
+
+_stage_state = pytest.StashKey[_StageState]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_stage_state] = _StageState()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    outcome = yield
+    if item.config.getoption("--staged") and outcome.get_result().failed:  # setup, call or teardown
+        failed = item.config.stash[_stage_state].failed
+        if stage_of(item) not in failed:
+            failed.append(stage_of(item))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Under ``--staged``: after the last test of a stage that had a failure, stop the run (``session.shouldstop``:
+    pytest reports "Interrupted: <reason>" and exits 1)."""
+    if not item.config.getoption("--staged"):
+        yield
+        return
+    state, stage = item.config.stash[_stage_state], stage_of(item)
+    state.counts[stage] = state.counts.get(stage, 0) + 1
+    state.started.setdefault(stage, time.monotonic())
+    yield
+    state.ended[stage] = time.monotonic()
+    if stage in state.failed and nextitem is not None and stage_of(nextitem) != stage:
+        later = STAGES[STAGES.index(stage) + 1:]
+        item.session.shouldstop = (f"stage {STAGES.index(stage) + 1} ({stage}) had a failure: the later stages "
+                                   f"({', '.join(later)}) were not run")
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    if not config.getoption("--staged") or config.getoption("--collect-only"):
+        return
+    state = config.stash[_stage_state]
+    terminalreporter.section("stages")
+    for number, stage in enumerate(STAGES, 1):
+        status = "FAILED" if stage in state.failed else ("passed" if stage in state.counts else "not run")
+        wall = state.ended.get(stage, 0.0) - state.started.get(stage, 0.0)
+        terminalreporter.write_line(f"stage {number} {stage:12s} {state.counts.get(stage, 0):5d} tests {wall:8.1f} s "
+                                    f"{status}")

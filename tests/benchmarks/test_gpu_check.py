@@ -58,6 +58,7 @@ def test_dry_run_every_row(tmp_path):
     assert sum(line.startswith(("| plain", "| zero3")) for line in out.read_text().splitlines()) == 6
 
 
+@pytest.mark.e2e  # the script starts interpreters (tests/README.md: a new interpreter is not the fast stage)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_the_script_fails_loudly_without_a_gpu(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "t.md")}

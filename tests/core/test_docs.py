@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 
@@ -32,6 +34,7 @@ def test_readme_links_resolve():
             assert (ROOT / target).exists(), target
 
 
+@pytest.mark.e2e  # mkdocs in a fresh interpreter (tests/README.md: a new interpreter is not the fast stage)
 def test_docs_site_builds_strictly(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-f", str(ROOT / "mkdocs.yml"),

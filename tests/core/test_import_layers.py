@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_par"
 #: The largest import circle allowed (a module and its helper importing each other back, lazily).
 MAX_CIRCLE = 2
@@ -123,6 +125,7 @@ def test_no_axis_folder_imports_the_planner():
     assert not {m: t for m, t in upward.items() if t}, upward
 
 
+@pytest.mark.e2e  # a fresh interpreter (tests/README.md: a new interpreter is not the fast stage)
 def test_importing_the_package_does_not_load_the_planner():
     """``import lightning_par`` (and composing a config) leaves the layout planner (4k+ lines) unloaded: checked in a
     fresh interpreter, since this test process may have imported it already."""
