@@ -79,8 +79,11 @@ def _child(request: dict, base_path: list[str], ctl: tuple[int, int]) -> None:
         else:
             print(exit_.code, file=sys.stderr)
             code = 1
-    except BaseException:  # an uncaught exception: its traceback on stderr, status 1
-        sys.excepthook(*sys.exc_info())
+    except BaseException:  # an uncaught exception: its traceback on stderr (from the script's frame on), status 1
+        kind, value, tb = sys.exc_info()
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next
+        sys.excepthook(kind, value, tb)
         code = 1
     finally:  # the interpreter's shutdown: wait for non-daemon threads, run atexit, flush the streams
         try:
