@@ -27,9 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ZYGOTE = Path(__file__).with_name("zygote.py")
-#: Variables applied per run, not at the zygote's imports (sys.path is rebuilt from PYTHONPATH for each child; pytest
-#: sets PYTEST_CURRENT_TEST per test).
-_PER_RUN = frozenset({"PYTHONPATH", "HYDRA_FULL_ERROR", "PYTEST_CURRENT_TEST"})
+#: Variables applied per run, not at the zygote's imports: read when a run starts, never at import (sys.path is rebuilt
+#: from PYTHONPATH for each child; pytest sets PYTEST_CURRENT_TEST per test; an in-process Trainer leaves MASTER_PORT).
+_PER_RUN = frozenset({"PYTHONPATH", "HYDRA_FULL_ERROR", "PYTEST_CURRENT_TEST", "MASTER_ADDR", "MASTER_PORT"})
 #: One zygote per environment (the variables outside _PER_RUN): {key: Popen}. Test-session state, not the package's.
 _ZYGOTES: dict[tuple, subprocess.Popen] = {}
 
