@@ -28,6 +28,7 @@ from lightning_par.fault.process import process_state
 from lightning_par.fault.resume import is_complete_checkpoint
 from lightning_par.launcher import DistributedRunError, init_process_group_from_env, run_distributed
 from lightning_par.train import launch_job
+from tests.support.forked_run import start_forked
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -345,8 +346,7 @@ def test_two_jobs_started_in_the_same_second_write_to_their_own_directories(tmp_
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, str(ROOT / "recipes" / "train.py"), "model=tiny", "data=synthetic", "trainer=smoke",
            "trainer.max_steps=2"]
-    jobs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for _ in range(2)]
+    jobs = [start_forked(cmd, tmp_path, env, stderr_to_stdout=True) for _ in range(2)]  # two forked children
     outputs = [job.communicate(timeout=240)[0] for job in jobs]
     assert [job.returncode for job in jobs] == [0, 0], [o[-2000:] for o in outputs]
     run_dirs = sorted(p.parent for p in (tmp_path / "outputs").glob("*/*/summary.json"))

@@ -5,7 +5,6 @@ and DeepSpeed-Ulysses' formulas, the emitted runs carry the cp size and method, 
 from __future__ import annotations
 
 import itertools
-import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from lightning_par.planner.layouts import CP_METHODS, SCHEDULES
 from lightning_par.planner.memory import activation_bytes_per_layer, model_state_bytes, predict_memory, rank_params
 from lightning_par.planner.run_config import layout_from_run
 from lightning_par.planner.step_time import predict_step_time
+from tests.support.forked_run import run_forked
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -362,7 +362,7 @@ def test_plan_recipe_with_cp_sizes(tmp_path):
     out = tmp_path / "plan"
     cmd = [sys.executable, "recipes/plan.py", "model=small", "parallel.world_size=8", "planner.global_batch_size=16",
            "planner.cp_sizes=[1,2]", "planner.checkpointing=[none]", "planner.top_k=1", f"hydra.run.dir={out}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_forked(cmd, ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "cp method" in proc.stdout
     text = (out / "plan.csv").read_text()

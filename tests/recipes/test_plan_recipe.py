@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import csv
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.forked_run import run_forked
 
 pytestmark = pytest.mark.e2e
 
@@ -19,7 +20,7 @@ def test_plan_recipe_writes_the_table_and_a_ready_multirun(tmp_path):
     out = tmp_path / "plan"
     cmd = [sys.executable, "recipes/plan.py", "model=small", "parallel.world_size=16", "planner.device=a100-40gb",
            "planner.global_batch_size=64", "planner.top_k=2", f"hydra.run.dir={out}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_forked(cmd, ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "16 x a100-40gb (8 per node); global batch 64 sequences of 128 tokens" in proc.stdout
     rows = list(csv.DictReader((out / "plan.csv").open()))
@@ -35,7 +36,7 @@ def test_plan_recipe_writes_the_table_and_a_ready_multirun(tmp_path):
 def test_plan_recipe_refuses_a_model_it_cannot_read_with_one_message(tmp_path):
     """A Hugging Face model: the field named (model.preset), not the config dict, and no traceback; status 1."""
     cmd = [sys.executable, "recipes/plan.py", "model=hf", f"hydra.run.dir={tmp_path}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_forked(cmd, ROOT, timeout=300)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "base_config" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(

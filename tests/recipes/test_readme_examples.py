@@ -1,11 +1,11 @@
 """The examples of docs/your-model.md ("Four examples") and the README's quick start, run as a user runs them (a
-script; Lightning's own launcher starts the other processes), and the errors the page's table quotes, raised before any
-process starts."""
+script; Lightning's own launcher starts the other processes, each a fresh interpreter), and the errors the page's table
+quotes, raised before any process starts. The script's first process is a child forked from an interpreter with the
+imports done (tests/support/forked_run.py)."""
 
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lightning_par.parallel_dims import ParallelDims
+from tests.support.forked_run import run_forked
 
 pytestmark = pytest.mark.e2e
 
@@ -64,7 +65,7 @@ def test_the_page_has_the_four_examples():
 def test_page_example_trains(index, tmp_path):
     script = tmp_path / "example.py"
     script.write_text(MODEL + "\n\n" + USES[index])
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = run_forked([sys.executable, str(script)], tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     val_loss = float(next(ln for ln in proc.stdout.splitlines() if ln.startswith("val_loss")).split()[1])
     assert val_loss < 0.5 * _untrained_val_loss()
@@ -118,7 +119,7 @@ def test_readme_quick_start_trains(tmp_path):
                         "        print('train_loss', float(trainer.callback_metrics['train_loss']))\n")
     script = tmp_path / "quickstart.py"
     script.write_text(code)
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = run_forked([sys.executable, str(script)], tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     loss = float(next(ln for ln in proc.stdout.splitlines() if ln.startswith("train_loss")).split()[1])
     x = torch.randn(512, 8, generator=torch.Generator().manual_seed(0))

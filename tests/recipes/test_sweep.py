@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from lightning_par.sweep import write_sweep_report
+from tests.support.forked_run import run_forked
 
 pytestmark = pytest.mark.e2e
 
@@ -21,7 +21,7 @@ def test_two_job_multirun_writes_summaries_and_report(tmp_path):
     sweep = tmp_path / "sweep"
     cmd = [sys.executable, "recipes/train.py", "-m", "parallel=dp1,dp2", "model=tiny", "data=synthetic",
            "trainer=smoke", f"hydra.sweep.dir={sweep}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_forked(cmd, ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
     assert len(jobs) == 2, jobs  # the children did not re-run the sweep
@@ -67,7 +67,7 @@ def test_sweep_over_data_paths_with_many_overrides_reports_every_job(tmp_path):
                  "data.batch_size=4", "data.val_batches=1", "seed=7", "model.learning_rate=0.002"]
     cmd = [sys.executable, "recipes/train.py", "-m", f"data.path={','.join(corpora)}", *overrides,
            f"hydra.sweep.dir={sweep}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_forked(cmd, ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
     assert len(jobs) == 2 and all((j / "summary.json").is_file() for j in jobs), [str(j) for j in sweep.rglob("*")][:20]
