@@ -24,7 +24,8 @@ What a cell sees is what a world forked for it would see, but for the process gr
 A cell that fails, or a world past ``timeout_s``, ends the pool's world of that size (a rank may be stuck in a
 collective its peers left): the next cell starts a fresh one. Tests of launching, killing, signals, timeouts or the
 watchdog keep :func:`~lightning_par.launcher.run_distributed`. Functions and arguments travel to the live ranks with
-``cloudpickle`` (lambdas and closures by value), results come back with plain pickle.
+``cloudpickle`` (lambdas and closures by value), results come back with plain pickle; a cell whose function or
+arguments cloudpickle cannot carry (a hash object) runs in a world forked for it, as before.
 """
 
 from __future__ import annotations
@@ -149,10 +150,9 @@ class _World:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
-    def run(self, fn: Callable[..., Any], args: tuple, timeout_s: float | None) -> list[Any]:
+    def run(self, payload: bytes, timeout_s: float | None) -> list[Any]:
         self.next_ident += 1
         ident = self.next_ident
-        payload = cloudpickle.dumps((fn, args))
         task = (ident, dict(os.environ), os.getcwd(), _rng_state(), payload)
         for q in self.tasks:
             q.put(task)
@@ -218,11 +218,17 @@ def run_in_pool(fn: Callable[..., Any], world_size: int, args: tuple = (), *, ti
     raised, died or ran past ``timeout_s``, after which that world is replaced by a fresh one at its next use."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} is not valid: expected an integer >= 1.")
+    try:
+        payload = cloudpickle.dumps((fn, args))
+    except Exception:  # noqa: BLE001 - an argument only a fork can carry (a hash object, a lock): a world of its own
+        from lightning_par.launcher import run_distributed
+
+        return run_distributed(fn, world_size, args, timeout_s=timeout_s)
     world = _WORLDS.get(world_size)
     if world is None:
         world = _WORLDS[world_size] = _World(world_size)
     try:
-        values = world.run(fn, args, timeout_s)
+        values = world.run(payload, timeout_s)
     except BaseException:
         # a failed cell may leave a rank inside a collective its peers left: never give that world another cell
         _WORLDS.pop(world_size, None)
