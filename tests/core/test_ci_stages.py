@@ -6,6 +6,7 @@ purpose, and a test of a later stage that leaves a file behind if it runs."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -33,8 +34,12 @@ def test_a_fast_test_after_the_imports_stage():
 
 def _make_test_commands() -> list[str]:
     """The commands ``make test`` runs (its recipe, the install step left out), with this interpreter as Python."""
-    proc = subprocess.run(["make", "-n", "-o", ".venv/.installed", "test", f"PY={sys.executable}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, check=True)
+    # Under CI this test runs inside `make test`: the outer make's MAKEFLAGS/MAKELEVEL would make the inner one print
+    # "make[1]: Entering directory ..." lines among the commands.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
+    proc = subprocess.run(["make", "--no-print-directory", "-n", "-o", ".venv/.installed", "test",
+                           f"PY={sys.executable}"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
+                          env=env)
     return [line for line in proc.stdout.splitlines() if line.strip()]
 
 
