@@ -19,8 +19,7 @@ from lightning_par.context_parallel import (
     split_sequence,
     ulysses_attention,
 )
-from lightning_par.launcher import init_process_group_from_env
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import init_process_group_from_env, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -119,11 +118,11 @@ def _check(results: list[dict]) -> None:
 
 
 def test_cp2_matches_one_process():
-    _check(run_in_pool(_cp_worker, 2, (None,), timeout_s=240))
+    _check(run_distributed(_cp_worker, 2, (None,), timeout_s=240))
 
 
 def test_cp4_and_cp2_subgroups_match_one_process():
-    _check(run_in_pool(_cp_worker, 4, (2,), timeout_s=300))
+    _check(run_distributed(_cp_worker, 4, (2,), timeout_s=300))
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import run_distributed
 from tests.support.helpers import TIMEOUT_S, assert_params_close
 from tests.support.reparallel import global_losses, reference, worker
 
@@ -27,7 +27,7 @@ def _case(name: str, strategy: str, optimizer: str, dp: int, **options: int) -> 
 
 
 def _check(cases: list[dict], world: int) -> None:
-    results = run_in_pool(worker, world, (cases,), timeout_s=TIMEOUT_S)
+    results = run_distributed(worker, world, (cases,), timeout_s=TIMEOUT_S)
     for case in cases:
         ref = reference(case)
         unclipped = reference({**case, "clip_value": None})

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import run_distributed
 from tests.support.float8 import cases_worker, dataset, global_losses, make_gpt, reference_float8
 from tests.support.helpers import LossRecorder, TIMEOUT_S, quiet_trainer
 
@@ -53,7 +53,7 @@ def _cases(names: list[str], table: dict) -> list[dict]:
 @pytest.fixture(scope="module")
 def world2() -> dict[str, list[dict]]:
     cases = _cases(list(CASES), CASES)
-    per_rank = run_in_pool(cases_worker, 2, (cases,), timeout_s=TIMEOUT_S)
+    per_rank = run_distributed(cases_worker, 2, (cases,), timeout_s=TIMEOUT_S)
     return {c["name"]: [per_rank[r][i] for r in range(2)] for i, c in enumerate(cases)}
 
 
@@ -116,7 +116,7 @@ def test_float8_one_process_under_the_strategy_matches_plain_torchao():
 @pytest.fixture(scope="module")
 def world2_slow() -> dict[str, list[dict]]:
     cases = _cases(list(SLOW_CASES), SLOW_CASES)
-    per_rank = run_in_pool(cases_worker, 2, (cases,), timeout_s=TIMEOUT_S * 2)
+    per_rank = run_distributed(cases_worker, 2, (cases,), timeout_s=TIMEOUT_S * 2)
     return {c["name"]: [per_rank[r][i] for r in range(2)] for i, c in enumerate(cases)}
 
 
@@ -135,7 +135,7 @@ def test_float8_more_layouts_match_one_process_float8(world2_slow, name):
 @pytest.mark.slow
 def test_float8_hsdp_2x2_matches_one_process_float8():
     cases = _cases(["hsdp"], {"hsdp": ("ZeroStrategy", {"stage": 3, "dp_replicate_size": 2, "float8": F8}, 2, "adamw")})
-    per_rank = run_in_pool(cases_worker, 4, (cases,), timeout_s=TIMEOUT_S * 2)
+    per_rank = run_distributed(cases_worker, 4, (cases,), timeout_s=TIMEOUT_S * 2)
     runs = [per_rank[r][0] for r in range(4)]
     expected = reference_float8(STEPS, GLOBAL_BATCH)
     assert _rel(global_losses(runs), expected) < 1e-3, (global_losses(runs), expected)

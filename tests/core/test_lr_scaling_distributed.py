@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import run_distributed
 from lightning_par.lr_scaling import lr_scale_factor, warmup_multiplier, warmup_steps
 from tests.support.helpers import TIMEOUT_S, LossRecorder, assert_params_close, global_losses, quiet_trainer
 from tests.support.p3d import _loader, make_gpt, token_data
@@ -67,7 +67,7 @@ def _worker() -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    per_rank = run_in_pool(_worker, DP, (), timeout_s=TIMEOUT_S)
+    per_rank = run_distributed(_worker, DP, (), timeout_s=TIMEOUT_S)
     return {name: [r[name] for r in per_rank] for name in CASES}
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import run_distributed
 from tests.support.helpers import TIMEOUT_S, assert_params_close
 from tests.support.reparallel import global_losses, reference, worker
 
@@ -64,7 +64,7 @@ SLOW4 = [
 
 
 def _check(cases: list[dict], world: int) -> None:
-    results = run_in_pool(worker, world, (cases,), timeout_s=TIMEOUT_S * 2)
+    results = run_distributed(worker, world, (cases,), timeout_s=TIMEOUT_S * 2)
     for case in cases:
         runs = [r[case["name"]] for r in results]
         ref = reference(case)

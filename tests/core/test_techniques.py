@@ -271,10 +271,10 @@ def _overflow_worker(stage: int) -> dict:
 
 @pytest.mark.parametrize("stage", [2])
 def test_fp16_overflow_on_one_ranks_shard_skips_the_step_everywhere(stage):
-    from tests.support.pool import run_in_pool
+    from lightning_par.launcher import run_distributed
     from tests.support.helpers import TIMEOUT_S
 
-    results = run_in_pool(_overflow_worker, 2, (stage,), timeout_s=TIMEOUT_S)
+    results = run_distributed(_overflow_worker, 2, (stage,), timeout_s=TIMEOUT_S)
     for r in results:
         assert r["moved"] == 0.0  # no rank stepped: the parameters are the initial ones everywhere
         assert r["scale"] == 2.0**9  # and every rank backed its scale off

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import run_distributed
 from tests.support.helpers import QUIET_TRAINER
 from tests.support.user_models import ImageDataset, TinyBNNet
 
@@ -83,7 +83,7 @@ def _worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _launch(world: int, cases: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    results = run_in_pool(_worker, world, (cases,), timeout_s=600)
+    results = run_distributed(_worker, world, (cases,), timeout_s=600)
     return {c["name"]: [r[i] for r in results] for i, c in enumerate(cases)}
 
 

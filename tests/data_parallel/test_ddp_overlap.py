@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_par.models import GPTConfig, GPTLightningModule
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import run_distributed
 from lightning_par.strategies import DDPOverlapStrategy
 from tests.support.helpers import (
     TIMEOUT_S,
@@ -131,7 +131,7 @@ def _grads_at_hooks_worker(strategy_name: str) -> dict:
 def test_on_after_backward_sees_the_averaged_gradients(strategy_name):
     """As under Lightning's DDPStrategy (whose reduction ends inside backward), a user's ``on_after_backward`` sees
     gradients already averaged over dp: the same on every rank, and the ones the optimizer then steps with."""
-    results = run_in_pool(_grads_at_hooks_worker, WORLD, (strategy_name,), timeout_s=TIMEOUT_S)
+    results = run_distributed(_grads_at_hooks_worker, WORLD, (strategy_name,), timeout_s=TIMEOUT_S)
     for r in results:
         assert len(r["after_backward"]) == len(r["before_step"]) == 2
         for after, before in zip(r["after_backward"], r["before_step"]):

@@ -213,11 +213,11 @@ def test_communication_volume(dp2, dp4, dp):
 def test_composes_with_tensor_parallel():
     """Every stage on the dp sub-mesh of a dp 2 x tp 2 mesh whose model holds DTensor (TP) and plain parameters: the
     same functions the 3-D strategy calls, against one process."""
-    from tests.support.pool import run_in_pool
+    from lightning_par.launcher import run_distributed
     from tests.support.zero import tensor_parallel_worker, two_layer_reference
 
     expected = two_layer_reference(3, clip=0.1)
-    for rank_result in run_in_pool(tensor_parallel_worker, 4, (3, 0.1), timeout_s=120):
+    for rank_result in run_distributed(tensor_parallel_worker, 4, (3, 0.1), timeout_s=120):
         for stage, params in rank_result.items():
             assert_params_close(params, expected, rtol=1e-5, atol=1e-6)
 
@@ -226,10 +226,10 @@ def test_stage2_gradient_memory_stays_within_two_buckets():
     """ZeRO-2's gradient memory during backward, measured storage by storage (the shard, the bucket buffers and the
     gradient autograd has just produced, each counted until it is freed): at most the shard plus
     ``max_buckets_in_flight + 1`` buckets plus one parameter's gradient, far below the full gradients (4 Psi)."""
-    from tests.support.pool import run_in_pool
+    from lightning_par.launcher import run_distributed
     from tests.support.zero import grad_memory_worker
 
-    for r in run_in_pool(grad_memory_worker, 2, timeout_s=120):
+    for r in run_distributed(grad_memory_worker, 2, timeout_s=120):
         assert r["num_buckets"] >= 6
         for in_flight, peak in r["peaks"].items():
             buckets = sorted(r["bucket_bytes"], reverse=True)[: in_flight + 1]
@@ -243,12 +243,12 @@ def test_parameter_gather_overlapped_with_the_next_forward():
     """``overlap_param_gather``: the all-gathers are still in flight when the next step begins and each bucket is
     waited for by the first module that uses it; the parameters match the synchronous gather exactly, and one
     process."""
-    from tests.support.pool import run_in_pool
+    from lightning_par.launcher import run_distributed
     from tests.support.zero import overlap_gather_worker
 
     dataset = token_dataset(4 * 2 * 3)
     _, expected = reference_fit(make_mlp, dataset, 8, 3)
-    for r in run_in_pool(overlap_gather_worker, 2, (3,), timeout_s=120):
+    for r in run_distributed(overlap_gather_worker, 2, (3,), timeout_s=120):
         for stage in (1, 2):
             sync, deferred = r[f"z{stage}-overlap0"], r[f"z{stage}-overlap1"]
             assert sync["pending"] == [False, False, False]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_par.fabric import MeshStrategy
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import run_distributed
 from tests.support.fabric import fabric_worker, reference_loop, save_load_worker
 from tests.support.helpers import TIMEOUT_S, TokenDataset, assert_params_close
 from tests.support.labels import ChatRecords
@@ -72,7 +72,7 @@ def _check(world: int, cases: list[tuple[str, object, int, dict]], micro_batch: 
         dict(strategy=s, model=kw.pop("model", make_net), micro_batch=micro_batch, steps=steps, **kw)
         for _, s, _, kw in [(c[0], c[1], c[2], dict(c[3])) for c in cases]
     ]
-    results = run_in_pool(fabric_worker, world, (runs,), timeout_s=TIMEOUT_S)
+    results = run_distributed(fabric_worker, world, (runs,), timeout_s=TIMEOUT_S)
     for (label, _, dp, kw), run, got in zip(cases, runs, results[0]):
         precision = run.get("precision", "32-true")
         losses, state = reference_loop(
@@ -224,7 +224,7 @@ def _cp_with_pp() -> str:
 @pytest.mark.slow
 def test_fabric_refuses_cp_with_pp_at_setup() -> None:
     """cp2 x pp2: refused at fabric.setup, naming the layout and the way out."""
-    got = run_in_pool(_cp_with_pp, 4, timeout_s=TIMEOUT_S)
+    got = run_distributed(_cp_with_pp, 4, timeout_s=TIMEOUT_S)
     assert all("'cp_size': 2" in g and "'pp_size': 2" in g and "use the Trainer" in g for g in got), got
 
 
@@ -266,7 +266,7 @@ def test_fabric_save_zero3_loads_under_tp2_and_in_one_process(tmp_path) -> None:
     from lightning_par.checkpoint import load_model_weights, read_record
 
     path = str(tmp_path / "ckpt")
-    got = run_in_pool(
+    got = run_distributed(
         save_load_worker, 2, (path, make_net, functools.partial(make_net, 1)), timeout_s=TIMEOUT_S
     )[0]
     assert_params_close(got["loaded"], got["saved"], rtol=0, atol=0)

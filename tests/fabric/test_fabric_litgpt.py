@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import run_distributed
 from tests.support.helpers import TIMEOUT_S, assert_params_close
 
 pytest.importorskip("litgpt")
@@ -19,7 +19,7 @@ MICRO, STEPS, ACC = 4, 2, 2
 
 
 def _check(cases: list[tuple[str, str, str, int]]) -> None:
-    results = run_in_pool(litgpt_worker, 2, ([c[:3] for c in cases], MICRO, STEPS, ACC), timeout_s=TIMEOUT_S)[0]
+    results = run_distributed(litgpt_worker, 2, ([c[:3] for c in cases], MICRO, STEPS, ACC), timeout_s=TIMEOUT_S)[0]
     for (family, strategy, optimizer, dp), (losses, state) in zip(cases, results):
         ref_losses, ref_state = pretrain_loop(None, family, MICRO * dp, STEPS, ACC, optimizer)
         label = f"{family} {strategy} {optimizer}"

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_par.fabric import MeshStrategy
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import run_distributed
 from tests.support.fabric import PipelinedLM, fabric_pipelined_worker, reference_loop
 from tests.support.helpers import TIMEOUT_S, assert_params_close
 from tests.support.user_models import AttentionNet
@@ -31,7 +31,7 @@ def dp2_tp2_pp2() -> MeshStrategy:
 
 def _check(world: int, cases: list[tuple[str, object, int, dict]], micro_batch: int, steps: int) -> list[dict]:
     runs = [dict(strategy=s, model=make_lm, micro_batch=micro_batch, steps=steps, **kw) for _, s, _, kw in cases]
-    results = run_in_pool(fabric_pipelined_worker, world, (runs,), timeout_s=TIMEOUT_S)
+    results = run_distributed(fabric_pipelined_worker, world, (runs,), timeout_s=TIMEOUT_S)
     for (label, _, dp, _), run, got in zip(cases, runs, results[0]):
         losses, state = reference_loop(
             make_lm, run["optimizer"], micro_batch * dp, steps, run.get("accumulate", 1), run.get("clip_norm"),
@@ -93,7 +93,7 @@ def _train_step_misuse() -> list[str]:
 def test_fabric_train_step_misuse_is_refused() -> None:
     """train_step without a loss function (the model has no loss_fn, none passed), and on a batch that is not
     (inputs, targets) without pipeline_batch: a ValueError naming what to pass."""
-    got = run_in_pool(_train_step_misuse, 2, timeout_s=TIMEOUT_S)
+    got = run_distributed(_train_step_misuse, 2, timeout_s=TIMEOUT_S)
     for errors in got:
         assert len(errors) == 2, errors
         assert "needs the loss: pass loss_fn=" in errors[0] and "AttentionNet" in errors[0], errors

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import run_distributed
 from lightning_par.parallel_dims import ParallelDims
 from tests.support.helpers import LossRecorder, TokenDataset, assert_params_close, quiet_trainer, reference_fit
 from tests.support.p3d import _loader, _strategy
@@ -123,7 +123,7 @@ def _worker(cases: list[tuple[str, str, str]], data: TokenDataset) -> list[dict[
 
 def _run(cases: list[tuple[str, str, str]]) -> dict[str, list[dict[str, Any]]]:
     data = TokenDataset(n=GLOBAL_BATCH * STEPS, seq=SEQ)
-    per_rank = run_in_pool(_worker, 2, (cases, data), timeout_s=900)
+    per_rank = run_distributed(_worker, 2, (cases, data), timeout_s=900)
     return {_name(case): [per_rank[r][i] for r in range(2)] for i, case in enumerate(cases)}
 
 

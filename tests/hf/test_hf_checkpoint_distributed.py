@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import run_distributed
 from tests.support.helpers import TIMEOUT_S, LossRecorder, TokenDataset, quiet_trainer
 
 pytestmark = pytest.mark.distributed
@@ -89,7 +89,7 @@ def runs(tmp_path_factory):
         {"name": "parallel_3d", "strategy": "parallel_3d", "model": "gpt", "options": {"tp_size": 2, "pp_size": 2},
          "save": str(root / "p3d.ckpt")},
     ]
-    per_rank = run_in_pool(plan_worker, 4, (plan, train), timeout_s=TIMEOUT_S)
+    per_rank = run_distributed(plan_worker, 4, (plan, train), timeout_s=TIMEOUT_S)
     results = {step["name"]: [per_rank[r][i] for r in range(4)] for i, step in enumerate(plan)}
     return {"root": root, "pretrained": pretrained, "train": train, "plan": {s["name"]: s for s in plan},
             "results": results}
@@ -179,7 +179,7 @@ def test_pretrained_into_dp2_tp2_pp2_and_export(tmp_path):
     train = TokenDataset(n=MICRO * 2 * STEPS, seq=SEQ, vocab=VOCAB)
     plan = [{"name": "3d", "strategy": "parallel_3d", "model": "hf", "pretrained": pretrained,
              "options": {"dp_size": 2, "tp_size": 2, "pp_size": 2}, "save": str(tmp_path / "p3d.ckpt")}]
-    results = [r[0] for r in run_in_pool(plan_worker, 8, (plan, train), timeout_s=TIMEOUT_S)]
+    results = [r[0] for r in run_distributed(plan_worker, 8, (plan, train), timeout_s=TIMEOUT_S)]
     reference = AutoModelForCausalLM.from_pretrained(pretrained, local_files_only=True).eval()
     x, y = next(iter(DataLoader(train, batch_size=MICRO * 2)))
     with torch.no_grad():

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import run_distributed
 from tests.support.helpers import LossRecorder, TokenDataset, assert_params_close, global_losses, quiet_trainer, reference_fit
 from tests.support.pipeline import one_thread
 
@@ -114,13 +114,13 @@ def data() -> TokenDataset:
 
 @pytest.fixture(scope="module")
 def world2(data) -> dict[str, list[dict[str, Any]]]:
-    per_rank = run_in_pool(hf_worker, 2, (CASES, data), timeout_s=900)
+    per_rank = run_distributed(hf_worker, 2, (CASES, data), timeout_s=900)
     return {_name(case): [per_rank[r][i] for r in range(2)] for i, case in enumerate(CASES)}
 
 
 @pytest.fixture(scope="module")
 def world4(data) -> dict[str, list[dict[str, Any]]]:
-    per_rank = run_in_pool(hf_worker, 4, (CASES4, data), timeout_s=900)
+    per_rank = run_distributed(hf_worker, 4, (CASES4, data), timeout_s=900)
     return {_name(case): [per_rank[r][i] for r in range(4)] for i, case in enumerate(CASES4)}
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lightning_par.hf import HFCausalLM
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import run_distributed
 from lightning_par.parallel_dims import ParallelDims
 from tests.support.helpers import LossRecorder, TokenDataset, assert_params_close, quiet_trainer, reference_fit
 from tests.support.p3d import _loader, _strategy
@@ -88,7 +88,7 @@ def _worker(plan: list[dict[str, Any]], data: TokenDataset) -> list[dict[str, An
 
 def _run(world: int, plan: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     data = TokenDataset(n=MICRO * 2 * STEPS, seq=SEQ)
-    per_rank = run_in_pool(_worker, world, (plan, data), timeout_s=600)
+    per_rank = run_distributed(_worker, world, (plan, data), timeout_s=600)
     return {case["name"]: [per_rank[r][i] for r in range(world)] for i, case in enumerate(plan)}
 
 

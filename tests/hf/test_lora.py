@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import run_distributed
 from tests.support.helpers import assert_params_close, global_losses
 
 pytest.importorskip("peft")
@@ -160,7 +160,7 @@ def data() -> TokenDataset:
 
 
 def _launch(world: int, cases: list[dict[str, Any]], data: TokenDataset) -> dict[str, list[dict[str, Any]]]:
-    per_rank = run_in_pool(lora_worker, world, (cases, data), timeout_s=600)
+    per_rank = run_distributed(lora_worker, world, (cases, data), timeout_s=600)
     return {case["name"]: [per_rank[r][i] for r in range(world)] for i, case in enumerate(cases)}
 
 

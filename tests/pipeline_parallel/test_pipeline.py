@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_par.checkpoint import consolidate_checkpoint, load_model_weights
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import run_distributed
 from lightning_par.models import GPTConfig, GPTLightningModule
 from lightning_par.strategies.pipeline import PipelineStrategy
 from tests.support.helpers import TokenDataset, assert_params_close, global_losses, reference_fit
@@ -247,7 +247,7 @@ def test_validation_and_checkpoint_resume(tokens, tmp_path):
     and the optimizer state by name, and resuming from it continues exactly."""
     micro, dataset = 8, TokenDataset(n=8 * STEPS, seq=16)  # one epoch = STEPS steps: the checkpoint ends an epoch
     path = str(tmp_path / "pp.ckpt")
-    results = run_in_pool(
+    results = run_distributed(
         checkpoint_worker,
         2,
         (strategy(pp_size=2, schedule="1f1b", num_microbatches=4), GPT4, dataset, micro, STEPS, path),

@@ -33,12 +33,12 @@ def stand_in_worker(names: list[str]) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def measured() -> dict[str, list[dict[str, Any]]]:
-    from tests.support.pool import run_in_pool
+    from lightning_par.launcher import run_distributed
 
     out: dict[str, list[dict[str, Any]]] = {}
     for world in sorted({layout[0] for layout in LAYOUTS.values()}):
         names = [n for n, layout in LAYOUTS.items() if layout[0] == world]
-        per_rank = run_in_pool(stand_in_worker, world, (names,), timeout_s=300)
+        per_rank = run_distributed(stand_in_worker, world, (names,), timeout_s=300)
         for i, name in enumerate(names):
             out[name] = [per_rank[r][i] for r in range(world)]
     return out

@@ -137,9 +137,9 @@ def plan_worker(cases: list[dict[str, Any]], blocks: PackedBlocks) -> list[dict[
 
 def run_cases(world: int, cases: list[dict[str, Any]], blocks: PackedBlocks, timeout_s: float = 900) -> dict:
     """``{case name: [rank 0's result, rank 1's, ...]}``, every case in one launch of ``world`` ranks."""
-    from tests.support.pool import run_in_pool
+    from lightning_par.launcher import run_distributed
 
-    per_rank = run_in_pool(plan_worker, world, (cases, blocks), timeout_s=timeout_s)
+    per_rank = run_distributed(plan_worker, world, (cases, blocks), timeout_s=timeout_s)
     return {c["name"]: [per_rank[r][i] for r in range(world)] for i, c in enumerate(cases)}
 
 

@@ -16,7 +16,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import run_distributed
 from lightning_par.parallel_dims import ParallelDims
 
 TIMEOUT_S = float(os.environ.get("LP_TEST_TIMEOUT_S", "240"))
@@ -103,7 +103,7 @@ def fit_worker(
 
 def run_fit(world_size: int, *args: Any, timeout_s: float = TIMEOUT_S) -> list[dict]:
     """Run :func:`fit_worker` on ``world_size`` ranks (see its arguments)."""
-    return run_in_pool(fit_worker, world_size, args, timeout_s=timeout_s)
+    return run_distributed(fit_worker, world_size, args, timeout_s=timeout_s)
 
 
 def reference_fit(

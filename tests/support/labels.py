@@ -142,9 +142,9 @@ def fit_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_fit_cases(world: int, cases: list[dict[str, Any]], timeout_s: float = 600) -> dict[str, list[dict[str, Any]]]:
     """``{case name: [result of each rank]}``."""
-    from tests.support.pool import run_in_pool
+    from lightning_par.launcher import run_distributed
 
-    per_rank = run_in_pool(fit_cases, world, (cases,), timeout_s=timeout_s)
+    per_rank = run_distributed(fit_cases, world, (cases,), timeout_s=timeout_s)
     return {case["name"]: [per_rank[r][i] for r in range(world)] for i, case in enumerate(cases)}
 
 

@@ -840,9 +840,9 @@ def _data_shard(strategy: Any, rank: int) -> Any:
 
 def run_column(column: Column, features: list[str], root: str, timeout_s: float = 900.0) -> list[dict]:
     """Launch ``column.world`` gloo ranks once and run ``features`` there (see :func:`column_worker`)."""
-    from tests.support.pool import run_in_pool
+    from lightning_par.launcher import run_distributed
 
-    return run_in_pool(column_worker, column.world, (column, features, root), timeout_s=timeout_s)
+    return run_distributed(column_worker, column.world, (column, features, root), timeout_s=timeout_s)
 
 
 # ================================================================================================== judging

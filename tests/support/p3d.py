@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import run_distributed
 from lightning_par.models import GPTConfig, GPTLightningModule
 from tests.support.helpers import TIMEOUT_S, LossRecorder, TokenDataset, quiet_trainer
 
@@ -242,7 +242,7 @@ def plan_worker(plan: list[dict[str, Any]], train: Dataset, val: Dataset,
 def run_plan(world_size: int, plan: list[dict[str, Any]], train: Dataset, val: Dataset,
              timeout_s: float = TIMEOUT_S) -> dict[str, list[dict[str, Any]]]:
     """Run ``plan`` on ``world_size`` ranks; returns ``{step name: [result of rank 0, rank 1, ...]}``."""
-    per_rank = run_in_pool(plan_worker, world_size, (plan, train, val), timeout_s=timeout_s)
+    per_rank = run_distributed(plan_worker, world_size, (plan, train, val), timeout_s=timeout_s)
     return {step["name"]: [per_rank[r][i] for r in range(world_size)] for i, step in enumerate(plan)}
 
 

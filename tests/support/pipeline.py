@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_par.aux_loss import set_aux_loss_scale
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import run_distributed
 from tests.support.helpers import TIMEOUT_S, fit_worker, quiet_trainer, update_expert_biases
 
 
@@ -54,7 +54,7 @@ def run_fit_cases(world_size: int, cases: list[tuple], timeout_s: float = TIMEOU
     Returns:
         ``results[case][rank]``: what ``fit_worker`` returned.
     """
-    per_rank = run_in_pool(_cases_worker, world_size, (cases,), timeout_s=timeout_s)
+    per_rank = run_distributed(_cases_worker, world_size, (cases,), timeout_s=timeout_s)
     return [[per_rank[r][c] for r in range(world_size)] for c in range(len(cases))]
 
 

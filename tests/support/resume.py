@@ -89,9 +89,9 @@ def resume_worker(plan: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_resume(world: int, plan: list[dict[str, Any]], timeout_s: float = 600) -> list[list[dict[str, Any]]]:
     """Per plan step, the result of each rank."""
-    from tests.support.pool import run_in_pool
+    from lightning_par.launcher import run_distributed
 
-    per_rank = run_in_pool(resume_worker, world, (plan,), timeout_s=timeout_s)
+    per_rank = run_distributed(resume_worker, world, (plan,), timeout_s=timeout_s)
     return [[per_rank[r][i] for r in range(world)] for i in range(len(plan))]
 
 

@@ -252,7 +252,7 @@ def case_worker(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_cases(world: int, cases: list[dict[str, Any]], timeout_s: float = 600) -> dict[str, list[dict[str, Any]]]:
     """``{case name: [result of each rank]}``."""
-    from tests.support.pool import run_in_pool
+    from lightning_par.launcher import run_distributed
 
-    per_rank = run_in_pool(case_worker, world, (cases,), timeout_s=timeout_s)
+    per_rank = run_distributed(case_worker, world, (cases,), timeout_s=timeout_s)
     return {case["name"]: [per_rank[r][i] for r in range(world)] for i, case in enumerate(cases)}

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_par.data_parallel.comm_volume import CommVolumeCallback
 from lightning_par.data_parallel.zero_memory import zero_state_bytes
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import run_distributed
 from lightning_par.models import GPTConfig, GPTLightningModule
 from tests.support.helpers import TIMEOUT_S, LossRecorder, TokenDataset, quiet_trainer
 
@@ -198,7 +198,7 @@ def cases_worker(cases: list[dict[str, Any]], dataset: Dataset, val_dataset: Dat
 def run_cases(world_size: int, cases: list[dict[str, Any]], dataset: Dataset, val_dataset: Dataset | None = None,
               timeout_s: float = TIMEOUT_S) -> dict[str, list[dict]]:
     """Run ``cases`` on ``world_size`` ranks; returns ``{case name: [result of rank 0, rank 1, ...]}``."""
-    per_rank = run_in_pool(cases_worker, world_size, (cases, dataset, val_dataset), timeout_s=timeout_s)
+    per_rank = run_distributed(cases_worker, world_size, (cases, dataset, val_dataset), timeout_s=timeout_s)
     return {case["name"]: [per_rank[r][i] for r in range(world_size)] for i, case in enumerate(cases)}
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_par import TensorParallelStrategy
-from tests.support.pool import run_in_pool
+from lightning_par.launcher import run_distributed
 from lightning_par.tensor_parallel.local_heads import explain_shape_error, local_heads_hint
 from tests.support.helpers import TIMEOUT_S, quiet_trainer
 
@@ -128,7 +128,7 @@ def _worker() -> dict[str, Any]:
 def test_the_guides_attention_trains_and_the_whole_head_count_is_explained():
     guide = _guide()
     reference = _fit(guide["Attention"], guide["plan"], 1)  # one process
-    for rank in run_in_pool(_worker, 2, timeout_s=TIMEOUT_S):
+    for rank in run_distributed(_worker, 2, timeout_s=TIMEOUT_S):
         assert rank["losses"] == pytest.approx(reference, rel=1e-5)
         printed = rank.get("printed", "")
         assert rank.get("type") == "RuntimeError", printed

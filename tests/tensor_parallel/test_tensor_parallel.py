@@ -44,8 +44,6 @@ def tp_strategy(**kw):
 # ------------------------------------------------------------------------------------------------ layers
 @pytest.fixture(scope="module")
 def layer_results() -> dict:
-    # A world of its own: the bytes-per-layer checks count the collectives the layers issue, and a warm pool rank
-    # issued fewer of them (0 and 2,560 bytes of 8,192 and 8,704 at tp2, measured in the session pool).
     results = run_distributed(layer_checks_worker, 4, timeout_s=TIMEOUT_S)
     return results[0]
 
