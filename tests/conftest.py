@@ -2,7 +2,6 @@
 
 import gc
 import os
-import sys
 import time
 
 import pytest
@@ -138,12 +137,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     state.started.setdefault(stage, time.monotonic())
     yield
     state.ended[stage] = time.monotonic()
-    pool = sys.modules.get("tests.support.pool")
-    if pool is not None and (nextitem is None or stage_of(nextitem) != stage):
-        # The pool's worlds keep their process groups (gloo's threads: ~400 a rank) between cells; once the stage that
-        # uses them is over they would only take CPU from the next one (seen in CI: 60% system time in idle ranks
-        # during the e2e stage). A later cell would start a fresh world.
-        pool.shut_down()
     if stage in state.failed and nextitem is not None and stage_of(nextitem) != stage:
         later = STAGES[STAGES.index(stage) + 1:]
         item.session.shouldstop = (f"stage {STAGES.index(stage) + 1} ({stage}) had a failure: the later stages "
