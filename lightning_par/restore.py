@@ -26,13 +26,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_par.compat import forget_composable_state, has_composable_state
+from lightning_par.compat import (
+    PARAMETER_TABLE,
+    buffer_table,
+    forget_composable_state,
+    has_composable_state,
+    parameter_table,
+)
 
 __all__ = ["ModuleSnapshot", "ParamRecord"]
 
 _MISSING = object()
-#: ``nn.Module.__dict__`` entries handled apart from the generic attribute rule.
-_PARAMETERS = "_parameters"
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,7 @@ class ParamRecord:
 def _entries(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[Any, Any]]]:
     """A module's ``__dict__`` entries (parameters left out), and a copy of the contents of each dict-valued one
     (hook tables, children, buffers), since torch changes those in place."""
-    refs = {k: v for k, v in state.items() if k != _PARAMETERS}
+    refs = {k: v for k, v in state.items() if k != PARAMETER_TABLE}  # handled apart from the generic rule
     return refs, {k: copy.copy(v) for k, v in refs.items() if isinstance(v, dict)}
 
 
@@ -100,9 +104,9 @@ class ModuleSnapshot:
                 n: None if p is None else ParamRecord(
                     first_name[id(p)], p.shape, p.dtype, p.device, p.requires_grad, type(p)
                 )
-                for n, p in module._parameters.items()
+                for n, p in parameter_table(module).items()
             }
-            buffers = {n: f"{prefix}.{n}" if prefix else n for n, b in module._buffers.items() if b is not None}
+            buffers = {n: f"{prefix}.{n}" if prefix else n for n, b in buffer_table(module).items() if b is not None}
             self.records.append(_ModuleRecord(module, params, buffers))
         self._sealed = False
 
@@ -123,16 +127,17 @@ class ModuleSnapshot:
         for r in self.records:
             r.sealed_cls = type(r.module)
             r.sealed_entries, r.sealed_tables = _entries(r.module.__dict__)
-            r.sealed_params = set(r.module._parameters)
+            r.sealed_params = set(parameter_table(r.module))
             r.sealed_state = has_composable_state(r.module)
         held = {id(p) for m in (self.root, *live) for p in m.parameters()}
         attached = {id(m) for m in (self.root, *live) for m in m.modules()}
         for r in self.records:
             if id(r.module) in attached:
                 continue
-            for name, p in list(r.module._parameters.items()):
+            table = parameter_table(r.module)
+            for name, p in list(table.items()):
                 if p is not None and id(p) not in held:
-                    r.module._parameters[name] = None
+                    table[name] = None
         self._sealed = True
 
     @torch.no_grad()
@@ -182,7 +187,7 @@ class ModuleSnapshot:
                     state[key] = before
                 elif key in r.tables:  # the same table, changed in place
                     _merge_table(now, r.tables[key], r.sealed_tables[key], hooks="hook" in key)
-            table = module._parameters
+            table = parameter_table(module)
             extra = {n: p for n, p in table.items() if n not in r.params and n not in r.sealed_params}
             table.clear()
             for name, rec in r.params.items():
@@ -190,11 +195,12 @@ class ModuleSnapshot:
             table.update(extra)
             for name, full in r.buffers.items():
                 value = buffers.get(full)
-                current = module._buffers.get(name)
+                current = buffer_table(module).get(name)
                 if value is None or current is None:
                     continue
                 if _is_dtensor(current) or current.shape != value.shape or current.dtype != value.dtype:
-                    module._buffers[name] = value.detach().to(device=_plain_device(current), dtype=current.dtype).clone()
+                    plain = value.detach().to(device=_plain_device(current), dtype=current.dtype)
+                    buffer_table(module)[name] = plain.clone()
                 else:
                     current.copy_(value.detach())
         self._sealed = False

@@ -14,10 +14,12 @@ torch but was not traced further back. Where a name moved between versions, both
 
 The multi-tensor kernels torch's own optimizers and gradient scaler call (``torch._foreach_copy_``, ``_foreach_mul_``,
 ``_foreach_norm``, ``_amp_foreach_non_finite_check_and_unscale_``; public in all but name) are wrapped here too
-(:func:`foreach_copy_` ...), and so is a module's copy with tables of its own (:func:`module_copy`). Left where they
-are: ``nn.Module``'s ``_parameters`` / ``_buffers`` where :mod:`lightning_par.restore` records and puts back a
-module's own state, and the private methods a subclass overrides or extends (``DataLoader._index_sampler``,
-``ShardedGradScaler._unscale_grads_``, ``ParallelStyle._apply``), which only work at their definition.
+(:func:`foreach_copy_` ...), and so are a module's copy with tables of its own (:func:`module_copy`), a module's
+own tables of parameters and buffers that :mod:`lightning_par.restore` records and puts back in place
+(:func:`parameter_table`, :func:`buffer_table`) and the input and output hooks of torch's tensor-parallel styles
+(:func:`parallel_style_hooks`). Left where they are: the private methods a subclass overrides or extends
+(``DataLoader._index_sampler``, ``ShardedGradScaler._unscale_grads_``, ``ParallelStyle._apply``), which only work at
+their definition.
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ __all__ = [
     "local_chunk",
     "local_tensor",
     "module_copy",
+    "PARAMETER_TABLE",
+    "buffer_table",
+    "parameter_table",
+    "parallel_style_hooks",
     "multi_device_replicator",
     "op_name",
     "pipeline_stage_meta",
@@ -304,6 +310,49 @@ def module_copy(module: torch.nn.Module, *, parameters: bool = True) -> torch.nn
         out._parameters = OrderedDict()
         out._buffers = OrderedDict(module._buffers)
     return out
+
+
+#: The key of a module's own table of parameters in its ``__dict__`` (``nn.Module._parameters``, present in 2.10): what
+#: :func:`parameter_table` returns.
+PARAMETER_TABLE = "_parameters"
+
+
+def parameter_table(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s own table of parameters, name -> ``nn.Parameter`` or ``None`` (``nn.Module._parameters``, an
+    ``OrderedDict``, present in 2.10), itself, not a copy: editing it edits the module. Unlike
+    ``named_parameters(recurse=False)`` it keeps ``None`` entries (a parameter slot set to ``None``, as
+    ``nn.Linear(bias=False)`` has) and can hold one without unregistering the name, and assigning into it skips
+    ``register_parameter``'s checks (as :mod:`lightning_par.restore` needs when it puts a tree back)."""
+    return module.__dict__[PARAMETER_TABLE]
+
+
+def buffer_table(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s own table of buffers, name -> tensor or ``None`` (``nn.Module._buffers``, present in 2.10), itself
+    (see :func:`parameter_table`)."""
+    return module._buffers
+
+
+def parallel_style_hooks(style: Any) -> tuple[Any, Any]:
+    """``(input_fn, output_fn)`` of a torch tensor-parallel style (``ColwiseParallel``, ``RowwiseParallel`` and their
+    subclasses) for ``distribute_module(module, mesh, partition_fn, input_fn, output_fn)``, exactly as the style's own
+    ``_apply`` passes them: its ``_prepare_input_fn`` given ``input_layouts`` and ``desired_input_layouts``, its
+    ``_prepare_output_fn`` given ``output_layouts`` and ``use_local_output`` (private static methods, present in
+    2.10; a canary in tests/compat/test_compat.py).
+
+    Raises:
+        RuntimeError: the installed torch's style has no such methods.
+    """
+    prepare_input = getattr(style, "_prepare_input_fn", None)
+    prepare_output = getattr(style, "_prepare_output_fn", None)
+    if prepare_input is None or prepare_output is None:
+        raise RuntimeError(
+            f"torch {torch.__version__}'s {type(style).__name__} has no _prepare_input_fn/_prepare_output_fn: "
+            f"lightning_par needs torch >= 2.10, < 2.16."
+        )
+    return (
+        functools.partial(prepare_input, style.input_layouts, style.desired_input_layouts),
+        functools.partial(prepare_output, style.output_layouts, style.use_local_output),
+    )
 
 
 def has_composable_state(module: Any) -> bool:

@@ -5,8 +5,9 @@ Lightning 2.6.6 has no public way to reach these: the fit loop's data fetcher an
 moves a rejoining group's data to the live group's place through them), the epoch loop's step counter of the loggers
 and its per-batch SIGTERM broadcast, the optimizer a ``LightningOptimizer`` wraps, the module's ``_device_mesh`` that
 Lightning's own ``ModelParallelStrategy`` sets, the batch hooks its epoch loop runs, the loader behind
-``load_from_checkpoint``. Each entry of :data:`PRIVATE_USES` is looked up by the canary in
-tests/compat/test_private_api.py, which fails naming the entry when upstream moves it.
+``load_from_checkpoint``, ``ModelCheckpoint``'s save path (a save of the current step on demand). Each entry of
+:data:`PRIVATE_USES` is looked up by the canary in tests/compat/test_private_api.py, which fails naming the entry when
+upstream moves it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "data_fetcher",
     "restart_training_fetch",
     "combined_loader",
+    "save_model_checkpoint",
     "is_dataloader_iter_fetcher",
     "plain_optimizer",
     "plugin_compute_dtype",
@@ -40,6 +42,8 @@ __all__ = [
 _CHECKED = "lightning 2.6.6"
 _FIT_LOOP = "lightning.pytorch.loops.fit_loop._FitLoop"
 _EPOCH_LOOP = "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop"
+_MODEL_CHECKPOINT = "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint"
+_STEP_CHECKPOINT_OVERRIDE = "an override in lightning_par.fault.step_checkpoint.StepCheckpoint"
 
 
 def __getattr__(name: str) -> Any:
@@ -85,6 +89,23 @@ def restart_training_fetch(trainer: Any, passed: int | None = None) -> Any:
         fetcher.fetched = passed
         fetcher.done = fetcher.length is not None and fetcher.fetched >= fetcher.length
     return fetcher
+
+
+def save_model_checkpoint(callback: Any, trainer: Any) -> bool:
+    """Save the current step through a ``ModelCheckpoint``'s own path, as its ``on_train_batch_end`` does when a save
+    is due: unless ``ModelCheckpoint._should_skip_saving_checkpoint`` (not fitting, sanity check, this step saved
+    already), its ``_monitor_candidates``, then ``_save_topk_checkpoint`` and ``_save_last_checkpoint`` with them.
+    Lightning 2.6.6 has no public "save now" on the callback. Every rank must call it (a sharded save is collective).
+
+    Returns:
+        Whether a save ran (``False``: skipped).
+    """
+    if callback._should_skip_saving_checkpoint(trainer):
+        return False
+    candidates = callback._monitor_candidates(trainer)
+    callback._save_topk_checkpoint(trainer, candidates)
+    callback._save_last_checkpoint(trainer, candidates)
+    return True
 
 
 def is_dataloader_iter_fetcher(fetcher: Any) -> bool:
@@ -175,6 +196,13 @@ PRIVATE_USES: tuple[PrivateName, ...] = (
                 "lightning_par.compat.disable_lightning_signal_handlers"),
     PrivateName("lightning", "lightning.pytorch.callbacks.model_summary.ModelSummary", "_max_depth", "instance",
                 _CHECKED, "summary_max_depth"),
+    *(PrivateName("lightning", _MODEL_CHECKPOINT, name, "attribute", _CHECKED, "save_model_checkpoint")
+      for name in ("_should_skip_saving_checkpoint", "_monitor_candidates", "_save_topk_checkpoint",
+                   "_save_last_checkpoint")),
+    # Overridden, not called (an override only works at the definition): the canary says when upstream renames them,
+    # which would otherwise leave StepCheckpoint's background save and late last.ckpt link silently unused.
+    *(PrivateName("lightning", _MODEL_CHECKPOINT, name, "attribute", _CHECKED, _STEP_CHECKPOINT_OVERRIDE)
+      for name in ("_save_checkpoint", "_link_checkpoint")),
 )
 
 

@@ -10,6 +10,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_par.checkpoint.atomic import remove_leftovers
+from lightning_par.compat.lightning import save_model_checkpoint
 from lightning_par.fault.resume import CHECKPOINT_FILENAME
 
 log = logging.getLogger(__name__)
@@ -136,10 +137,7 @@ class StepCheckpoint(ModelCheckpoint):
         Returns:
             The path of the newest checkpoint (this step's), or ``None`` when nothing could be saved (not fitting).
         """
-        if not self._should_skip_saving_checkpoint(trainer):
-            candidates: dict[str, Any] = self._monitor_candidates(trainer)
-            self._save_topk_checkpoint(trainer, candidates)
-            self._save_last_checkpoint(trainer, candidates)
+        save_model_checkpoint(self, trainer)
         if self.async_save:  # a background save must be committed before the process exits
             trainer.strategy.finish_pending_checkpoint(wait=True)
         return self.best_model_path or None

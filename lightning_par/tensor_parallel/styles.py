@@ -43,7 +43,6 @@ agree only if they are seeded alike (``seed_everything`` seeds every rank with t
 from __future__ import annotations
 
 from collections.abc import Iterable
-from functools import partial
 from typing import Any
 
 import torch
@@ -55,7 +54,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
-from lightning_par.compat import foreach_copy_, local_tensor
+from lightning_par.compat import foreach_copy_, local_tensor, parallel_style_hooks
 from lightning_par.tensor_parallel.vocab import VOCAB_SIZE_ATTR, mask_padded_logits, pad_rows, padded_vocab_size
 
 __all__ = [
@@ -586,8 +585,7 @@ class Colwise(ColwiseParallel):
         return distribute_module(
             module, device_mesh,
             lambda name, mod, mesh: _distribute_params(mod, mesh, {2: Shard(1), 1: Shard(0)}, self.src_data_rank),
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            *parallel_style_hooks(self),
         )
 
 
@@ -604,8 +602,7 @@ class Rowwise(RowwiseParallel):
         return distribute_module(
             module, device_mesh,
             lambda name, mod, mesh: _distribute_params(mod, mesh, {2: Shard(0), 1: Replicate()}, self.src_data_rank),
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            *parallel_style_hooks(self),
         )
 
 

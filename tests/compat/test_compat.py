@@ -171,3 +171,56 @@ def test_module_copy_has_tables_of_its_own() -> None:
     pruned.register_buffer("scale", torch.ones(1))
     assert [n for n, _ in pruned.named_parameters()] == ["weight"] and pruned.weight is linear.weight
     assert [n for n, _ in linear.named_parameters()] == ["weight", "bias"] and not list(linear.buffers())
+
+
+def test_parameter_and_buffer_tables_are_the_modules_own() -> None:
+    """The canary of :func:`lightning_par.compat.parameter_table` / :func:`~lightning_par.compat.buffer_table`
+    (what lightning_par.restore records and edits in place): the live tables, ``None`` entries kept."""
+    linear = torch.nn.Linear(2, 3, bias=False)
+    linear.register_buffer("scale", torch.ones(1))
+    table = compat.parameter_table(linear)
+    assert table is linear.__dict__[compat.PARAMETER_TABLE]
+    assert list(table.items()) == [("weight", linear.weight), ("bias", None)]
+    weight = table["weight"]
+    table["weight"] = None  # edits the module: the parameter is gone from it, its name stays
+    assert list(linear.named_parameters()) == [] and list(table) == ["weight", "bias"]
+    table["weight"] = weight
+    assert [n for n, _ in linear.named_parameters()] == ["weight"] and linear.weight is weight
+    buffers = compat.buffer_table(linear)
+    assert list(buffers) == ["scale"] and buffers["scale"] is linear.scale
+    buffers["scale"] = torch.zeros(1)
+    assert linear.scale.item() == 0.0
+
+
+def test_parallel_style_hooks_are_the_styles_own(world_of_one: None) -> None:
+    """The canary of :func:`lightning_par.compat.parallel_style_hooks`: with them, ``distribute_module`` does what the
+    style's own ``_apply`` does (the same output, placements and local-ness) for torch's column- and row-wise styles."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (1,))
+    x = torch.randn(2, 4)
+    for style, weight_placement in ((ColwiseParallel(), Shard(0)), (RowwiseParallel(), Shard(1))):
+        torch.manual_seed(0)
+        theirs = parallelize_module(torch.nn.Linear(4, 4, bias=False), mesh, style)
+        torch.manual_seed(0)
+        ours = torch.nn.Linear(4, 4, bias=False)
+
+        def partition(name: str, module: torch.nn.Module, mesh_: object, p: object = weight_placement) -> None:
+            module.register_parameter(
+                "weight", torch.nn.Parameter(distribute_tensor(module.weight.detach(), mesh_, [p]))
+            )
+
+        in_fn, out_fn = compat.parallel_style_hooks(style)
+        assert in_fn.func.__name__ == "_prepare_input_fn" and out_fn.func.__name__ == "_prepare_output_fn"
+        distribute_module(ours, mesh, partition, in_fn, out_fn)
+        expected, got = theirs(x), ours(x)
+        assert type(got) is type(expected) and not isinstance(got, DTensor)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        assert ours.weight.placements == theirs.weight.placements
+    assert compat.parallel_style_hooks(ColwiseParallel(output_layouts=Replicate(), use_local_output=False))[1].args == (
+        (Replicate(),), False
+    )
+    with pytest.raises(RuntimeError, match="has no _prepare_input_fn"):
+        compat.parallel_style_hooks(object())

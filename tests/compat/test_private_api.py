@@ -32,23 +32,9 @@ LIBRARIES = ("torch", "lightning", "pytorch_lightning", "lightning_fabric", "tra
 #: Private names of the standard library (not in scope: no upstream of ours moves them).
 STDLIB = frozenset({"_exit", "_current_frames", "_getframe", "_Unpickler"})
 
-_OVERRIDE = ("a subclass overriding or extending its base's private method (only works at the definition; "
-             "compat/__init__.py's docstring)")
-
-_MODULE_INTERNALS = ("nn.Module's own containers (_modules, _parameters), which wrappers of modules read and edit in "
-                     "place; public in all but name, as compat/__init__.py's docstring says")
-
-#: ``(path relative to the repository, private name) -> why it is not in the register yet``. Shrink only.
-NOT_YET_MOVED: dict[tuple[str, str], str] = {
-    ("lightning_par/fault/step_checkpoint.py", "_monitor_candidates"): _OVERRIDE + ": ModelCheckpoint's save path",
-    ("lightning_par/fault/step_checkpoint.py", "_save_last_checkpoint"): _OVERRIDE + ": ModelCheckpoint's save path",
-    ("lightning_par/fault/step_checkpoint.py", "_save_topk_checkpoint"): _OVERRIDE + ": ModelCheckpoint's save path",
-    ("lightning_par/fault/step_checkpoint.py", "_should_skip_saving_checkpoint"):
-        _OVERRIDE + ": ModelCheckpoint's save path",
-    ("lightning_par/restore.py", "_parameters"): _MODULE_INTERNALS,
-    ("lightning_par/tensor_parallel/styles.py", "_prepare_input_fn"): _OVERRIDE + ": torch's ParallelStyle subclasses",
-    ("lightning_par/tensor_parallel/styles.py", "_prepare_output_fn"): _OVERRIDE + ": torch's ParallelStyle subclasses",
-}
+#: ``(path relative to the repository, private name) -> why it is not in the register yet``. Shrink only (empty since
+#: issue 46 moved the last seven: ModelCheckpoint's save path, ``nn.Module._parameters``, torch's ParallelStyle hooks).
+NOT_YET_MOVED: dict[tuple[str, str], str] = {}
 
 #: Our own markers on foreign objects start with these (``planner._lp_path``, ``optimizer._lp_zero_init``).
 OUR_PREFIXES = ("_lp_", "_lightning_par")
