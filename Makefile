@@ -33,15 +33,18 @@ train: $(VENV)/.installed
 # processes, (3) the distributed tests (gloo worlds; `gpu` ones skip without CUDA), (4) the end-to-end runs of the
 # recipes; the 25 slowest tests and each stage's count and time are printed at the end. Together the stages run every
 # test that is not `slow`, each once (tests/support/check_stages.py checks it).
+# The tests run on WORKERS pytest-xdist workers (the 2-core machine's cores; `WORKERS=0` runs them in this process);
+# under `--staged` the stages stay a barrier across the workers (tests/conftest.py).
+WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 FAST := not slow and not e2e and not distributed and not gpu
 test: $(VENV)/.installed
-	$(PYTEST) --staged --durations=25 -m "not slow" tests $(ARGS)
+	$(PYTEST) --staged -n $(WORKERS) --durations=25 -m "not slow" tests $(ARGS)
 
 # The tests without processes (no multi-process world, no recipe run, no fresh interpreter): stages 1 and 2 of
 # `make test`; about 115 s on a fresh clone of the idle 2-core machine (README, "Set up and run").
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q -m "$(FAST)" tests $(ARGS)
+	$(PY) -m pytest -q -n $(WORKERS) -m "$(FAST)" tests $(ARGS)
 
 # The matrix cells CI leaves out (marked `slow`).
 test-slow: $(VENV)/.installed

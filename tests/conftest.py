@@ -1,8 +1,12 @@
 """Session-wide test settings and shared fixtures."""
 
 import gc
+import json
 import os
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,15 +61,22 @@ def cuda_device(request) -> torch.device | None:
     return torch.device("cuda", 0)
 
 
-# --- CI's stages in one pytest run (`make test`: `pytest --staged`) ------------------------------------------------
+# --- CI's stages in one pytest run (`make test`: `pytest --staged -n 2`) ---------------------------------------------
 # One collection of the tree instead of one per stage (each imports every test module: ~15 s of a core), the tests run
 # stage by stage, and the run stops at the end of the first stage with a failure: a broken import fails in the first
 # stage, a failing fast test before any process group starts. `--stage NAME` selects one stage (check_stages uses it).
+#
+# With pytest-xdist (`-n 2`: the machine's two cores), the stages stay a barrier: the controller hands out each module's
+# tests of one stage as one unit (`--dist loadscope`, units in stage order, the largest first within a stage), a worker
+# starts a test only once every test of the earlier stages has ended (the controller writes a file per finished stage),
+# and after a stage with a failure nothing of a later stage runs.
 
 #: The stages in the order they run; a test's stage is the first whose rule matches (see :func:`stage_of`).
 STAGES = ("imports", "fast", "distributed", "e2e")
 #: Stage 1: every package module imports (seconds); first, so that a broken import fails CI before anything else.
 IMPORTS_FILE = "tests/core/test_every_module_imports.py"
+#: A worker waits at most this long for the earlier stages to end before it fails the test it holds (seconds).
+BARRIER_TIMEOUT_S = 3600.0
 
 
 def stage_of(item: pytest.Item) -> str:
@@ -84,8 +95,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("lightning_par stages")
     group.addoption("--staged", action="store_true",
                     help="run the tests stage by stage (" + ", ".join(STAGES) + ") and stop after the first stage "
-                         "with a failure (make test)")
+                         "with a failure (make test); with -n N the stages are a barrier across the workers")
     group.addoption("--stage", choices=STAGES, default=None, help="only the tests of this stage")
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
 
 
 @pytest.hookimpl(trylast=True)  # after `-m` and `-k` deselected theirs
@@ -96,7 +111,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=[item for item in items if stage_of(item) != only])
         items[:] = keep
     if config.getoption("--staged"):
-        items.sort(key=lambda item: STAGES.index(stage_of(item)))  # stable: file order within a stage
+        # by stage; under xdist also, within a stage, each module's tests together and the modules with the most tests
+        # first (handed out whole: the largest first leaves the small ones to even out the workers at the barrier)
+        size: dict[tuple[str, str], int] = {}
+        first: dict[str, int] = {}
+        for index, item in enumerate(items):
+            key = (stage_of(item), _module(item.nodeid))
+            size[key] = size.get(key, 0) + 1
+            first.setdefault(_module(item.nodeid), index)
+        if hasattr(config, "workerinput"):
+            items.sort(key=lambda item: (STAGES.index(stage_of(item)), -size[(stage_of(item), _module(item.nodeid))],
+                                         first[_module(item.nodeid)]))
+        else:
+            items.sort(key=lambda item: STAGES.index(stage_of(item)))  # stable: file order within a stage
 
 
 class _StageState:
@@ -112,8 +139,108 @@ class _StageState:
 _stage_state = pytest.StashKey[_StageState]()
 
 
+class _StagedController:
+    """The xdist controller's part of ``--staged``: it hands out one unit per (stage, module) in the workers' order,
+    learns each test's stage from the map the workers wrote, counts each stage's tests, and when a stage's last test
+    has ended writes the stage's file (``passed``/``failed``) that the workers wait for; after a stage with a failure it
+    stops the run."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config, self.state = config, config.stash[_stage_state]
+        self.stage_dir = Path(tempfile.mkdtemp(prefix="lp-stages-"))
+        self.stage: dict[str, str] = {}
+        self.left: dict[str, set[str]] = {}
+        config.option.loadscopereorder = False  # the workers' order is the stages' (loadscope would sort by size)
+
+    def stage_of_nodeid(self, nodeid: str) -> str:
+        if not self.stage:
+            self.stage = json.loads(next(iter(sorted(self.stage_dir.glob("map-*.json")))).read_text())
+            for test, stage in self.stage.items():
+                self.left.setdefault(stage, set()).add(test)
+        return self.stage[nodeid]
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_configure_node(self, node) -> None:
+        node.workerinput["lp_stage_dir"] = str(self.stage_dir)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_make_scheduler(self, config: pytest.Config, log):
+        from xdist.scheduler import LoadScopeScheduling
+
+        stage_of_nodeid = self.stage_of_nodeid
+
+        class StagedScopes(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:  # one unit per (stage, module): a module's fixtures run once
+                return f"{stage_of_nodeid(nodeid)}|{_module(nodeid)}"
+
+        return StagedScopes(config, log)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        stage, state = self.stage_of_nodeid(report.nodeid), self.state
+        state.started.setdefault(stage, time.monotonic())
+        if report.failed and stage not in state.failed:
+            state.failed.append(stage)
+        if report.when != "teardown":
+            return
+        state.counts[stage] = state.counts.get(stage, 0) + 1
+        state.ended[stage] = time.monotonic()
+        self.left[stage].discard(report.nodeid)
+        if self.left[stage]:
+            return
+        (self.stage_dir / f"done-{stage}").write_text("failed" if stage in state.failed else "passed")
+        later = [s for s in STAGES[STAGES.index(stage) + 1:] if self.left.get(s)]
+        if stage in state.failed and later:
+            self.config.pluginmanager.getplugin("dsession").shouldstop = _stop_message(stage)
+
+    def pytest_unconfigure(self) -> None:
+        shutil.rmtree(self.stage_dir, ignore_errors=True)
+
+
+class _StagedWorker:
+    """An xdist worker's part of ``--staged``: it writes each test's stage for the controller, and starts a test only
+    once every test of the earlier stages has ended (on any worker); after a stage with a failure it runs nothing of a
+    later stage (no report: the controller stops the run)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.stage_dir = Path(config.workerinput["lp_stage_dir"])
+        self.stages: set[str] = set()
+
+    @pytest.hookimpl(tryfirst=True)  # before xdist's own sends the collection to the controller
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.stages = {stage_of(item) for item in session.items}
+        (self.stage_dir / f"map-{session.config.workerinput['workerid']}.json").write_text(
+            json.dumps({item.nodeid: stage_of(item) for item in session.items}))
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+        deadline = time.monotonic() + BARRIER_TIMEOUT_S
+        for stage in STAGES[:STAGES.index(stage_of(item))]:
+            if stage not in self.stages:
+                continue
+            done = self.stage_dir / f"done-{stage}"
+            while not done.exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{item.nodeid}: stage {stage!r} did not end within {BARRIER_TIMEOUT_S:.0f} s")
+                time.sleep(0.05)
+            if done.read_text() != "passed":
+                return True  # not run
+        return None
+
+
+def _stop_message(stage: str) -> str:
+    later = STAGES[STAGES.index(stage) + 1:]
+    return f"stage {STAGES.index(stage) + 1} ({stage}) had a failure: the later stages ({', '.join(later)}) were not run"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_stage_state] = _StageState()
+    if not config.getoption("--staged"):
+        return
+    if hasattr(config, "workerinput"):
+        config.pluginmanager.register(_StagedWorker(config), "lp-staged-worker")
+    elif getattr(config.option, "dist", "no") != "no" and not config.getoption("collectonly"):
+        # -n N: this process only hands out the tests (xdist's own configure, which registers that, runs last)
+        config.pluginmanager.register(_StagedController(config), "lp-staged-controller")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -127,9 +254,9 @@ def pytest_runtest_makereport(item: pytest.Item, call):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    """Under ``--staged``: after the last test of a stage that had a failure, stop the run (``session.shouldstop``:
-    pytest reports "Interrupted: <reason>" and exits 1)."""
-    if not item.config.getoption("--staged"):
+    """Under ``--staged`` in one process: after the last test of a stage that had a failure, stop the run
+    (``session.shouldstop``: pytest reports "Interrupted: <reason>" and exits 2). (xdist: :class:`_StagedController`.)"""
+    if not item.config.getoption("--staged") or hasattr(item.config, "workerinput"):
         yield
         return
     state, stage = item.config.stash[_stage_state], stage_of(item)
@@ -138,9 +265,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     yield
     state.ended[stage] = time.monotonic()
     if stage in state.failed and nextitem is not None and stage_of(nextitem) != stage:
-        later = STAGES[STAGES.index(stage) + 1:]
-        item.session.shouldstop = (f"stage {STAGES.index(stage) + 1} ({stage}) had a failure: the later stages "
-                                   f"({', '.join(later)}) were not run")
+        item.session.shouldstop = _stop_message(stage)
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:

@@ -49,6 +49,7 @@ def test_make_test_is_one_staged_pytest_run():
     args = shlex.split(commands[0])
     assert args[:3] == [sys.executable, "-m", "pytest"] and "--staged" in args and "--durations=25" in args, args
     assert "not slow" in args, args  # every test CI runs, the `slow` cells left out
+    assert args[args.index("-n") + 1] == "2", args  # on the machine's two cores (xdist workers)
 
 
 def test_a_broken_module_fails_the_first_stage_and_nothing_after_it_runs(tmp_path: Path):
@@ -79,22 +80,29 @@ def test_a_broken_module_fails_the_first_stage_and_nothing_after_it_runs(tmp_pat
     assert seconds < 120, f"the broken import took {seconds:.0f} s to fail"
 
 
-def test_without_a_failure_every_stage_runs_in_order(tmp_path: Path):
-    """The stages' order and the summary on a small tree: a test of each kind, each leaving its name in a file."""
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_without_a_failure_every_stage_runs_in_order(tmp_path: Path, workers: str):
+    """The stages' order and the summary on a small tree: a test of each kind, each leaving its name in a file; in one
+    process and on two xdist workers (where the stages are a barrier: nothing of a stage starts before the earlier
+    stages' tests have all ended)."""
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     (tmp_path / "tests" / "core").mkdir(parents=True)
     for name in ("__init__.py", "conftest.py", "core/__init__.py"):
         shutil.copy(ROOT / "tests" / name, tmp_path / "tests" / name)
     log = tmp_path / "order.txt"
-    ran = f"def _ran(name):\n    with open({str(log)!r}, 'a') as f:\n        f.write(name + '\\n')\n"
+    # each test writes its name after a wait that is longer the earlier its stage: on two workers without the barrier
+    # a later stage's name would come first
+    ran = (f"import time\n\n\ndef _ran(name):\n"
+           f"    time.sleep({{'imports': 1.5, 'fast': 1.0, 'distributed': 0.5}}.get(name, 0.0))\n"
+           f"    with open({str(log)!r}, 'a') as f:\n        f.write(name + '\\n')\n")
     (tmp_path / "tests" / "core" / "test_every_module_imports.py").write_text(
         f"{ran}\n\ndef test_imports():\n    _ran('imports')\n")
     kinds = f"import pytest\n\n\n{ran}"  # written out of stage order: the run sorts them
     for name, mark in {"e2e": "@pytest.mark.e2e\n", "distributed": "@pytest.mark.distributed\n", "fast": ""}.items():
         kinds += f"\n\n{mark}def test_{name}():\n    _ran({name!r})\n"
     (tmp_path / "tests" / "core" / "test_kinds.py").write_text(kinds)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--staged", "tests"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--staged", "-n", workers,
+                           "tests"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, tail(proc)
     assert log.read_text().split() == ["imports", "fast", "distributed", "e2e"], tail(proc)
     for number, stage in enumerate(("imports", "fast", "distributed", "e2e"), 1):
