@@ -42,7 +42,7 @@ test: $(VENV)/.installed
 	$(PYTEST) --staged -n $(WORKERS) --durations=25 -m "not slow" tests $(ARGS)
 
 # The tests without processes (no multi-process world, no recipe run, no fresh interpreter): stages 1 and 2 of
-# `make test`; about 115 s on a fresh clone of the idle 2-core machine (README, "Set up and run").
+# `make test`, on WORKERS xdist workers (README, "Set up and run", for its time).
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -n $(WORKERS) -m "$(FAST)" tests $(ARGS)
 
