@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+from lightning_par.compat import register as _register
 from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -135,6 +137,25 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "_amp_foreach_non_finite_check_and_unscale_": ("torch",),
 }
 
+
+#: torch's private methods that classes of ours override (an override only works at the definition, so it stays in
+#: the subclass; the entry is its canary). tests/compat/test_private_api.py finds every override of a private method
+#: of torch, Lightning, transformers or torchft and requires an entry here or in the library's register module.
+PRIVATE_USES: tuple = tuple(
+    _register.PrivateName("torch", owner, name, "attribute", f"torch {torch.__version__.split('+')[0]}", helper)
+    for owner, name, helper in (
+        ("torch.distributed.tensor.parallel.style.ParallelStyle", "_apply",
+         "overrides in lightning_par.tensor_parallel.styles and lightning_par.hf.tensor_parallel (the style contract)"),
+        ("torch.distributed.tensor.parallel.style.ColwiseParallel", "_apply",
+         "overrides in lightning_par.tensor_parallel.styles.Colwise/VocabParallelHead"),
+        ("torch.distributed.tensor.parallel.style.RowwiseParallel", "_apply",
+         "an override in lightning_par.tensor_parallel.styles.Rowwise"),
+        ("torch.utils.data.dataloader.DataLoader", "_index_sampler",
+         "an override in lightning_par.data.resumable.ResumableDataLoader"),
+        ("torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler", "_unscale_grads_",
+         "an override in lightning_par.precision.DistributedGradScaler"),
+    )
+)
 
 def _private(name: str) -> Any:
     """``name`` from the first of its :data:`PRIVATE_NAMES` modules that has it (imported on first use).

@@ -71,6 +71,8 @@ PRIVATE_USES: tuple[PrivateName, ...] = (
                 "optimizers_to_device"),
     PrivateName("lightning", "lightning.fabric.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher",
                 "attribute", _CHECKED, "FabricSubprocessScriptLauncher"),
+    PrivateName("lightning", "lightning.fabric.strategies.strategy.Strategy", "_configure_launcher", "attribute",
+                _CHECKED, "an override in lightning_par.fabric.strategy.MeshStrategy"),
     PrivateName("lightning", "lightning.fabric.strategies.strategy", "_BackwardSyncControl", "attribute", _CHECKED,
                 "BackwardSyncControl"),
 )

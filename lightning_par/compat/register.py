@@ -1,4 +1,5 @@
-"""The entries of the register of private names (Lightning, transformers, torchft; torch's are
+"""The entries of the register of private names (Lightning, transformers, torchft, and the torch methods that classes of
+ours override, :data:`lightning_par.compat.PRIVATE_USES`; torch's other private names are
 :data:`lightning_par.compat.PRIVATE_NAMES` and the helpers of :mod:`lightning_par.compat`) and their canary.
 
 Each :class:`PrivateName` says where upstream keeps the name, how we use it, the versions it was checked on and the
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 __all__ = ["REGISTER_MODULES", "PrivateName", "check_entry"]
 
 #: The modules whose ``PRIVATE_USES`` make the register (beside torch's :data:`lightning_par.compat.PRIVATE_NAMES`).
-REGISTER_MODULES: tuple[str, ...] = tuple(
+REGISTER_MODULES: tuple[str, ...] = ("lightning_par.compat",) + tuple(
     f"lightning_par.compat.{name}" for name in ("fabric", "lightning", "transformers", "torchft")
 )
 

@@ -177,3 +177,58 @@ def test_the_canary_names_what_moved() -> None:
     assert "wrapped by data_fetcher, checked on lightning 2.6.6" in message
     gone = PrivateName("lightning", "lightning.pytorch.no_such_module", "_x", "attribute", "lightning 2.6.6", "x")
     assert "upstream moved lightning.pytorch.no_such_module" in (check_entry(gone) or "")
+
+
+def private_overrides() -> dict[tuple[type, str], list[str]]:
+    """``(upstream class, private method) -> [our classes]`` for every method (function, property, static or class
+    method) that a class of the package defines in its body under a private name that a base class of torch, Lightning,
+    transformers or torchft defines too: an override of a private method, which the scan of accesses above cannot see
+    (the name is defined in the package). Read from the imported classes; a module whose optional library is missing is
+    passed over."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import lightning_par
+
+    found: dict[tuple[type, str], list[str]] = {}
+    for info in pkgutil.walk_packages(lightning_par.__path__, "lightning_par."):
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:
+            continue
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ != module.__name__:
+                continue
+            for name, value in vars(cls).items():
+                if not _private(name) or not (inspect.isfunction(value)
+                                              or isinstance(value, (property, staticmethod, classmethod))):
+                    continue
+                for base in cls.__mro__[1:]:
+                    if base.__module__.split(".")[0] in LIBRARIES and name in vars(base):
+                        found.setdefault((base, name), []).append(f"{cls.__module__}.{cls.__qualname__}")
+                        break
+    return found
+
+
+def test_every_override_of_a_private_method_is_in_the_register() -> None:
+    """An override of an upstream private method stays in the subclass (it only works at the definition); the register
+    holds its entry, whose canary says when upstream renames the method (the override would then silently never run)."""
+    import importlib
+
+    from lightning_par.compat.register import REGISTER_MODULES, _resolve
+
+    registered = set()
+    for name in REGISTER_MODULES:
+        for entry in importlib.import_module(name).PRIVATE_USES:
+            try:
+                registered.add((_resolve(entry.owner), entry.name))
+            except (ImportError, AttributeError):  # an optional library absent (its canary says so)
+                continue
+    overrides = private_overrides()
+    assert any(name == "_apply" for _, name in overrides), overrides  # the scan sees torch's ParallelStyle overrides
+    missing = {f"{base.__module__}.{base.__qualname__}.{name} (overridden by {', '.join(ours)})"
+               for (base, name), ours in overrides.items() if (base, name) not in registered}
+    assert not missing, ("private methods of torch/Lightning/transformers/torchft overridden outside the register "
+                         "(add an entry with the versions checked on to lightning_par/compat/):\n"
+                         + "\n".join(sorted(missing)))
