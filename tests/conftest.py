@@ -67,7 +67,8 @@ def cuda_device(request) -> torch.device | None:
 # stage, a failing fast test before any process group starts. `--stage NAME` selects one stage (check_stages uses it).
 #
 # With pytest-xdist (`-n 2`: the machine's two cores), the stages stay a barrier: the controller hands out each module's
-# tests of one stage as one unit (`--dist loadscope`, units in stage order, the largest first within a stage), a worker
+# tests of one stage as one unit where they share a module fixture, else each test alone (`_unit_of`; xdist's
+# `loadscope`, units in stage order, the largest modules first within a stage), a worker
 # starts a test only once every test of the earlier stages has ended (the controller writes a file per finished stage),
 # and after a stage with a failure nothing of a later stage runs.
 
@@ -101,6 +102,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def _module(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
+
+
+def _unit_of(item: pytest.Item) -> str:
+    """What xdist hands to one worker with ``item`` under ``--staged``: its module when it uses a fixture of module,
+    class or package scope (often a whole gloo world's parity run, shared by the module's cells: it must run once), else
+    the test alone (the stage's long end-to-end tests spread over the workers)."""
+    info = getattr(item, "_fixtureinfo", None)
+    shared = info is None or any(d.scope in ("module", "class", "package")
+                                 for defs in info.name2fixturedefs.values() for d in defs)
+    return _module(item.nodeid) if shared else item.nodeid
 
 
 @pytest.hookimpl(trylast=True)  # after `-m` and `-k` deselected theirs
@@ -140,7 +151,8 @@ _stage_state = pytest.StashKey[_StageState]()
 
 
 class _StagedController:
-    """The xdist controller's part of ``--staged``: it hands out one unit per (stage, module) in the workers' order,
+    """The xdist controller's part of ``--staged``: it hands out one unit per stage and module (:func:`_unit_of`: or
+    per test, for a test that shares no module fixture) in the workers' order,
     learns each test's stage from the map the workers wrote, counts each stage's tests, and when a stage's last test
     has ended writes the stage's file (``passed``/``failed``) that the workers wait for; after a stage with a failure it
     stops the run."""
@@ -149,13 +161,15 @@ class _StagedController:
         self.config, self.state = config, config.stash[_stage_state]
         self.stage_dir = Path(tempfile.mkdtemp(prefix="lp-stages-"))
         self.stage: dict[str, str] = {}
+        self.unit: dict[str, str] = {}
         self.left: dict[str, set[str]] = {}
         config.option.loadscopereorder = False  # the workers' order is the stages' (loadscope would sort by size)
 
     def stage_of_nodeid(self, nodeid: str) -> str:
         if not self.stage:
-            self.stage = json.loads(next(iter(sorted(self.stage_dir.glob("map-*.json")))).read_text())
-            for test, stage in self.stage.items():
+            tests = json.loads(next(iter(sorted(self.stage_dir.glob("map-*.json")))).read_text())
+            for test, (stage, unit) in tests.items():
+                self.stage[test], self.unit[test] = stage, unit
                 self.left.setdefault(stage, set()).add(test)
         return self.stage[nodeid]
 
@@ -167,11 +181,11 @@ class _StagedController:
     def pytest_xdist_make_scheduler(self, config: pytest.Config, log):
         from xdist.scheduler import LoadScopeScheduling
 
-        stage_of_nodeid = self.stage_of_nodeid
+        controller = self
 
         class StagedScopes(LoadScopeScheduling):
-            def _split_scope(self, nodeid: str) -> str:  # one unit per (stage, module): a module's fixtures run once
-                return f"{stage_of_nodeid(nodeid)}|{_module(nodeid)}"
+            def _split_scope(self, nodeid: str) -> str:  # see _unit_of: a module's shared fixtures run once
+                return f"{controller.stage_of_nodeid(nodeid)}|{controller.unit[nodeid]}"
 
         return StagedScopes(config, log)
 
@@ -209,7 +223,7 @@ class _StagedWorker:
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         self.stages = {stage_of(item) for item in session.items}
         (self.stage_dir / f"map-{session.config.workerinput['workerid']}.json").write_text(
-            json.dumps({item.nodeid: stage_of(item) for item in session.items}))
+            json.dumps({item.nodeid: (stage_of(item), _unit_of(item)) for item in session.items}))
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
