@@ -13,6 +13,7 @@ from hydra.errors import ConfigCompositionException
 import lightning_par.train as train
 from lightning_par.config.schema import register_configs
 from tests.config.test_compose import CONF
+from tests.support.compose import Composer
 
 register_configs()
 
@@ -154,7 +155,16 @@ def _hydra():
         yield
 
 
+#: ``hydra.compose`` with the group part composed once per distinct selection (tests/support/compose.py); the
+#: compose-time rejections below and the equality check call ``hydra.compose`` itself.
+_COMPOSER = Composer(CONF)
+
+
 def _compose(overrides: list[str]):
+    return _COMPOSER(BASE + overrides)
+
+
+def _hydra_compose(overrides: list[str]):
     return compose(config_name="config", overrides=BASE + overrides)
 
 
@@ -182,7 +192,36 @@ def test_rejected_before_any_process_starts(overrides, message, tmp_path, no_lau
 @pytest.mark.parametrize("override", COMPOSE)
 def test_rejected_when_the_config_is_composed(override):
     with pytest.raises(ConfigCompositionException):
+        _hydra_compose([override])
+    with pytest.raises(ConfigCompositionException):  # the cached path refuses it the same way
         _compose([override])
+
+
+#: One row of each kind the table uses: a value, a value into a typed float, a list, an added key, a group choice with
+#: values, two group choices with a list, a path.
+SAME = [
+    "trainer.max_steps=0",
+    "trainer.gradient_clip_val=nan",
+    "model=hf model.lora.r=8 model.lora.target_modules=[nope_proj]",
+    "model=hf strategy=tensor_parallel parallel=tp2 +model.config.tie_word_embeddings=true",
+    "strategy=gpipe parallel=pp2 strategy.pipeline.split=[1,1,1]",
+    "data=stdlib data.path={tmp}/small.txt",
+    "parallel.world_size=9 trainer.allow_oversubscribe=true",
+]
+
+
+@pytest.mark.parametrize("overrides", SAME)
+def test_the_cached_compose_equals_hydra_compose(overrides, tmp_path):
+    """The helper the rows above go through gives exactly the config ``hydra.compose`` gives: same values, same
+    types (YAML of the unresolved config), same struct flag."""
+    from omegaconf import OmegaConf
+
+    overrides = overrides.format(tmp=tmp_path).split()
+    cached, composed = _compose(overrides), _hydra_compose(overrides)
+    assert OmegaConf.to_yaml(cached) == OmegaConf.to_yaml(composed)
+    assert OmegaConf.is_struct(cached) and OmegaConf.is_struct(composed)
+    cached.trainer.max_steps = 12345  # a copy: the next call does not see it
+    assert _compose(overrides).trainer.max_steps == composed.trainer.max_steps
 
 
 def test_a_run_directory_in_use_is_refused(tmp_path, monkeypatch):

@@ -94,19 +94,23 @@ def test_the_check_finds_a_circle():
     assert circles(graph) == [["a", "b", "c"]]
 
 
-def test_the_graph_sees_lazy_and_type_checking_imports():
-    graph = import_graph()
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    """``import_graph()`` once for the module's tests (it parses every package file: about 0.6 s); read only."""
+    return import_graph()
+
+
+def test_the_graph_sees_lazy_and_type_checking_imports(graph):
     assert "lightning_par.parallelize" in graph["lightning_par.strategies.base"]
     assert "lightning_par.data_parallel.engine" in graph["lightning_par.axis_registry"]  # under TYPE_CHECKING
 
 
-def test_no_import_circle_larger_than_two_modules():
-    big = [c for c in circles(import_graph()) if len(c) > MAX_CIRCLE]
+def test_no_import_circle_larger_than_two_modules(graph):
+    big = [c for c in circles(graph) if len(c) > MAX_CIRCLE]
     assert not big, big
 
 
-def test_the_registry_sits_below_parallelize():
-    graph = import_graph()
+def test_the_registry_sits_below_parallelize(graph):
     assert "lightning_par.parallelize" not in graph["lightning_par.axis_registry"]
     assert "lightning_par.parallelize" not in graph["lightning_par.steps"]
 
@@ -115,10 +119,9 @@ def test_the_registry_sits_below_parallelize():
 AXIS_FOLDERS = ("data_parallel", "tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel")
 
 
-def test_no_axis_folder_imports_the_planner():
+def test_no_axis_folder_imports_the_planner(graph):
     """The axes' planner terms read the shared formulas from below (``comm_cost``, ``state_cost``), never the planner:
     the planner depends on the axes, not the reverse."""
-    graph = import_graph()
     axis_modules = [m for m in graph if m.count(".") and m.split(".")[1] in AXIS_FOLDERS]
     assert len(axis_modules) > 20  # the scan sees the axis folders
     upward = {m: sorted(t for t in graph[m] if t.startswith("lightning_par.planner")) for m in axis_modules}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from types import SimpleNamespace
 
@@ -111,17 +112,23 @@ def test_a_batch_without_tensors_is_refused():
      (["profile=true", "profile_steps=0"], "profile_steps=0 is not valid")],
 )
 def test_the_recipe_refuses_bad_scaling_and_profiling_options_before_any_process(overrides, match):
-    from hydra import compose, initialize_config_dir
-
-    from lightning_par.config.schema import register_configs
     from lightning_par.train import validate_run
-    from tests.config.test_compose import CONF
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose(config_name="config", overrides=["model=tiny", *overrides])
+    cfg = _composer()(["model=tiny", *overrides])
     with pytest.raises(ValueError, match=match):
         validate_run(cfg)
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):  # the per-sample warm-up alone is fine
-        validate_run(compose(config_name="config", overrides=["model=tiny", "model.warmup_steps=0",
-                                                              "lr_scaling.rule=sqrt", "lr_scaling.warmup_samples=64"]))
+    # the per-sample warm-up alone is fine
+    validate_run(_composer()(["model=tiny", "model.warmup_steps=0", "lr_scaling.rule=sqrt",
+                              "lr_scaling.warmup_samples=64"]))
+
+
+@functools.cache
+def _composer():
+    """``hydra.compose`` of conf/config.yaml with ``model=tiny`` composed once for the module (tests/support/compose.py;
+    imported here so that collecting the module imports no Hydra)."""
+    from lightning_par.config.schema import register_configs
+    from tests.config.test_compose import CONF
+    from tests.support.compose import Composer
+
+    register_configs()
+    return Composer(CONF)

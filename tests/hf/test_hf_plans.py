@@ -23,6 +23,7 @@ from lightning_par.hf import HFCausalLM  # noqa: E402
 from lightning_par.hf.tensor_parallel import HF_STYLES, GlobalPositions, hf_raw_tp_plan  # noqa: E402
 from lightning_par.tensor_parallel.plan import STYLE_NAMES, validate_plan  # noqa: E402
 from lightning_par.tensor_parallel.styles import _FirstInput  # noqa: E402
+from tests.support.compose import Composer  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 BASE = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -171,10 +172,19 @@ def test_activation_checkpointing_error_speaks_of_activation_checkpointing_only(
 
 
 # ------------------------------------------------------------------------------------------------ model=hf entry
-def _compose(*overrides: str):
+def _hydra_compose(*overrides: str):
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose(config_name="config", overrides=list(overrides))
+
+
+#: ``hydra.compose`` with ``model=hf`` composed once for the module (tests/support/compose.py)
+_COMPOSER = Composer(CONF)
+
+
+def _compose(*overrides: str):
+    register_configs()
+    return _COMPOSER(list(overrides))
 
 
 def test_model_hf_alone_builds_a_tiny_llama_matching_the_byte_data():
@@ -209,4 +219,4 @@ def test_model_hf_typo_fails_at_compose_time():
     from hydra.errors import ConfigCompositionException
 
     with pytest.raises(ConfigCompositionException, match="model_typ"):
-        _compose("model=hf", "model.model_typ=llama")
+        _hydra_compose("model=hf", "model.model_typ=llama")
