@@ -77,7 +77,7 @@ STAGES = ("imports", "fast", "distributed", "e2e")
 #: Stage 1: every package module imports (seconds); first, so that a broken import fails CI before anything else.
 IMPORTS_FILE = "tests/core/test_every_module_imports.py"
 #: A worker waits at most this long for the earlier stages to end before it fails the test it holds (seconds).
-BARRIER_TIMEOUT_S = 3600.0
+BARRIER_TIMEOUT_S = 1200.0
 
 
 def stage_of(item: pytest.Item) -> str:
@@ -201,10 +201,27 @@ class _StagedController:
         self.left[stage].discard(report.nodeid)
         if self.left[stage]:
             return
-        (self.stage_dir / f"done-{stage}").write_text("failed" if stage in state.failed else "passed")
+        # written whole, then renamed: a worker that sees the file reads its whole word (seen: a worker read the empty
+        # file between its creation and its write, took it for a failed stage and ran nothing more)
+        part = self.stage_dir / f"done-{stage}.part"
+        part.write_text("failed" if stage in state.failed else "passed")
+        os.replace(part, self.stage_dir / f"done-{stage}")
         later = [s for s in STAGES[STAGES.index(stage) + 1:] if self.left.get(s)]
         if stage in state.failed and later:
             self.config.pluginmanager.getplugin("dsession").shouldstop = _stop_message(stage)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """A run that ended without a failed stage but with a test that never reported has not run that test: fail."""
+        if self.state.failed or session.shouldstop or session.exitstatus not in (0, 1) or not self.stage:
+            return
+        missing = sorted(test for tests in self.left.values() for test in tests)
+        if missing:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            reporter = self.config.pluginmanager.getplugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(f"{len(missing)} tests never reported (not run): " + ", ".join(missing[:20]),
+                                    red=True)
 
     def pytest_unconfigure(self) -> None:
         shutil.rmtree(self.stage_dir, ignore_errors=True)
@@ -236,7 +253,11 @@ class _StagedWorker:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{item.nodeid}: stage {stage!r} did not end within {BARRIER_TIMEOUT_S:.0f} s")
                 time.sleep(0.05)
-            if done.read_text() != "passed":
+            word = done.read_text()
+            if word != "passed":
+                if word != "failed":
+                    raise RuntimeError(f"{item.nodeid}: the file of stage {stage!r} says {word!r}: expected 'passed' "
+                                       f"or 'failed'")
                 return True  # not run
         return None
 
