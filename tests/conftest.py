@@ -68,9 +68,9 @@ def cuda_device(request) -> torch.device | None:
 #
 # With pytest-xdist (`-n 2`: the machine's two cores), the stages stay a barrier: the controller hands out each module's
 # tests of one stage as one unit where they share a module fixture, else each test alone (`_unit_of`; xdist's
-# `loadscope`, units in stage order, the largest modules first within a stage), a worker
-# starts a test only once every test of the earlier stages has ended (the controller writes a file per finished stage),
-# and after a stage with a failure nothing of a later stage runs.
+# `loadscope`, units in stage order, the largest modules first within a stage), a worker starts a test only once every
+# test of the earlier stages has ended (the controller writes a file per finished stage), and after a stage with a
+# failure nothing of a later stage runs.
 
 #: The stages in the order they run; a test's stage is the first whose rule matches (see :func:`stage_of`).
 STAGES = ("imports", "fast", "distributed", "e2e")
@@ -121,20 +121,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         keep = [item for item in items if stage_of(item) == only]
         config.hook.pytest_deselected(items=[item for item in items if stage_of(item) != only])
         items[:] = keep
-    if config.getoption("--staged"):
-        # by stage; under xdist also, within a stage, each module's tests together and the modules with the most tests
-        # first (handed out whole: the largest first leaves the small ones to even out the workers at the barrier)
-        size: dict[tuple[str, str], int] = {}
-        first: dict[str, int] = {}
-        for index, item in enumerate(items):
-            key = (stage_of(item), _module(item.nodeid))
-            size[key] = size.get(key, 0) + 1
-            first.setdefault(_module(item.nodeid), index)
-        if hasattr(config, "workerinput"):
-            items.sort(key=lambda item: (STAGES.index(stage_of(item)), -size[(stage_of(item), _module(item.nodeid))],
-                                         first[_module(item.nodeid)]))
-        else:
-            items.sort(key=lambda item: STAGES.index(stage_of(item)))  # stable: file order within a stage
+    if not config.getoption("--staged"):
+        return
+    if not hasattr(config, "workerinput"):
+        items.sort(key=lambda item: STAGES.index(stage_of(item)))  # stable: file order within a stage
+        return
+    # an xdist worker: by stage, within a stage each module's tests together, the modules with the most tests first
+    # (the largest units first leave the small ones to even out the workers at the barrier)
+    size: dict[tuple[str, str], int] = {}
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        key = (stage_of(item), _module(item.nodeid))
+        size[key] = size.get(key, 0) + 1
+        first.setdefault(_module(item.nodeid), index)
+    items.sort(key=lambda item: (STAGES.index(stage_of(item)), -size[(stage_of(item), _module(item.nodeid))],
+                                 first[_module(item.nodeid)]))
 
 
 class _StageState:

@@ -17,9 +17,9 @@ The multi-tensor kernels torch's own optimizers and gradient scaler call (``torc
 (:func:`foreach_copy_` ...), and so are a module's copy with tables of its own (:func:`module_copy`), a module's
 own tables of parameters and buffers that :mod:`lightning_par.restore` records and puts back in place
 (:func:`parameter_table`, :func:`buffer_table`) and the input and output hooks of torch's tensor-parallel styles
-(:func:`parallel_style_hooks`). Left where they are: the private methods a subclass overrides or extends
-(``DataLoader._index_sampler``, ``ShardedGradScaler._unscale_grads_``, ``ParallelStyle._apply``), which only work at
-their definition.
+(:func:`parallel_style_hooks`). The private methods a subclass of ours overrides or extends
+(``DataLoader._index_sampler``, ``ShardedGradScaler._unscale_grads_``, ``ParallelStyle._apply``) only work at their
+definition, so they stay in the subclass; each has its entry and canary in :data:`PRIVATE_USES`.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-
-from lightning_par.compat import register as _register
 from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_par.compat import register as _register
 
 try:  # a public home, should torch give the pytree utilities one
     from torch.utils.pytree import tree_leaves  # type: ignore[import-not-found]
@@ -141,7 +141,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
 #: torch's private methods that classes of ours override (an override only works at the definition, so it stays in
 #: the subclass; the entry is its canary). tests/compat/test_private_api.py finds every override of a private method
 #: of torch, Lightning, transformers or torchft and requires an entry here or in the library's register module.
-PRIVATE_USES: tuple = tuple(
+PRIVATE_USES: tuple[_register.PrivateName, ...] = tuple(
     _register.PrivateName("torch", owner, name, "attribute", f"torch {torch.__version__.split('+')[0]}", helper)
     for owner, name, helper in (
         ("torch.distributed.tensor.parallel.style.ParallelStyle", "_apply",
@@ -156,6 +156,7 @@ PRIVATE_USES: tuple = tuple(
          "an override in lightning_par.precision.DistributedGradScaler"),
     )
 )
+
 
 def _private(name: str) -> Any:
     """``name`` from the first of its :data:`PRIVATE_NAMES` modules that has it (imported on first use).
