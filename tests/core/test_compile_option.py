@@ -21,6 +21,20 @@ def test_defaults_are_off_and_inductor() -> None:
     assert opts == CompileOptions(enabled=False, backend="inductor", mode=None, fullgraph=False)
 
 
+def test_the_builtin_backends_are_accepted_without_listing_the_registry(monkeypatch) -> None:
+    """The backends accepted without ``torch._dynamo.list_backends()`` (whose first call imports every backend module,
+    in every rank that builds a strategy) are in that list; any other name is still looked up there."""
+    import lightning_par.compile as compile_mod
+
+    assert set(compile_mod.BUILTIN_BACKENDS) <= set(compile_mod._backends())
+    looked_up = []
+    monkeypatch.setattr(compile_mod, "_backends", lambda every=True: looked_up.append(every) or ["inductor", "tvm"])
+    for name in compile_mod.BUILTIN_BACKENDS:
+        assert CompileOptions(backend=name).backend == name
+    assert looked_up == []
+    assert CompileOptions(backend="tvm").backend == "tvm" and looked_up == [True]
+
+
 @pytest.mark.parametrize(("given", "match"), [
     ({"backend": "nope"}, r"compile.backend='nope' is not valid: expected one of \[.*'aot_eager'.*'inductor'"),
     ({"mode": "fast"}, r"compile.mode='fast' is not valid"),

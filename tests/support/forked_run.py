@@ -72,23 +72,25 @@ class ForkedProcess:
     as ``subprocess.Popen`` has them, output captured as text."""
 
     def __init__(self, cmd: list[str], cwd: Path | str, env: dict[str, str] | None = None,
-                 stderr_to_stdout: bool = False) -> None:
+                 stderr_to_stdout: bool = False, log: Path | str | None = None, new_session: bool = False) -> None:
         self.args = cmd
         self.returncode: int | None = None
         env = dict(os.environ if env is None else env)
         argv = _command(cmd)
         zygote = _zygote(env)
         self._tmp = tempfile.TemporaryDirectory(prefix="forked-run-")
-        self._out = os.path.join(self._tmp.name, "stdout")
-        self._err = self._out if stderr_to_stdout else os.path.join(self._tmp.name, "stderr")
-        request = {"argv": argv, "cwd": str(Path(cwd).resolve()), "env": env, "stdout": self._out, "stderr": self._err}
+        self._out = os.path.join(self._tmp.name, "stdout") if log is None else str(log)
+        self._err = self._out if stderr_to_stdout or log is not None else os.path.join(self._tmp.name, "stderr")
+        request = {"argv": argv, "cwd": str(Path(cwd).resolve()), "env": env, "stdout": self._out, "stderr": self._err,
+                   "status": os.path.join(self._tmp.name, "status"), "append": log is not None,
+                   "new_session": new_session}
         zygote.stdin.write(json.dumps(request) + "\n")
         zygote.stdin.flush()
         answer = zygote.stdout.readline()
         if not answer:
             raise RuntimeError(f"the zygote ({ZYGOTE}) exited (status {zygote.wait()}): its stderr is the session's")
         self.pid: int = json.loads(answer)["pid"]
-        self._status = self._out + ".status"
+        self._status = request["status"]
 
     def poll(self) -> int | None:
         if self.returncode is None and os.path.exists(self._status):
@@ -98,6 +100,15 @@ class ForkedProcess:
     def kill(self) -> None:
         if self.poll() is None:
             os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status, once the child has exited (``subprocess.TimeoutExpired`` past ``timeout``, as ``Popen``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
         """Wait for the exit (``subprocess.TimeoutExpired`` past ``timeout``, the child left running, as ``Popen``);
@@ -113,10 +124,13 @@ class ForkedProcess:
 
 
 def start_forked(cmd: list[str], cwd: Path | str, env: dict[str, str] | None = None,
-                 stderr_to_stdout: bool = False) -> ForkedProcess:
+                 stderr_to_stdout: bool = False, log: Path | str | None = None,
+                 new_session: bool = False) -> ForkedProcess:
     """Start ``cmd`` (``[sys.executable, SCRIPT, *ARGS]`` or ``[sys.executable, "-m", MODULE, *ARGS]``) in ``cwd`` with
-    ``env`` (default: this process's environment) in a forked child of a zygote; returns at once."""
-    return ForkedProcess(cmd, cwd, env, stderr_to_stdout)
+    ``env`` (default: this process's environment) in a forked child of a zygote; returns at once. ``log``: append
+    stdout and stderr to this file (the caller reads it; ``communicate`` then returns what the file holds) instead of
+    capturing them. ``new_session``: the child's own session and process group (``start_new_session=True``)."""
+    return ForkedProcess(cmd, cwd, env, stderr_to_stdout, log, new_session)
 
 
 def run_forked(cmd: list[str], cwd: Path | str, env: dict[str, str] | None = None,

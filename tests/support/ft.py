@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from lightning_par.data.resumable import ResumableDataLoader
 from lightning_par.launcher import run_distributed
 from lightning_par.strategies.base import MeshStrategy
+from tests.support.forked_run import ForkedProcess, start_forked
 from tests.support.helpers import LossRecorder, full_state_dict, quiet_trainer
 from tests.support.user_models import ResidualMLP, make_mlp
 
@@ -182,15 +182,17 @@ def hsdp_worker(cfg: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def start_group(cfg: dict[str, Any]) -> subprocess.Popen:
+def start_group(cfg: dict[str, Any]) -> ForkedProcess:
     """Start replica group ``cfg["group"]`` (its ``cfg["world"]`` ranks) in a new session; results go to
-    ``{dir}/result_g{group}.pt``."""
+    ``{dir}/result_g{group}.pt``, its output to ``{dir}/log_g{group}.txt`` (appended). A child forked from the test
+    session's zygote (:mod:`tests.support.forked_run`: ``python -m tests.support.ft CFG`` without a fresh interpreter's
+    ~5 CPU-s of imports, which were most of these tests' CPU); ``pid``, ``poll``, ``wait`` and ``os.killpg(pid, ...)``
+    as with ``subprocess.Popen(start_new_session=True)``."""
     path = Path(cfg["dir"]) / f"cfg_g{cfg['group']}_{time.time_ns()}.json"
     path.write_text(json.dumps(cfg))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    log = open(Path(cfg["dir"]) / f"log_g{cfg['group']}.txt", "a")
-    return subprocess.Popen([sys.executable, "-m", "tests.support.ft", str(path)], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return start_forked([sys.executable, "-m", "tests.support.ft", str(path)], REPO, env,
+                        log=Path(cfg["dir"]) / f"log_g{cfg['group']}.txt", new_session=True)
 
 
 def progress(dir: str | Path, group: int, rank: int = 0) -> list[dict[str, Any]]:

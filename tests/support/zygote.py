@@ -5,9 +5,12 @@ the caller reads), ``__main__`` module and exit status. Run as a script by :mod:
 imported by the tests: only the standard library and the heavy imports below are in it.
 
 Protocol, one JSON object per line: the caller writes ``{"argv", "cwd", "env", "stdout", "stderr"}`` (file names;
-the same name for both: stderr into stdout) on this
+the same name for both: stderr into stdout), optionally ``"status"`` (the status file's name; default
+``<stdout>.status``), ``"append": true`` (append to the output files instead of truncating them) and
+``"new_session": true`` (the child calls ``setsid``, as ``subprocess.Popen(start_new_session=True)``: its own session
+and process group, which a caller can signal whole with ``os.killpg``) on this
 process's standard input; the zygote forks, answers ``{"pid": N}`` on its standard output, and once the child has
-exited writes its exit status (``-N`` for a signal, as ``subprocess`` reports it) to ``<stdout>.status`` (atomically:
+exited writes its exit status (``-N`` for a signal, as ``subprocess`` reports it) to the status file (atomically:
 written to a temporary name, then renamed). The zygote ends when its standard input closes (the test session ended).
 
 The child was never a fresh interpreter, so what differs is only what the parent did before the fork: the modules
@@ -38,10 +41,13 @@ def _child(request: dict, base_path: list[str], ctl: tuple[int, int]) -> None:
     try:
         for fd in ctl:
             os.close(fd)
+        if request.get("new_session"):
+            os.setsid()
         null = os.open(os.devnull, os.O_RDONLY)
-        out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        mode = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request.get("append") else os.O_TRUNC)
+        out = os.open(request["stdout"], mode, 0o644)
         same = request["stderr"] == request["stdout"]  # stderr into stdout (subprocess.STDOUT)
-        err = os.dup(out) if same else os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        err = os.dup(out) if same else os.open(request["stderr"], mode, 0o644)
         for src, dst in ((null, 0), (out, 1), (err, 2)):
             os.dup2(src, dst)
             os.close(src)
@@ -130,9 +136,12 @@ def main() -> None:
                     break
                 target = running.pop(pid, None)
                 if target is not None:
-                    with open(target + ".tmp", "w") as f:
-                        f.write(str(os.waitstatus_to_exitcode(status)))
-                    os.replace(target + ".tmp", target)
+                    try:
+                        with open(target + ".tmp", "w") as f:
+                            f.write(str(os.waitstatus_to_exitcode(status)))
+                        os.replace(target + ".tmp", target)
+                    except OSError:  # the caller is gone (its temporary directory removed): nobody reads it
+                        pass
             if not ready:
                 continue
             chunk = os.read(ctl_in, 65536)
@@ -149,7 +158,7 @@ def main() -> None:
                 if pid == 0:
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                     _child(request, base_path, (ctl_in, ctl_out))
-                running[pid] = request["stdout"] + ".status"
+                running[pid] = request.get("status") or request["stdout"] + ".status"
                 answers.write(json.dumps({"pid": pid}) + "\n")
 
 
