@@ -113,11 +113,10 @@ class ForkedProcess:
     def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
         """Wait for the exit (``subprocess.TimeoutExpired`` past ``timeout``, the child left running, as ``Popen``);
         stdout and stderr (None if it went to stdout)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout, output=_read(self._out))
-            time.sleep(0.02)
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise subprocess.TimeoutExpired(self.args, timeout, output=_read(self._out)) from None
         out, err = _read(self._out), None if self._err == self._out else _read(self._err)
         self._tmp.cleanup()
         return out, err

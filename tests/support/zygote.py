@@ -4,12 +4,11 @@ a fresh interpreter would: its own ``sys.argv``, ``sys.path``, working directory
 the caller reads), ``__main__`` module and exit status. Run as a script by :mod:`tests.support.forked_run`, never
 imported by the tests: only the standard library and the heavy imports below are in it.
 
-Protocol, one JSON object per line: the caller writes ``{"argv", "cwd", "env", "stdout", "stderr"}`` (file names;
-the same name for both: stderr into stdout), optionally ``"status"`` (the status file's name; default
-``<stdout>.status``), ``"append": true`` (append to the output files instead of truncating them) and
-``"new_session": true`` (the child calls ``setsid``, as ``subprocess.Popen(start_new_session=True)``: its own session
-and process group, which a caller can signal whole with ``os.killpg``) on this
-process's standard input; the zygote forks, answers ``{"pid": N}`` on its standard output, and once the child has
+Protocol, one JSON object per line: the caller writes ``{"argv", "cwd", "env", "stdout", "stderr", "status"}`` (file
+names; the same name for stdout and stderr: stderr into stdout), optionally ``"append": true`` (append to the output
+files instead of truncating them) and ``"new_session": true`` (the child calls ``setsid``, as
+``subprocess.Popen(start_new_session=True)``: its own session and process group, which a caller can signal whole with
+``os.killpg``) on this process's standard input; the zygote forks, answers ``{"pid": N}`` on its standard output, and once the child has
 exited writes its exit status (``-N`` for a signal, as ``subprocess`` reports it) to the status file (atomically:
 written to a temporary name, then renamed). The zygote ends when its standard input closes (the test session ended).
 
@@ -158,7 +157,7 @@ def main() -> None:
                 if pid == 0:
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                     _child(request, base_path, (ctl_in, ctl_out))
-                running[pid] = request.get("status") or request["stdout"] + ".status"
+                running[pid] = request["status"]
                 answers.write(json.dumps({"pid": pid}) + "\n")
 
 
