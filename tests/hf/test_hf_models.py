@@ -71,8 +71,9 @@ CASES4 = [("qwen3", "dp2tp2sp-zero1", "sgd"), ("llama", "dp2tp2-zero3", "adamw")
 #: 1e-6, qwen3 at pp2 x tp2 with sequence parallelism ended 1.28e-5 from one process on an AVX-512 AMD EPYC (every
 #: run, the same element; the same code passed on the machines before): token 218 first appears at step 3, where that
 #: embedding entry's gradient is -3.2e-6, about eps, so Adam's update divides a rounding difference by about the
-#: gradient itself. At 1e-5 the same run ends 8.6e-7 apart (llama dp2 x tp2 zero3: 9.2e-7). A missing or unaveraged
-#: reduction still moves parameters by about a step (lr 3e-3).
+#: gradient itself (set ADAM_EPS = 1e-6 and run the cell: its assertion names the element and the 1.28e-5). At 1e-5 the
+#: same run ends 8.6e-7 apart (llama dp2 x tp2 zero3: 9.2e-7; the largest |rank state - _reference| over the parameters,
+#: read from hf_worker's results). A missing or unaveraged reduction still moves parameters by about a step (lr 3e-3).
 ADAM_EPS = 1e-5
 
 
