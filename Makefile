@@ -10,8 +10,12 @@ $(VENV)/.installed: pyproject.toml .ci/constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	# compat: the editable install that keeps conf/ -> lightning_par.conf and the hydra_plugins namespace working (the
 	# default mode does not map conf/); setuptools' notice that the mode is transitional is silenced, nothing else
+	# --no-compile, then the bytecode of every installed module on all cores (pip compiles one file after the other:
+	# 55 s of this install on the 2-core machine; this way 20 + 22 s); a file that does not compile (torch ships one
+	# in Python 3.12 syntax) is skipped, as pip skips it
 	PYTHONWARNINGS="ignore::Warning:setuptools.command.editable_wheel" \
-	$(PY) -m pip install -q -c .ci/constraints.txt -e '.[dev]' --config-settings editable_mode=compat
+	$(PY) -m pip install -q --no-compile -c .ci/constraints.txt -e '.[dev]' --config-settings editable_mode=compat
+	$(PY) -c "import compileall, sysconfig; compileall.compile_dir(sysconfig.get_path('purelib'), quiet=2, workers=0)"
 	# LitGPT, the Fabric tests' second client: without its dependencies (it pins huggingface-hub<1.4, transformers 5
 	# needs >=1.31; its model code runs with either), so it is not in the dev extra
 	$(PY) -m pip install -q -c .ci/constraints.txt --no-deps 'litgpt==0.5.13' 'jsonargparse>=4.30'
@@ -38,11 +42,16 @@ train: $(VENV)/.installed
 WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 FAST := not slow and not e2e and not distributed and not gpu
+# The tests start a few hundred interpreters (recipes, torchrun and Lightning's launcher, the README's examples):
+# bytecode is written, so that this tree's modules (lightning_par/, recipes/, tests/) are compiled once, not in each of
+# them, where the environment says not to (PYTHONDONTWRITEBYTECODE=1 on the 2-core machine).
+test: export PYTHONDONTWRITEBYTECODE =
 test: $(VENV)/.installed
 	$(PYTEST) --staged -n $(WORKERS) --durations=25 -m "not slow" tests $(ARGS)
 
 # The tests without processes (no multi-process world, no recipe run, no fresh interpreter): stages 1 and 2 of
 # `make test`, on WORKERS xdist workers (README, "Set up and run", for its time).
+test-fast: export PYTHONDONTWRITEBYTECODE =
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -n $(WORKERS) -m "$(FAST)" tests $(ARGS)
 

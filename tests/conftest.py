@@ -68,9 +68,9 @@ def cuda_device(request) -> torch.device | None:
 #
 # With pytest-xdist (`-n 2`: the machine's two cores), the stages stay a barrier: the controller hands out each module's
 # tests of one stage as one unit where they share a module fixture, else each test alone (`_unit_of`; xdist's
-# `loadscope`, units in stage order, the largest modules first within a stage), a worker starts a test only once every
-# test of the earlier stages has ended (the controller writes a file per finished stage), and after a stage with a
-# failure nothing of a later stage runs.
+# `loadscope`, units in stage order, the longest first within a stage: `staged_order`), a worker starts a test only
+# once every test of the earlier stages has ended (the controller writes a file per finished stage), and after a stage
+# with a failure nothing of a later stage runs.
 
 #: The stages in the order they run; a test's stage is the first whose rule matches (see :func:`stage_of`).
 STAGES = ("imports", "fast", "distributed", "e2e")
@@ -98,6 +98,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="run the tests stage by stage (" + ", ".join(STAGES) + ") and stop after the first stage "
                          "with a failure (make test); with -n N the stages are a barrier across the workers")
     group.addoption("--stage", choices=STAGES, default=None, help="only the tests of this stage")
+    group.addoption("--write-unit-seconds", metavar="PATH", default=None,
+                    help="with --staged -n N: write each unit's seconds (of one second or more) to PATH, the file "
+                         "that orders the units (tests/support/unit_seconds.json)")
 
 
 def _module(nodeid: str) -> str:
@@ -126,16 +129,43 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not hasattr(config, "workerinput"):
         items.sort(key=lambda item: STAGES.index(stage_of(item)))  # stable: file order within a stage
         return
-    # an xdist worker: by stage, within a stage each module's tests together, the modules with the most tests first
-    # (the largest units first leave the small ones to even out the workers at the barrier)
-    size: dict[tuple[str, str], int] = {}
+    items[:] = staged_order(items, unit_seconds())
+
+
+#: The seconds each unit (:func:`_unit_of`) of one or more seconds took in a measured ``make test`` (its setup, call and
+#: teardown on a worker, summed; ``make test ARGS=--write-unit-seconds=tests/support/unit_seconds.json`` rewrites it).
+#: It only orders the units: a stale or missing entry costs time at a barrier, never a test.
+UNIT_SECONDS_FILE = Path(__file__).parent / "support" / "unit_seconds.json"
+#: The estimate for a test of a unit the file does not list (a new test, or one of a unit under a second).
+UNKNOWN_TEST_S = 0.5
+
+
+def unit_seconds() -> dict[str, float]:
+    """The recorded seconds per unit (``UNIT_SECONDS_FILE``); empty where the file is missing (a copy of this
+    conftest elsewhere)."""
+    try:
+        return json.loads(UNIT_SECONDS_FILE.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def staged_order(items: list[pytest.Item], seconds: dict[str, float]) -> list[pytest.Item]:
+    """A worker's order under ``--staged`` (the order xdist's controller hands the units out in): by stage, each unit's
+    tests together in file order, within a stage the longest units first (``seconds``, else :data:`UNKNOWN_TEST_S`
+    per test): the longest-processing-time-first rule, so that the units left at a stage's barrier are short and the
+    two workers end it together (measured: a 17 s unit of one test handed out last kept the other worker idle 15 s)."""
+    count: dict[str, int] = {}
     first: dict[str, int] = {}
     for index, item in enumerate(items):
-        key = (stage_of(item), _module(item.nodeid))
-        size[key] = size.get(key, 0) + 1
-        first.setdefault(_module(item.nodeid), index)
-    items.sort(key=lambda item: (STAGES.index(stage_of(item)), -size[(stage_of(item), _module(item.nodeid))],
-                                 first[_module(item.nodeid)]))
+        unit = _unit_of(item)
+        count[unit] = count.get(unit, 0) + 1
+        first.setdefault(unit, index)
+
+    def key(item: pytest.Item) -> tuple[int, float, int]:
+        unit = _unit_of(item)
+        return STAGES.index(stage_of(item)), -seconds.get(unit, UNKNOWN_TEST_S * count[unit]), first[unit]
+
+    return sorted(items, key=key)  # stable: file order within a unit
 
 
 class _StageState:
@@ -164,6 +194,7 @@ class _StagedController:
         self.stage: dict[str, str] = {}
         self.unit: dict[str, str] = {}
         self.left: dict[str, set[str]] = {}
+        self.seconds: dict[str, float] = {}
         config.option.loadscopereorder = False  # the workers' order is the stages' (loadscope would sort by size)
 
     def stage_of_nodeid(self, nodeid: str) -> str:
@@ -195,6 +226,8 @@ class _StagedController:
         state.started.setdefault(stage, time.monotonic())
         if report.failed and stage not in state.failed:
             state.failed.append(stage)
+        unit = self.unit[report.nodeid]
+        self.seconds[unit] = self.seconds.get(unit, 0.0) + report.duration
         if report.when != "teardown":
             return
         state.counts[stage] = state.counts.get(stage, 0) + 1
@@ -226,6 +259,10 @@ class _StagedController:
 
     def pytest_unconfigure(self) -> None:
         shutil.rmtree(self.stage_dir, ignore_errors=True)
+        path = self.config.getoption("--write-unit-seconds")
+        if path is not None and self.seconds:
+            Path(path).write_text(json.dumps({unit: round(s, 1) for unit, s in sorted(self.seconds.items()) if s >= 1.0},
+                                             indent=0, ensure_ascii=False) + "\n")
 
 
 class _StagedWorker:

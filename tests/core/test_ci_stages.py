@@ -6,6 +6,7 @@ purpose, and a test of a later stage that leaves a file behind if it runs."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -101,9 +102,16 @@ def test_without_a_failure_every_stage_runs_in_order(tmp_path: Path, workers: st
     for name, mark in {"e2e": "@pytest.mark.e2e\n", "distributed": "@pytest.mark.distributed\n", "fast": ""}.items():
         kinds += f"\n\n{mark}def test_{name}():\n    _ran({name!r})\n"
     (tmp_path / "tests" / "core" / "test_kinds.py").write_text(kinds)
+    record = tmp_path / "unit_seconds.json"
+    write = ["--write-unit-seconds", str(record)] if workers == "2" else []
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--staged", "-n", workers,
-                           "tests"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                           *write, "tests"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, tail(proc)
     assert log.read_text().split() == ["imports", "fast", "distributed", "e2e"], tail(proc)
     for number, stage in enumerate(("imports", "fast", "distributed", "e2e"), 1):
         assert f"stage {number} {stage:12s}     1 tests" in proc.stdout, tail(proc)
+    if write:  # each unit of a second or more, with its seconds (the 1.5 s and 1.0 s waits); the e2e test took none
+        seconds = json.loads(record.read_text())
+        assert set(seconds) == {"tests/core/test_every_module_imports.py::test_imports",
+                                "tests/core/test_kinds.py::test_fast"}, seconds
+        assert seconds["tests/core/test_every_module_imports.py::test_imports"] >= 1.5, seconds
