@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from lightning_par.config.schema import register_configs
 from lightning_par.fault.heartbeat import beat, read_beats
 from lightning_par.fault.process import process_state
-from lightning_par.fault.resume import is_complete_checkpoint
+from lightning_par.fault.resume import checkpoint_step, is_complete_checkpoint, latest_checkpoint
 from lightning_par.launcher import DistributedRunError, init_process_group_from_env, run_distributed
 from lightning_par.train import launch_job
 from tests.support.forked_run import start_forked
@@ -215,15 +215,36 @@ def test_a_rank_stuck_in_its_forward_is_named_not_the_peer_waiting_for_it(tmp_pa
     assert "waiting in collective" in lines[1], lines[1]
 
 
+def _resumable_at_freeze(run_dir: Path, step: int, before: int | None) -> bool:
+    """With every rank stopped: the checkpoint a restart resumes from (the latest complete one,
+    :func:`~lightning_par.fault.resume.latest_checkpoint`) is of a step ``>= step`` (``< before``), no newer one is half
+    written, and every step before it has its loss in the log, so that the resumed run logs every step. (Seen under
+    load, checking only before the freeze: the run went on to save ``step-4`` between the check and the freeze, the
+    loss of step 3 not yet in the log; the restart resumed at step 4 and step 3 was never logged.)"""
+    latest = latest_checkpoint(run_dir / "checkpoints", on_skip=None)
+    if latest is None:
+        return False
+    at = checkpoint_step(latest)[0]
+    if at < step or (before is not None and at >= before):
+        return False
+    for path in (run_dir / "checkpoints").iterdir():  # `step-<N>.ckpt`, or a temporary name of one being written
+        match = re.match(r"step-(\d+)", path.name)
+        if match and int(match.group(1)) > at:
+            return False  # a newer checkpoint, not complete yet: the frozen run is writing it
+    losses = _losses(run_dir)
+    return all(k in losses for k in range(at))
+
+
 def _kill_rank_after(run_dir: Path, step: int, victim: int, killed: dict[str, Any],
                      before: int | None = None) -> threading.Thread:
     """In the background: once a checkpoint ``step-<s>.ckpt`` with ``step <= s`` (``< before`` if given) is complete
-    and the loss of step ``s`` is in the log, freeze every rank, SIGKILL ``victim``, thaw the rest: the run is
-    interrupted between two checkpoints however loaded the machine is. (Lightning saves a step's checkpoint before it
-    logs that step's loss: a kill in between loses the log line, not the step, which the resumed run then redoes from
-    the checkpoint before.) Any such checkpoint will do, not only ``step``'s: the logger writes its lines in batches,
-    and on an idle machine a step's line can come after the checkpoint callback has already removed that step's
-    checkpoint (kept: the last two), so waiting for one step alone could let the run end untouched."""
+    and the loss of step ``s`` is in the log, freeze every rank, and if what is on disk then is what a restart resumes
+    from (:func:`_resumable_at_freeze`), SIGKILL ``victim`` and thaw the rest; else thaw them all and wait again: the
+    run is interrupted between two checkpoints however loaded the machine is. (Lightning saves a step's checkpoint
+    before it logs that step's loss: a kill in between loses the log line, not the step, which the resumed run then
+    redoes from the checkpoint before.) Any such checkpoint will do, not only ``step``'s: the logger writes its lines in
+    batches, and on an idle machine a step's line can come after the checkpoint callback has already removed that
+    step's checkpoint (kept: the last two), so waiting for one step alone could let the run end untouched."""
 
     def ready() -> bool:
         losses = None
@@ -239,18 +260,24 @@ def _kill_rank_after(run_dir: Path, step: int, victim: int, killed: dict[str, An
 
     def run() -> None:
         deadline = time.monotonic() + 180
-        while not ready():
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.005)
-        pids = {r: b.pid for r, b in read_beats(run_dir / ".heartbeat").items()}
-        for pid in pids.values():
-            os.kill(pid, signal.SIGSTOP)
-        os.kill(pids[victim], signal.SIGKILL)
-        for r, pid in pids.items():
-            if r != victim:
-                os.kill(pid, signal.SIGCONT)
-        killed["pid"] = pids[victim]
+        while time.monotonic() < deadline:
+            if not ready():
+                time.sleep(0.005)
+                continue
+            pids = {r: b.pid for r, b in read_beats(run_dir / ".heartbeat").items()}
+            for pid in pids.values():
+                os.kill(pid, signal.SIGSTOP)
+            if not _resumable_at_freeze(run_dir, step, before):
+                for pid in pids.values():
+                    os.kill(pid, signal.SIGCONT)
+                time.sleep(0.05)
+                continue
+            os.kill(pids[victim], signal.SIGKILL)
+            for r, pid in pids.items():
+                if r != victim:
+                    os.kill(pid, signal.SIGCONT)
+            killed["pid"] = pids[victim]
+            return
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
