@@ -154,18 +154,15 @@ def staged_order(items: list[pytest.Item], seconds: dict[str, float]) -> list[py
     tests together in file order, within a stage the longest units first (``seconds``, else :data:`UNKNOWN_TEST_S`
     per test): the longest-processing-time-first rule, so that the units left at a stage's barrier are short and the
     two workers end it together (measured: a 17 s unit of one test handed out last kept the other worker idle 15 s)."""
+    units = [_unit_of(item) for item in items]
     count: dict[str, int] = {}
     first: dict[str, int] = {}
-    for index, item in enumerate(items):
-        unit = _unit_of(item)
+    for index, unit in enumerate(units):
         count[unit] = count.get(unit, 0) + 1
         first.setdefault(unit, index)
-
-    def key(item: pytest.Item) -> tuple[int, float, int]:
-        unit = _unit_of(item)
-        return STAGES.index(stage_of(item)), -seconds.get(unit, UNKNOWN_TEST_S * count[unit]), first[unit]
-
-    return sorted(items, key=key)  # stable: file order within a unit
+    keys = [(STAGES.index(stage_of(item)), -seconds.get(unit, UNKNOWN_TEST_S * count[unit]), first[unit], index)
+            for index, (item, unit) in enumerate(zip(items, units))]
+    return [items[key[-1]] for key in sorted(keys)]  # the index last: file order within a unit
 
 
 class _StageState:
